@@ -1,0 +1,189 @@
+"""``DFPOConfig``: TRL's ``GRPOConfig`` plus the DFPO fields, each with meaning, default and source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from .transforms import GROUP_TRANSFORMS
+
+TRANSFORM_GRADIENTS = ("ratio", "score")
+# TRL loss types whose policy term is TRL's clipped surrogate -min(r A, clip(r) A); DFPO rewrites only those.
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+@dataclass
+class DFPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`DFPOTrainer`]: every field of `trl.GRPOConfig`, plus the DFPO fields below.
+
+    DFPO ("Design Conditions for Intra-Group Learning of Sequence-Level Rewards: Token Gradient
+    Cancellation", arXiv 2604.13088) keeps token updates exchangeable inside a group so that shared,
+    reward-irrelevant tokens cancel. Equation numbers refer to that paper; `DESIGN.md` is the contract.
+
+    Parameters:
+        group_transform (`str`, *optional*, defaults to `"none"`):
+            In-group transform of the sign-aware post-clip sequence weights s̄ (eq. 47), applied under
+            stop-gradient. One of `"none"` (GSPO, eq. 49), `"min_replace"` (eq. 50), `"orth_proj"` (eq. 18),
+            `"positive_orth_proj"` (exact QP of eq. 51), `"truncate_rebalance"` (eq. 52–55, β sign fixed, see
+            DESIGN.md §2), `"scale"` (Table 3 ablation). Needs `importance_sampling_level="sequence"`. Acts
+            only off-policy (`steps_per_generation > gradient_accumulation_steps` or `num_iterations > 1`, or
+            vLLM importance sampling): on-policy every s̄ is 1 and every transform is the identity.
+        transform_scale (`float`, *optional*, defaults to `0.5`):
+            κ of the `"scale"` ablation, s̃ = κ s̄ (Table 3 uses 0.5).
+        transform_truncate_floor (`float`, *optional*, defaults to `1e-6`):
+            ϵ of eq. 52, s⁺ = max(s̄, ϵ); the paper gives no value. s̄ is positive by construction, so the floor
+            only guards against underflow of extreme negative log-ratios.
+        transform_gradient (`str`, *optional*, defaults to `"ratio"`):
+            `"ratio"`: J_i = Â_i φ_i s̄_i(θ), φ = s̃/s̄ under stop-gradient (eq. 59–62, 87–88); `"none"` is then
+            TRL's GSPO exactly and clipped sequences keep GSPO's zero gradient. `"score"`: J_i = Â_i sg(s̃_i) ρ_i(θ)
+            (eq. 16/68/85 read literally), every sequence gets the gradient Â_i s̃_i ∇ρ_i, clipped or not
+            (DESIGN.md §3). Compare a transform with `"none"` in the same form.
+        transform_stop_gradient (`bool`, *optional*, defaults to `True`):
+            `False` is the paper's "no stop-grad" ablation (Table 3): the transform is differentiated, J_i =
+            Â_i s̃_i(θ). With `"min_replace"` and zero-mean advantages this makes the policy gradient exactly
+            zero under per-sequence aggregation (`loss_type="grpo"`). Ratio form only.
+        symmetric_clip (`bool`, *optional*, defaults to `False`):
+            GRPO-fix (Appendix H, eq. 79–80): per-token objective Â_i clip(r_{i,t}, 0, 1 + ε_high), the same
+            operator whatever the sign of Â_i, aggregated by TRL's `loss_type`. Token-level only
+            (`importance_sampling_level="token"`); `epsilon` (ε_low) is not used.
+        log_mechanism_metrics (`bool`, *optional*, defaults to `True`):
+            Log `asym/before`, `asym/after` (eq. 23), `transform/orth_residual`, `transform/phi_min|mean` and
+            `cancellation/shared_prefix_residual` (DESIGN.md §6) every step. O(batch) scalar work.
+    """
+
+    group_transform: str = field(
+        default="none",
+        metadata={
+            "help": "In-group transform of the post-clip sequence weights (DFPO, stop-gradient): 'none' (GSPO), "
+            "'min_replace' (eq. 50), 'orth_proj' (eq. 18), 'positive_orth_proj' (eq. 51, exact QP), "
+            "'truncate_rebalance' (eq. 52-55), 'scale' (ablation). Needs importance_sampling_level='sequence'; "
+            "acts only off-policy (steps_per_generation > gradient_accumulation_steps or num_iterations > 1)."
+        },
+    )
+    transform_scale: float = field(
+        default=0.5, metadata={"help": "Factor of the 'scale' ablation: s~ = factor * s_bar (Table 3 uses 0.5)."}
+    )
+    transform_truncate_floor: float = field(
+        default=1e-6, metadata={"help": "Floor eps of 'truncate_rebalance' (eq. 52): s+ = max(s_bar, eps)."}
+    )
+    transform_gradient: str = field(
+        default="ratio",
+        metadata={
+            "help": "'ratio': J = A * phi * s_bar(theta), phi = s~/s_bar stop-gradient, 'none' equals TRL's GSPO; "
+            "'score': J = A * sg(s~) * rho(theta), clipped sequences keep their gradient (DESIGN.md section 3)."
+        },
+    )
+    transform_stop_gradient: bool = field(
+        default=True,
+        metadata={"help": "False = the paper's 'no stop-grad' ablation (the transform is differentiated)."},
+    )
+    symmetric_clip: bool = field(
+        default=False,
+        metadata={
+            "help": "GRPO-fix (Appendix H): per-token weight clip(r, 0, 1 + epsilon_high) for both advantage "
+            "signs; token-level importance sampling only."
+        },
+    )
+    log_mechanism_metrics: bool = field(
+        default=True,
+        metadata={"help": "Log asym/*, transform/*, cancellation/shared_prefix_residual every step."},
+    )
+
+    def __post_init__(self) -> None:
+        self._validate_dfpo_fields()
+        super().__post_init__()
+
+    @property
+    def sequence_rewrite_active(self) -> bool:
+        """Whether the sequence-level loss is rewritten (any transform, the score form, or no stop-gradient)."""
+        return (
+            self.group_transform != "none"
+            or self.transform_gradient == "score"
+            or not self.transform_stop_gradient
+        )
+
+    def _validate_dfpo_fields(self) -> None:
+        """Refuse bad values and conflicting TRL settings with a message naming the fields and the fix."""
+        if self.group_transform not in GROUP_TRANSFORMS:
+            raise ValueError(
+                f"group_transform={self.group_transform!r} is not a DFPO transform; use one of "
+                f"{', '.join(repr(n) for n in GROUP_TRANSFORMS)}."
+            )
+        if self.transform_gradient not in TRANSFORM_GRADIENTS:
+            raise ValueError(
+                f"transform_gradient={self.transform_gradient!r} is not valid; use 'ratio' or 'score'."
+            )
+        if self.num_generations is not None and self.num_generations < 2:
+            raise ValueError(
+                f"num_generations={self.num_generations}: a group needs at least 2 completions per prompt for "
+                "group-relative advantages and in-group transforms; set num_generations >= 2."
+            )
+        if self.transform_scale <= 0:
+            raise ValueError(f"transform_scale must be > 0, got {self.transform_scale}.")
+        if self.transform_truncate_floor <= 0:
+            raise ValueError(f"transform_truncate_floor must be > 0, got {self.transform_truncate_floor}.")
+        if self.sequence_rewrite_active:
+            what = self._describe_sequence_options()
+            if self.importance_sampling_level != "sequence":
+                raise ValueError(
+                    f"{what} acts on sequence weights and needs importance_sampling_level='sequence' (GSPO), but "
+                    f"importance_sampling_level={self.importance_sampling_level!r}. Set "
+                    "importance_sampling_level='sequence', or use symmetric_clip=True for the token-level fix."
+                )
+            self._require_clipped_loss_type(what)
+            if not self.transform_stop_gradient and self.transform_gradient == "score":
+                raise ValueError(
+                    "transform_stop_gradient=False is the ablation of the ratio form; it does not apply to "
+                    "transform_gradient='score' (whose weight is sg(s~) by definition). Use "
+                    "transform_gradient='ratio'."
+                )
+        if self.symmetric_clip:
+            if self.importance_sampling_level != "token":
+                raise ValueError(
+                    "symmetric_clip=True (GRPO-fix, Appendix H) is a token-level objective, but "
+                    f"importance_sampling_level={self.importance_sampling_level!r}. Set "
+                    "importance_sampling_level='token', or use group_transform for sequence-level DFPO."
+                )
+            if self.sequence_rewrite_active:
+                raise ValueError(
+                    "symmetric_clip=True cannot be combined with group_transform/transform_gradient/"
+                    "transform_stop_gradient options, which are sequence-level; choose one of the two."
+                )
+            self._require_clipped_loss_type("symmetric_clip=True")
+            if self.loss_type == "luspo":
+                raise ValueError(
+                    "symmetric_clip=True cannot be combined with loss_type='luspo' (a sequence-level loss); use "
+                    "loss_type 'dapo', 'grpo', 'bnpo' or 'dr_grpo'."
+                )
+        rewrites_old_logps = self.symmetric_clip or self.transform_gradient == "score"
+        if rewrites_old_logps:
+            what = "symmetric_clip=True" if self.symmetric_clip else "transform_gradient='score'"
+            if self.use_bias_correction_kl and self.beta != 0.0:
+                raise ValueError(
+                    f"{what} cannot be combined with beta != 0 and use_bias_correction_kl=True: the KL term "
+                    "would be weighted by the rewritten importance ratio. Set use_bias_correction_kl=False."
+                )
+            if self.off_policy_mask_threshold is not None:
+                raise ValueError(
+                    f"{what} cannot be combined with off_policy_mask_threshold: the off-policy mask would read "
+                    "the rewritten old log-probabilities. Set off_policy_mask_threshold=None."
+                )
+
+    def _describe_sequence_options(self) -> str:
+        parts = []
+        if self.group_transform != "none":
+            parts.append(f"group_transform={self.group_transform!r}")
+        if self.transform_gradient == "score":
+            parts.append("transform_gradient='score'")
+        if not self.transform_stop_gradient:
+            parts.append("transform_stop_gradient=False")
+        return " with ".join(parts)
+
+    def _require_clipped_loss_type(self, what: str) -> None:
+        if self.loss_type not in CLIPPED_LOSS_TYPES:
+            raise ValueError(
+                f"{what} rewrites TRL's clipped surrogate, which loss_type={self.loss_type!r} does not use. Set "
+                f"loss_type to one of {', '.join(repr(t) for t in CLIPPED_LOSS_TYPES)}."
+            )

@@ -1,0 +1,111 @@
+"""Group layout: explicit group ids, the (num_groups, G) view the transforms need, group-granular batches.
+
+A DFPO transform needs every member's post-clip weight at the same parameters (DESIGN.md §4). Groups are
+carried as an explicit int64 id per row (``inputs["group_ids"]``), never inferred from "every G rows",
+so that shuffling, splitting and gathering can never silently mix members of different prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+GROUP_IDS_KEY = "group_ids"
+
+
+def consecutive_group_ids(
+    batch_size: int, num_generations: int, offset: int = 0, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Ids for rows laid out as TRL's ``RepeatSampler`` lays them: ``num_generations`` consecutive rows a prompt.
+
+    ``offset`` is the row's position in the *global* generation batch of the first local row, so ids agree
+    across processes (TRL slices the global batch per process with ``process_index * local_batch``).
+    """
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
+    rows = torch.arange(offset, offset + batch_size, device=device, dtype=torch.int64)
+    return torch.div(rows, num_generations, rounding_mode="floor")
+
+
+def group_index(group_ids: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Row indices arranged as (num_groups, group_size), one row per group, groups in ascending id order.
+
+    Raises a ``ValueError`` that names the layout problem when a group does not have exactly ``group_size``
+    members in ``group_ids`` (a group cut apart by a per-sample shuffle or a split).
+    """
+    if group_ids.dim() != 1:
+        raise ValueError(f"group_ids must be 1-D (one id per row), got shape {tuple(group_ids.shape)}.")
+    n = group_ids.numel()
+    if n % group_size != 0:
+        raise ValueError(
+            f"The batch has {n} rows, which is not a whole number of groups of num_generations={group_size}: "
+            "a group is cut apart. Make per_device_train_batch_size a multiple of num_generations."
+        )
+    order = torch.argsort(group_ids, stable=True)
+    index = order.view(n // group_size, group_size)
+    sorted_ids = group_ids[index]
+    if not bool((sorted_ids == sorted_ids[:, :1]).all()):
+        _, counts = torch.unique(group_ids, return_counts=True)
+        bad = counts[counts != group_size]
+        raise ValueError(
+            f"Every group must have exactly num_generations={group_size} rows in the batch, but group sizes "
+            f"{sorted(set(bad.tolist()))} occur: a group is cut apart. Make per_device_train_batch_size a "
+            "multiple of num_generations, or keep group_ids consistent with the batch."
+        )
+    return index
+
+
+def scatter_from_groups(grouped: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``x[index]``: put (num_groups, G, ...) values back into row order (B, ...)."""
+    flat_index = index.reshape(-1)
+    out = torch.empty((flat_index.numel(), *grouped.shape[2:]), dtype=grouped.dtype, device=grouped.device)
+    out[flat_index] = grouped.reshape(flat_index.numel(), *grouped.shape[2:])
+    return out
+
+
+def group_granular_order(group_ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A row order that shuffles whole groups and keeps each group's rows together.
+
+    Replaces TRL's per-sample shuffle so that splitting the generation batch into equal micro-batches of a
+    multiple of G rows keeps every group whole (layout 1 of DESIGN.md §4).
+    """
+    unique_ids, inverse = torch.unique(group_ids.cpu(), return_inverse=True)
+    perm = torch.randperm(unique_ids.numel(), generator=generator)
+    rank_of_group = torch.empty_like(perm)
+    rank_of_group[perm] = torch.arange(perm.numel())
+    key = rank_of_group[inverse] * (group_ids.numel() + 1) + torch.arange(group_ids.numel())
+    return torch.argsort(key).to(group_ids.device)
+
+
+def concat_sequence_dicts(chunks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Join micro-batch dicts (as TRL's ``split_tensor_dict`` makes them) back into one batch dict.
+
+    Tensors with a batch dimension are concatenated, lists joined, 0-dim tensors (``num_items_in_batch``)
+    and ``None`` taken from the first chunk.
+    """
+    out: dict[str, Any] = {}
+    for key, first in chunks[0].items():
+        if first is None or (isinstance(first, torch.Tensor) and first.dim() == 0):
+            out[key] = first
+        elif isinstance(first, torch.Tensor):
+            out[key] = torch.cat([chunk[key] for chunk in chunks], dim=0)
+        elif isinstance(first, list):
+            out[key] = [item for chunk in chunks for item in chunk[key]]
+        else:
+            raise TypeError(f"Cannot regroup batch entry {key!r} of type {type(first).__name__}.")
+    return out
+
+
+def permute_sequence_dict(batch: dict[str, Any], order: torch.Tensor) -> dict[str, Any]:
+    """Reorder every per-row entry of a batch dict by ``order``; 0-dim tensors and ``None`` stay as they are."""
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if value is None or (isinstance(value, torch.Tensor) and value.dim() == 0):
+            out[key] = value
+        elif isinstance(value, torch.Tensor):
+            out[key] = value[order.to(value.device)]
+        else:
+            out[key] = [value[i] for i in order.tolist()]
+    return out

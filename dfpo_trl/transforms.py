@@ -1,0 +1,298 @@
+"""In-group transforms of the sequence-level weight vector (DFPO, arXiv 2604.13088, Appendix B).
+
+Every group function takes ``w`` and ``advantages`` shaped ``(num_groups, G)`` and returns a tensor of the
+same shape and of ``w``'s dtype. They are normally called on detached tensors under ``torch.no_grad()``
+(the paper's stop-gradient), but are built from differentiable torch ops so the "no stop-gradient"
+ablation of Table 3 can differentiate through them.
+
+Numerics, shared by all group transforms except ``none``:
+
+* Computation runs in float32, or float64 when ``w`` or ``advantages`` is float64; bf16/fp16 inputs are
+  upcast and the result is cast back to ``w``'s dtype (clamped to that dtype's finite range).
+* ``w`` is sanitized first: NaN and +Inf become ``+W_MAX``, -Inf becomes ``-W_MAX`` and every value is
+  clamped to ``[-W_MAX, W_MAX]``. ``W_MAX = 1e10`` is above ``exp(20)`` (the largest ratio that
+  :func:`sequence_log_ratio` can produce with its default clamp), so legitimate weights pass through
+  unchanged while one broken member can never turn its whole group's coefficients into NaN/Inf.
+* NaN advantages are treated as 0. Because every transform here is invariant to a positive rescaling
+  of the advantage vector, advantages are divided by the group's max ``|Â_i|`` before use, so extreme
+  advantages (1e30, or +-Inf) cannot overflow ``‖Â‖²``. Groups whose max ``|Â_i|`` is at most the
+  compute dtype's ``tiny`` count as "no advantage" (all-zero).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "GROUP_TRANSFORMS",
+    "W_MAX",
+    "apply_group_transform",
+    "min_replace",
+    "orth_proj",
+    "positive_orth_proj",
+    "scale",
+    "sequence_log_ratio",
+    "sign_aware_post_clip",
+    "truncate_rebalance",
+]
+
+GROUP_TRANSFORMS: tuple[str, ...] = (
+    "none",
+    "min_replace",
+    "orth_proj",
+    "positive_orth_proj",
+    "truncate_rebalance",
+    "scale",
+)
+
+#: Bound applied to sanitized weights (see module docstring).
+W_MAX = 1e10
+# Per-token log-ratios that are +-Inf are replaced by +-_TOKEN_LOG_RATIO_MAX before averaging, so a row
+# holding both +Inf and -Inf gives a finite (then clamped) mean instead of NaN.
+_TOKEN_LOG_RATIO_MAX = 1e6
+# In positive_orth_proj, advantages below this fraction of the group's largest |Â| are treated as 0 so
+# every breakpoint w_i / Â_i stays finite (|w| <= W_MAX). Their effect on the solution is below rounding.
+_REL_ADV_EPS = 1e-20
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _sanitize_weights(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    x = w.to(dtype)
+    return torch.nan_to_num(x, nan=W_MAX, posinf=W_MAX, neginf=-W_MAX).clamp(-W_MAX, W_MAX)
+
+
+def _normalized_advantages(advantages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (Â / max|Â| per group, has_advantage of shape (num_groups, 1))."""
+    a = torch.nan_to_num(advantages.to(dtype), nan=0.0)
+    amax = a.abs().amax(dim=-1, keepdim=True)
+    has_adv = amax > torch.finfo(dtype).tiny
+    a = a / torch.where(has_adv, amax, torch.ones_like(amax))
+    return a, has_adv
+
+
+def _to_output(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if not dtype.is_floating_point:
+        return x
+    limit = torch.finfo(dtype).max
+    if limit < torch.finfo(x.dtype).max:
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
+def _check_groups(w: torch.Tensor, advantages: torch.Tensor) -> None:
+    if w.dim() != 2 or w.shape != advantages.shape:
+        raise ValueError(
+            "group transforms expect w and advantages shaped (num_groups, G) and equal; got "
+            f"w {tuple(w.shape)} and advantages {tuple(advantages.shape)}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Sequence ratio and sign-aware clipping (eq. 44, 46-47)
+# --------------------------------------------------------------------------------------------------
+
+
+def sequence_log_ratio(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    mask: torch.Tensor,
+    max_abs: float = 20.0,
+) -> torch.Tensor:
+    """ρ_i = (1/L_i) Σ_t m_{i,t} (ℓ_{i,t} − ℓ^old_{i,t}) over the last dim (eq. 44); s_i = exp(ρ_i).
+
+    The normaliser is ``mask.sum(-1).clamp(min=1)`` as in TRL's GSPO, so zero-length rows give 0.
+    The result is clamped to ``[-max_abs, max_abs]`` so ``exp`` never overflows (exp(20) ≈ 4.9e8); past
+    the clamp the gradient is 0. Masked-out positions are ignored even if they hold NaN/Inf. Inside the
+    mask, ±Inf token log-ratios count as ±1e6 and NaN as 0 (no ratio information), so one broken token
+    cannot make ρ NaN. Differentiable; returns ``per_token_logps``'s dtype.
+    """
+    if per_token_logps.shape != old_per_token_logps.shape or per_token_logps.shape != mask.shape:
+        raise ValueError(
+            "sequence_log_ratio expects per_token_logps, old_per_token_logps and mask of equal shape; got "
+            f"{tuple(per_token_logps.shape)}, {tuple(old_per_token_logps.shape)}, {tuple(mask.shape)}"
+        )
+    if not max_abs > 0:
+        raise ValueError(f"max_abs must be > 0, got {max_abs}")
+    dtype = _compute_dtype(per_token_logps, old_per_token_logps)
+    log_ratio = per_token_logps.to(dtype) - old_per_token_logps.to(dtype)
+    log_ratio = torch.nan_to_num(log_ratio, nan=0.0, posinf=_TOKEN_LOG_RATIO_MAX, neginf=-_TOKEN_LOG_RATIO_MAX)
+    m = mask.to(dtype)
+    log_ratio = torch.where(m != 0, log_ratio, torch.zeros_like(log_ratio))
+    rho = (log_ratio * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)
+    rho = rho.clamp(-max_abs, max_abs)
+    out_dtype = per_token_logps.dtype if per_token_logps.dtype.is_floating_point else dtype
+    return rho.to(out_dtype)
+
+
+def sign_aware_post_clip(s: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """Sign-aware post-clip weight s̄ (eq. 46–47), elementwise for any (broadcastable) shape.
+
+    c = clip(s, 1 − eps_low, 1 + eps_high); s̄ = min(s, c) where Â ≥ 0, max(s, c) where Â < 0. With it,
+    Σ_i min(s_i Â_i, c_i Â_i) = Σ_i Â_i s̄_i (eq. 48–49), so GSPO is "Â times s̄" and a group transform
+    can act on s̄. Differentiable: clipped entries carry GSPO's zero gradient.
+    """
+    if not (eps_low >= 0 and eps_high >= 0):
+        raise ValueError(f"eps_low and eps_high must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    c = s.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return torch.where(advantages >= 0, torch.minimum(s, c), torch.maximum(s, c))
+
+
+# --------------------------------------------------------------------------------------------------
+# Group transforms (eq. 18, 50–55, Table 3)
+# --------------------------------------------------------------------------------------------------
+
+
+def min_replace(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """Min-Replace (eq. 50): every member gets the group minimum, so Σ_i s̃_i Â_i = s̄_min Σ_i Â_i = 0.
+
+    ``advantages`` is unused; it is kept so all transforms share one signature.
+    """
+    _check_groups(w, advantages)
+    x = _sanitize_weights(w, _compute_dtype(w, advantages))
+    return _to_output(x.amin(dim=-1, keepdim=True).expand_as(x), w.dtype)
+
+
+def orth_proj(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """Orth-Proj (eq. 18): s̃ = w − (Âᵀw / ‖Â‖²) Â, the closest vector to w orthogonal to Â.
+
+    Groups with no advantage (‖Â‖ ≈ 0) are returned unchanged. Entries may become negative; use
+    :func:`positive_orth_proj` when that matters.
+    """
+    _check_groups(w, advantages)
+    dtype = _compute_dtype(w, advantages)
+    x = _sanitize_weights(w, dtype)
+    a, has_adv = _normalized_advantages(advantages, dtype)
+    coef = (a * x).sum(dim=-1, keepdim=True) / torch.where(
+        has_adv, (a * a).sum(dim=-1, keepdim=True), torch.ones_like(has_adv, dtype=dtype)
+    )
+    out = torch.where(has_adv, x - coef * a, x)
+    return _to_output(out, w.dtype)
+
+
+def positive_orth_proj(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """Positive Orth-Proj (eq. 51): the exact solution of min ½‖v − w‖² s.t. Âᵀv = 0, v ≥ 0.
+
+    KKT gives v(μ) = max(w − μÂ, 0) with μ a root of g(μ) = Âᵀ max(w − μÂ, 0), which is continuous,
+    non-increasing and piecewise linear with kinks at b_i = w_i / Â_i. Per group (batched, no Python
+    loop, no host sync) we sort the b_i, evaluate g at each with cumulative sums (O(G log G)), take
+    the piece where g changes sign and solve that linear piece exactly. The QP is always feasible
+    (v = 0), so a root exists; when only one side of Â is non-empty, that side goes to 0. Members with
+    Â_i = 0 get max(w_i, 0); groups with no advantage are returned unchanged (sanitized).
+    """
+    _check_groups(w, advantages)
+    dtype = _compute_dtype(w, advantages)
+    x = _sanitize_weights(w, dtype)
+    a, has_adv = _normalized_advantages(advantages, dtype)
+    a = torch.where(a.abs() > _REL_ADV_EPS, a, 0.0)
+    # g is evaluated at every kink b_i = w_i / Â_i and, harmlessly, at w_i for zero-advantage members
+    # (whose terms in g are 0). All are finite since |w| <= W_MAX and |Â_i| > 1e-20 or Â_i = 0.
+    breakpoints = x / torch.where(a == 0, 1.0, a)
+    points, order = torch.sort(breakpoints, dim=-1)
+    # Locate the root. Right of sorted point j the members with w_i − μÂ_i > 0 are the negative side up
+    # to j and the positive side beyond j, so there g(μ) = S1[j] − μ S2[j], (S1, S2) = Σ_active Â_i (w_i, Â_i)
+    # (channels stacked on dim 1): a prefix sum over N plus an exclusive suffix sum over P. Both are
+    # summed directly (no "total minus prefix"), so g keeps its relative accuracy near the root.
+    terms = torch.stack((x, a), dim=1)
+    sorted_terms = terms.gather(-1, order.unsqueeze(1).expand_as(terms))
+    a_sorted = sorted_terms[:, 1:]
+    contrib = sorted_terms * a_sorted
+    neg_prefix = (contrib * (a_sorted < 0)).cumsum(dim=-1)
+    pos_suffix = (contrib * (a_sorted > 0)).flip(-1).cumsum(dim=-1).flip(-1)
+    right = neg_prefix + torch.cat((pos_suffix[..., 1:], torch.zeros_like(pos_suffix[..., :1])), dim=-1)
+    g_at_points = right[:, 0] - points * right[:, 1]  # g is continuous: read it from the right-hand piece
+    k = (g_at_points > 0).sum(dim=-1, keepdim=True)  # g > 0 at the first k points: root in [p_{k-1}, p_k]
+    group_size = points.shape[-1]
+    lo = torch.where(k > 0, points.gather(-1, (k - 1).clamp(min=0)), float("-inf"))
+    hi = torch.where(k < group_size, points.gather(-1, k.clamp(max=group_size - 1)), float("inf"))
+    # Solve the linear piece with sums over its exact active set (no cancellation in the prefix sums
+    # above can reach the answer; a flat piece, which only occurs next to an empty side, gets S2 = 0).
+    active = ((a > 0) & (breakpoints >= hi)) | ((a < 0) & (breakpoints <= lo))
+    s1, s2 = (active.unsqueeze(1) * terms * a.unsqueeze(1)).sum(dim=-1).unbind(dim=1)
+    s1, s2 = s1.unsqueeze(-1), s2.unsqueeze(-1)
+    # On a flat piece g = 0 throughout, so any of its points is a root; take a finite end.
+    mu_flat = torch.where(k < group_size, hi, lo)
+    mu = torch.where(s2 > 0, s1 / torch.where(s2 > 0, s2, 1.0), mu_flat)
+    mu = torch.maximum(torch.minimum(mu, hi), lo)  # rounding in locating the piece cannot push μ out
+    v = torch.relu(x - mu * a)
+    return _to_output(torch.where(has_adv, v, x), w.dtype)
+
+
+def truncate_rebalance(w: torch.Tensor, advantages: torch.Tensor, floor: float = 1e-6) -> torch.Tensor:
+    """Truncate-and-Rebalance (eq. 52–55), the paper's closed-form stand-in for eq. 51.
+
+    s⁺ = max(w, floor); δ = Âᵀs⁺ = M_P − M_N with M_P = Σ_P Â_i s⁺_i, M_N = Σ_N (−Â_i) s⁺_i.
+    δ > 0: the positive-advantage side is scaled by α = M_N / M_P; δ < 0: the negative side by
+    β = M_P / M_N; δ = 0: s⁺. Zero-advantage members are never scaled. Eq. 55 prints
+    β = −Σ_P Â_i s⁺_i / Σ_N (−Â_i) s⁺_i, which is negative; the positive β used here is the factor
+    that gives Âᵀs̃ = 0 (DESIGN.md §2). α, β lie in (0, 1) when both sides are non-empty and are 0
+    when the opposite side is empty (the only scaling that reaches orthogonality).
+
+    ``floor`` (default 1e-6) only matters for weights ≤ floor; s̄ = exp(·) > 0, so it mostly guards
+    generic inputs and keeps φ = s̃/s̄ well defined. The paper's claim "s̃ ⪰ ϵ" is false: after scaling
+    by α or β < 1, scaled members can fall below ``floor``. The result is ≥ 0 and orthogonal to Â.
+    """
+    _check_groups(w, advantages)
+    if not (floor >= 0 and floor < float("inf")):
+        raise ValueError(f"truncate_floor must be a finite number >= 0, got {floor}")
+    dtype = _compute_dtype(w, advantages)
+    x = _sanitize_weights(w, dtype)
+    a, _ = _normalized_advantages(advantages, dtype)
+    s_plus = x.clamp(min=floor)
+    pos = a > 0
+    neg = a < 0
+    zeros = torch.zeros_like(s_plus)
+    mass_p = torch.where(pos, a * s_plus, zeros).sum(dim=-1, keepdim=True)
+    mass_n = torch.where(neg, -a * s_plus, zeros).sum(dim=-1, keepdim=True)
+    ones = torch.ones_like(mass_p)
+    alpha = mass_n / torch.where(mass_p > 0, mass_p, ones)
+    beta = mass_p / torch.where(mass_n > 0, mass_n, ones)
+    factor = torch.where(
+        mass_p > mass_n,
+        torch.where(pos, alpha, torch.ones_like(s_plus)),
+        torch.where(mass_p < mass_n, torch.where(neg, beta, torch.ones_like(s_plus)), torch.ones_like(s_plus)),
+    )
+    return _to_output(s_plus * factor, w.dtype)
+
+
+def scale(w: torch.Tensor, advantages: torch.Tensor, factor: float = 0.5) -> torch.Tensor:
+    """Global scaling s̃ = factor · w, the "DFPO (scale by 0.5)" ablation of Table 3.
+
+    It shrinks updates without any in-group consistency, to separate "smaller steps" from the
+    cancellation effect. ``advantages`` is unused.
+    """
+    _check_groups(w, advantages)
+    if not (factor >= 0 and factor < float("inf")):
+        raise ValueError(f"scale_factor must be a finite number >= 0, got {factor}")
+    x = _sanitize_weights(w, _compute_dtype(w, advantages))
+    return _to_output(x * factor, w.dtype)
+
+
+def apply_group_transform(
+    name: str,
+    w: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    scale_factor: float = 0.5,
+    truncate_floor: float = 1e-6,
+) -> torch.Tensor:
+    """Apply the named in-group transform (DESIGN.md §2) to ``w`` shaped (num_groups, G).
+
+    ``none`` returns ``w`` itself (no sanitization), so it reproduces GSPO exactly.
+    """
+    if name == "none":
+        _check_groups(w, advantages)
+        return w
+    if name == "min_replace":
+        return min_replace(w, advantages)
+    if name == "orth_proj":
+        return orth_proj(w, advantages)
+    if name == "positive_orth_proj":
+        return positive_orth_proj(w, advantages)
+    if name == "truncate_rebalance":
+        return truncate_rebalance(w, advantages, floor=truncate_floor)
+    if name == "scale":
+        return scale(w, advantages, factor=scale_factor)
+    raise ValueError(f"unknown group transform name={name!r}; valid names: {', '.join(GROUP_TRANSFORMS)}")

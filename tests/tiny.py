@@ -1,0 +1,118 @@
+"""Tiny models, tokenizers and batches built in the test process (no hub access)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+WORDS = ["<pad>", "<eos>", "<bos>"] + list("0123456789+=") + ["Compute", "Answer:", "is", "the", "so"]
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    tok.padding_side = "left"
+    return tok
+
+
+def tiny_model(seed: int = 0, hidden: int = 32, layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def addition_dataset(n: int = 16, seed: int = 0) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    pairs = torch.randint(0, 10, (n, 2), generator=g).tolist()
+    return Dataset.from_dict(
+        {"prompt": [f"Compute {a} + {b} =" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]}
+    )
+
+
+def last_digit_reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
+    """1 when the completion contains the answer's last digit; noisy enough that groups have signal."""
+    return [float(ans[-1] in comp) for comp, ans in zip(completions, answer, strict=True)]
+
+
+def base_args(**overrides: Any) -> dict[str, Any]:
+    args: dict[str, Any] = dict(
+        output_dir="/tmp/dfpo-test-out", per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=6, learning_rate=1e-2, report_to="none", logging_steps=1, save_strategy="no",
+        use_cpu=True, bf16=False, seed=0, disable_tqdm=True,
+    )
+    args.update(overrides)
+    return args
+
+
+def hand_batch(
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_per_token_logps: torch.Tensor | None,
+    prompt_len: int = 3,
+    group_ids: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """A rollout batch as TRL's `_generate_and_score_completions` returns it."""
+    rows = completion_ids.size(0)
+    batch: dict[str, Any] = {
+        "prompt_ids": torch.full((rows, prompt_len), 13, dtype=torch.long),
+        "prompt_mask": torch.ones(rows, prompt_len, dtype=torch.long),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    if old_per_token_logps is not None:
+        batch["old_per_token_logps"] = old_per_token_logps
+    if group_ids is not None:
+        batch["group_ids"] = group_ids
+    return batch
+
+
+def capturing(trainer_cls: type) -> type:
+    """A subclass that keeps the policy forward's per-token log-probs with their gradient (c_{i,t} after
+    backward): the exact scalar each token's ∇ℓ_{i,t} receives from the real `compute_loss`."""
+
+    class Capturing(trainer_cls):  # type: ignore[misc, valid-type]
+        captured: torch.Tensor | None = None
+
+        def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
+            out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            if out[0].requires_grad:
+                out[0].retain_grad()
+                self.captured = out[0]
+            return out
+
+    return Capturing
+
+
+def make_trainer(trainer_cls: type, config_cls: type, seed: int = 0, model: Any = None, **overrides: Any):
+    trainer = trainer_cls(
+        model=tiny_model(seed) if model is None else model,
+        reward_funcs=last_digit_reward,
+        args=config_cls(**base_args(**overrides)),
+        train_dataset=addition_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def loss_and_grads(trainer: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of the real `compute_loss` and the gradient of every parameter."""
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
