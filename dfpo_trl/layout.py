@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 GROUP_IDS_KEY = "group_ids"
+# Global row index in the generation batch: lets gathered per-sequence scalars find their rows again.
+ROW_IDS_KEY = "row_ids"
 
 
 def consecutive_group_ids(
@@ -55,6 +57,14 @@ def group_index(group_ids: torch.Tensor, group_size: int) -> torch.Tensor:
             "multiple of num_generations, or keep group_ids consistent with the batch."
         )
     return index
+
+
+def holds_whole_groups(group_ids: torch.Tensor, group_size: int) -> bool:
+    """Whether every group present in ``group_ids`` has exactly ``group_size`` rows."""
+    if group_ids.numel() == 0 or group_ids.numel() % group_size != 0:
+        return False
+    _, counts = torch.unique(group_ids, return_counts=True)
+    return bool((counts == group_size).all())
 
 
 def scatter_from_groups(grouped: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ that TRL reads *after* its policy forward pass, the advantages and the old log-p
 * GRPO-fix (Appendix H): ε_low := 1 turns TRL's clip into clip(r, 0, 1+ε_high) for Â ≥ 0; for Â < 0 tokens
   with r > 1+ε_high the old log-prob is rewritten so that r is the constant 1+ε_high (zero gradient), which
   makes the weight the same operator for both signs (eq. 79–80).
+* DelTA (DESIGN.md §5, ``token_weighting="delta"``, wired by ``delta_trainer.DeltaMixin``): advantages →
+  Â_i λ̄_{i,t} (B, T) last, with λ̄ > 0 computed once per rollout, so the policy term is -λ̄ min(rÂ, clip(r)Â).
 
 β-KL, the vLLM importance-sampling correction, the entropy bonus, ``top_entropy_quantile``, truncation
 masking and ``delta`` clipping are TRL's code paths and apply on top unchanged.
@@ -24,16 +26,20 @@ from typing import Any
 
 import torch
 from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import split_tensor_dict
 
 from . import metrics as mech
 from .config import DFPOConfig
+from .delta_trainer import DeltaMixin
 from .layout import (
     GROUP_IDS_KEY,
+    ROW_IDS_KEY,
     concat_sequence_dicts,
     consecutive_group_ids,
     group_granular_order,
     group_index,
+    holds_whole_groups,
     permute_sequence_dict,
     scatter_from_groups,
 )
@@ -41,12 +47,18 @@ from .transforms import apply_group_transform, sequence_log_ratio, sign_aware_po
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_GROUP_GRANULAR = "group_granular"
-LAYOUT_PER_SAMPLE = "per_sample"
+# Group layouts of DESIGN.md §4, cheapest first. The trainer picks one at start-up and logs it.
+LAYOUT_GROUP_GRANULAR = "group_granular"  # whole groups in every micro-batch: free
+LAYOUT_CROSS_PROCESS = "cross_process"  # groups spread over processes in one micro-step: all-gather scalars
+LAYOUT_PRE_PASS = "pre_pass"  # groups spread over micro-steps: no-grad pre-pass at each optimizer step
+LAYOUT_PER_SAMPLE = "per_sample"  # no transform: TRL's per-sample shuffle, group metrics off
+# Keys the pre-pass attaches to each micro-batch of the optimizer step: s̄ and s̃ at the step's θ.
+PRE_PASS_S_BAR = "dfpo_s_bar"
+PRE_PASS_S_TILDE = "dfpo_s_tilde"
 MAX_LOG_RATIO = 20.0
 
 
-class DFPOTrainer(GRPOTrainer):
+class DFPOTrainer(DeltaMixin, GRPOTrainer):
     """`trl.GRPOTrainer` with DFPO objectives. Takes the same arguments; `args` must be a [`DFPOConfig`]."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -81,24 +93,35 @@ class DFPOTrainer(GRPOTrainer):
         )
 
     def _choose_group_layout(self) -> str:
-        """Whole groups in every micro-batch when the batch sizes allow it; refuse transforms otherwise."""
-        per_device = self.args.per_device_train_batch_size
-        group_size = self.num_generations
-        if per_device % group_size == 0 and self.accelerator.num_processes == 1:
-            return LAYOUT_GROUP_GRANULAR
+        """The cheapest exact layout for these batch sizes (DESIGN.md §4); refuse only what cannot be exact."""
+        args: DFPOConfig = self.args
+        per_device, group_size = args.per_device_train_batch_size, self.num_generations
         if per_device % group_size == 0:
-            # Local generation batches hold whole groups because TRL slices the global batch in blocks of
-            # per_device * steps_per_generation rows, a multiple of G.
+            # TRL slices the global generation batch per process in blocks of per_device * steps_per_generation
+            # rows, a multiple of G, so a group-granular split keeps every group inside one micro-batch.
             return LAYOUT_GROUP_GRANULAR
-        if self.args.sequence_rewrite_active:
+        if not args.sequence_rewrite_active:
+            return LAYOUT_PER_SAMPLE
+        if not args.transform_stop_gradient:
             raise ValueError(
-                f"group_transform={self.args.group_transform!r} needs every group's {group_size} completions in "
-                f"the same micro-batch, but per_device_train_batch_size={per_device} is not a multiple of "
-                f"num_generations={group_size}: groups would be cut apart. Set per_device_train_batch_size to a "
-                f"multiple of {group_size} (and lower steps_per_generation or gradient_accumulation_steps to "
-                "keep the generation batch)."
+                "transform_stop_gradient=False differentiates the transform through every member's s̄, so the "
+                "whole group must be in one micro-batch, but per_device_train_batch_size="
+                f"{per_device} is not a multiple of num_generations={group_size}. Set "
+                f"per_device_train_batch_size to a multiple of {group_size}."
             )
-        return LAYOUT_PER_SAMPLE
+        if args.steps_per_generation == 1:
+            # Each micro-step trains on the whole global generation batch: groups may straddle processes but
+            # are whole across them, so gathering (group id, s̄, Â) in the micro-step is exact.
+            return LAYOUT_CROSS_PROCESS
+        if args.steps_per_generation % args.gradient_accumulation_steps != 0:
+            raise ValueError(
+                f"group_transform={args.group_transform!r} with groups spread over micro-steps "
+                f"(per_device_train_batch_size={per_device} is not a multiple of num_generations={group_size}) "
+                "needs every optimizer step inside one generation batch: set steps_per_generation to a multiple "
+                f"of gradient_accumulation_steps={args.gradient_accumulation_steps}, or "
+                f"per_device_train_batch_size to a multiple of {group_size}."
+            )
+        return LAYOUT_PRE_PASS
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's rollout, plus an explicit group id per row (global row // G, as TRL's sampler lays rows out)."""
@@ -106,10 +129,10 @@ class DFPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         local_rows = output["prompt_ids"].size(0)
-        output[GROUP_IDS_KEY] = consecutive_group_ids(
-            local_rows, group_size, offset=self.accelerator.process_index * local_rows,
-            device=output["prompt_ids"].device,
-        )
+        offset = self.accelerator.process_index * local_rows
+        device = output["prompt_ids"].device
+        output[GROUP_IDS_KEY] = consecutive_group_ids(local_rows, group_size, offset=offset, device=device)
+        output[ROW_IDS_KEY] = torch.arange(offset, offset + local_rows, device=device)
         return output
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
@@ -119,12 +142,125 @@ class DFPOTrainer(GRPOTrainer):
             self._step % generate_every == 0 or self._buffered_inputs is None
         )
         inputs = super()._prepare_inputs(generation_batch)
-        if regenerated and self.group_layout == LAYOUT_GROUP_GRANULAR:
+        if not self.model.training or self.group_layout == LAYOUT_PER_SAMPLE:
+            return inputs
+        spg = self.args.steps_per_generation
+        if regenerated:
             full = concat_sequence_dicts(self._buffered_inputs)
             full = permute_sequence_dict(full, group_granular_order(full[GROUP_IDS_KEY]))
-            self._buffered_inputs = split_tensor_dict(full, self.args.steps_per_generation)
-            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
-        return inputs
+            self._buffered_inputs = split_tensor_dict(full, spg)
+        if self.group_layout == LAYOUT_PRE_PASS and self._step % self.args.gradient_accumulation_steps == 0:
+            self._pre_pass()
+        return self._buffered_inputs[self._step % spg]
+
+    # ------------------------------------------------------------------------------------ pre-pass (layout 3)
+    def _policy_unchanged_since_rollout(self) -> bool:
+        """True in the first optimizer step after a rollout: θ = θ_old, so every s is 1 and the pre-pass forward
+        can be skipped (its old log-probs were computed by this model at this θ)."""
+        return self._step % (self.args.steps_per_generation * self.num_iterations) == 0
+
+    def _pre_pass(self) -> None:
+        """At the start of an optimizer step, compute s̄ at the step's θ for every member of every group that has
+        a row in the step (on any process), transform the complete groups, and attach s̄, s̃ to the step's
+        micro-batches, so each micro-step's loss uses exact in-group coefficients (DESIGN.md §4, layout 3)."""
+        spg, accumulation = self.args.steps_per_generation, self.args.gradient_accumulation_steps
+        start = self._step % spg
+        for micro in self._buffered_inputs:  # the previous optimizer step's coefficients are stale now
+            micro.pop(PRE_PASS_S_BAR, None)
+            micro.pop(PRE_PASS_S_TILDE, None)
+        window = [self._buffered_inputs[(start + j) % spg] for j in range(accumulation)]
+        full = concat_sequence_dicts(self._buffered_inputs)
+        window_groups = torch.cat([micro[GROUP_IDS_KEY] for micro in window])
+        active = torch.unique(self._gather_rows(window_groups.double().unsqueeze(1))[:, 0]).to(torch.int64)
+        rows = torch.isin(full[GROUP_IDS_KEY], active.to(full[GROUP_IDS_KEY].device)).nonzero().squeeze(1)
+        if self._policy_unchanged_since_rollout():
+            s_bar = torch.ones(rows.numel(), device=full["advantages"].device)
+            self._metrics["train"]["prepass/forward_skipped"].append(1.0)
+        else:
+            s_bar = self._post_clip_weights_no_grad(full, rows)
+            self._metrics["train"]["prepass/forward_skipped"].append(0.0)
+        row_ids, s_bar_all, s_tilde_all = self._transform_across_processes(
+            full[ROW_IDS_KEY][rows], full[GROUP_IDS_KEY][rows], s_bar, full["advantages"][rows], "train"
+        )
+        order = torch.argsort(row_ids)
+        for micro in window:
+            position = order[torch.searchsorted(row_ids[order], micro[ROW_IDS_KEY].to(row_ids.device))]
+            micro[PRE_PASS_S_BAR] = s_bar_all[position]
+            micro[PRE_PASS_S_TILDE] = s_tilde_all[position]
+
+    @torch.no_grad()
+    def _post_clip_weights_no_grad(self, full: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
+        """s̄ of the selected rows at the current θ. Every process runs the same number of forward chunks (a
+        ZeRO-3 forward is collective), padding with a repeat of one row where it has fewer."""
+        chunk = self.args.per_device_train_batch_size
+        local_chunks = math.ceil(rows.numel() / chunk)
+        counts = self._gather_rows(torch.tensor([[float(local_chunks)]], device=rows.device))
+        total_chunks = int(counts.max().item())
+        fallback = torch.zeros(1, dtype=rows.dtype, device=rows.device)
+        s_bars = []
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            for k in range(total_chunks):
+                part = rows[k * chunk : (k + 1) * chunk]
+                real = part.numel() > 0
+                part = part if real else fallback
+                ids = torch.cat([full["prompt_ids"][part], full["completion_ids"][part]], dim=1)
+                attention = torch.cat([full["prompt_mask"][part], full["completion_mask"][part]], dim=1)
+                logps, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, ids, attention, full["completion_ids"].size(1), batch_size=chunk
+                )
+                if not real:
+                    continue
+                mask = full["completion_mask"][part]
+                if "tool_mask" in full:
+                    mask = mask * full["tool_mask"][part]
+                old = full.get("old_per_token_logps")
+                old = logps if old is None else old[part]
+                rho = sequence_log_ratio(logps, old, mask)
+                s_bars.append(
+                    sign_aware_post_clip(torch.exp(rho), full["advantages"][part], self.epsilon_low, self.epsilon_high)
+                )
+        if not s_bars:
+            return torch.ones(0, device=rows.device)
+        return torch.cat(s_bars)
+
+    # --------------------------------------------------------------------------------- cross-process groups
+    def _gather_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """All-gather (n_p, k) float64 rows from every process, n_p may differ: a few floats per sequence."""
+        if self.accelerator.num_processes == 1:
+            return values
+        count = torch.tensor([values.size(0)], device=values.device)
+        counts = self.accelerator.gather(count)
+        padded = self.accelerator.pad_across_processes(values, dim=0)
+        gathered = self.accelerator.gather(padded).view(self.accelerator.num_processes, -1, values.size(1))
+        return torch.cat([gathered[p, : int(n)] for p, n in enumerate(counts.tolist())])
+
+    def _transform_across_processes(
+        self, row_ids: torch.Tensor, group_ids: torch.Tensor, s_bar: torch.Tensor, advantages: torch.Tensor,
+        mode: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gather (row id, group id, s̄, Â) from all processes, transform the complete groups, log the metrics.
+        Returns every gathered row's id, s̄ and s̃ (the same on every process)."""
+        packed = torch.stack([row_ids.double(), group_ids.double(), s_bar.double(), advantages.double()], 1)
+        gathered = self._gather_rows(packed)
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        index = group_index(gathered[:, 1].to(torch.int64), group_size)
+        s_bar_all, adv_all = gathered[:, 2].float(), gathered[:, 3].float()
+        s_tilde_all = self._transform_groups(s_bar_all, adv_all, index, mode)
+        return gathered[:, 0].to(torch.int64), s_bar_all, s_tilde_all
+
+    def _transform_groups(
+        self, s_bar: torch.Tensor, advantages: torch.Tensor, index: torch.Tensor, mode: str
+    ) -> torch.Tensor:
+        """The configured transform on the (num_groups, G) view given by ``index``; returns s̃ in row order."""
+        args: DFPOConfig = self.args
+        s_bar_g, adv_g = s_bar[index], advantages[index].to(s_bar.dtype)
+        s_tilde_g = apply_group_transform(
+            args.group_transform, s_bar_g, adv_g,
+            scale_factor=args.transform_scale, truncate_floor=args.transform_truncate_floor,
+        )
+        if args.log_mechanism_metrics:
+            self._log_sequence_metrics(s_bar_g.detach(), s_tilde_g.detach(), adv_g.detach(), mode)
+        return scatter_from_groups(s_tilde_g, index)
 
     # ------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
@@ -144,15 +280,21 @@ class DFPOTrainer(GRPOTrainer):
             self._rewrite_loss_inputs(pending, logps)
         return logps, entropies, aux_loss
 
-    def _group_index(self, inputs: dict[str, Any], mode: str) -> torch.Tensor | None:
-        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+    def _group_ids(self, inputs: dict[str, Any], mode: str) -> torch.Tensor:
         group_ids = inputs.get(GROUP_IDS_KEY)
         if group_ids is None:  # a hand-built batch: consecutive blocks of num_generations
+            group_size = self.num_generations if mode == "train" else self.num_generations_eval
             rows = inputs["completion_ids"].size(0)
             group_ids = consecutive_group_ids(rows, group_size, device=inputs["completion_ids"].device)
-        if self.group_layout != LAYOUT_GROUP_GRANULAR and not self.args.sequence_rewrite_active:
-            return None  # groups are not whole here; metrics that need them are skipped
-        return group_index(group_ids, group_size)
+        return group_ids
+
+    def _group_index(self, inputs: dict[str, Any], mode: str) -> torch.Tensor | None:
+        """The (num_groups, G) row index when this micro-batch holds whole groups, else None."""
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        group_ids = self._group_ids(inputs, mode)
+        if self.group_layout == LAYOUT_GROUP_GRANULAR and mode == "train":
+            return group_index(group_ids, group_size)  # raises with the fix if a group is cut apart
+        return group_index(group_ids, group_size) if holds_whole_groups(group_ids, group_size) else None
 
     def _rewrite_loss_inputs(self, inputs: dict[str, Any], per_token_logps: torch.Tensor) -> None:
         args: DFPOConfig = self.args
@@ -175,10 +317,11 @@ class DFPOTrainer(GRPOTrainer):
         index = None
         if args.log_mechanism_metrics or args.sequence_rewrite_active:
             index = self._group_index(inputs, mode)
-        if self.importance_sampling_level == "sequence" and index is not None:
+        if self.importance_sampling_level == "sequence" and (index is not None or args.sequence_rewrite_active):
             self._rewrite_sequence_level(inputs, per_token_logps, old, mask, advantages, index, mode)
         if args.log_mechanism_metrics and index is not None and per_token_logps.requires_grad:
             self._watch_token_coefficients(per_token_logps, inputs["completion_ids"], mask, index, mode)
+        self._apply_delta_weights(inputs, mask)  # DelTA: Â_i → Â_i λ̄_{i,t}, after every read of the 1-D Â
 
     def _bounded_old_logps(
         self, per_token_logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor
@@ -217,28 +360,27 @@ class DFPOTrainer(GRPOTrainer):
         old: torch.Tensor,
         mask: torch.Tensor,
         advantages: torch.Tensor,
-        index: torch.Tensor,
+        index: torch.Tensor | None,
         mode: str,
     ) -> None:
+        """s̄ and s̃ of this micro-batch's rows (from the pre-pass, this forward, or gathered across processes),
+        then the advantage / old-log-prob rewrite of the configured gradient form (module docstring)."""
         args: DFPOConfig = self.args
-        differentiate = not args.transform_stop_gradient
-        logps = per_token_logps if differentiate else per_token_logps.detach()
-        with torch.set_grad_enabled(differentiate and torch.is_grad_enabled()):
-            rho = sequence_log_ratio(logps, old, mask)
-            s = torch.exp(rho)
-            s_bar = sign_aware_post_clip(s, advantages, self.epsilon_low, self.epsilon_high)
-            adv_g = advantages[index].to(s_bar.dtype)
-            s_bar_g = s_bar[index]
-            s_tilde_g = apply_group_transform(
-                args.group_transform,
-                s_bar_g,
-                adv_g,
-                scale_factor=args.transform_scale,
-                truncate_floor=args.transform_truncate_floor,
-            )
-            s_tilde = scatter_from_groups(s_tilde_g, index)
-        if args.log_mechanism_metrics:
-            self._log_sequence_metrics(s_bar_g.detach(), s_tilde_g.detach(), adv_g.detach(), mode)
+        differentiate = not args.transform_stop_gradient and index is not None and torch.is_grad_enabled()
+        if PRE_PASS_S_TILDE in inputs:  # layout 3: computed at this optimizer step's θ for whole groups
+            s_bar, s_tilde = inputs[PRE_PASS_S_BAR], inputs[PRE_PASS_S_TILDE]
+        else:
+            logps = per_token_logps if differentiate else per_token_logps.detach()
+            with torch.set_grad_enabled(differentiate):
+                rho = sequence_log_ratio(logps, old, mask)
+                s_bar = sign_aware_post_clip(torch.exp(rho), advantages, self.epsilon_low, self.epsilon_high)
+                if index is not None:
+                    s_tilde = self._transform_groups(s_bar, advantages, index, mode)
+                else:  # layout 2: the group's other members are on other processes in this micro-step
+                    s_tilde = self._transform_gathered_rows(inputs, s_bar, advantages, mode)
+        self.last_sequence_weights = {
+            "row_ids": inputs.get(ROW_IDS_KEY), "s_bar": s_bar.detach(), "s_tilde": s_tilde.detach()
+        }
         if args.transform_gradient == "score":
             # coef_1 = exp(ρ - sg(ρ)) = 1 in value, ∇ρ in gradient: never clipped, -Â sg(s̃) ρ(θ) after TRL's min.
             inputs["old_per_token_logps"] = per_token_logps.detach()
@@ -249,6 +391,20 @@ class DFPOTrainer(GRPOTrainer):
         elif args.group_transform != "none":
             phi = s_tilde / s_bar
             inputs["advantages"] = advantages * phi.to(advantages.dtype)
+
+    def _transform_gathered_rows(
+        self, inputs: dict[str, Any], s_bar: torch.Tensor, advantages: torch.Tensor, mode: str
+    ) -> torch.Tensor:
+        rows = s_bar.size(0)
+        row_ids = inputs.get(ROW_IDS_KEY)
+        if row_ids is None:
+            offset = self.accelerator.process_index * rows
+            row_ids = torch.arange(offset, offset + rows, device=s_bar.device)
+        all_ids, _, s_tilde_all = self._transform_across_processes(
+            row_ids, self._group_ids(inputs, mode), s_bar, advantages, mode
+        )
+        order = torch.argsort(all_ids)
+        return s_tilde_all[order[torch.searchsorted(all_ids[order], row_ids.to(all_ids.device))]].to(s_bar.dtype)
 
     def _log_sequence_metrics(
         self, s_bar_g: torch.Tensor, s_tilde_g: torch.Tensor, adv_g: torch.Tensor, mode: str

@@ -252,11 +252,30 @@ def test_extreme_log_ratios_and_uniform_rewards_stay_finite():
     assert all(torch.isfinite(g).all() for g in grads.values())
 
 
-def test_layout_that_cuts_groups_is_refused():
-    message = "per_device_train_batch_size=3 is not a multiple of num_generations=2"
+@pytest.mark.parametrize(
+    ("sizes", "layout"),
+    [
+        (dict(per_device_train_batch_size=4, num_generations=2, steps_per_generation=2), "group_granular"),
+        (dict(per_device_train_batch_size=3, num_generations=2, steps_per_generation=2), "pre_pass"),
+    ],
+)
+def test_cheapest_exact_layout_is_chosen(sizes, layout):
+    trainer = make_trainer(DFPOTrainer, DFPOConfig, **{**GSPO, **sizes}, group_transform="min_replace")
+    assert trainer.group_layout == layout
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (dict(per_device_train_batch_size=3, num_generations=2, transform_stop_gradient=False),
+         "transform_stop_gradient=False .* per_device_train_batch_size=3"),
+        (dict(per_device_train_batch_size=2, num_generations=4, steps_per_generation=6, gradient_accumulation_steps=4),
+         "set steps_per_generation to a multiple of gradient_accumulation_steps=4"),
+    ],
+)
+def test_layouts_that_cannot_be_exact_are_refused(sizes, message):
     with pytest.raises(ValueError, match=message):
-        make_trainer(DFPOTrainer, DFPOConfig, **GSPO, per_device_train_batch_size=3, num_generations=2,
-                     group_transform="min_replace")
+        make_trainer(DFPOTrainer, DFPOConfig, **{**GSPO, **sizes}, group_transform="min_replace")
 
 
 class RecordingTrainer(DFPOTrainer):

@@ -1,0 +1,208 @@
+"""ZeRO-3 on several GPUs: exact in-group coefficients when groups span processes and micro-steps.
+
+Two phases, one command each (see benchmarks/README.md):
+
+* ``--phase reference`` (one process, no DeepSpeed): s̄ and s̃ of every row of one fixed generation batch at
+  the initial weights, the single-process reference of DESIGN.md §4.
+* ``--phase zero3`` (``accelerate launch --config_file recipes/accelerate/zero3_2gpu.yaml``): the same batch,
+  sliced per process as TRL slices a rollout, trained for one optimizer step of several micro-steps with
+  groups cut across processes and micro-steps (layout ``pre_pass``); every process records the s̄, s̃ its loss
+  used and the loss. Then, with real generation, a few steps of the pre-pass layout against the co-located
+  one (same generation batch, whole groups per micro-batch) for the step-time comparison.
+* ``--phase compare``: writes ``zero3.json`` with the schema of issue #6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+from dfpo_trl import DFPOConfig, DFPOTrainer
+from dfpo_trl.layout import consecutive_group_ids
+from dfpo_trl.tasks import get_task
+from dfpo_trl.transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
+
+TRANSFORM = "min_replace"
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+# 2 processes x 3 rows x 2 micro-steps = 12 rows, groups of 4: group 1 straddles the processes, every group
+# straddles micro-steps, and no process holds a whole group in a micro-batch.
+SIZES = dict(per_device_train_batch_size=3, num_generations=4, steps_per_generation=2, gradient_accumulation_steps=2)
+
+
+def fixed_batch(model_path: str, world: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A generation batch of random completions with old log-probs shifted from the model's by known amounts."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rows = world * SIZES["per_device_train_batch_size"] * SIZES["steps_per_generation"]
+    g = torch.Generator().manual_seed(seed)
+    prompt = tokenizer("Compute 3 + 4. Give the final answer as: Answer: <number>", return_tensors="pt").input_ids
+    completion_ids = torch.randint(100, tokenizer.vocab_size - 100, (rows, 12), generator=g)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 8:] = 0
+    rewards = torch.randint(0, 2, (rows,), generator=g).float().view(-1, SIZES["num_generations"])
+    rewards[:, 0], rewards[:, 1] = 0.0, 1.0  # every group has signal
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
+    return {
+        "prompt_ids": prompt.repeat(rows, 1),
+        "prompt_mask": torch.ones(rows, prompt.size(1), dtype=torch.long),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": adv,
+        "log_ratio_shift": 0.15 * torch.randn(rows, 1, generator=g) + 0.03 * torch.randn(rows, 12, generator=g),
+    }
+
+
+@torch.no_grad()
+def model_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1).to(model.device)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1).to(model.device)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -batch["completion_ids"].size(1) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].to(model.device)[..., None])[..., 0].cpu()
+
+
+def phase_reference(args: argparse.Namespace) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    batch = fixed_batch(args.model, args.world)
+    logps = model_logps(model, batch)
+    batch["old_per_token_logps"] = logps - batch.pop("log_ratio_shift")
+    rho = sequence_log_ratio(logps, batch["old_per_token_logps"], batch["completion_mask"])
+    s_bar = sign_aware_post_clip(rho.exp(), batch["advantages"], EPS_LOW, EPS_HIGH)
+    g = SIZES["num_generations"]
+    s_tilde = apply_group_transform(TRANSFORM, s_bar.view(-1, g), batch["advantages"].view(-1, g)).reshape(-1)
+    torch.save({"batch": batch, "s_bar": s_bar, "s_tilde": s_tilde}, args.out_dir / "zero3_reference.pt")
+    print(f"reference: {s_bar.numel()} rows, transform changed {(s_tilde != s_bar).sum().item()} weights")
+
+
+class Recorder(DFPOTrainer):
+    """Keeps the s̄, s̃ and loss of every micro-step (the coefficients are set inside `_compute_loss`)."""
+
+    records: list[dict[str, Any]]
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        loss = super()._compute_loss(model, inputs)
+        w = self.last_sequence_weights
+        self.records.append(
+            {"row_ids": w["row_ids"].cpu(), "s_bar": w["s_bar"].float().cpu(), "s_tilde": w["s_tilde"].float().cpu(),
+             "loss": float(loss.detach()), "layout": self.group_layout}
+        )
+        return loss
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+        synchronize()
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        synchronize()
+        self.times.append(time.perf_counter() - self._start)
+
+
+def base_config(args: argparse.Namespace, **overrides: Any) -> DFPOConfig:
+    values: dict[str, Any] = dict(
+        output_dir=str(args.out_dir / "trainer"), importance_sampling_level="sequence", loss_type="grpo",
+        epsilon=EPS_LOW, epsilon_high=EPS_HIGH, group_transform=TRANSFORM, bf16=False, report_to="none",
+        save_strategy="no", logging_steps=1, max_completion_length=32, disable_tqdm=True, seed=0,
+    )
+    values.update(overrides)
+    return DFPOConfig(**values)
+
+
+def phase_zero3(args: argparse.Namespace) -> None:
+    reference = torch.load(args.out_dir / "zero3_reference.pt")
+    task = get_task("arithmetic")
+    dataset = task.build_dataset("train", 256, 0)
+    # 1. exactness: one optimizer step (two micro-steps) on the fixed batch, learning rate 0.
+    config = base_config(args, **SIZES, learning_rate=0.0, max_steps=1)
+    trainer = Recorder(model=args.model, reward_funcs=task.reward_funcs, args=config, train_dataset=dataset)
+    trainer.records = []
+    rank = trainer.accelerator.process_index
+    local = SIZES["per_device_train_batch_size"] * SIZES["steps_per_generation"]
+    rows = slice(rank * local, (rank + 1) * local)
+    device = trainer.accelerator.device
+    local_batch = {k: v[rows].to(device) for k, v in reference["batch"].items()}
+    local_batch["num_items_in_batch"] = reference["batch"]["completion_mask"].sum().to(device)
+    group_size = SIZES["num_generations"]
+    local_batch["group_ids"] = consecutive_group_ids(local, group_size, offset=rank * local, device=device)
+    local_batch["row_ids"] = torch.arange(rank * local, (rank + 1) * local, device=device)
+    trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
+    trainer._policy_unchanged_since_rollout = lambda: False  # the fixed batch's old log-probs are not θ's
+    trainer.train()
+    torch.save(trainer.records, args.out_dir / f"zero3_rank{rank}.pt")
+    # 2. step time: the pre-pass layout against whole groups per micro-batch, same generation batch.
+    timings = {}
+    for name, sizes in (
+        ("co_located", dict(per_device_train_batch_size=8, num_generations=8, steps_per_generation=4)),
+        ("pre_pass", dict(per_device_train_batch_size=4, num_generations=8, steps_per_generation=8,
+                          gradient_accumulation_steps=2)),
+    ):
+        timer = StepTimer()
+        config = base_config(args, **sizes, learning_rate=1e-6, max_steps=args.timing_steps)
+        run = DFPOTrainer(model=args.model, reward_funcs=task.reward_funcs, args=config, train_dataset=dataset,
+                          callbacks=[timer])
+        run.train()
+        losses = [h["loss"] for h in run.state.log_history if "loss" in h]
+        timings[name] = {"layout": run.group_layout, "step_s": timer.times, "loss_finite": all(
+            v == v and abs(v) != float("inf") for v in losses)}
+    if rank == 0:
+        (args.out_dir / "zero3_timing.json").write_text(json.dumps(timings))
+
+
+def phase_compare(args: argparse.Namespace) -> None:
+    reference = torch.load(args.out_dir / "zero3_reference.pt")
+    diffs, layouts, losses = [], set(), []
+    for path in sorted(args.out_dir.glob("zero3_rank*.pt")):
+        for record in torch.load(path):
+            ids = record["row_ids"]
+            diffs.append((record["s_bar"] - reference["s_bar"][ids]).abs().max().item())
+            diffs.append((record["s_tilde"] - reference["s_tilde"][ids]).abs().max().item())
+            layouts.add(record["layout"])
+            losses.append(record["loss"])
+    timing = json.loads((args.out_dir / "zero3_timing.json").read_text())
+    warm = {k: v["step_s"][2:] or v["step_s"] for k, v in timing.items()}
+    result = {
+        "device": args.device_name, "gpus": args.world, "zero_stage": 3, "steps": args.timing_steps,
+        "layout": sorted(layouts), "coefficients_match_reference": bool(diffs) and max(diffs) < args.tolerance,
+        "max_abs_diff": max(diffs) if diffs else None, "tolerance": args.tolerance,
+        "loss_finite": all(v == v and abs(v) != float("inf") for v in losses)
+        and all(v["loss_finite"] for v in timing.values()),
+        "median_step_s": {k: statistics.median(v) for k, v in warm.items()},
+        "layouts_timed": {k: v["layout"] for k, v in timing.items()},
+    }
+    result["pre_pass_over_co_located"] = result["median_step_s"]["pre_pass"] / result["median_step_s"]["co_located"]
+    (args.out_dir / "zero3.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phase", choices=["reference", "zero3", "compare"], required=True)
+    parser.add_argument("--model", default="/root/models/smollm2-135m-instruct")
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--timing-steps", type=int, default=6)
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--device-name", default=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    {"reference": phase_reference, "zero3": phase_zero3, "compare": phase_compare}[args.phase](args)
+
+
+if __name__ == "__main__":
+    main()

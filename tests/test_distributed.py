@@ -1,0 +1,143 @@
+"""Groups spread over processes and micro-steps: two CPU processes (gloo) against the single-process reference.
+
+Each process gets its slice of one hand-built generation batch, exactly as TRL slices a rollout, and runs the
+micro-steps of one optimizer step (no parameter update in between, so every micro-step sees the same θ). The
+per-sequence s̄ and s̃ each process used, and each micro-batch's loss, must equal a single-process computation
+on the whole generation batch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from tiny import WORDS, base_args, hand_batch, last_digit_reward, tiny_model, tiny_tokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+from dfpo_trl import DFPOConfig, DFPOTrainer
+from dfpo_trl.layout import consecutive_group_ids
+from dfpo_trl.transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
+
+pytestmark = pytest.mark.distributed
+WORLD = 2
+TRANSFORM = "positive_orth_proj"
+GSPO = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.2, epsilon_high=0.28)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def global_batch(rows: int, group_size: int, seed: int = 3) -> dict[str, Any]:
+    """One generation batch for all processes, with old log-probs off the current policy by known amounts."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, len(WORDS), (rows, 5), generator=g)
+    mask = torch.ones(rows, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    rewards = torch.randn(rows, generator=g).view(-1, group_size)
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / rewards.std(1, keepdim=True)).view(-1)
+    batch = hand_batch(ids, mask, adv, None)
+    model = tiny_model()
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.cat([batch["prompt_ids"], ids], 1),
+            attention_mask=torch.cat([batch["prompt_mask"], mask], 1),
+        )
+    logps = torch.log_softmax(out.logits[:, -ids.size(1) - 1 : -1].float(), -1).gather(-1, ids[..., None])[..., 0]
+    shift = 0.15 * torch.randn(rows, 1, generator=g) + 0.05 * torch.randn(rows, 5, generator=g)
+    batch["old_per_token_logps"] = logps - shift
+    batch["reference_logps"] = logps
+    return batch
+
+
+def reference_weights(batch: dict[str, Any], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-process s̄ and s̃ for every row of the generation batch (DESIGN.md §4's reference)."""
+    rho = sequence_log_ratio(batch["reference_logps"], batch["old_per_token_logps"], batch["completion_mask"])
+    s_bar = sign_aware_post_clip(rho.exp(), batch["advantages"], 0.2, 0.28)
+    s_tilde = apply_group_transform(TRANSFORM, s_bar.view(-1, group_size), batch["advantages"].view(-1, group_size))
+    return s_bar, s_tilde.reshape(-1)
+
+
+def worker(rank: int, port: int, sizes: dict[str, int], batch_path: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    batch = torch.load(batch_path)
+    args = DFPOConfig(**base_args(**GSPO, **sizes, group_transform=TRANSFORM))
+    trainer = DFPOTrainer(model=tiny_model(), reward_funcs=last_digit_reward, args=args,
+                          train_dataset=__import__("tiny").addition_dataset(), processing_class=tiny_tokenizer())
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    local = args.per_device_train_batch_size * args.steps_per_generation
+    rows = slice(rank * local, (rank + 1) * local)
+    local_batch = {k: (v[rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()
+                   if k != "reference_logps"}
+    local_batch["group_ids"] = consecutive_group_ids(local, args.num_generations, offset=rank * local)
+    local_batch["row_ids"] = torch.arange(rank * local, (rank + 1) * local)
+    trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
+    trainer._policy_unchanged_since_rollout = lambda: False  # θ ≠ θ_old here: force the pre-pass forward
+    records = []
+    for _ in range(args.gradient_accumulation_steps):  # the micro-steps of one optimizer step
+        inputs = trainer._prepare_inputs(None)
+        loss = trainer.compute_loss(trainer.model, inputs)
+        weights = trainer.last_sequence_weights
+        micro = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        records.append(dict(layout=trainer.group_layout, loss=loss.detach(), row_ids=weights["row_ids"].clone(),
+                            s_bar=weights["s_bar"].clone(), s_tilde=weights["s_tilde"].clone(), inputs=micro))
+        trainer._step += 1
+    torch.save(records, Path(out_dir) / f"rank{rank}.pt")
+
+
+def reference_loss(inputs: dict[str, Any], phi: torch.Tensor, sizes: dict[str, int]) -> torch.Tensor:
+    """TRL's own GSPO loss on the micro-batch with Â φ: what each process's loss must be (eq. 59–62)."""
+    trainer = GRPOTrainer(model=tiny_model(), reward_funcs=last_digit_reward,
+                          args=GRPOConfig(**base_args(**GSPO)),  # its batch sizes do not enter the loss
+                          train_dataset=__import__("tiny").addition_dataset(), processing_class=tiny_tokenizer())
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = sizes["gradient_accumulation_steps"]
+    batch = {k: v for k, v in inputs.items() if not k.startswith("dfpo_")}
+    batch["advantages"] = batch["advantages"] * phi
+    with torch.no_grad():
+        return trainer.compute_loss(trainer.model, batch)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "layout"),
+    [
+        # 12 rows, 3 groups of 4; 6 per process: group 1 straddles the processes, groups straddle micro-steps.
+        (dict(per_device_train_batch_size=3, num_generations=4, steps_per_generation=2,
+              gradient_accumulation_steps=2), "pre_pass"),
+        # One optimizer step per micro-step: the pre-pass also forwards the group members of the other one.
+        (dict(per_device_train_batch_size=3, num_generations=4, steps_per_generation=2,
+              gradient_accumulation_steps=1), "pre_pass"),
+        # 4 rows, one group split over the two processes in the same micro-step: all-gather only.
+        (dict(per_device_train_batch_size=2, num_generations=4, steps_per_generation=1,
+              gradient_accumulation_steps=1, num_iterations=2), "cross_process"),
+    ],
+)
+def test_coefficients_and_loss_match_single_process(tmp_path, sizes, layout):
+    rows = WORLD * sizes["per_device_train_batch_size"] * sizes["steps_per_generation"]
+    batch = global_batch(rows, sizes["num_generations"])
+    torch.save(batch, tmp_path / "batch.pt")
+    mp.spawn(worker, args=(free_port(), sizes, str(tmp_path / "batch.pt"), str(tmp_path)), nprocs=WORLD)
+    s_bar_ref, s_tilde_ref = reference_weights(batch, sizes["num_generations"])
+    seen = []
+    for rank in range(WORLD):
+        for record in torch.load(tmp_path / f"rank{rank}.pt"):
+            assert record["layout"] == layout
+            ids = record["row_ids"]
+            seen.append(ids)
+            assert torch.allclose(record["s_bar"], s_bar_ref[ids], atol=1e-5)
+            assert torch.allclose(record["s_tilde"], s_tilde_ref[ids], atol=1e-5)
+            phi = s_tilde_ref[ids] / s_bar_ref[ids]
+            assert torch.allclose(record["loss"], reference_loss(record["inputs"], phi, sizes), atol=1e-6)
+    covered = torch.cat(seen).unique()
+    assert covered.numel() == rows // (sizes["steps_per_generation"] // sizes["gradient_accumulation_steps"])
+    assert (s_tilde_ref != s_bar_ref).any()  # the transform acted, so the comparison has teeth
