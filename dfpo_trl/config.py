@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
@@ -11,6 +11,9 @@ from .transforms import GROUP_TRANSFORMS
 TRANSFORM_GRADIENTS = ("ratio", "score")
 # TRL loss types whose policy term is TRL's clipped surrogate -min(r A, clip(r) A); DFPO rewrites only those.
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+TOKEN_WEIGHTINGS = ("none", "delta")
+# Token-level clipped loss types DelTA weights, each with a known normalisation domain (delta_trainer).
+DELTA_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 @dataclass
@@ -51,6 +54,30 @@ class DFPOConfig(GRPOConfig):
         log_mechanism_metrics (`bool`, *optional*, defaults to `True`):
             Log `asym/before`, `asym/after` (eq. 23), `transform/orth_residual`, `transform/phi_min|mean` and
             `cancellation/shared_prefix_residual` (DESIGN.md §6) every step. O(batch) scalar work.
+        token_weighting (`str`, *optional*, defaults to `"none"`):
+            `"delta"`: DelTA token weights (DESIGN.md §5, delta-digest.txt): per rollout batch, with the
+            rollout-time model, λ_{i,t} from the LM-head-row proxy (1 − p) h (centroids global over processes),
+            self-normalised over the loss's normalisation domain (per sequence for `loss_type="grpo"`, per
+            micro-batch for `"bnpo"`, over the global rollout batch for `"dapo"`/`"dr_grpo"`), held fixed across
+            `num_iterations` and applied as stop-gradient per-token multipliers on TRL's clipped surrogate (not
+            on the KL term). Costs no extra forward when TRL computes old log-probs (off-policy), one otherwise.
+            Token-level only: with `importance_sampling_level="sequence"` a per-token multiplier on the broadcast
+            sequence-level loss only rescales each sequence, so it is refused. Works with `symmetric_clip`.
+        delta_lambda_min (`float`, *optional*, defaults to `0.8`):
+            λ_min of λ = λ_min + (λ_max − λ_min) α (the paper's [0.8, 1.2]); must be > 0.
+        delta_lambda_max (`float`, *optional*, defaults to `1.2`):
+            λ_max; must be >= `delta_lambda_min`.
+        delta_refine_steps (`int`, *optional*, defaults to `1`):
+            K, the number of centroid refinements (the paper uses 1; 0 is the "w/o refinement" ablation).
+        delta_gamma (`float` or `None`, *optional*, defaults to `None`):
+            `None`: adaptive γ_side = mean |margin| of the side; a number fixes γ (the "w/o adaptive γ" ablation).
+        delta_assignment (`str`, *optional*, defaults to `"soft"`):
+            `"soft"`: α = σ(margin / γ); `"hard"`: α = 1[margin > 0] (the "w/o h(α)" ablation).
+        delta_contrast (`str`, *optional*, defaults to `"opposite"`):
+            `"opposite"`: margin against the opposite side's centroid (eq. DelTA-alpha); `"within"`: own-side
+            centrality only (the "within-side only" ablation).
+        delta_random (`bool`, *optional*, defaults to `False`):
+            The "random λ" control: λ ~ U[λ_min, λ_max] on the same tokens, seeded from `seed`.
     """
 
     group_transform: str = field(
@@ -89,6 +116,37 @@ class DFPOConfig(GRPOConfig):
     log_mechanism_metrics: bool = field(
         default=True,
         metadata={"help": "Log asym/*, transform/*, cancellation/shared_prefix_residual every step."},
+    )
+    token_weighting: str = field(
+        default="none",
+        metadata={
+            "help": "'delta': DelTA token weights (DESIGN.md section 5): lambda from the (1 - p) h proxy once per "
+            "rollout batch, self-normalised over the loss's normalisation domain, fixed across num_iterations, "
+            "stop-gradient per-token multipliers on the clipped surrogate. Token-level only. 'none': off."
+        },
+    )
+    delta_lambda_min: float = field(
+        default=0.8, metadata={"help": "DelTA lambda_min of lambda = min + (max - min) * alpha; must be > 0."}
+    )
+    delta_lambda_max: float = field(
+        default=1.2, metadata={"help": "DelTA lambda_max; must be >= delta_lambda_min."}
+    )
+    delta_refine_steps: int = field(
+        default=1, metadata={"help": "DelTA centroid refinement steps K (paper: 1; 0 = 'w/o refinement')."}
+    )
+    delta_gamma: float | None = field(
+        default=None,
+        metadata={"help": "DelTA gamma: None = adaptive (mean |margin| per side); a number = fixed (ablation)."},
+    )
+    delta_assignment: str = field(
+        default="soft", metadata={"help": "DelTA alpha: 'soft' = sigmoid(margin / gamma); 'hard' = 1[margin > 0]."}
+    )
+    delta_contrast: str = field(
+        default="opposite",
+        metadata={"help": "DelTA margin: 'opposite' (eq. DelTA-alpha) or 'within' (own side only, ablation)."},
+    )
+    delta_random: bool = field(
+        default=False, metadata={"help": "DelTA 'random lambda' control: lambda ~ U[lambda_min, lambda_max]."}
     )
 
     def __post_init__(self) -> None:
@@ -170,6 +228,7 @@ class DFPOConfig(GRPOConfig):
                     f"{what} cannot be combined with off_policy_mask_threshold: the off-policy mask would read "
                     "the rewritten old log-probabilities. Set off_policy_mask_threshold=None."
                 )
+        self._validate_delta_fields()
 
     def _describe_sequence_options(self) -> str:
         parts = []
@@ -186,4 +245,49 @@ class DFPOConfig(GRPOConfig):
             raise ValueError(
                 f"{what} rewrites TRL's clipped surrogate, which loss_type={self.loss_type!r} does not use. Set "
                 f"loss_type to one of {', '.join(repr(t) for t in CLIPPED_LOSS_TYPES)}."
+            )
+
+    def _validate_delta_fields(self) -> None:
+        """DelTA (DESIGN.md §5): valid options, token-level clipped loss types only."""
+        if self.token_weighting not in TOKEN_WEIGHTINGS:
+            raise ValueError(
+                f"token_weighting={self.token_weighting!r} is not valid; use 'none' or 'delta' (DelTA)."
+            )
+        if not 0 < self.delta_lambda_min <= self.delta_lambda_max:
+            raise ValueError(
+                f"delta_lambda_min={self.delta_lambda_min} and delta_lambda_max={self.delta_lambda_max} must satisfy "
+                "0 < delta_lambda_min <= delta_lambda_max (the weights multiply advantages and must stay positive); "
+                "the paper uses 0.8 and 1.2."
+            )
+        if self.delta_refine_steps < 0:
+            raise ValueError(f"delta_refine_steps must be >= 0, got {self.delta_refine_steps}.")
+        if self.delta_gamma is not None and not self.delta_gamma > 0:
+            raise ValueError(f"delta_gamma must be > 0, or None for the adaptive gamma; got {self.delta_gamma}.")
+        if self.delta_assignment not in ("soft", "hard"):
+            raise ValueError(f"delta_assignment={self.delta_assignment!r} is not valid; use 'soft' or 'hard'.")
+        if self.delta_contrast not in ("opposite", "within"):
+            raise ValueError(f"delta_contrast={self.delta_contrast!r} is not valid; use 'opposite' or 'within'.")
+        if self.token_weighting != "delta":
+            changed = [
+                f.name for f in fields(self) if f.name.startswith("delta_") and getattr(self, f.name) != f.default
+            ]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)}: DelTA options have no effect unless token_weighting='delta', but "
+                    f"token_weighting={self.token_weighting!r}. Set token_weighting='delta' or leave them at their "
+                    "defaults."
+                )
+            return
+        if self.importance_sampling_level != "token":
+            raise ValueError(
+                "token_weighting='delta' weights tokens, but importance_sampling_level="
+                f"{self.importance_sampling_level!r}: TRL's sequence-level loss is one term per sequence broadcast "
+                "over its tokens, so a per-token multiplier would only rescale each sequence by its mean weight. "
+                "Set importance_sampling_level='token'."
+            )
+        if self.loss_type not in DELTA_LOSS_TYPES:
+            raise ValueError(
+                f"token_weighting='delta' multiplies TRL's per-token clipped surrogate and keeps the normaliser of "
+                f"loss_type, but loss_type={self.loss_type!r} is not a token-level clipped loss. Set loss_type to "
+                f"one of {', '.join(repr(t) for t in DELTA_LOSS_TYPES)}."
             )

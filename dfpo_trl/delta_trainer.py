@@ -1,0 +1,366 @@
+"""DelTA token weights wired into ``DFPOTrainer`` (DESIGN.md §5, delta-digest.txt "Implementation details").
+
+``DeltaMixin`` sits between ``DFPOTrainer`` and ``trl.GRPOTrainer`` in the method resolution order. With
+``token_weighting="delta"``, once per *training* rollout batch, after TRL has computed the advantages:
+
+* h, the final hidden state that feeds the LM head, is read by a forward hook on the backbone whose
+  ``last_hidden_state`` TRL's fused LM head consumes (the output of the decoder's final norm; logits never
+  exist in full). The hook is registered only around one policy log-prob forward: TRL's own old-log-prob
+  forward when TRL runs it (off-policy, vLLM importance sampling: zero extra forwards), otherwise one no-grad
+  forward through TRL's ``_get_per_token_logps_and_entropies`` (on-policy: one extra forward, never three).
+  That forward also gives p = exp(log p) of every sampled token at the rollout-time parameters.
+* Alignment: TRL scores the last ``logits_to_keep`` = T positions of ``log_probs``, whose position j is
+  predicted from hidden position j; so completion token t uses ``last_hidden_state[:, -(T+1) + t]``.
+* λ = ``token_weights_from_hidden`` (v = (1 − p) h, centroids all-reduced over processes), then
+  self-normalised over the loss's normalisation domain (:func:`normalisation_domain`), stored per row in
+  ``output["delta_weights"]`` (B, T). TRL's buffering, shuffling and splitting carry it with its row, so the
+  weights stay fixed across ``num_iterations``.
+* In the loss, ``apply_delta_weights`` turns TRL's advantages into Â_i λ̄_{i,t} (shape (B, T), which TRL's
+  ``_compute_loss`` accepts). Since λ̄ > 0, -min(r Â λ̄, clip(r) Â λ̄) = -λ̄ min(r Â, clip(r) Â): a stop-gradient
+  per-token multiplier on TRL's clipped surrogate (eq. DelTA-weighted-objective). The β-KL term and the
+  entropy bonus are not weighted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import is_peft_model
+from torch import Tensor
+from trl.models.utils import disable_gradient_checkpointing
+
+from .delta import self_normalise, token_weights_from_hidden
+
+logger = logging.getLogger(__name__)
+
+DELTA_WEIGHTS_KEY = "delta_weights"
+TOKEN_TABLE_SIZE = 10
+DOMAIN_SEQUENCE = "sequence"  # loss_type="grpo": per-sequence token mean
+DOMAIN_MICRO_BATCH = "micro_batch"  # loss_type="bnpo": token mean of the local micro-batch
+DOMAIN_ROLLOUT = "rollout"  # loss_type="dapo" / "dr_grpo": tokens of the whole (global) rollout batch
+# Inputs of TRL's `_get_per_token_logps_and_entropies` that a rollout dict may carry (multimodal models).
+_FORWARD_KEYS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
+
+Reducer = Callable[[Tensor], Tensor]
+
+
+def normalisation_domain(loss_type: str) -> str:
+    """Where λ̄ must average 1 so that the loss's own normaliser is kept (digest: λ̄ = λ N / Z).
+
+    ``grpo`` divides each sequence by its length: per sequence. ``bnpo`` divides the micro-batch by its
+    (local) token count: per micro-batch, done at loss time. ``dapo`` divides by the token count of the whole
+    generation batch over all processes, ``dr_grpo`` by a constant: over the global rollout batch.
+    """
+    if loss_type == "grpo":
+        return DOMAIN_SEQUENCE
+    if loss_type == "bnpo":
+        return DOMAIN_MICRO_BATCH
+    if loss_type in ("dapo", "dr_grpo"):
+        return DOMAIN_ROLLOUT
+    raise ValueError(f"token_weighting='delta' has no normalisation domain for loss_type={loss_type!r}.")
+
+
+def sum_over_processes(t: Tensor) -> Tensor:
+    """The ``all_reduce`` hook of ``dfpo_trl.delta``: element-wise sum over every process (in place)."""
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def delta_options(args: Any) -> dict[str, Any]:
+    """``token_weights_from_hidden`` keyword arguments from a ``DFPOConfig``."""
+    return dict(
+        lambda_min=args.delta_lambda_min,
+        lambda_max=args.delta_lambda_max,
+        refine_steps=args.delta_refine_steps,
+        gamma=args.delta_gamma,
+        assignment=args.delta_assignment,
+        contrast=args.delta_contrast,
+        random_weights=args.delta_random,
+    )
+
+
+def rollout_weights(
+    hidden: Tensor,
+    token_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    loss_type: str,
+    *,
+    all_reduce: Reducer | None = None,
+    generator: torch.Generator | None = None,
+    **options: Any,
+) -> tuple[Tensor, Tensor]:
+    """λ (B, T) of one rollout batch and λ̄, λ self-normalised over the rollout-time domain of ``loss_type``.
+
+    Per sequence for ``grpo``; over the whole rollout batch (all processes through ``all_reduce``) for
+    ``dapo``, ``dr_grpo`` and ``bnpo`` (whose micro-batch normalisation is redone at loss time by
+    :func:`apply_delta_weights`). ``options`` are ``token_weights_from_hidden``'s (:func:`delta_options`).
+    """
+    raw = token_weights_from_hidden(
+        hidden, token_probs, advantages, mask, all_reduce=all_reduce, generator=generator, **options
+    )
+    if normalisation_domain(loss_type) == DOMAIN_SEQUENCE:
+        return raw, self_normalise(raw, mask, dim=-1)
+    return raw, self_normalise(raw, mask, all_reduce=all_reduce)
+
+
+def apply_delta_weights(inputs: dict[str, Any], mask: Tensor, loss_type: str) -> None:
+    """Â_i → Â_i λ̄_{i,t} in a loss-input dict that carries ``delta_weights`` (no-op otherwise).
+
+    For ``bnpo`` λ̄ is first renormalised to average 1 over this micro-batch's loss tokens, the domain of
+    bnpo's normaliser. Must run after everything that reads the 1-D advantages.
+    """
+    weights = inputs.get(DELTA_WEIGHTS_KEY)
+    if weights is None:
+        return
+    if normalisation_domain(loss_type) == DOMAIN_MICRO_BATCH:
+        weights = self_normalise(weights, mask)
+    advantages = inputs["advantages"]
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    inputs["advantages"] = advantages * weights.to(device=advantages.device, dtype=advantages.dtype)
+
+
+def side_means(values: Tensor, advantages: Tensor, mask: Tensor, all_reduce: Reducer | None = None) -> Tensor:
+    """Means of ``values`` ((B, T), or (k, B, T) for k quantities at once) over the loss tokens of the Â > 0
+    and the Â < 0 rows, global through ``all_reduce`` (one collective): shape (2,) or (k, 2), [pos, neg],
+    NaN for an empty side."""
+    v = values.detach().to(torch.float64)
+    single = v.dim() == 2
+    if single:
+        v = v.unsqueeze(0)
+    m = (mask != 0).to(device=v.device, dtype=torch.float64)
+    adv = advantages.to(v.device)
+    sides = torch.stack([(adv > 0)[:, None] * m, (adv < 0)[:, None] * m])  # (2, B, T)
+    sums = torch.einsum("kbt,sbt->ks", v, sides)
+    stats = torch.cat([sums.reshape(-1), sides.sum((1, 2))])
+    if all_reduce is not None:
+        stats = all_reduce(stats)
+    sums, counts = stats[:-2].view(-1, 2), stats[-2:]
+    means = torch.where(counts > 0, sums / counts.clamp_min(1.0), torch.full_like(sums, float("nan")))
+    return means[0] if single else means
+
+
+def token_table(
+    weights: Tensor,
+    completion_ids: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    decode: Callable[[int], str],
+    k: int = TOKEN_TABLE_SIZE,
+) -> list[dict[str, Any]]:
+    """The ``k`` token ids with the highest and the ``k`` with the lowest mean λ over the weighted tokens
+    (loss tokens of Â ≠ 0 rows) of a batch: rows ``{"rank", "token", "token_id", "mean_lambda", "count"}``.
+    The paper's Figure 4 reports reasoning tokens ("prime", "=y", "forward") high and entity names low."""
+    active = (mask != 0) & (advantages != 0)[:, None]
+    ids, w = completion_ids[active], weights.detach()[active].to(torch.float64)
+    if ids.numel() == 0:
+        return []
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    sums = torch.zeros(unique.numel(), dtype=torch.float64, device=w.device).index_add_(0, inverse, w)
+    counts = torch.zeros_like(sums).index_add_(0, inverse, torch.ones_like(w))
+    means = sums / counts
+    order = torch.argsort(means, descending=True, stable=True).tolist()
+    k = min(k, len(order))
+    rows = []
+    for rank, positions in (("high", order[:k]), ("low", order[::-1][:k])):
+        for p in positions:
+            tid = int(unique[p])
+            rows.append(
+                {"rank": rank, "token": decode(tid), "token_id": tid, "mean_lambda": float(means[p]),
+                 "count": int(counts[p])}
+            )
+    return rows
+
+
+def format_token_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'rank':<5} {'mean λ':>7} {'count':>6}  token"]
+    lines += [f"{r['rank']:<5} {r['mean_lambda']:7.4f} {r['count']:6d}  {r['token']!r}" for r in rows]
+    return "\n".join(lines)
+
+
+def lm_head_input_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The backbone whose ``last_hidden_state`` TRL's fused LM head projects (``model.base_model`` of the
+    causal LM, as ``trl.trainer.utils.add_fused_lm_head`` looks it up); PEFT wrappers are looked through.
+    Its output is the final norm's output, the h of the digest's proxy (1 − p) h."""
+    inner = model.get_base_model() if is_peft_model(model) else model
+    backbone = getattr(inner, "base_model", None)
+    if not isinstance(backbone, torch.nn.Module) or backbone is inner:
+        raise ValueError(
+            f"token_weighting='delta' needs a causal LM with a backbone (`base_model`) feeding its LM head; "
+            f"{type(inner).__name__} has none."
+        )
+    return backbone
+
+
+class _HiddenCapture:
+    """Collects the completion positions' final hidden states of one policy log-prob forward (per chunk)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[Tensor] = []
+        self.hidden: Tensor | None = None
+        self.logps: Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.hidden is not None
+
+    def run(self, module: torch.nn.Module, logits_to_keep: int, forward: Callable[[], Any]) -> Any:
+        def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            h = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            # log_probs[:, j] is predicted from hidden position j (TRL shifts labels by one), and TRL keeps the
+            # last logits_to_keep of them: completion token t <-> hidden position S - 1 - T + t.
+            self.chunks.append(h[:, -(logits_to_keep + 1) : -1].detach().clone())
+
+        handle = module.register_forward_hook(hook)
+        try:
+            out = forward()
+        finally:
+            handle.remove()
+        if not self.chunks:
+            raise RuntimeError("token_weighting='delta': the policy forward never reached the hooked backbone.")
+        self.hidden = torch.cat(self.chunks, dim=0)
+        self.chunks = []
+        self.logps = out[0].detach()
+        return out
+
+
+class DeltaMixin:
+    """DelTA token weighting for a ``GRPOTrainer`` subclass whose args are a ``DFPOConfig`` (DESIGN.md §5).
+
+    The subclass calls :meth:`_apply_delta_weights` on the loss inputs after its own advantage rewrites.
+    ``delta_token_table`` holds the latest table of highest/lowest-weighted tokens (made at logging steps).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._delta_armed: _HiddenCapture | None = None
+        self._delta_last_table_step: int | None = None
+        self.delta_token_table: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------------------------------- rollout
+    def _delta_enabled(self) -> bool:
+        return getattr(self.args, "token_weighting", "none") == "delta" and self.model.training
+
+    def _trl_runs_old_logps_forward(self) -> bool:
+        """TRL 1.16's condition for computing old log-probs in the rollout (``_generate_and_score_completions``)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0 or bool(
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
+
+    def _delta_all_reduce(self) -> Reducer | None:
+        return sum_over_processes if self.accelerator.num_processes > 1 else None
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's rollout, capturing h in TRL's old-log-prob forward when it runs; then λ̄ per token."""
+        if not self._delta_enabled():
+            return super()._generate_and_score_completions(inputs)
+        capture = _HiddenCapture()
+        # Armed only when TRL will run the old-log-prob forward: the first policy forward of the rollout is then
+        # that one (with a PEFT reference, the later reference forward also goes through the policy).
+        self._delta_armed = capture if self._trl_runs_old_logps_forward() else None
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._delta_armed = None
+        if not capture.done:
+            self._delta_policy_forward(output, capture)
+        self._delta_store_weights(output, capture)
+        return output
+
+    def _get_per_token_logps_and_entropies(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
+        capture = getattr(self, "_delta_armed", None)
+        if capture is None or model is not self.model:
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        self._delta_armed = None
+        logits_to_keep = kwargs["logits_to_keep"] if "logits_to_keep" in kwargs else args[2]
+        module = lm_head_input_module(self.accelerator.unwrap_model(model))
+        return capture.run(
+            module, int(logits_to_keep), lambda: super(DeltaMixin, self)._get_per_token_logps_and_entropies(
+                model, *args, **kwargs
+            )
+        )
+
+    def _delta_policy_forward(self, output: dict[str, Any], capture: _HiddenCapture) -> None:
+        """The one extra no-grad forward of the on-policy case, through TRL's own log-prob helper."""
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        extra = {key: output[key] for key in _FORWARD_KEYS if key in output}
+        self._delta_armed = capture
+        try:
+            with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, output["completion_ids"].size(1),
+                    batch_size=self.args.per_device_train_batch_size, **extra,
+                )
+        finally:
+            self._delta_armed = None
+
+    def _delta_store_weights(self, output: dict[str, Any], capture: _HiddenCapture) -> None:
+        assert capture.hidden is not None and capture.logps is not None
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        advantages = output["advantages"]
+        hidden, probs = capture.hidden, capture.logps.float().exp()
+        capture.hidden = None  # the (B, T, d) copy lives only until the weights exist
+        all_reduce = self._delta_all_reduce()
+        raw, weights = rollout_weights(
+            hidden, probs, advantages, mask, self.args.loss_type,
+            all_reduce=all_reduce, generator=self._delta_rng(hidden.device), **delta_options(self.args),
+        )
+        del hidden
+        output[DELTA_WEIGHTS_KEY] = weights.to(advantages.device)
+        self._delta_log(raw, weights, advantages, mask, output["completion_ids"], all_reduce)
+
+    def _delta_rng(self, device: torch.device) -> torch.Generator | None:
+        """The random-λ control's generator, seeded per rollout from (seed, process, optimizer step): it holds
+        no state a checkpoint would have to save, so a resumed run draws the same λ as an uninterrupted one."""
+        if not self.args.delta_random:
+            return None
+        generator = torch.Generator(device=device)
+        generator.manual_seed(
+            int(self.args.seed) + 7919 * self.accelerator.process_index + 104729 * int(self.state.global_step)
+        )
+        return generator
+
+    # ------------------------------------------------------------------------------------------- logging
+    def _delta_log(
+        self, raw: Tensor, weights: Tensor, advantages: Tensor, mask: Tensor, completion_ids: Tensor,
+        all_reduce: Reducer | None,
+    ) -> None:
+        """``delta/lambda_{pos,neg}_mean`` (λ ∈ [λ_min, λ_max]) and ``delta/lambda_bar_{pos,neg}_mean`` (after
+        self-normalisation) every rollout; the token table at the first rollout of each logging interval."""
+        adv = advantages.to(raw.device)
+        means = side_means(torch.stack([raw, weights.to(raw.device)]), adv, mask, all_reduce).tolist()
+        store = self._metrics["train"]
+        for label, (pos, neg) in zip(("lambda", "lambda_bar"), means, strict=True):
+            for side, value in (("pos", pos), ("neg", neg)):
+                if value == value:  # not NaN: the side has tokens
+                    store[f"delta/{label}_{side}_mean"].append(value)
+        step = int(self.state.global_step)
+        every = max(1, int(getattr(self.state, "logging_steps", 0) or self.args.logging_steps or 1))
+        if self._delta_last_table_step is not None and step // every <= self._delta_last_table_step // every:
+            return
+        self._delta_last_table_step = step
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        self.delta_token_table = token_table(
+            raw, completion_ids.to(raw.device), adv, mask.to(raw.device), lambda i: tokenizer.decode([i])
+        )
+        if self.delta_token_table and self.accelerator.is_main_process:
+            logger.info("DelTA token weights at step %d (this process's rollout):\n%s", step,
+                        format_token_table(self.delta_token_table))
+
+    # ---------------------------------------------------------------------------------------------- loss
+    def _apply_delta_weights(self, inputs: dict[str, Any], mask: Tensor) -> None:
+        """Â → Â λ̄ on the loss inputs (see :func:`apply_delta_weights`); call after all other rewrites."""
+        if getattr(self.args, "token_weighting", "none") == "delta":
+            apply_delta_weights(inputs, mask, self.args.loss_type)
