@@ -116,9 +116,10 @@ class StepTimer(TrainerCallback):
 
 def base_config(args: argparse.Namespace, **overrides: Any) -> DFPOConfig:
     values: dict[str, Any] = dict(
-        output_dir=str(args.out_dir / "trainer"), importance_sampling_level="sequence", loss_type="grpo",
+        output_dir="/tmp/dfpo-zero3-trainer", importance_sampling_level="sequence", loss_type="grpo",
         epsilon=EPS_LOW, epsilon_high=EPS_HIGH, group_transform=TRANSFORM, bf16=False, report_to="none",
         save_strategy="no", logging_steps=1, max_completion_length=32, disable_tqdm=True, seed=0,
+        use_cpu=not torch.cuda.is_available(),
     )
     values.update(overrides)
     return DFPOConfig(**values)
@@ -160,6 +161,9 @@ def phase_zero3(args: argparse.Namespace) -> None:
         losses = [h["loss"] for h in run.state.log_history if "loss" in h]
         timings[name] = {"layout": run.group_layout, "step_s": timer.times, "loss_finite": all(
             v == v and abs(v) != float("inf") for v in losses)}
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    timings["_run"] = {"zero_stage": plugin.zero_stage if plugin is not None else 0,
+                       "processes": trainer.accelerator.num_processes}
     if rank == 0:
         (args.out_dir / "zero3_timing.json").write_text(json.dumps(timings))
 
@@ -175,9 +179,11 @@ def phase_compare(args: argparse.Namespace) -> None:
             layouts.add(record["layout"])
             losses.append(record["loss"])
     timing = json.loads((args.out_dir / "zero3_timing.json").read_text())
+    run = timing.pop("_run")
     warm = {k: v["step_s"][2:] or v["step_s"] for k, v in timing.items()}
     result = {
-        "device": args.device_name, "gpus": args.world, "zero_stage": 3, "steps": args.timing_steps,
+        "device": args.device_name, "gpus": run["processes"], "zero_stage": run["zero_stage"],
+        "steps": args.timing_steps,
         "layout": sorted(layouts), "coefficients_match_reference": bool(diffs) and max(diffs) < args.tolerance,
         "max_abs_diff": max(diffs) if diffs else None, "tolerance": args.tolerance,
         "loss_finite": all(v == v and abs(v) != float("inf") for v in losses)
