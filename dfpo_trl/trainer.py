@@ -313,7 +313,9 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             raise ValueError("DFPO needs one advantage per sequence (shape (B,)), as TRL's rollout produces.")
 
         if args.symmetric_clip:
-            inputs["old_per_token_logps"] = self._symmetric_clip_old_logps(per_token_logps, old, advantages, mode)
+            inputs["old_per_token_logps"] = self._symmetric_clip_old_logps(
+                per_token_logps, old, advantages, mask, mode
+            )
         index = None
         if args.log_mechanism_metrics or args.sequence_rewrite_active:
             index = self._group_index(inputs, mode)
@@ -342,13 +344,16 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         return old + excess
 
     def _symmetric_clip_old_logps(
-        self, per_token_logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mode: str
+        self, per_token_logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, inputs_mask: torch.Tensor,
+        mode: str,
     ) -> torch.Tensor:
-        """GRPO-fix for Â < 0: freeze r at 1+ε_high (value kept, gradient 0) where r > 1+ε_high (eq. 79)."""
+        """GRPO-fix for Â < 0: freeze r at 1+ε_high (value kept, gradient 0) where r > 1+ε_high (eq. 79); logs
+        the fraction of scored tokens so capped."""
         log_cap = math.log1p(self.epsilon_high)
         over = (advantages < 0).unsqueeze(1) & ((per_token_logps.detach() - old) > log_cap)
+        scored = inputs_mask.sum()
         self._metrics[mode]["grpo_fix/negative_capped_fraction"].append(
-            over.float().mean().item() if over.numel() else 0.0
+            ((over & inputs_mask.bool()).sum() / scored.clamp(min=1)).item()
         )
         # For capped tokens: log r = logp - (logp - log_cap) = log_cap exactly, with no gradient path left.
         return torch.where(over, per_token_logps - log_cap, old)
