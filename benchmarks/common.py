@@ -1,0 +1,270 @@
+"""Shared pieces of the DFPO benchmarks: the method table, model/tokenizer loading, config building.
+
+Every benchmark names methods by the keys of :data:`METHODS`. A method is a trainer class, a config class and
+the config overrides that make it that method (FINDINGS.md settings: GSPO ε = 3e-4/4e-4, GRPO = TRL's DAPO
+loss with ε = 0.2/0.28). Each method also names the reference it must be compared with in the same gradient
+form (DESIGN.md §7): a ratio-form transform with GSPO, a score-form transform with ``none_score``, the
+token-level fixes with TRL's GRPO.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import trl  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from dfpo_trl import DFPOConfig, DFPOTrainer  # noqa: E402
+
+GPU_MODEL_PATH = "/root/models/smollm2-135m-instruct"
+
+# FINDINGS.md: GSPO with ε = 3e-4 / 4e-4 (sequence level); GRPO = TRL's DAPO loss with ε = 0.2 / 0.28.
+GSPO = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4)
+DAPO = dict(importance_sampling_level="token", loss_type="dapo", epsilon=0.2, epsilon_high=0.28)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One benchmarked objective: which trainer, which overrides, and what to compare it with."""
+
+    name: str
+    dfpo: bool  # needs DFPOTrainer / DFPOConfig (False: TRL's own GRPOTrainer, or DFPOTrainer if asked)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    reference: str | None = None  # the method it is compared with, in the same gradient form
+    label: str = ""
+    level: str = "sequence"
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in [
+        Method("gspo", False, GSPO, None, "GSPO"),
+        Method("grpo", False, DAPO, None, "GRPO (DAPO loss)", "token"),
+        Method("min_replace", True, {**GSPO, "group_transform": "min_replace"}, "gspo", "Min-Replace"),
+        Method("orth_proj", True, {**GSPO, "group_transform": "orth_proj"}, "gspo", "Orth-Proj"),
+        Method(
+            "positive_orth_proj", True, {**GSPO, "group_transform": "positive_orth_proj"}, "gspo",
+            "Positive Orth-Proj",
+        ),
+        Method(
+            "truncate_rebalance", True, {**GSPO, "group_transform": "truncate_rebalance"}, "gspo",
+            "Truncate-Rebalance",
+        ),
+        Method("none_score", True, {**GSPO, "transform_gradient": "score"}, "gspo", "none (score form)"),
+        Method(
+            "min_replace_score", True, {**GSPO, "group_transform": "min_replace", "transform_gradient": "score"},
+            "none_score", "Min-Replace (score form)",
+        ),
+        Method("grpo_fix", True, {**DAPO, "symmetric_clip": True}, "grpo", "GRPO-fix", "token"),
+        Method("delta", True, {**DAPO, "token_weighting": "delta"}, "grpo", "DelTA", "token"),
+        # Diagnostic: GSPO through DFPOTrainer (group-granular batches, mechanism metrics), no transform.
+        Method("dfpo_none", True, dict(GSPO), "gspo", "GSPO via DFPOTrainer"),
+    ]
+}
+
+
+def delta_available() -> bool:
+    """DelTA is benchmarked only when this dfpo_trl has the ``token_weighting`` config field."""
+    return "token_weighting" in DFPOConfig.__dataclass_fields__
+
+
+def _with_delta(names: list[str]) -> list[str]:
+    return [n for n in names if n != "delta" or delta_available()]
+
+
+OVERHEAD_METHODS = _with_delta(
+    ["gspo", "grpo", "min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance", "grpo_fix", "delta"]
+)
+LEARNING_METHODS = _with_delta(
+    [
+        "grpo", "gspo", "min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance", "grpo_fix",
+        "delta", "min_replace_score", "none_score",
+    ]
+)
+
+
+def check_methods(names: list[str]) -> list[str]:
+    """Refuse unknown names and DelTA when this dfpo_trl lacks it, with the fix."""
+    for name in names:
+        if name not in METHODS:
+            raise SystemExit(f"unknown method {name!r}; known: {', '.join(METHODS)}")
+        if name == "delta" and not delta_available():
+            raise SystemExit("method 'delta' needs DFPOConfig.token_weighting, which this dfpo_trl lacks")
+    return names
+
+
+def trainer_and_config(name: str, baseline_trainer: str = "trl") -> tuple[type, type, dict[str, Any]]:
+    """(trainer class, config class, overrides) of a method. ``baseline_trainer="dfpo"`` runs gspo/grpo through
+    DFPOTrainer with no DFPO option (the same loss and gradients as TRL, tested), so that every method has
+    group-granular batches and mechanism metrics."""
+    method = METHODS[name]
+    if method.dfpo or baseline_trainer == "dfpo":
+        return DFPOTrainer, DFPOConfig, dict(method.overrides)
+    return GRPOTrainer, GRPOConfig, dict(method.overrides)
+
+
+# ------------------------------------------------------------------------------------------ models, data
+def default_tokenizer_path() -> str:
+    """The GPU kit's checkpoint if present, else the embedded SmolLM2 (converted once, offline)."""
+    if os.path.isdir(GPU_MODEL_PATH):
+        return GPU_MODEL_PATH
+    from dfpo_trl.embedded import embedded_model_path
+
+    return str(embedded_model_path())
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        raise SystemExit(f"tokenizer at {path} has no chat template; the arithmetic task is conversational")
+    return tokenizer
+
+
+def random_config(name: str, tokenizer: Any) -> Any:
+    """A randomly initialised model's config. ``tiny``: a 2-layer Llama for CPU smoke tests. ``qwen3-1.7b``:
+    sized like Qwen3-1.7B (hidden 2048, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 6144, vocab
+    151936, tied embeddings). Token ids beyond the tokenizer's vocabulary decode to nothing."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
+    )
+    if name == "tiny":
+        return LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+            **ids,
+        )
+    if name == "qwen3-1.7b":
+        return Qwen3Config(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+            rms_norm_eps=1e-6, tie_word_embeddings=True, **ids,
+        )
+    raise SystemExit(f"unknown --random-config {name!r}; use 'tiny' or 'qwen3-1.7b'")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_model(
+    model_path: str | None, random_name: str | None, tokenizer: Any, dtype: torch.dtype, device: str, seed: int
+) -> torch.nn.Module:
+    """A pretrained checkpoint (``model_path``) or a random init (``random_name``), on ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    if model_path:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        return model.to(device)
+    config = random_config(random_name or "tiny", tokenizer)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+class IdParityReward:
+    """Reward for random models, whose completions never solve the task: 1 when the sum of the completion's
+    token ids is odd. About half the group scores 1, so advantages are non-zero and every transform works on
+    realistic inputs (arithmetic would give all-zero rewards, hence all-zero advantages)."""
+
+    __name__ = "id_parity"
+
+    def __call__(self, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **_: Any):
+        return [float(sum(ids) % 2) for ids in completion_ids]
+
+
+def task_and_rewards(reward: str) -> tuple[Any, list[Any]]:
+    """The arithmetic task of ``dfpo_trl.tasks`` and the reward functions to train with."""
+    from dfpo_trl.tasks import get_task
+
+    task = get_task("arithmetic")
+    if reward == "arithmetic":
+        return task, list(task.reward_funcs)
+    if reward == "id_parity":
+        return task, [IdParityReward()]
+    raise SystemExit(f"unknown reward {reward!r}; use 'arithmetic' or 'id_parity'")
+
+
+def config_kwargs(
+    *,
+    device: str,
+    seed: int,
+    max_steps: int,
+    per_device_train_batch_size: int,
+    num_generations: int,
+    steps_per_generation: int,
+    max_completion_length: int,
+    learning_rate: float,
+    temperature: float = 1.0,
+    beta: float = 0.0,
+    fixed_length: bool = False,
+    gradient_checkpointing: bool = True,
+    output_dir: str | None = None,
+) -> dict[str, Any]:
+    """The GRPOConfig keyword arguments shared by every method (off-policy: steps_per_generation >
+    gradient_accumulation_steps = 1). ``fixed_length`` forces every completion to ``max_completion_length``
+    tokens (min_new_tokens), so every method trains on tensors of the same shape (timing runs)."""
+    on_cpu = not device.startswith("cuda")
+    kwargs: dict[str, Any] = dict(
+        output_dir=output_dir or tempfile.mkdtemp(prefix="dfpo-bench-"),
+        seed=seed, max_steps=max_steps, per_device_train_batch_size=per_device_train_batch_size,
+        gradient_accumulation_steps=1, num_generations=num_generations, steps_per_generation=steps_per_generation,
+        max_completion_length=max_completion_length, learning_rate=learning_rate, temperature=temperature,
+        beta=beta, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        gradient_checkpointing=gradient_checkpointing, use_cpu=on_cpu, bf16=not on_cpu,
+    )
+    if fixed_length:
+        kwargs["generation_kwargs"] = {"min_new_tokens": max_completion_length}
+    return kwargs
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({platform.processor() or platform.machine()}, torch threads={torch.get_num_threads()})"
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """Atomic JSON write (a reader never sees a half file; a killed job leaves the previous version)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def quiet() -> None:
+    """Keep logs short: transformers/TRL warnings once, no progress bars."""
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
