@@ -138,8 +138,9 @@ def load_tokenizer(path: str) -> Any:
 
 def random_config(name: str, tokenizer: Any) -> Any:
     """A randomly initialised model's config. ``tiny``: a 2-layer Llama for CPU smoke tests. ``qwen3-1.7b``:
-    sized like Qwen3-1.7B (hidden 2048, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 6144, vocab
-    151936, tied embeddings). Token ids beyond the tokenizer's vocabulary decode to nothing."""
+    sized like Qwen3-1.7B (hidden 2048, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 6144, tied
+    embeddings) with the tokenizer's vocabulary (SmolLM2's 49,152 instead of Qwen3's 151,936: sampled ids beyond
+    the tokenizer's vocabulary tripped a device-side assert on the H100), so about 1.5B parameters."""
     from transformers import LlamaConfig, Qwen3Config
 
     ids = dict(
@@ -154,7 +155,7 @@ def random_config(name: str, tokenizer: Any) -> Any:
         )
     if name == "qwen3-1.7b":
         return Qwen3Config(
-            vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+            vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
             rms_norm_eps=1e-6, tie_word_embeddings=True, **ids,
         )
