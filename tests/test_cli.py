@@ -1,0 +1,337 @@
+"""``dfpo-train``: recipes parse into DFPOConfig, the paper recipe's values, accelerate configs, clear errors, and a
+tiny end-to-end run through the CLI (summary + PNG) on a model built in the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dfpo_trl import DFPOConfig
+from dfpo_trl.cli import DFPOScriptArguments, ModelUnavailableError, RecipeError, main, parse_args, resolve_model
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+ACCELERATE = ROOT / "recipes" / "accelerate"
+
+
+@pytest.fixture
+def gpu_recipes_parse_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU recipes set bf16, which TrainingArguments refuses on a CPU-only machine at parse time; parsing is what
+    is tested here, so the GPU check answers yes."""
+    import transformers.training_args as training_args
+
+    monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda: True)
+
+
+def write_recipe(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------------ recipes
+
+
+def test_recipes_exist() -> None:
+    names = {p.name for p in RECIPES}
+    assert {"qwen3_32b.yaml", "qwen3_next_80b_a3b.yaml", "qwen3_8b_lora.yaml", "smollm2_cpu.yaml"} <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_parses_into_dfpo_config(recipe: Path, gpu_recipes_parse_here: None) -> None:
+    script_args, training_args, model_args = parse_args([str(recipe)])
+    assert isinstance(training_args, DFPOConfig) and isinstance(script_args, DFPOScriptArguments)
+    head = recipe.read_text().splitlines()[:12]
+    assert any(("dfpo-train" in line or "dfpo_trl" in line) for line in head), "recipe must state its launch command"
+    if training_args.group_transform != "none":  # the transform must act: off-policy
+        assert training_args.steps_per_generation > training_args.gradient_accumulation_steps
+
+
+def test_qwen3_32b_carries_appendix_i_and_j(gpu_recipes_parse_here: None) -> None:
+    script_args, args, model_args = parse_args([str(ROOT / "recipes" / "qwen3_32b.yaml")])
+    assert model_args.model_name_or_path == "Qwen/Qwen3-32B"
+    assert args.learning_rate == pytest.approx(8e-7)
+    assert str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) == "cosine_with_min_lr"
+    assert args.lr_scheduler_kwargs == {"min_lr_rate": 0.2}
+    assert args.warmup_steps == pytest.approx(0.03)  # a ratio in transformers 5
+    assert args.beta == 0.0 and args.entropy_coef == 0.0
+    assert args.num_generations == 32
+    assert args.group_transform == "min_replace" and args.importance_sampling_level == "sequence"
+    assert args.use_vllm and args.vllm_mode == "server"
+    assert args.bf16 and args.gradient_checkpointing and args.activation_checkpointing
+    assert script_args.max_prompt_length + args.max_completion_length == 32768 == args.vllm_max_model_length
+    assert (args.temperature, args.top_p, args.top_k, args.min_p) == (0.6, 0.95, 20, 0.0)
+    # mini-batch 32 prompts x 32 rollouts per optimizer step on 32 processes; off-policy steps in every rollout
+    assert args.per_device_train_batch_size * 32 * args.gradient_accumulation_steps == 32 * 32
+    assert args.steps_per_generation > args.gradient_accumulation_steps
+    assert args.steps_per_generation % args.gradient_accumulation_steps == 0  # the pre-pass layout's requirement
+
+
+def test_qwen3_next_context_and_decoding(gpu_recipes_parse_here: None) -> None:
+    script_args, args, _ = parse_args([str(ROOT / "recipes" / "qwen3_next_80b_a3b.yaml")])
+    assert script_args.max_prompt_length + args.max_completion_length == 262144 == args.vllm_max_model_length
+    assert (args.temperature, args.top_p, args.top_k, args.min_p) == (0.7, 0.8, 20, 0.0)
+    assert args.learning_rate == pytest.approx(8e-7) and args.num_generations == 32
+
+
+def test_lora_recipe_builds_a_peft_config(gpu_recipes_parse_here: None) -> None:
+    pytest.importorskip("peft")
+    from trl import get_peft_config
+
+    _, args, model_args = parse_args([str(ROOT / "recipes" / "qwen3_8b_lora.yaml")])
+    peft_config = get_peft_config(model_args)
+    assert peft_config is not None and peft_config.r == 32 and "q_proj" in peft_config.target_modules
+    assert args.per_device_train_batch_size % args.num_generations == 0  # group-granular, free layout
+
+
+def test_cpu_recipe_is_the_embedded_default() -> None:
+    script_args, args, model_args = parse_args([str(ROOT / "recipes" / "smollm2_cpu.yaml")])
+    assert model_args.model_name_or_path is None and script_args.task == "arithmetic"
+    assert args.use_cpu and not args.bf16 and script_args.eval_size >= 100
+    assert args.learning_rate == pytest.approx(5e-5) and args.num_generations == 8
+
+
+@pytest.mark.parametrize(
+    ("name", "processes", "machines"),
+    [("zero3_2gpu.yaml", 2, 1), ("zero3_8gpu.yaml", 8, 1), ("zero3_4x8.yaml", 32, 4)],
+)
+def test_accelerate_configs_load(name: str, processes: int, machines: int) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(ACCELERATE / name))
+    assert str(getattr(config.distributed_type, "value", config.distributed_type)) == "DEEPSPEED"
+    assert int(config.deepspeed_config["zero_stage"]) == 3
+    assert (config.num_processes, config.num_machines) == (processes, machines)
+
+
+# ------------------------------------------------------------------------------------------------ parser
+
+
+def test_help_lists_dfpo_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--group_transform" in text and "In-group transform of the post-clip sequence weights" in text
+    assert "--symmetric_clip" in text and "--model_name_or_path" in text and "--task" in text
+
+
+def test_unknown_recipe_key_names_the_nearest_field(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, "group_transfrom: min_replace\nuse_cpu: true\n")
+    with pytest.raises(RecipeError, match=r"'group_transfrom'.*did you mean 'group_transform'"):
+        parse_args([recipe])
+
+
+def test_renamed_key_says_where_it_went(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, "warmup_ratio: 0.03\nuse_cpu: true\n")
+    with pytest.raises(RecipeError, match=r"'warmup_ratio': use warmup_steps"):
+        parse_args([recipe])
+
+
+def test_unknown_flag_names_the_nearest_field(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, "use_cpu: true\n")
+    with pytest.raises(RecipeError, match=r"'learning_rat'.*did you mean 'learning_rate'"):
+        parse_args([recipe, "--learning_rat", "1e-5"])
+
+
+def test_main_reports_recipe_errors_without_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = write_recipe(tmp_path, "num_generaitons: 4\nuse_cpu: true\n")
+    assert main([recipe]) == 2
+    assert "did you mean 'num_generations'" in capsys.readouterr().err
+
+
+def test_command_line_beats_recipe(tmp_path: Path) -> None:
+    recipe = write_recipe(
+        tmp_path,
+        """
+        use_cpu: true
+        learning_rate: 3.0e-5
+        group_transform: min_replace
+        importance_sampling_level: sequence
+        eval_size: 7
+        """,
+    )
+    script_args, args, _ = parse_args([recipe, "--learning_rate", "1e-4", "--group_transform", "none"])
+    assert args.learning_rate == pytest.approx(1e-4) and args.group_transform == "none"
+    assert script_args.eval_size == 7
+    # --config works as in TRL's own scripts
+    _, args, _ = parse_args(["--config", recipe])
+    assert args.learning_rate == pytest.approx(3e-5) and args.group_transform == "min_replace"
+
+
+def test_invalid_dfpo_value_is_a_recipe_error(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, "use_cpu: true\ngroup_transform: min_replace\nimportance_sampling_level: token\n")
+    with pytest.raises(RecipeError, match="importance_sampling_level='sequence'"):
+        parse_args([recipe])
+
+
+def test_missing_recipe_file() -> None:
+    with pytest.raises(RecipeError, match="not found"):
+        parse_args(["no/such/recipe.yaml"])
+    with pytest.raises(RecipeError, match="no recipe given"):
+        parse_args([])
+
+
+# ------------------------------------------------------------------------------------------------ model, data
+
+
+def test_offline_hub_id_says_use_local_path_or_embedded(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dfpo_trl",
+            str(ROOT / "recipes" / "smollm2_cpu.yaml"),
+            "--model_name_or_path",
+            "no-such-org/no-such-model-dfpo",
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "no-such-org/no-such-model-dfpo" in proc.stderr
+    assert "no network access" in proc.stderr
+    assert "local path" in proc.stderr and "omit model_name_or_path" in proc.stderr
+
+
+def test_local_path_that_is_not_a_directory(tmp_path: Path) -> None:
+    from trl import ModelConfig
+
+    with pytest.raises(ModelUnavailableError, match="not a directory"):
+        resolve_model(ModelConfig(model_name_or_path=str(tmp_path / "missing")))
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama + word-level tokenizer with a chat template, saved like a real checkpoint."""
+    from tiny import tiny_model, tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    model = tiny_model()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _math_dir(tmp_path: Path) -> Path:
+    data = tmp_path / "mathdata"
+    data.mkdir()
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(8)]
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return data
+
+
+def test_missing_dataset_column_names_it_and_the_flag(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = write_recipe(tmp_path, f"use_cpu: true\ntask: math\ndataset: {_math_dir(tmp_path)}\n")
+    code = main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "column 'problem' not found" in err and "'question'" in err and "--problem-column" in err
+
+
+def test_max_prompt_length_drops_long_prompts(tiny_model_dir: Path) -> None:
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from dfpo_trl.cli import filter_long_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [[{"role": "user", "content": " ".join(["1"] * n)}] for n in (2, 4, 8)]
+    kept = filter_long_prompts(Dataset.from_dict({"prompt": prompts}), tokenizer, 5, None)
+    assert [len(p[0]["content"].split()) for p in kept["prompt"]] == [2, 4]
+    with pytest.raises(RecipeError, match="drops every training prompt"):
+        filter_long_prompts(Dataset.from_dict({"prompt": prompts}), tokenizer, 1, None)
+
+
+def test_dataset_with_non_math_task_is_refused(tmp_path: Path) -> None:
+    from dfpo_trl.cli import build_task
+
+    with pytest.raises(RecipeError, match="task: math"):
+        build_task(DFPOScriptArguments(task="arithmetic", dataset="gsm8k"))
+
+
+def test_unknown_task_and_reward_suggest_names() -> None:
+    from dfpo_trl.cli import build_rewards, build_task
+
+    with pytest.raises(RecipeError, match="Did you mean 'arithmetic'"):
+        build_task(DFPOScriptArguments(task="arithmetik"))
+    task = build_task(DFPOScriptArguments())
+    with pytest.raises(RecipeError, match="Did you mean 'accuracy_reward'"):
+        build_rewards(DFPOScriptArguments(reward_funcs=["acuracy_reward"]), task)
+
+
+TINY_RUN = """
+use_cpu: true
+bf16: false
+report_to: none
+disable_tqdm: true
+save_strategy: "no"
+save_model: false
+seed: 0
+train_size: 16
+eval_size: 4
+eval_max_new_tokens: 4
+eval_batch_size: 4
+num_generations: 4
+per_device_train_batch_size: 4
+steps_per_generation: 2
+max_completion_length: 4
+max_steps: 2
+logging_steps: 1
+learning_rate: 1.0e-3
+temperature: 1.5
+importance_sampling_level: sequence
+loss_type: grpo
+epsilon: 3.0e-4
+epsilon_high: 4.0e-4
+group_transform: min_replace
+"""
+
+
+def test_tiny_end_to_end_writes_summary_and_plot(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path, TINY_RUN)
+    assert main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]) == 0
+    summary = json.loads((out / "dfpo_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["method"] == "DFPO min_replace"
+    assert summary["heldout"]["n"] == 4
+    assert 0.0 <= summary["heldout"]["before"] <= 1.0 and 0.0 <= summary["heldout"]["after"] <= 1.0
+    assert summary["reward_threshold"] == 0.6
+    png = out / "dfpo_metrics.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "held-out greedy accuracy" in printed and "DFPO run summary" in printed
+
+
+def test_failing_reward_names_function_and_completion(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "my_rewards.py").write_text(
+        "def boom(prompts, completions, a, **kwargs):\n"
+        "    return [1.0 / (x % 2) for x in a]  # fails on completions of prompts with an even first operand\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = write_recipe(tmp_path, TINY_RUN + "reward_funcs: [my_rewards:boom]\nskip_eval: true\nplot: false\n")
+    with pytest.raises(RuntimeError, match=r"reward function 'boom' failed on completion \d+: .*division by zero"):
+        main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")])
