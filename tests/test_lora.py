@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 from tiny import (
-    WORDS,
     addition_dataset,
     base_args,
-    hand_batch,
     last_digit_reward,
     loss_and_grads,
+    random_batch,
     tiny_model,
     tiny_tokenizer,
+    with_old_logps,
 )
 from trl import GRPOConfig, GRPOTrainer
 
@@ -82,30 +82,6 @@ def test_lora_training_changes_only_the_adapter(beta, tmp_path):
         assert all(math.isfinite(h["kl"]) for h in logs)
 
 
-def random_batch(rows: int = 8, length: int = 6, seed: int = 1, group_size: int = 2):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, len(WORDS), (rows, length), generator=g)
-    mask = torch.ones(rows, length, dtype=torch.long)
-    mask[1, 4:] = 0
-    mask[5, 3:] = 0
-    rewards = torch.randn(rows, generator=g).view(-1, group_size)
-    adv = (rewards - rewards.mean(1, keepdim=True)).view(-1)
-    log_ratio = 0.3 * torch.randn(rows, 1, generator=g) + 0.1 * torch.randn(rows, length, generator=g)
-    return ids, mask, adv, log_ratio
-
-
-def with_old_logps(trainer, ids, mask, adv, log_ratio):
-    """A batch whose old log-probs are the current ones minus `log_ratio` (some sequences clipped)."""
-    batch = hand_batch(ids, mask, adv, None)
-    with torch.no_grad():
-        cur, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([batch["prompt_ids"], ids], 1), torch.cat([batch["prompt_mask"], mask], 1),
-            ids.size(1),
-        )
-    batch["old_per_token_logps"] = cur - log_ratio
-    return batch
-
-
 def set_adapter(trainer, seed: int = 3) -> None:
     """The same non-zero LoRA weights in every trainer (peft starts B at 0, which would zero A's gradient)."""
     g = torch.Generator().manual_seed(seed)
@@ -124,7 +100,7 @@ def test_lora_none_equals_trl_gspo_loss_and_adapter_gradient(loss_type):
     for trainer in (ours, theirs):
         set_adapter(trainer)
         trainer.current_gradient_accumulation_steps = 1
-    batch = with_old_logps(theirs, *random_batch())
+    batch = with_old_logps(theirs, *random_batch(group_size=2))
     loss_ours, grads_ours = loss_and_grads(ours, batch)
     loss_theirs, grads_theirs = loss_and_grads(theirs, batch)
     assert torch.allclose(loss_ours, loss_theirs, atol=1e-7, rtol=1e-6), (loss_ours, loss_theirs)
@@ -143,6 +119,6 @@ def test_lora_transform_changes_the_adapter_gradient():
                                group_transform=transform)
         set_adapter(trainer)
         trainer.current_gradient_accumulation_steps = 1
-        _, g = loss_and_grads(trainer, with_old_logps(trainer, *random_batch()))
+        _, g = loss_and_grads(trainer, with_old_logps(trainer, *random_batch(group_size=2)))
         grads[transform] = torch.cat([v.flatten() for _, v in sorted(g.items())])
     assert (grads["none"] - grads["min_replace"]).abs().max() > 1e-5

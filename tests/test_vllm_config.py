@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 import torch
-from tiny import WORDS, base_args, capturing, hand_batch, loss_and_grads, make_trainer
+from tiny import base_args, capturing, hand_batch, loss_and_grads, make_trainer, random_batch, with_old_logps
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.transforms import GROUP_TRANSFORMS
@@ -57,27 +57,6 @@ def with_vllm(trainer, on: bool = True):
     return trainer
 
 
-def random_batch(trainer, rows: int = 8, length: int = 6, seed: int = 1, group_size: int = 4):
-    """Padded completions, zero-mean group advantages, old log-probs that put some sequences outside the clip
-    range (so clipped and unclipped branches are both exercised)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, len(WORDS), (rows, length), generator=g)
-    mask = torch.ones(rows, length, dtype=torch.long)
-    mask[1, 4:] = 0
-    mask[5, 3:] = 0
-    rewards = torch.randn(rows, generator=g).view(-1, group_size)
-    adv = (rewards - rewards.mean(1, keepdim=True)).view(-1)
-    log_ratio = 0.3 * torch.randn(rows, 1, generator=g) + 0.1 * torch.randn(rows, length, generator=g)
-    batch = hand_batch(ids, mask, adv, None)
-    with torch.no_grad():
-        cur, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([batch["prompt_ids"], ids], 1), torch.cat([batch["prompt_mask"], mask], 1),
-            length,
-        )
-    batch["old_per_token_logps"] = cur - log_ratio
-    return batch
-
-
 def coefficients(trainer, batch) -> torch.Tensor:
     loss_and_grads(trainer, batch)
     return trainer.captured.grad.detach().clone()
@@ -97,7 +76,7 @@ def test_is_correction_scales_token_coefficients_by_the_ratio(objective):
     (elementwise at token level and for (B, 1) ratios; times the row's masked mean of a (B, T) ratio at
     sequence level), for every transform, the score form and GRPO-fix."""
     trainer = make_trainer(capturing(DFPOTrainer), DFPOConfig, steps_per_generation=2, **objective)
-    batch = random_batch(trainer)
+    batch = with_old_logps(trainer, *random_batch())
     mask = batch["completion_mask"].float()
     plain = coefficients(with_vllm(trainer, False), batch)
     assert plain.abs().max() > 1e-4
@@ -114,7 +93,7 @@ def test_is_correction_scales_token_coefficients_by_the_ratio(objective):
 def test_constant_is_ratio_of_two_doubles_loss_and_gradient(objective):
     """β = 0, no entropy bonus: a constant ρ_IS = 2 doubles the loss and every parameter's gradient."""
     trainer = make_trainer(DFPOTrainer, DFPOConfig, steps_per_generation=2, **objective)
-    batch = random_batch(trainer)
+    batch = with_old_logps(trainer, *random_batch())
     loss, grads = loss_and_grads(with_vllm(trainer, False), batch)
     ratio = torch.full(batch["completion_ids"].shape, 2.0)
     loss_is, grads_is = loss_and_grads(with_vllm(trainer), {**batch, "importance_sampling_ratio": ratio})

@@ -116,3 +116,30 @@ def loss_and_grads(trainer: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, d
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return loss.detach(), grads
+
+
+def random_batch(rows: int = 8, length: int = 6, seed: int = 1, spread: float = 0.3, group_size: int = 4):
+    """Random completions, some padding, zero-mean advantages per group, old log-probs that put some
+    sequences outside the clip range."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, len(WORDS), (rows, length), generator=g)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    mask[1, 4:] = 0
+    mask[5, 3:] = 0
+    rewards = torch.randn(rows, generator=g).view(-1, group_size)
+    adv = (rewards - rewards.mean(1, keepdim=True)).view(-1)
+    row_shift = spread * torch.randn(rows, 1, generator=g)
+    return ids, mask, adv, row_shift + 0.1 * torch.randn(rows, length, generator=g)
+
+
+def with_old_logps(trainer, ids, mask, adv, log_ratio, **extra):
+    """A batch whose old log-probs are the current ones minus `log_ratio`, so ratios are known exactly."""
+    batch = hand_batch(ids, mask, adv, None)
+    with torch.no_grad():
+        cur, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([batch["prompt_ids"], ids], 1),
+            torch.cat([batch["prompt_mask"], mask], 1), ids.size(1),
+        )
+    batch["old_per_token_logps"] = cur - log_ratio
+    batch.update(extra)
+    return batch
