@@ -26,13 +26,7 @@ GSPO = dict(importance_sampling_level="sequence", epsilon=0.2, epsilon_high=0.28
             num_generations=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared CPU are many times faster on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lora_config() -> peft.LoraConfig:

@@ -40,13 +40,7 @@ TRAINERS = {
 UNTIMED = {"step_time"}  # wall-clock, the only logged value that may differ
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared CPU are many times faster on one thread (and bit-identical run to run)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def recording(trainer_cls: type) -> type:

@@ -1,0 +1,18 @@
+"""Fixtures shared by the test modules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny matmuls on a shared CPU are many times faster on one thread (and bit-identical run to run).
+    Modules that train tiny models use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
