@@ -249,10 +249,15 @@ class DeltaMixin:
     def _delta_enabled(self) -> bool:
         return getattr(self.args, "token_weighting", "none") == "delta" and self.model.training
 
+    @property
+    def _generate_every(self) -> int:
+        """Micro-steps between two rollouts, as TRL 1.16 counts them (``_prepare_inputs``)."""
+        return self.args.steps_per_generation * self.num_iterations
+
     def _trl_runs_old_logps_forward(self) -> bool:
-        """TRL 1.16's condition for computing old log-probs in the rollout (``_generate_and_score_completions``)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return self.args.gradient_accumulation_steps % generate_every != 0 or bool(
+        """TRL 1.16's condition for computing old log-probs in the rollout (``_generate_and_score_completions``):
+        the off-policy case, where θ can differ from θ_old and DFPO's transforms act."""
+        return self.args.gradient_accumulation_steps % self._generate_every != 0 or bool(
             self.use_vllm and self.vllm_importance_sampling_correction
         )
 

@@ -77,7 +77,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             self.epsilon_low = 1.0
         self.group_layout = self._choose_group_layout()
         logger.info("DFPO group layout: %s", self.group_layout)
-        if self.args.sequence_rewrite_active and not self._is_off_policy():
+        if self.args.sequence_rewrite_active and not self._trl_runs_old_logps_forward():
             logger.warning(
                 "group_transform=%r runs on-policy (steps_per_generation <= gradient_accumulation_steps, "
                 "num_iterations=1, no vLLM importance sampling): every post-clip weight is 1 and the transform "
@@ -86,12 +86,6 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             )
 
     # ----------------------------------------------------------------------------------------------- layout
-    def _is_off_policy(self) -> bool:
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return self.args.gradient_accumulation_steps % generate_every != 0 or (
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
-
     def _choose_group_layout(self) -> str:
         """The cheapest exact layout for these batch sizes (DESIGN.md §4); refuse only what cannot be exact."""
         args: DFPOConfig = self.args
@@ -137,9 +131,8 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         """TRL's buffering, with its per-sample shuffle replaced by a group-granular one (DESIGN.md §4)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
         regenerated = self.model.training and (
-            self._step % generate_every == 0 or self._buffered_inputs is None
+            self._step % self._generate_every == 0 or self._buffered_inputs is None
         )
         inputs = super()._prepare_inputs(generation_batch)
         if not self.model.training or self.group_layout == LAYOUT_PER_SAMPLE:
@@ -157,7 +150,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
     def _policy_unchanged_since_rollout(self) -> bool:
         """True in the first optimizer step after a rollout: θ = θ_old, so every s is 1 and the pre-pass forward
         can be skipped (its old log-probs were computed by this model at this θ)."""
-        return self._step % (self.args.steps_per_generation * self.num_iterations) == 0
+        return self._step % self._generate_every == 0
 
     def _pre_pass(self) -> None:
         """At the start of an optimizer step, compute s̄ at the step's θ for every member of every group that has

@@ -133,17 +133,14 @@ def test_is_correction_reweights_members_after_the_transform():
 @pytest.mark.parametrize(("spg", "accumulation"), [(1, 1), (2, 2), (4, 4)])
 def test_vllm_is_correction_makes_every_step_off_policy(spg, accumulation):
     """TRL computes old log-probs whenever the vLLM IS correction is on, so DFPO's transforms act even with
-    steps_per_generation == gradient_accumulation_steps; without vLLM that setting is on-policy. The trainer's
-    test agrees with DelTA's copy of TRL's condition."""
+    steps_per_generation == gradient_accumulation_steps; without vLLM that setting is on-policy."""
     trainer = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace", steps_per_generation=spg,
                            gradient_accumulation_steps=accumulation)
-    assert not trainer._is_off_policy()
-    assert trainer._is_off_policy() == trainer._trl_runs_old_logps_forward()
+    assert not trainer._trl_runs_old_logps_forward()
     with_vllm(trainer)
-    assert trainer._is_off_policy()
-    assert trainer._is_off_policy() == trainer._trl_runs_old_logps_forward()
+    assert trainer._trl_runs_old_logps_forward()
     trainer.vllm_importance_sampling_correction = False  # vLLM without the correction: on-policy again
-    assert not trainer._is_off_policy()
+    assert not trainer._trl_runs_old_logps_forward()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
