@@ -181,6 +181,13 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             micro[PRE_PASS_S_BAR] = s_bar_all[position]
             micro[PRE_PASS_S_TILDE] = s_tilde_all[position]
 
+    def _post_clip_weights(
+        self, logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
+    ) -> torch.Tensor:
+        """s̄ = sign-aware post-clip of s = exp(ρ) (eq. 44–47), with the trainer's clip range."""
+        rho = sequence_log_ratio(logps, old, mask)
+        return sign_aware_post_clip(torch.exp(rho), advantages, self.epsilon_low, self.epsilon_high)
+
     @torch.no_grad()
     def _post_clip_weights_no_grad(self, full: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
         """s̄ of the selected rows at the current θ. Every process runs the same number of forward chunks (a
@@ -208,10 +215,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
                     mask = mask * full["tool_mask"][part]
                 old = full.get("old_per_token_logps")
                 old = logps if old is None else old[part]
-                rho = sequence_log_ratio(logps, old, mask)
-                s_bars.append(
-                    sign_aware_post_clip(torch.exp(rho), full["advantages"][part], self.epsilon_low, self.epsilon_high)
-                )
+                s_bars.append(self._post_clip_weights(logps, old, mask, full["advantages"][part]))
         if not s_bars:
             return torch.ones(0, device=rows.device)
         return torch.cat(s_bars)
@@ -370,8 +374,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         else:
             logps = per_token_logps if differentiate else per_token_logps.detach()
             with torch.set_grad_enabled(differentiate):
-                rho = sequence_log_ratio(logps, old, mask)
-                s_bar = sign_aware_post_clip(torch.exp(rho), advantages, self.epsilon_low, self.epsilon_high)
+                s_bar = self._post_clip_weights(logps, old, mask, advantages)
                 if index is not None:
                     s_tilde = self._transform_groups(s_bar, advantages, index, mode)
                 else:  # layout 2: the group's other members are on other processes in this micro-step
