@@ -83,25 +83,34 @@ class StepTimer(TrainerCallback):
         setattr(trainer, name, timed)
 
 
-def fresh_model(ctx: dict[str, Any], device: str, seed: int) -> torch.nn.Module:
-    """A new model object with the shared initial weights (a new object per phase: accelerate wraps the forward
-    of every model it prepares, and wrapping one object again and again would slow later phases)."""
+def fresh_model(ctx: dict[str, Any], device: str) -> torch.nn.Module:
+    """A new model object loaded from the shared initial checkpoint (a new object per phase: accelerate wraps the
+    forward of every model it prepares, and wrapping one object again and again would slow later phases).
+
+    Every phase loads with ``from_pretrained`` from ``ctx["model_path"]`` (a random init is saved there once): the
+    earlier per-phase ``from_config`` under a CUDA device context followed by ``load_state_dict`` gave NaN sampling
+    probabilities from the second phase on for the Qwen3-1.7B-sized model on the H100 (``NOTES.md``). A forward
+    on one prompt checks the logits before any timing, so a broken model stops with a message, not a device assert.
+    """
     import copy
 
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(ctx["config"], dtype=ctx["dtype"])
-    model.load_state_dict(ctx["init_state"])
+    model = AutoModelForCausalLM.from_pretrained(ctx["model_path"], dtype=ctx["dtype"]).to(device)
     model.generation_config = copy.deepcopy(ctx["generation_config"])
+    probe = torch.tensor([ctx["probe_ids"]], device=device)
+    with torch.no_grad():
+        logits = model(input_ids=probe).logits
+    if not bool(torch.isfinite(logits).all()):
+        bad = [name for name, param in model.named_parameters() if not bool(torch.isfinite(param).all())]
+        raise SystemExit(f"the model at {ctx['model_path']} gives non-finite logits; non-finite weights: {bad}")
     return model
 
 
 def run_phase(method: str, args: argparse.Namespace, ctx: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     """Train ``method`` from the shared initial weights for ``warmup + steps`` steps; return its timings."""
     device = args.device
-    model = fresh_model(ctx, device, args.seed)
+    model = fresh_model(ctx, device)
     trainer_cls, config_cls, overrides = common.trainer_and_config(method, "trl")
     kwargs = common.config_kwargs(
         device=device, seed=args.seed, max_steps=warmup + steps, per_device_train_batch_size=args.batch_size,
@@ -324,15 +333,20 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     tokenizer = common.load_tokenizer(args.tokenizer or args.model or common.default_tokenizer_path())
     dtype = common.DTYPES[args.dtype]
-    # Built (randomly initialised, for --random-config) on the device, kept on the CPU for every phase to copy.
-    model = common.build_model(args.model, args.random_config, tokenizer, dtype, args.device, args.seed)
+    scratch = tempfile.mkdtemp(prefix="dfpo-overhead-")  # trainer scratch and the random init, never under --out-dir
+    # A random init is built once (on the CPU, seeded) and saved, so every phase loads the same checkpoint.
+    model = common.build_model(args.model, args.random_config, tokenizer, dtype, "cpu", args.seed)
+    model_path = args.model
+    if not model_path:
+        model_path = str(pathlib.Path(scratch) / "init")
+        model.save_pretrained(model_path)
     ctx: dict[str, Any] = {
-        "tokenizer": tokenizer, "dtype": dtype,
-        "config": model.config, "generation_config": model.generation_config,
-        "init_state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+        "tokenizer": tokenizer, "dtype": dtype, "model_path": model_path,
+        "generation_config": model.generation_config,
+        "probe_ids": tokenizer("What is 2 + 3?")["input_ids"],
         "params": sum(p.numel() for p in model.parameters()),
         "model_name": pathlib.Path(args.model).name if args.model else f"random-{args.random_config}",
-        "output_dir": tempfile.mkdtemp(prefix="dfpo-overhead-"),  # trainer scratch, never under --out-dir
+        "output_dir": scratch,
     }
     del model
     if args.device.startswith("cuda"):
