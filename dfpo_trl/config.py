@@ -54,6 +54,20 @@ class DFPOConfig(GRPOConfig):
         log_mechanism_metrics (`bool`, *optional*, defaults to `True`):
             Log `asym/before`, `asym/after` (eq. 23), `transform/orth_residual`, `transform/phi_min|mean` and
             `cancellation/shared_prefix_residual` (DESIGN.md §6) every step. O(batch) scalar work.
+        log_energy_buckets (`int`, *optional*, defaults to `0`):
+            Gradient energy on frequent tokens (eq. 24, DESIGN.md §6). `0`: off, at no cost. k >= 2: every training
+            micro-batch logs `energy/freq_bucket_0` ... `energy/freq_bucket_{k-1}`, the share Σ_{t∈B_b} ‖∇_W ℓ_t‖ /
+            Σ_t ‖∇_W ℓ_t‖ of each frequency bucket, averaged over the logging interval like the other metrics.
+            ‖∇_W ℓ_t‖ is the exact per-token gradient norm of the LM-head weight W (a stand-in for all of θ):
+            |c_t| · ‖h_t‖ · ‖e_y − p_t‖ / τ, with c_t = ∂loss/∂log p_t read by a backward hook (policy and KL
+            terms; not the entropy bonus), h_t the backbone output, p_t at TRL's `temperature` τ (and the model's
+            logit scale / softcapping, as TRL's fused head applies them). Buckets: the distinct ids of the
+            micro-batch's loss tokens (`completion_mask` × `tool_mask`) ranked by their count in that micro-batch
+            (ties by smaller id), their occurrences cut into k slices of equal mass, each id in the bucket of its
+            first occurrence (never split), so bucket 0 holds the most frequent ids and each bucket about 1/k of
+            the tokens: a share above 1/k means more than that bucket's share of the gradient. Costs, per
+            micro-step, a copy of h (B × T × d) and one no-grad float32 pass of h over the LM head; loss and
+            gradients are unchanged. `1` is refused (a single bucket's share is always 1).
         token_weighting (`str`, *optional*, defaults to `"none"`):
             `"delta"`: DelTA token weights (DESIGN.md §5, delta-digest.txt): per rollout batch, with the
             rollout-time model, λ_{i,t} from the LM-head-row proxy (1 − p) h (centroids global over processes),
@@ -116,6 +130,14 @@ class DFPOConfig(GRPOConfig):
     log_mechanism_metrics: bool = field(
         default=True,
         metadata={"help": "Log asym/*, transform/*, cancellation/shared_prefix_residual every step."},
+    )
+    log_energy_buckets: int = field(
+        default=0,
+        metadata={
+            "help": "Gradient energy on frequent tokens (eq. 24): 0 = off; k >= 2 logs energy/freq_bucket_0..k-1, "
+            "each frequency bucket's share of the exact per-token LM-head gradient norm (bucket 0 = most frequent "
+            "ids of the micro-batch). Costs one no-grad pass over the LM head per micro-step."
+        },
     )
     token_weighting: str = field(
         default="none",
@@ -182,6 +204,13 @@ class DFPOConfig(GRPOConfig):
             raise ValueError(f"transform_scale must be > 0, got {self.transform_scale}.")
         if self.transform_truncate_floor <= 0:
             raise ValueError(f"transform_truncate_floor must be > 0, got {self.transform_truncate_floor}.")
+        buckets = self.log_energy_buckets
+        if not isinstance(buckets, int) or isinstance(buckets, bool) or buckets < 0 or buckets == 1:
+            raise ValueError(
+                f"log_energy_buckets={self.log_energy_buckets!r} is not valid: use 0 to turn the gradient-energy "
+                "metric (eq. 24) off, or the number of frequency buckets k >= 2 (e.g. 3) to log "
+                "energy/freq_bucket_0..k-1 (a single bucket's share is always 1)."
+            )
         if self.sequence_rewrite_active:
             what = self._describe_sequence_options()
             if self.importance_sampling_level != "sequence":

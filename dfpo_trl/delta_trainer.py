@@ -29,11 +29,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import is_peft_model
 from torch import Tensor
 from trl.models.utils import disable_gradient_checkpointing
 
 from .delta import self_normalise, token_weights_from_hidden
+from .lm_head import HiddenCapture, lm_head_input_module
+
+# The hidden-state capture moved to ``lm_head`` (shared with the eq. 24 energy metric); the old name stays.
+_HiddenCapture = HiddenCapture
 
 logger = logging.getLogger(__name__)
 
@@ -186,52 +189,6 @@ def format_token_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def lm_head_input_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The backbone whose ``last_hidden_state`` TRL's fused LM head projects (``model.base_model`` of the
-    causal LM, as ``trl.trainer.utils.add_fused_lm_head`` looks it up); PEFT wrappers are looked through.
-    Its output is the final norm's output, the h of the digest's proxy (1 − p) h."""
-    inner = model.get_base_model() if is_peft_model(model) else model
-    backbone = getattr(inner, "base_model", None)
-    if not isinstance(backbone, torch.nn.Module) or backbone is inner:
-        raise ValueError(
-            f"token_weighting='delta' needs a causal LM with a backbone (`base_model`) feeding its LM head; "
-            f"{type(inner).__name__} has none."
-        )
-    return backbone
-
-
-class _HiddenCapture:
-    """Collects the completion positions' final hidden states of one policy log-prob forward (per chunk)."""
-
-    def __init__(self) -> None:
-        self.chunks: list[Tensor] = []
-        self.hidden: Tensor | None = None
-        self.logps: Tensor | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.hidden is not None
-
-    def run(self, module: torch.nn.Module, logits_to_keep: int, forward: Callable[[], Any]) -> Any:
-        def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-            h = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-            # log_probs[:, j] is predicted from hidden position j (TRL shifts labels by one), and TRL keeps the
-            # last logits_to_keep of them: completion token t <-> hidden position S - 1 - T + t.
-            self.chunks.append(h[:, -(logits_to_keep + 1) : -1].detach().clone())
-
-        handle = module.register_forward_hook(hook)
-        try:
-            out = forward()
-        finally:
-            handle.remove()
-        if not self.chunks:
-            raise RuntimeError("token_weighting='delta': the policy forward never reached the hooked backbone.")
-        self.hidden = torch.cat(self.chunks, dim=0)
-        self.chunks = []
-        self.logps = out[0].detach()
-        return out
-
-
 class DeltaMixin:
     """DelTA token weighting for a ``GRPOTrainer`` subclass whose args are a ``DFPOConfig`` (DESIGN.md §5).
 
@@ -241,7 +198,7 @@ class DeltaMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._delta_armed: _HiddenCapture | None = None
+        self._delta_armed: HiddenCapture | None = None
         self._delta_last_table_step: int | None = None
         self.delta_token_table: list[dict[str, Any]] = []
 
@@ -268,7 +225,7 @@ class DeltaMixin:
         """TRL's rollout, capturing h in TRL's old-log-prob forward when it runs; then λ̄ per token."""
         if not self._delta_enabled():
             return super()._generate_and_score_completions(inputs)
-        capture = _HiddenCapture()
+        capture = HiddenCapture()
         # Armed only when TRL will run the old-log-prob forward: the first policy forward of the rollout is then
         # that one (with a PEFT reference, the later reference forward also goes through the policy).
         self._delta_armed = capture if self._trl_runs_old_logps_forward() else None
@@ -294,7 +251,7 @@ class DeltaMixin:
             )
         )
 
-    def _delta_policy_forward(self, output: dict[str, Any], capture: _HiddenCapture) -> None:
+    def _delta_policy_forward(self, output: dict[str, Any], capture: HiddenCapture) -> None:
         """The one extra no-grad forward of the on-policy case, through TRL's own log-prob helper."""
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
@@ -309,7 +266,7 @@ class DeltaMixin:
         finally:
             self._delta_armed = None
 
-    def _delta_store_weights(self, output: dict[str, Any], capture: _HiddenCapture) -> None:
+    def _delta_store_weights(self, output: dict[str, Any], capture: HiddenCapture) -> None:
         assert capture.hidden is not None and capture.logps is not None
         mask = output["completion_mask"]
         if "tool_mask" in output:

@@ -1,4 +1,4 @@
-"""Mechanism metrics of DFPO (DESIGN.md §6; arXiv 2604.13088 eq. 19, 20, 23/94).
+"""Mechanism metrics of DFPO (DESIGN.md §6; arXiv 2604.13088 eq. 19, 20, 23/94, 24).
 
 Tensor metrics take ``(num_groups, G)`` (or ``(num_groups, G, T)``) tensors, compute in float32 (float64
 when an input is float64) and return 0-dim tensors, so the trainer decides when to synchronise with the
@@ -15,7 +15,10 @@ import torch
 __all__ = [
     "asym",
     "ema",
+    "energy_by_bucket",
+    "frequency_buckets",
     "jitter2",
+    "lm_head_grad_scale",
     "orth_residual",
     "phi_stats",
     "shared_prefix_mask",
@@ -129,6 +132,155 @@ def shared_prefix_residual(
     count = used.sum()
     value = ratio.sum() / count.clamp(min=1).to(dtype)
     return value, count
+
+
+# ------------------------------------------------------------------------------------------ eq. 24 energy
+def lm_head_grad_scale(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    *,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
+    vocab_chunk_size: int = 8192,
+) -> torch.Tensor:
+    """‖∂ log p(y_t) / ∂W‖_F per token, W the LM-head weight (eq. 24, DESIGN.md §6): the per-token LM-head
+    gradient norm ‖∇_W ℓ_t‖ is |c_t| times this, c_t = ∂loss/∂ log p(y_t).
+
+    For the logits TRL's fused head uses, z = softcap · tanh(s (h Wᵀ + b) / softcap) / τ (plain s (h Wᵀ + b) / τ
+    without softcapping), row k of ∂ log p_y/∂W is (δ_ky − p_k) d_k (s/τ) h, d_k = 1 − tanh²(·)_k (1 without
+    softcapping), so the norm is ‖h‖ · |s|/τ · (Σ_k (δ_ky − p_k)² d_k²)^½; without softcapping the sum is
+    ‖e_y − p‖² = (1 − p_y)² + Σ_{k≠y} p_k² = 1 − 2 p_y + Σ_k p_k². ``bias`` enters the logits only: the norm is
+    the weight's gradient. ``hidden`` is (..., d) and ``token_ids`` (...); returns float32 (...) on the weight's
+    device. No autograd graph; float32 throughout; one pass over W in ``vocab_chunk_size`` rows, an online
+    log-sum-exp over the vocabulary, so no tensor beyond (chunk_size × vocab_chunk_size) is formed.
+    """
+    if hidden.shape[:-1] != token_ids.shape:
+        raise ValueError(
+            f"lm_head_grad_scale expects hidden shaped (..., d) and token_ids shaped (...); got "
+            f"{tuple(hidden.shape)} and {tuple(token_ids.shape)}"
+        )
+    if hidden.size(-1) != lm_head_weight.size(-1):
+        raise ValueError(
+            f"hidden size {hidden.size(-1)} does not match the LM-head weight {tuple(lm_head_weight.shape)}"
+        )
+    if not temperature > 0 or chunk_size < 1 or vocab_chunk_size < 1:
+        raise ValueError(
+            f"lm_head_grad_scale needs temperature > 0 and chunk sizes >= 1; got temperature={temperature}, "
+            f"chunk_size={chunk_size}, vocab_chunk_size={vocab_chunk_size}"
+        )
+    device, vocab = lm_head_weight.device, lm_head_weight.size(0)
+    with torch.no_grad():
+        h = hidden.detach().reshape(-1, hidden.size(-1))
+        y = token_ids.reshape(-1).to(device=device, dtype=torch.int64)
+        n = y.numel()
+        if n and (int(y.min()) < 0 or int(y.max()) >= vocab):
+            raise ValueError(f"token ids must lie in [0, {vocab}), the LM head's vocabulary")
+        f32 = dict(dtype=torch.float32, device=device)
+        running_max = torch.full((n,), float("-inf"), **f32)
+        sum_exp = torch.zeros(n, **f32)  # Σ_k exp(z_k − m)
+        sum_sq_other = torch.zeros(n, **f32)  # Σ_{k≠y} exp(2 (z_k − m)) d_k²
+        target_logit = torch.zeros(n, **f32)
+        target_d = torch.ones(n, **f32)
+        h_norm = torch.zeros(n, **f32)
+        for start in range(0, n, chunk_size):
+            h_norm[start : start + chunk_size] = h[start : start + chunk_size].to(**f32).norm(dim=-1)
+        for v0 in range(0, vocab, vocab_chunk_size):
+            w = lm_head_weight.detach()[v0 : v0 + vocab_chunk_size].to(**f32)
+            b = None if bias is None else bias.detach()[v0 : v0 + vocab_chunk_size].to(**f32)
+            for start in range(0, n, chunk_size):
+                rows = slice(start, min(start + chunk_size, n))
+                z = h[rows].to(**f32) @ w.T
+                if b is not None:
+                    z += b
+                z *= logit_scale
+                d = None
+                if final_logit_softcapping is not None:
+                    z = torch.tanh(z / final_logit_softcapping)
+                    d = 1.0 - z * z
+                    z *= final_logit_softcapping
+                z /= temperature
+                local = y[rows] - v0
+                here = (local >= 0) & (local < z.size(1))
+                col = local.clamp(0, z.size(1) - 1).unsqueeze(1)
+                target_logit[rows] = torch.where(here, z.gather(1, col).squeeze(1), target_logit[rows])
+                if d is not None:
+                    target_d[rows] = torch.where(here, d.gather(1, col).squeeze(1), target_d[rows])
+                new_max = torch.maximum(running_max[rows], z.max(dim=1).values)
+                decay = torch.exp(running_max[rows] - new_max)
+                e = torch.exp(z - new_max.unsqueeze(1))
+                sum_exp[rows] = sum_exp[rows] * decay + e.sum(dim=1)
+                q = e if d is None else e * d
+                q.scatter_(1, col, torch.where(here.unsqueeze(1), 0.0, q.gather(1, col)))
+                sum_sq_other[rows] = sum_sq_other[rows] * decay * decay + (q * q).sum(dim=1)
+                running_max[rows] = new_max
+        log_z = running_max + torch.log(sum_exp)
+        one_minus_p_y = -torch.expm1(target_logit - log_z)
+        # Σ_{k≠y} p_k² d_k² = Σ_{k≠y} exp(2 (z_k − m)) d_k² / (Σ_k exp(z_k − m))²
+        sq_norm = (one_minus_p_y * target_d) ** 2 + sum_sq_other / (sum_exp * sum_exp)
+        scale = h_norm * sq_norm.sqrt() * (abs(logit_scale) / temperature)
+    return scale.view(token_ids.shape)
+
+
+def frequency_buckets(token_ids: torch.Tensor, mask: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Frequency bucket of every token of a batch (the token sets B of eq. 24, DESIGN.md §6); −1 where
+    ``mask`` is 0.
+
+    The distinct ids of the unmasked tokens are ranked by their count in this batch (most frequent first, ties
+    by smaller id); their occurrences, in that order, are cut into ``num_buckets`` consecutive slices of equal
+    mass N/k, and an id belongs to the bucket of its first occurrence: bucket = ⌊(occurrences of more frequent
+    ids) · k / N⌋. An id never straddles two buckets, so the buckets hold about (not exactly) N/k tokens each,
+    and some may be empty; bucket 0 holds the most frequent ids. Returns int64, shaped like ``token_ids``.
+    """
+    if token_ids.shape != mask.shape:
+        raise ValueError(
+            f"frequency_buckets expects token_ids and mask of equal shape; got {tuple(token_ids.shape)} and "
+            f"{tuple(mask.shape)}"
+        )
+    if num_buckets < 1:
+        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+    valid = mask != 0
+    bucket = torch.full(token_ids.shape, -1, dtype=torch.int64, device=token_ids.device)
+    ids = token_ids[valid]
+    if ids.numel() == 0:
+        return bucket
+    unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # ascending ids
+    order = torch.argsort(counts, descending=True, stable=True)  # stable: equal counts keep ascending ids
+    ranked = counts[order]
+    before = torch.cumsum(ranked, 0) - ranked
+    of_unique = torch.empty_like(order)
+    of_unique[order] = before * num_buckets // ids.numel()
+    bucket[valid] = of_unique[inverse]
+    return bucket
+
+
+def energy_by_bucket(token_energy: torch.Tensor, bucket: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Energy(B_b) = Σ_{t∈B_b} ‖∇ℓ_t‖ / Σ_t ‖∇ℓ_t‖ for b = 0..num_buckets−1 (eq. 24, DESIGN.md §6).
+
+    ``token_energy`` holds non-negative per-token gradient norms, ``bucket`` the bucket of each token (−1 =
+    not counted, see :func:`frequency_buckets`), same shape. Returns the (num_buckets,) shares, summing to 1,
+    or zeros when the counted energy is 0 (float32, float64 for float64 input).
+    """
+    if token_energy.shape != bucket.shape:
+        raise ValueError(
+            f"energy_by_bucket expects token_energy and bucket of equal shape; got {tuple(token_energy.shape)} "
+            f"and {tuple(bucket.shape)}"
+        )
+    if num_buckets < 1:
+        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+    dtype = _compute_dtype(token_energy)
+    used = bucket >= 0
+    index = bucket[used].to(torch.int64)
+    if index.numel() and int(index.max()) >= num_buckets:
+        raise ValueError(f"bucket index {int(index.max())} is out of range for num_buckets={num_buckets}")
+    sums = torch.zeros(num_buckets, dtype=dtype, device=token_energy.device)
+    sums.index_add_(0, index.to(token_energy.device), token_energy.detach()[used].to(dtype))
+    total = sums.sum()
+    positive = total > 0
+    return torch.where(positive, sums / torch.where(positive, total, torch.ones_like(total)), torch.zeros_like(sums))
 
 
 def _as_float_list(curve: Sequence[float] | torch.Tensor, name: str) -> list[float]:

@@ -14,6 +14,11 @@ that TRL reads *after* its policy forward pass, the advantages and the old log-p
 * DelTA (DESIGN.md §5, ``token_weighting="delta"``, wired by ``delta_trainer.DeltaMixin``): advantages →
   Â_i λ̄_{i,t} (B, T) last, with λ̄ > 0 computed once per rollout, so the policy term is -λ̄ min(rÂ, clip(r)Â).
 
+* Gradient energy on frequent tokens (eq. 24, DESIGN.md §6, ``log_energy_buckets=k``, off by default): the loss's
+  policy forward also keeps h (the backbone output TRL's fused head projects), a no-grad pass gives the per-token
+  LM-head gradient scale ‖∂ log p_t/∂W‖, and a backward hook on the per-token log-probs multiplies it by |c_t|
+  and logs each frequency bucket's share. Nothing in the loss or its gradients changes.
+
 β-KL, the vLLM importance-sampling correction, the entropy bonus, ``top_entropy_quantile``, truncation
 masking and ``delta`` clipping are TRL's code paths and apply on top unchanged.
 """
@@ -43,6 +48,7 @@ from .layout import (
     permute_sequence_dict,
     scatter_from_groups,
 )
+from .lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
 from .transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
 
 logger = logging.getLogger(__name__)
@@ -271,10 +277,23 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
         """TRL's helper; on the loss's policy forward, also rewrite the inputs TRL reads next (see module doc)."""
-        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        capture = None
+        if self._dfpo_pending is not None and self._energy_active():
+            capture = HiddenCapture("log_energy_buckets")
+            logits_to_keep = kwargs["logits_to_keep"] if "logits_to_keep" in kwargs else args[2]
+            module = lm_head_input_module(self.accelerator.unwrap_model(model), "log_energy_buckets")
+            logps, entropies, aux_loss = capture.run(
+                module,
+                int(logits_to_keep),
+                lambda: super(DFPOTrainer, self)._get_per_token_logps_and_entropies(model, *args, **kwargs),
+            )
+        else:
+            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         pending, self._dfpo_pending = self._dfpo_pending, None
         if pending is not None:
             self._rewrite_loss_inputs(pending, logps)
+            if capture is not None:
+                self._watch_gradient_energy(model, logps, pending, capture)
         return logps, entropies, aux_loss
 
     def _group_ids(self, inputs: dict[str, Any], mode: str) -> torch.Tensor:
@@ -437,5 +456,48 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             value, count = mech.shared_prefix_residual(grad.detach()[index].float(), ids_g, mask_g)
             if int(count) > 0:
                 store["cancellation/shared_prefix_residual"].append(float(value))
+
+        per_token_logps.register_hook(on_grad)
+
+    # ---------------------------------------------------------------------------------- eq. 24 gradient energy
+    def _energy_active(self) -> bool:
+        """``log_energy_buckets`` on, and this is a training forward that will be differentiated."""
+        return self.args.log_energy_buckets > 0 and self.model.training and torch.is_grad_enabled()
+
+    def _watch_gradient_energy(
+        self, model: torch.nn.Module, per_token_logps: torch.Tensor, inputs: dict[str, Any], capture: HiddenCapture
+    ) -> None:
+        """Energy on frequent tokens (eq. 24, DESIGN.md §6): ‖∇_W ℓ_t‖ = |c_t| · ‖∂ log p_t/∂W‖ with the scale from
+        this forward's h (no grad, the LM head gathered read-only under ZeRO-3) and c_t = ∂loss/∂log p_t read in
+        the backward pass TRL already runs; logs each frequency bucket's share of Σ_t ‖∇_W ℓ_t‖."""
+        hidden, capture.hidden = capture.hidden, None
+        if hidden is None or not per_token_logps.requires_grad:
+            return
+        num_buckets = self.args.log_energy_buckets
+        completion_ids = inputs["completion_ids"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        head = fused_lm_head(self.accelerator.unwrap_model(model))
+        with gathered_for_reading(head.weight, head.bias):
+            scale = mech.lm_head_grad_scale(
+                hidden,
+                head.weight,
+                completion_ids,
+                self.temperature,
+                bias=head.bias,
+                logit_scale=head.logit_scale,
+                final_logit_softcapping=head.final_logit_softcapping,
+            )
+        del hidden
+        bucket = mech.frequency_buckets(completion_ids, mask, num_buckets)
+        store = self._metrics["train"]
+
+        def on_grad(grad: torch.Tensor) -> None:
+            energy = grad.detach().float().abs() * scale.to(grad.device)
+            shares = mech.energy_by_bucket(energy, bucket.to(grad.device), num_buckets)
+            if bool(shares.sum() > 0):  # a micro-batch without gradient has no shares to average
+                for b, share in enumerate(shares.tolist()):
+                    store[f"energy/freq_bucket_{b}"].append(share)
 
         per_token_logps.register_hook(on_grad)
