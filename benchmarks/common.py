@@ -139,8 +139,9 @@ def load_tokenizer(path: str) -> Any:
 def random_config(name: str, tokenizer: Any) -> Any:
     """A randomly initialised model's config. ``tiny``: a 2-layer Llama for CPU smoke tests. ``qwen3-1.7b``:
     sized like Qwen3-1.7B (hidden 2048, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 6144, tied
-    embeddings) with the tokenizer's vocabulary (SmolLM2's 49,152 instead of Qwen3's 151,936: sampled ids beyond
-    the tokenizer's vocabulary tripped a device-side assert on the H100), so about 1.5B parameters."""
+    embeddings) with the tokenizer's vocabulary (SmolLM2's 49,152 instead of Qwen3's 151,936), so about 1.5B
+    parameters. ``smollm2-1.7b``: SmolLM2-1.7B's architecture (Llama, hidden 2048, 24 layers, 32 heads, tied
+    embeddings), 1.7B parameters."""
     from transformers import LlamaConfig, Qwen3Config
 
     ids = dict(
@@ -159,7 +160,16 @@ def random_config(name: str, tokenizer: Any) -> Any:
             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
             rms_norm_eps=1e-6, tie_word_embeddings=True, **ids,
         )
-    raise SystemExit(f"unknown --random-config {name!r}; use 'tiny' or 'qwen3-1.7b'")
+    if name == "smollm2-1.7b":
+        return LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+            num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=8192, rope_theta=130000.0,
+            rms_norm_eps=1e-5, tie_word_embeddings=True, **ids,
+        )
+    raise SystemExit(f"unknown --random-config {name!r}; use one of {', '.join(RANDOM_CONFIGS)}")
+
+
+RANDOM_CONFIGS = ("tiny", "qwen3-1.7b", "smollm2-1.7b")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -47,7 +47,7 @@ STEP_KEYS = (
     "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length",
     "completions/clipped_ratio",
 )
-STEP_PREFIXES = ("asym/", "cancellation/", "transform/", "delta/", "grpo_fix/")
+STEP_PREFIXES = ("asym/", "cancellation/", "transform/", "delta/", "grpo_fix/", "energy/")
 RESIDUAL = "cancellation/shared_prefix_residual"
 EVAL_MARGIN_S = 45.0  # time a run keeps for its held-out evaluation and the final write
 
@@ -108,6 +108,12 @@ def run_one(args: argparse.Namespace) -> None:
                 record["stopped_early"] = True
 
     trainer_cls, config_cls, overrides = common.trainer_and_config(args.method, args.baseline_trainer)
+    if args.sequence_loss_type and overrides.get("importance_sampling_level") == "sequence":
+        overrides["loss_type"] = args.sequence_loss_type
+    if args.energy_buckets:
+        if "log_energy_buckets" not in config_cls.__dataclass_fields__:
+            raise SystemExit(f"--energy-buckets needs DFPOTrainer for {args.method}: use --baseline-trainer dfpo")
+        overrides["log_energy_buckets"] = args.energy_buckets
     kwargs = common.config_kwargs(
         device=args.device, seed=args.seed, max_steps=args.generations * spg,
         per_device_train_batch_size=args.batch_size, num_generations=args.num_generations,
@@ -159,9 +165,9 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     keys = (
         "lr", "num_generations", "steps_per_generation", "batch_size", "max_completion_length", "temperature",
         "beta", "generations", "threshold", "ema", "heldout", "dtype", "gradient_checkpointing",
-        "baseline_trainer", "eval_max_new_tokens",
+        "baseline_trainer", "eval_max_new_tokens", "sequence_loss_type", "energy_buckets",
     )
-    return {k: getattr(args, k) for k in keys}
+    return {k: getattr(args, k, None) for k in keys}
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -192,6 +198,8 @@ def run_summary(run: dict[str, Any], threshold: float, alpha: float) -> dict[str
         "asym_after": mean_of("asym/after"),
         # What the transform itself removes, same run and steps (0 for GSPO: s~ = s_bar).
         "asym_reduction": paired_mean(run["log"].get("asym/before", []), run["log"].get("asym/after", [])),
+        # Eq. 24: share of the LM-head gradient norm on the most frequent tokens (bucket 0), mean over steps.
+        "energy_frequent": mean_of("energy/freq_bucket_0"),
         "generations_done": len(rewards),
         "complete": bool(run.get("complete")),
         "wall_s": run.get("wall_s"),
@@ -226,6 +234,7 @@ def aggregate(runs: list[dict[str, Any]], threshold: float, alpha: float) -> tup
         for name, key in (
             ("entropy", "entropy"), ("asym_before", "asym/before"), ("asym_after", "asym/after"),
             ("residual", RESIDUAL), ("clip_region", "clip_ratio/region_mean"),
+            ("energy_frequent", "energy/freq_bucket_0"),
         ):
             c.setdefault(name, []).append(per_generation(run, key))
     settings = {k: v for k, v in first["settings"].items() if k not in ("threshold", "ema")}
@@ -388,7 +397,8 @@ def child_flags(args: argparse.Namespace) -> list[str]:
     for key in (
         "lr", "num_generations", "steps_per_generation", "batch_size", "max_completion_length", "temperature",
         "beta", "generations", "threshold", "ema", "heldout", "train_size", "dtype", "baseline_trainer",
-        "eval_max_new_tokens", "device", "model", "random_config", "tokenizer",
+        "eval_max_new_tokens", "device", "model", "random_config", "tokenizer", "sequence_loss_type",
+        "energy_buckets",
     ):
         value = getattr(args, key)
         if value is not None:
@@ -426,7 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--aggregate", nargs="+", metavar="RUNS_JSON", help="merge *_runs.json into --out-dir")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint path (GPU kit: /root/models/smollm2-135m-instruct)")
-    src.add_argument("--random-config", choices=["tiny", "qwen3-1.7b"])
+    src.add_argument("--random-config", choices=common.RANDOM_CONFIGS)
     p.add_argument("--tokenizer")
     p.add_argument("--methods", nargs="+", default=common.LEARNING_METHODS)
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -450,6 +460,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="TRL's default; keeps 10 parallel runs of SmolLM2 within an 80 GB card")
     p.add_argument("--baseline-trainer", choices=["dfpo", "trl"], default="dfpo")
     p.add_argument("--eval-max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--sequence-loss-type", choices=["grpo", "dapo", "bnpo", "dr_grpo"], default=None,
+        help="loss_type of the sequence-level methods (GSPO and the transforms; default: grpo, as FINDINGS.md). "
+        "A token-sum aggregation (dapo) makes shared tokens cancel whatever the completion lengths (NOTES.md)",
+    )
+    p.add_argument(
+        "--energy-buckets", type=int, default=0,
+        help="log eq. 24's energy/freq_bucket_* with this many frequency buckets (DFPOConfig.log_energy_buckets)",
+    )
     p.add_argument("--initial-eval", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", default=None)
     p.add_argument("--parallel", type=int, default=10)

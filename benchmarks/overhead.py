@@ -279,7 +279,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint path (GPU kit: /root/models/smollm2-135m-instruct)")
-    src.add_argument("--random-config", choices=["tiny", "qwen3-1.7b"], help="random init of this size")
+    src.add_argument("--random-config", choices=common.RANDOM_CONFIGS, help="random init of this size")
     p.add_argument("--tokenizer", help="tokenizer path (default: --model, else the SmolLM2 checkpoint)")
     p.add_argument("--dtype", choices=sorted(common.DTYPES), default="bfloat16", help="weights dtype")
     p.add_argument("--methods", nargs="+", default=common.OVERHEAD_METHODS)
