@@ -187,12 +187,15 @@ def summarise(phases: list[dict[str, Any]], methods: list[str], args: argparse.N
             continue
         steps = [r["step_s"] for r in records]
         training = [r["step_s"] - r["generate_s"] for r in records]
+        # Steps without a rollout: forward, backward and optimizer only, where the transforms' cost must not show.
+        train_only = [r["step_s"] for r in records if r["rollout_s"] == 0]
         generation = [r["generate_s"] for r in records if r["generate_s"] > 0]
         rollout_extra = [r["rollout_s"] - r["generate_s"] for r in records if r["rollout_s"] > 0]
         peaks = [p["peak_mem_gb"] for p in mine if p["peak_mem_gb"] is not None]
         rewards = [p["reward_mean"] for p in mine if p["reward_mean"] is not None]
         per[m] = {
-            "steps": steps, "training": training, "n": len(steps), "phases": len(mine),
+            "steps": steps, "training": training, "train_only": train_only, "n": len(steps), "phases": len(mine),
+            "median_train_only_s": statistics.median(train_only) if train_only else None,
             "median_step_s": statistics.median(steps), "mean_step_s": statistics.fmean(steps),
             "median_training_s": statistics.median(training), "mean_training_s": statistics.fmean(training),
             "median_generation_s": statistics.median(generation) if generation else None,
@@ -215,6 +218,12 @@ def summarise(phases: list[dict[str, Any]], methods: list[str], args: argparse.N
         "ratio_to_baseline": {m: ratio(m, "median_step_s", base) for m in per},
         "ratio_interval_95": {m: median_ratio_interval(per[m]["steps"], base["steps"]) if base else None for m in per},
         "median_training_s": {m: v["median_training_s"] for m, v in per.items()},
+        "median_train_only_step_s": {m: v["median_train_only_s"] for m, v in per.items()},
+        "ratio_train_only_to_baseline": {m: ratio(m, "median_train_only_s", base) for m in per},
+        "ratio_train_only_interval_95": {
+            m: median_ratio_interval(per[m]["train_only"], base["train_only"]) if base else None for m in per
+        },
+        "train_only_steps_per_method": {m: len(v["train_only"]) for m, v in per.items()},
         "mean_training_s": {m: v["mean_training_s"] for m, v in per.items()},
         "mean_step_s": {m: v["mean_step_s"] for m, v in per.items()},
         "median_generation_s": {m: v["median_generation_s"] for m, v in per.items()},
@@ -244,17 +253,25 @@ def summarise(phases: list[dict[str, Any]], methods: list[str], args: argparse.N
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\n{result['model']} on {result['device']}: {result['steps']} timed steps per method")
-    print(f"{'method':<20} {'step s':>8} {'ratio':>6} {'95% CI':>15} {'train s':>8} {'gen s':>7} {'peak GB':>8}")
+    print(
+        f"{'method':<20} {'step s':>8} {'ratio':>6} {'95% CI':>15} {'no-rollout s':>12} {'ratio':>6} {'95% CI':>15} "
+        f"{'gen s':>7} {'peak GB':>8}"
+    )
     for m, step in result["median_step_s"].items():
         ci = result["ratio_interval_95"].get(m)
         ci_text = f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "-"
         gen = result["median_generation_s"].get(m)
         peak = result["peak_mem_gb"].get(m)
         ratio = result["ratio_to_baseline"].get(m)
+        train = result.get("median_train_only_step_s", {}).get(m)
+        train_ratio = result.get("ratio_train_only_to_baseline", {}).get(m)
+        train_ci = result.get("ratio_train_only_interval_95", {}).get(m)
+        train_ci_text = f"[{train_ci[0]:.3f}, {train_ci[1]:.3f}]" if train_ci else "-"
+        nan = float("nan")
         print(
-            f"{m:<20} {step:8.4f} {ratio if ratio is not None else float('nan'):6.3f} {ci_text:>15} "
-            f"{result['median_training_s'][m]:8.4f} {gen if gen is not None else float('nan'):7.3f} "
-            f"{peak if peak is not None else float('nan'):8.2f}"
+            f"{m:<20} {step:8.4f} {ratio if ratio is not None else nan:6.3f} {ci_text:>15} "
+            f"{train if train is not None else nan:12.4f} {train_ratio if train_ratio is not None else nan:6.3f} "
+            f"{train_ci_text:>15} {gen if gen is not None else nan:7.3f} {peak if peak is not None else nan:8.2f}"
         )
     pop = result.get("positive_orth_proj_alone")
     if pop:
