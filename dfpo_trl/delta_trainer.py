@@ -35,9 +35,6 @@ from trl.models.utils import disable_gradient_checkpointing
 from .delta import self_normalise, token_weights_from_hidden
 from .lm_head import HiddenCapture, lm_head_input_module
 
-# The hidden-state capture moved to ``lm_head`` (shared with the eq. 24 energy metric); the old name stays.
-_HiddenCapture = HiddenCapture
-
 logger = logging.getLogger(__name__)
 
 DELTA_WEIGHTS_KEY = "delta_weights"

@@ -17,12 +17,12 @@ from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.delta import self_normalise, token_weights_from_hidden
 from dfpo_trl.delta_trainer import (
     DELTA_WEIGHTS_KEY,
-    _HiddenCapture,
     rollout_weights,
     side_means,
     sum_over_processes,
     token_table,
 )
+from dfpo_trl.lm_head import HiddenCapture
 
 DELTA = dict(token_weighting="delta", loss_type="dapo")
 
@@ -140,7 +140,7 @@ def test_captured_hidden_is_the_final_norm_output_before_each_completion_token()
 
     norm_out = []
     handle = model.model.norm.register_forward_hook(lambda m, a, o: norm_out.append(o.detach()))
-    capture = _HiddenCapture()
+    capture = HiddenCapture()
     trainer._delta_armed = capture
     with torch.no_grad():
         trainer._get_per_token_logps_and_entropies(model, ids, attention, 5, batch_size=2)  # two chunks
@@ -271,7 +271,7 @@ class RecordingTrainer(DFPOTrainer):
     records: list[dict[str, torch.Tensor]]
 
     def _compute_loss(self, model, inputs):
-        fresh = _HiddenCapture()
+        fresh = HiddenCapture()
         self._delta_policy_forward(inputs, fresh)  # λ̄ recomputed at the current θ, for comparison
         mask = loss_mask(inputs)
         _, recomputed = rollout_weights(
