@@ -524,8 +524,9 @@ def dapo_section(summary: dict[str, Any] | None, main: dict[str, Any] | None, fi
             f"Energy on frequent tokens (eq. 24): per logged step, the share of the exact per-token LM-head "
             f"gradient norm (|c_t|·‖h_t‖·‖e_y − p_t‖/τ) that falls on the most frequent {bucket_share(k)} of the "
             f"micro-batch's loss-token occurrences (`energy/freq_bucket_0` of {k} buckets), averaged over the "
-            f"run's steps; {1 / k:.2f} would be that {bucket_share(k)}'s share of the tokens. Lower is the paper's "
-            "prediction for a transform.",
+            f"run's steps. Since an id is never split between buckets, bucket 0 holds at least {1 / k:.2f} of the "
+            f"tokens (more when its last id is frequent), so a value below {1 / k:.2f} means the most frequent "
+            "tokens get less than their share of the gradient norm. Lower is the paper's prediction for a transform.",
         ]
     keys = ["generations_to_threshold", "jitter2", "final_accuracy", "entropy_final", "shared_prefix_residual",
             *(["energy_frequent"] if has_metric(methods, ENERGY[0]) else []), "asym_after"]
@@ -540,7 +541,8 @@ def dapo_section(summary: dict[str, Any] | None, main: dict[str, Any] | None, fi
         facts.append(
             f"Energy on frequent tokens: the most frequent {bucket_share(k)} of the token occurrences carries "
             f"{means[low]:.3f} ({label(low)}) to {means[high]:.3f} ({label(high)}) of the gradient norm on average, "
-            f"every one of the {len(runs)} runs {side} its {1 / k:.2f} share (run means {min(runs):.3f}–"
+            f"every one of the {len(runs)} runs {side} {1 / k:.2f}, the least token share bucket 0 can have "
+            f"(run means {min(runs):.3f}–"
             f"{max(runs):.3f})."
         )
     if main:
@@ -565,8 +567,8 @@ def dapo_section(summary: dict[str, Any] | None, main: dict[str, Any] | None, fi
     out += ["", *[f"![{f}]({f})" for f in figures]]
     if figures:
         out += ["", "Figures: mean over seeds per generation, shaded from the lowest to the highest seed"
-                + (f"; in the energy figure the dotted line is {1 / k:.2f}, the most frequent {bucket_share(k)}'s "
-                   "share of the tokens" if k and any("energy" in f for f in figures) else "") + "."]
+                + (f"; in the energy figure the dotted line is {1 / k:.2f}, the least share of the tokens bucket 0 "
+                   "holds" if k and any("energy" in f for f in figures) else "") + "."]
     out += ["", f"### The paper's predictions with `loss_type=\"{loss}\"`", ""]
     predictions = [x for x in DAPO_PREDICTIONS if x != ENERGY or has_metric(methods, ENERGY[0])]
     out += prediction_sentences(methods, budget, predictions, references=summary.get("reference"))
