@@ -16,3 +16,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def gpu_recipes_parse_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU recipes set bf16, which TrainingArguments refuses on a CPU-only machine at parse time; parsing is what
+    is tested, so the GPU check answers yes."""
+    import transformers.training_args as training_args
+
+    monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda: True)

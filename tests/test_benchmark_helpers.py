@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from dfpo_trl.cli import parse_args
@@ -15,14 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import recipe_smoke  # noqa: E402
-
-
-@pytest.fixture
-def gpu_recipes_parse_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The LoRA recipe sets bf16, which TrainingArguments refuses on a CPU-only machine at parse time."""
-    import transformers.training_args as training_args
-
-    monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda: True)
 
 
 def test_smoke_recipe_keeps_the_objective_batch_and_lora(tmp_path: Path, gpu_recipes_parse_here: None) -> None:

@@ -20,14 +20,6 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 ACCELERATE = ROOT / "recipes" / "accelerate"
 
 
-@pytest.fixture
-def gpu_recipes_parse_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPU recipes set bf16, which TrainingArguments refuses on a CPU-only machine at parse time; parsing is what
-    is tested here, so the GPU check answers yes."""
-    import transformers.training_args as training_args
-
-    monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda: True)
-
 
 def write_recipe(tmp_path: Path, text: str) -> str:
     path = tmp_path / "recipe.yaml"
