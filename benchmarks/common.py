@@ -147,8 +147,8 @@ def random_config(name: str, tokenizer: Any) -> Any:
     # No pad_token_id in the config (padding uses the tokenizer's): with one, the embedding row of the pad id is
     # initialised to zero, left-padded positions carry exact-zero hidden states through every layer, and on the
     # H100/H200 every Qwen3-1.7B- or SmolLM2-1.7B-sized random init got non-finite gradients in its first
-    # backward pass, the first NaN appearing in an RMSNorm's backward (results/NOTES.md). SmolLM2's own config
-    # has no pad id either.
+    # backward pass, the first NaN appearing in an RMSNorm's backward (results/NOTES.md). A pretrained model is
+    # unaffected: its pad row is trained, not zero.
     ids = dict(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,

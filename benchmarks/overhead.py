@@ -87,10 +87,10 @@ def fresh_model(ctx: dict[str, Any], device: str) -> torch.nn.Module:
     """A new model object loaded from the shared initial checkpoint (a new object per phase: accelerate wraps the
     forward of every model it prepares, and wrapping one object again and again would slow later phases).
 
-    Every phase loads with ``from_pretrained`` from ``ctx["model_path"]`` (a random init is saved there once): the
-    earlier per-phase ``from_config`` under a CUDA device context followed by ``load_state_dict`` gave NaN sampling
-    probabilities from the second phase on for the Qwen3-1.7B-sized model on the H100 (``NOTES.md``). A forward
-    on one prompt checks the logits before any timing, so a broken model stops with a message, not a device assert.
+    Every phase loads with ``from_pretrained`` from ``ctx["model_path"]`` (a random init is saved there once), the
+    same path for a pretrained and a random model. A forward on one prompt checks the logits before any timing,
+    so a broken model stops with a message naming its non-finite weights, not with a device assert in sampling
+    (what the zero pad-row NaN of ``results/NOTES.md`` first looked like).
     """
     import copy
 
