@@ -163,7 +163,7 @@ def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
         description="Train with DFPO objectives (TRL GRPOTrainer subclass) from a YAML recipe. Usage: "
         "dfpo-train RECIPE.yaml [--field value ...]; every field below can be set in the recipe or overridden "
         "here. DFPO's own fields: group_transform, transform_*, symmetric_clip, log_mechanism_metrics, "
-        "token_weighting, delta_*.",
+        "log_energy_buckets, token_weighting, delta_*.",
     )
     return parser
 
