@@ -13,6 +13,7 @@ line flags beat the recipe. With no ``model_name_or_path`` the embedded SmolLM2-
 from __future__ import annotations
 
 import difflib
+import gc
 import importlib
 import json
 import logging
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from trl import ModelConfig, TrlParser
 
 from .config import DFPOConfig
@@ -493,9 +495,28 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
         summary = _write_outputs(
             trainer, script_args, training_args, model_label, heldout_cb, curves, train_seconds, start
         )
+    # Ending a multi-process launch: the trainer's DDP reducer must not be the last holder of the process group.
+    # `trainer.end()` (Transformers) destroys the group; if the reducer then drops the last reference, torch joins
+    # gloo's worker threads while holding the GIL, and a worker that needs the GIL to release a finished
+    # all-gather's tensors deadlocks the rank (seen in our two-process tests; pytorch/pytorch#56297). Holding the
+    # group's Python handle until the trainer is gone makes the handle the last reference, and torch's Python
+    # binding releases the GIL while it joins.
+    group_handle = default_process_group()
     if hasattr(trainer, "end"):
         trainer.end()
+    elif group_handle is not None:
+        torch.distributed.destroy_process_group()
+    del trainer
+    gc.collect()
+    del group_handle
     return summary
+
+
+def default_process_group() -> Any:
+    """The default process group's Python handle when one is initialised (a multi-process launch), else None."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.group.WORLD
+    return None
 
 
 def _write_outputs(
@@ -605,6 +626,7 @@ __all__ = [
     "build_datasets",
     "build_rewards",
     "build_task",
+    "default_process_group",
     "format_summary",
     "main",
     "make_parser",

@@ -327,3 +327,40 @@ def test_failing_reward_names_function_and_completion(
     recipe = write_recipe(tmp_path, TINY_RUN + "reward_funcs: [my_rewards:boom]\nskip_eval: true\nplot: false\n")
     with pytest.raises(RuntimeError, match=r"reward function 'boom' failed on completion \d+: .*division by zero"):
         main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")])
+
+
+def _cli_process(rank: int, port: int, argv: list[str], out_dir: str) -> None:
+    """One rank of `accelerate launch dfpo-train ...`, as the launcher's environment variables describe it."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    code = main(argv)
+    ddp_alive = any(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+    Path(out_dir, f"rank{rank}.json").write_text(
+        json.dumps({"code": code, "pg_alive": dist.is_initialized(), "ddp_alive": ddp_alive})
+    )
+
+
+@pytest.mark.distributed
+def test_two_process_run_finishes_and_tears_down_the_process_group(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Both ranks finish with 0, the trainer's DDP model and the process group both gone before `main` returns.
+
+    `run` ends the group so that torch joins gloo's threads with the GIL released; left to the DDP reducer or to
+    interpreter exit, a rank could deadlock or abort after a run that succeeded.
+    """
+    from tiny import free_port, spawn_ranks
+
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path, TINY_RUN + "skip_eval: true\nplot: false\n")
+    argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]
+    spawn_ranks(_cli_process, (free_port(), argv, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        ended = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert ended == {"code": 0, "pg_alive": False, "ddp_alive": False}
+    summary = json.loads((out / "dfpo_summary.json").read_text())
+    assert summary["steps"] == 2

@@ -8,18 +8,19 @@ on the whole generation batch.
 
 from __future__ import annotations
 
+import gc
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from tiny import WORDS, base_args, hand_batch, last_digit_reward, tiny_model, tiny_tokenizer
+import torch.distributed as dist
+from tiny import WORDS, base_args, free_port, hand_batch, last_digit_reward, spawn_ranks, tiny_model, tiny_tokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
+from dfpo_trl.cli import default_process_group
 from dfpo_trl.layout import consecutive_group_ids
 from dfpo_trl.transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
 
@@ -27,12 +28,6 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 TRANSFORM = "positive_orth_proj"
 GSPO = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.2, epsilon_high=0.28)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def global_batch(rows: int, group_size: int, seed: int = 3) -> dict[str, Any]:
@@ -93,6 +88,15 @@ def worker(rank: int, port: int, sizes: dict[str, int], batch_path: str, out_dir
                             s_bar=weights["s_bar"].clone(), s_tilde=weights["s_tilde"].clone(), inputs=micro))
         trainer._step += 1
     torch.save(records, Path(out_dir) / f"rank{rank}.pt")
+    # End gloo as `dfpo-train` does (cli.run): left to interpreter exit, a rank can abort ("terminate called without
+    # an active exception", seen once in CI); the group's Python handle outlives the trainer so that torch joins
+    # gloo's threads with the GIL released.
+    group_handle = default_process_group()
+    trainer.accelerator.wait_for_everyone()
+    dist.destroy_process_group()
+    del trainer
+    gc.collect()
+    del group_handle
 
 
 def reference_loss(inputs: dict[str, Any], phi: torch.Tensor, sizes: dict[str, int]) -> torch.Tensor:
@@ -126,7 +130,7 @@ def test_coefficients_and_loss_match_single_process(tmp_path, sizes, layout):
     rows = WORLD * sizes["per_device_train_batch_size"] * sizes["steps_per_generation"]
     batch = global_batch(rows, sizes["num_generations"])
     torch.save(batch, tmp_path / "batch.pt")
-    mp.spawn(worker, args=(free_port(), sizes, str(tmp_path / "batch.pt"), str(tmp_path)), nprocs=WORLD)
+    spawn_ranks(worker, (free_port(), sizes, str(tmp_path / "batch.pt"), str(tmp_path)), nprocs=WORLD)
     s_bar_ref, s_tilde_ref = reference_weights(batch, sizes["num_generations"])
     seen = []
     for rank in range(WORLD):

@@ -143,3 +143,28 @@ def with_old_logps(trainer, ids, mask, adv, log_ratio, **extra):
     batch["old_per_token_logps"] = cur - log_ratio
     batch.update(extra)
     return batch
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago, for a gloo rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_ranks(fn: Any, args: tuple, nprocs: int = 2, timeout_s: float = 300.0) -> None:
+    """`torch.multiprocessing.spawn` with a deadline: a rank that hangs fails the test instead of stalling CI."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+        if time.monotonic() >= deadline:
+            alive = [i for i, p in enumerate(context.processes) if p.is_alive()]
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"ranks {alive} still running after {timeout_s:.0f} s (a hang, not a slow test)")
