@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tiny import WORDS, addition_dataset, base_args, capturing, hand_batch, loss_and_grads, tiny_model, tiny_tokenizer
+from tiny import (
+    WORDS,
+    addition_dataset,
+    base_args,
+    capturing,
+    free_port,
+    hand_batch,
+    loss_and_grads,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.delta import self_normalise, token_weights_from_hidden
@@ -356,9 +365,7 @@ def test_distributed_weights_equal_the_single_process_computation():
         "mask": (torch.rand(rows, length, generator=g) > 0.2).long(),
     }
     data["mask"][4:, 5:] = 0  # the second process has fewer tokens
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("fork")  # the children inherit the imports: well under the 30 s budget
     out = ctx.Queue()
     procs = [ctx.Process(target=_distributed_worker, args=(r, 2, port, data, out)) for r in range(2)]
