@@ -225,6 +225,20 @@ def lm_head_grad_scale(
     return scale.view(token_ids.shape)
 
 
+def _check_bucket_inputs(
+    function: str, first: tuple[str, torch.Tensor], second: tuple[str, torch.Tensor], num_buckets: int
+) -> None:
+    """The eq. 24 helpers' shared input check: two per-token tensors of equal shape and at least one bucket."""
+    (first_name, first_tensor), (second_name, second_tensor) = first, second
+    if first_tensor.shape != second_tensor.shape:
+        raise ValueError(
+            f"{function} expects {first_name} and {second_name} of equal shape; got {tuple(first_tensor.shape)} "
+            f"and {tuple(second_tensor.shape)}"
+        )
+    if num_buckets < 1:
+        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+
+
 def frequency_buckets(token_ids: torch.Tensor, mask: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """Frequency bucket of every token of a batch (the token sets B of eq. 24, DESIGN.md §6); −1 where
     ``mask`` is 0.
@@ -235,13 +249,7 @@ def frequency_buckets(token_ids: torch.Tensor, mask: torch.Tensor, num_buckets: 
     ids) · k / N⌋. An id never straddles two buckets, so the buckets hold about (not exactly) N/k tokens each,
     and some may be empty; bucket 0 holds the most frequent ids. Returns int64, shaped like ``token_ids``.
     """
-    if token_ids.shape != mask.shape:
-        raise ValueError(
-            f"frequency_buckets expects token_ids and mask of equal shape; got {tuple(token_ids.shape)} and "
-            f"{tuple(mask.shape)}"
-        )
-    if num_buckets < 1:
-        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+    _check_bucket_inputs("frequency_buckets", ("token_ids", token_ids), ("mask", mask), num_buckets)
     valid = mask != 0
     bucket = torch.full(token_ids.shape, -1, dtype=torch.int64, device=token_ids.device)
     ids = token_ids[valid]
@@ -264,13 +272,7 @@ def energy_by_bucket(token_energy: torch.Tensor, bucket: torch.Tensor, num_bucke
     not counted, see :func:`frequency_buckets`), same shape. Returns the (num_buckets,) shares, summing to 1,
     or zeros when the counted energy is 0 (float32, float64 for float64 input).
     """
-    if token_energy.shape != bucket.shape:
-        raise ValueError(
-            f"energy_by_bucket expects token_energy and bucket of equal shape; got {tuple(token_energy.shape)} "
-            f"and {tuple(bucket.shape)}"
-        )
-    if num_buckets < 1:
-        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+    _check_bucket_inputs("energy_by_bucket", ("token_energy", token_energy), ("bucket", bucket), num_buckets)
     dtype = _compute_dtype(token_energy)
     used = bucket >= 0
     index = bucket[used].to(torch.int64)
