@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
+from .cancellation import BALANCING_TRANSFORMS, CANCELLATION_TARGETS, ONE_SIDED_POLICIES
 from .transforms import GROUP_TRANSFORMS
 
 TRANSFORM_GRADIENTS = ("ratio", "score")
@@ -47,6 +48,22 @@ class DFPOConfig(GRPOConfig):
             `False` is the paper's "no stop-grad" ablation (Table 3): the transform is differentiated, J_i =
             Â_i s̃_i(θ). With `"min_replace"` and zero-mean advantages this makes the policy gradient exactly
             zero under per-sequence aggregation (`loss_type="grpo"`). Ratio form only.
+        cancellation_target (`str`, *optional*, defaults to `"weights"`):
+            What the transform balances (docs/cancellation.md). `"weights"`: Σ_i Â_i s̃_i = 0 over the whole group,
+            the paper's transforms exactly. `"gradient"`: Σ_i a_i s̃_i = 0 with a_i = Â_i c_i 1[i ∈ U], U the members
+            whose gradient survives the sign-aware clip (eq. 44–47) and c_i the loss aggregation's per-member factor
+            (1/L_i for `loss_type="grpo"`, 1/N for `"bnpo"`, 1 for `"dapo"`, `"dr_grpo"`, `"luspo"`), so the
+            gradients that survive cancel exactly on shared tokens whenever U holds both advantage signs (eq. C1).
+            Members outside U keep φ = 1; Min-Replace becomes its minimal-change balanced form (eq. C4–C7). Needs
+            a balancing `group_transform` (`min_replace`, `orth_proj`, `positive_orth_proj`,
+            `truncate_rebalance`). O(batch) scalar work, no extra pass; equal to `"weights"` when nothing is
+            clipped and c is constant. Beyond the paper.
+        cancellation_one_sided (`str`, *optional*, defaults to `"keep"`):
+            With `cancellation_target="gradient"`, a group with non-zero advantages whose surviving members share
+            one sign (or none survive) has no exact non-zero balance with one weight per sequence. `"keep"`: such
+            a group gets the `"weights"` result; `"zero"`: s̃ = 0 for its members (exact cancellation, at the
+            price of the group's update this step). The fraction of such groups is logged as
+            `cancellation/one_sided_groups`.
         symmetric_clip (`bool`, *optional*, defaults to `False`):
             GRPO-fix (Appendix H, eq. 79–80): per-token objective Â_i clip(r_{i,t}, 0, 1 + ε_high), the same
             operator whatever the sign of Â_i, aggregated by TRL's `loss_type`. Token-level only
@@ -119,6 +136,21 @@ class DFPOConfig(GRPOConfig):
     transform_stop_gradient: bool = field(
         default=True,
         metadata={"help": "False = the paper's 'no stop-grad' ablation (the transform is differentiated)."},
+    )
+    cancellation_target: str = field(
+        default="weights",
+        metadata={
+            "help": "'weights': the transform balances sum_i A_i s~_i = 0 (the paper). 'gradient': it balances the "
+            "gradients that survive the clip, sum_i A_i c_i 1[i in U] s~_i = 0 (c_i = 1/L_i for loss_type='grpo'), "
+            "so shared tokens cancel exactly in two-sided groups (docs/cancellation.md)."
+        },
+    )
+    cancellation_one_sided: str = field(
+        default="keep",
+        metadata={
+            "help": "With cancellation_target='gradient': groups whose surviving members share one sign keep the "
+            "'weights' result ('keep') or get s~ = 0 ('zero': exact cancellation, no update from that group)."
+        },
     )
     symmetric_clip: bool = field(
         default=False,
@@ -200,6 +232,7 @@ class DFPOConfig(GRPOConfig):
                 f"num_generations={self.num_generations}: a group needs at least 2 completions per prompt for "
                 "group-relative advantages and in-group transforms; set num_generations >= 2."
             )
+        self._validate_cancellation_fields()
         if self.transform_scale <= 0:
             raise ValueError(f"transform_scale must be > 0, got {self.transform_scale}.")
         if self.transform_truncate_floor <= 0:
@@ -244,9 +277,15 @@ class DFPOConfig(GRPOConfig):
                     "symmetric_clip=True cannot be combined with loss_type='luspo' (a sequence-level loss); use "
                     "loss_type 'dapo', 'grpo', 'bnpo' or 'dr_grpo'."
                 )
-        rewrites_old_logps = self.symmetric_clip or self.transform_gradient == "score"
+        # Orth-Proj under the gradient target hands TRL the score representation for rows whose weight flips sign.
+        flips_to_score = self.cancellation_target == "gradient" and self.group_transform == "orth_proj"
+        rewrites_old_logps = self.symmetric_clip or self.transform_gradient == "score" or flips_to_score
         if rewrites_old_logps:
-            what = "symmetric_clip=True" if self.symmetric_clip else "transform_gradient='score'"
+            what = (
+                "symmetric_clip=True" if self.symmetric_clip
+                else "transform_gradient='score'" if self.transform_gradient == "score"
+                else "group_transform='orth_proj' with cancellation_target='gradient'"
+            )
             if self.use_bias_correction_kl and self.beta != 0.0:
                 raise ValueError(
                     f"{what} cannot be combined with beta != 0 and use_bias_correction_kl=True: the KL term "
@@ -258,6 +297,45 @@ class DFPOConfig(GRPOConfig):
                     "the rewritten old log-probabilities. Set off_policy_mask_threshold=None."
                 )
         self._validate_delta_fields()
+
+    def _validate_cancellation_fields(self) -> None:
+        """cancellation_target / cancellation_one_sided (docs/cancellation.md): valid values and combinations."""
+        if self.cancellation_target not in CANCELLATION_TARGETS:
+            raise ValueError(
+                f"cancellation_target={self.cancellation_target!r} is not valid; use 'weights' (the paper) or "
+                "'gradient' (balance the gradients that survive the clip)."
+            )
+        if self.cancellation_one_sided not in ONE_SIDED_POLICIES:
+            raise ValueError(
+                f"cancellation_one_sided={self.cancellation_one_sided!r} is not valid; use 'keep' or 'zero'."
+            )
+        if self.cancellation_target == "weights":
+            if self.cancellation_one_sided != "keep":
+                raise ValueError(
+                    f"cancellation_one_sided={self.cancellation_one_sided!r} applies only with "
+                    "cancellation_target='gradient' (with 'weights' no group is one-sided); set "
+                    "cancellation_target='gradient' or leave cancellation_one_sided='keep'."
+                )
+            return
+        if self.group_transform not in BALANCING_TRANSFORMS:
+            raise ValueError(
+                f"cancellation_target='gradient' retargets a transform's balance condition, but group_transform="
+                f"{self.group_transform!r} has none. Set group_transform to one of "
+                f"{', '.join(repr(n) for n in BALANCING_TRANSFORMS)}."
+            )
+        if not self.transform_stop_gradient:
+            raise ValueError(
+                "cancellation_target='gradient' balances stop-gradient weights; transform_stop_gradient=False "
+                "differentiates the transform, whose gradient is then not a_i s~_i. Set transform_stop_gradient=True "
+                "or cancellation_target='weights'."
+            )
+        if self.top_entropy_quantile < 1.0:
+            raise ValueError(
+                f"cancellation_target='gradient' cannot be combined with top_entropy_quantile="
+                f"{self.top_entropy_quantile}: TRL's entropy mask is chosen per micro-batch after the weights are "
+                "fixed, so it changes which tokens carry gradient. Set top_entropy_quantile=1.0 or "
+                "cancellation_target='weights'."
+            )
 
     def _describe_sequence_options(self) -> str:
         parts = []

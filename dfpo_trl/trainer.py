@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from trl import GRPOTrainer
@@ -35,6 +35,15 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import split_tensor_dict
 
 from . import metrics as mech
+from .cancellation import (
+    FACTOR_LOSS_TYPES,
+    GroupSides,
+    aggregation_factor,
+    balance_group_weights,
+    clip_survivors,
+    gradient_coefficients,
+    group_sides,
+)
 from .config import DFPOConfig
 from .delta_trainer import DeltaMixin
 from .layout import (
@@ -61,7 +70,20 @@ LAYOUT_PER_SAMPLE = "per_sample"  # no transform: TRL's per-sample shuffle, grou
 # Keys the pre-pass attaches to each micro-batch of the optimizer step: s̄ and s̃ at the step's θ.
 PRE_PASS_S_BAR = "dfpo_s_bar"
 PRE_PASS_S_TILDE = "dfpo_s_tilde"
+PRE_PASS_SURVIVES = "dfpo_survives"
+PRE_PASS_TWO_SIDED = "dfpo_two_sided"
+PRE_PASS_KEYS = (PRE_PASS_S_BAR, PRE_PASS_S_TILDE, PRE_PASS_SURVIVES, PRE_PASS_TWO_SIDED)
 MAX_LOG_RATIO = 20.0
+
+
+class RowWeights(NamedTuple):
+    """Per-row sequence weights of one micro-batch: s̄ (eq. 47), s̃ (the transform's output), whether the row's
+    gradient survives the clip (U, eq. C2) and whether its group is two-sided (eq. C8)."""
+
+    s_bar: torch.Tensor
+    s_tilde: torch.Tensor
+    survives: torch.Tensor
+    two_sided: torch.Tensor
 
 
 class DFPOTrainer(DeltaMixin, GRPOTrainer):
@@ -165,8 +187,8 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         spg, accumulation = self.args.steps_per_generation, self.args.gradient_accumulation_steps
         start = self._step % spg
         for micro in self._buffered_inputs:  # the previous optimizer step's coefficients are stale now
-            micro.pop(PRE_PASS_S_BAR, None)
-            micro.pop(PRE_PASS_S_TILDE, None)
+            for key in PRE_PASS_KEYS:
+                micro.pop(key, None)
         window = [self._buffered_inputs[(start + j) % spg] for j in range(accumulation)]
         full = concat_sequence_dicts(self._buffered_inputs)
         window_groups = torch.cat([micro[GROUP_IDS_KEY] for micro in window])
@@ -174,28 +196,60 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         rows = torch.isin(full[GROUP_IDS_KEY], active.to(full[GROUP_IDS_KEY].device)).nonzero().squeeze(1)
         if self._policy_unchanged_since_rollout():
             s_bar = torch.ones(rows.numel(), device=full["advantages"].device)
+            survives = torch.ones(rows.numel(), dtype=torch.bool, device=s_bar.device)  # s = 1: inside the clip
             self._metrics["train"]["prepass/forward_skipped"].append(1.0)
         else:
-            s_bar = self._post_clip_weights_no_grad(full, rows)
+            s_bar, survives = self._post_clip_weights_no_grad(full, rows)
             self._metrics["train"]["prepass/forward_skipped"].append(0.0)
-        row_ids, s_bar_all, s_tilde_all = self._transform_across_processes(
-            full[ROW_IDS_KEY][rows], full[GROUP_IDS_KEY][rows], s_bar, full["advantages"][rows], "train"
+        micro_tokens = torch.cat(
+            [self._loss_mask(micro).sum().expand(micro["advantages"].size(0)) for micro in self._buffered_inputs]
+        )
+        factor = self._aggregation_factor(full, self._loss_mask(full), micro_tokens)[rows]
+        row_ids, weights = self._transform_across_processes(
+            full[ROW_IDS_KEY][rows], full[GROUP_IDS_KEY][rows], s_bar, full["advantages"][rows], survives, factor,
+            "train",
         )
         order = torch.argsort(row_ids)
         for micro in window:
             position = order[torch.searchsorted(row_ids[order], micro[ROW_IDS_KEY].to(row_ids.device))]
-            micro[PRE_PASS_S_BAR] = s_bar_all[position]
-            micro[PRE_PASS_S_TILDE] = s_tilde_all[position]
+            for key, values in zip(PRE_PASS_KEYS, weights, strict=True):
+                micro[key] = values[position]
 
     def _post_clip_weights(
         self, logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """s̄ = sign-aware post-clip of s = exp(ρ) (eq. 44–47) with the trainer's clip range, and U: whether each
+        row's gradient survives TRL's clip (eq. C2; every row in the score form, which is never clipped)."""
+        s = torch.exp(sequence_log_ratio(logps, old, mask))
+        s_bar = sign_aware_post_clip(s, advantages, self.epsilon_low, self.epsilon_high)
+        if self.args.transform_gradient == "score":
+            return s_bar, torch.ones_like(s, dtype=torch.bool)
+        survives = clip_survivors(s.detach(), advantages, self.epsilon_low, self.epsilon_high, self.args.delta)
+        return s_bar, survives
+
+    @staticmethod
+    def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
+        """The tokens TRL's loss counts: completion mask times tool mask."""
+        mask = inputs["completion_mask"]
+        return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+
+    def _aggregation_factor(
+        self, inputs: dict[str, Any], mask: torch.Tensor, micro_batch_tokens: torch.Tensor
     ) -> torch.Tensor:
-        """s̄ = sign-aware post-clip of s = exp(ρ) (eq. 44–47), with the trainer's clip range."""
-        rho = sequence_log_ratio(logps, old, mask)
-        return sign_aware_post_clip(torch.exp(rho), advantages, self.epsilon_low, self.epsilon_high)
+        """c_i (eq. C3) of every row of ``inputs``: TRL's per-member aggregation factor, with TRL's vLLM
+        importance-sampling ratio where TRL applies it to the loss. Loss types that are not a clipped surrogate
+        (only reachable with no transform, for the metrics) get c = 1."""
+        if self.loss_type not in FACTOR_LOSS_TYPES:
+            return torch.ones(mask.size(0), dtype=torch.float64, device=mask.device)
+        ratio = None
+        if self.use_vllm and self.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
+            ratio = inputs["importance_sampling_ratio"]
+        return aggregation_factor(mask, self.loss_type, ratio, micro_batch_tokens)
 
     @torch.no_grad()
-    def _post_clip_weights_no_grad(self, full: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
+    def _post_clip_weights_no_grad(
+        self, full: dict[str, Any], rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """s̄ of the selected rows at the current θ. Every process runs the same number of forward chunks (a
         ZeRO-3 forward is collective), padding with a repeat of one row where it has fewer."""
         chunk = self.args.per_device_train_batch_size
@@ -203,7 +257,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         counts = self._gather_rows(torch.tensor([[float(local_chunks)]], device=rows.device))
         total_chunks = int(counts.max().item())
         fallback = torch.zeros(1, dtype=rows.dtype, device=rows.device)
-        s_bars = []
+        s_bars, survives = [], []
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             for k in range(total_chunks):
                 part = rows[k * chunk : (k + 1) * chunk]
@@ -216,15 +270,15 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
                 )
                 if not real:
                     continue
-                mask = full["completion_mask"][part]
-                if "tool_mask" in full:
-                    mask = mask * full["tool_mask"][part]
+                mask = self._loss_mask(full)[part]
                 old = full.get("old_per_token_logps")
                 old = logps if old is None else old[part]
-                s_bars.append(self._post_clip_weights(logps, old, mask, full["advantages"][part]))
+                s_bar, survive = self._post_clip_weights(logps, old, mask, full["advantages"][part])
+                s_bars.append(s_bar)
+                survives.append(survive)
         if not s_bars:
-            return torch.ones(0, device=rows.device)
-        return torch.cat(s_bars)
+            return torch.ones(0, device=rows.device), torch.ones(0, dtype=torch.bool, device=rows.device)
+        return torch.cat(s_bars), torch.cat(survives)
 
     # --------------------------------------------------------------------------------- cross-process groups
     def _gather_rows(self, values: torch.Tensor) -> torch.Tensor:
@@ -239,31 +293,45 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
 
     def _transform_across_processes(
         self, row_ids: torch.Tensor, group_ids: torch.Tensor, s_bar: torch.Tensor, advantages: torch.Tensor,
-        mode: str,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gather (row id, group id, s̄, Â) from all processes, transform the complete groups, log the metrics.
-        Returns every gathered row's id, s̄ and s̃ (the same on every process)."""
-        packed = torch.stack([row_ids.double(), group_ids.double(), s_bar.double(), advantages.double()], 1)
+        survives: torch.Tensor, factor: torch.Tensor, mode: str,
+    ) -> tuple[torch.Tensor, RowWeights]:
+        """Gather (row id, group id, s̄, Â, U, c) from all processes (6 floats a row), transform the complete
+        groups, log the metrics. Returns every gathered row's id and weights (the same on every process)."""
+        packed = torch.stack(
+            [row_ids.double(), group_ids.double(), s_bar.double(), advantages.double(), survives.double(),
+             factor.double()], 1,
+        )
         gathered = self._gather_rows(packed)
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         index = group_index(gathered[:, 1].to(torch.int64), group_size)
-        s_bar_all, adv_all = gathered[:, 2].float(), gathered[:, 3].float()
-        s_tilde_all = self._transform_groups(s_bar_all, adv_all, index, mode)
-        return gathered[:, 0].to(torch.int64), s_bar_all, s_tilde_all
+        weights = self._transform_groups(
+            gathered[:, 2].float(), gathered[:, 3].float(), gathered[:, 4] > 0.5, gathered[:, 5], index, mode
+        )
+        return gathered[:, 0].to(torch.int64), weights
 
     def _transform_groups(
-        self, s_bar: torch.Tensor, advantages: torch.Tensor, index: torch.Tensor, mode: str
-    ) -> torch.Tensor:
-        """The configured transform on the (num_groups, G) view given by ``index``; returns s̃ in row order."""
+        self, s_bar: torch.Tensor, advantages: torch.Tensor, survives: torch.Tensor, factor: torch.Tensor,
+        index: torch.Tensor, mode: str,
+    ) -> RowWeights:
+        """The configured transform on the (num_groups, G) view given by ``index``, balancing Â (``"weights"``) or
+        the surviving gradient coefficients a = Â c 1[U] (``"gradient"``, eq. C1); returns rows in row order."""
         args: DFPOConfig = self.args
-        s_bar_g, adv_g = s_bar[index], advantages[index].to(s_bar.dtype)
-        s_tilde_g = apply_group_transform(
-            args.group_transform, s_bar_g, adv_g,
-            scale_factor=args.transform_scale, truncate_floor=args.transform_truncate_floor,
-        )
+        s_bar_g, adv_g, survives_g = s_bar[index], advantages[index].to(s_bar.dtype), survives[index]
+        a_g = gradient_coefficients(adv_g.detach(), factor[index], survives_g)
+        options = dict(scale_factor=args.transform_scale, truncate_floor=args.transform_truncate_floor)
+        if args.cancellation_target == "gradient":
+            s_tilde_g, sides = balance_group_weights(
+                args.group_transform, s_bar_g, adv_g, a_g, survives_g, args.cancellation_one_sided, **options
+            )
+        else:
+            s_tilde_g = apply_group_transform(args.group_transform, s_bar_g, adv_g, **options)
+            sides = group_sides(adv_g.detach(), a_g)
         if args.log_mechanism_metrics:
-            self._log_sequence_metrics(s_bar_g.detach(), s_tilde_g.detach(), adv_g.detach(), mode)
-        return scatter_from_groups(s_tilde_g, index)
+            self._log_sequence_metrics(s_bar_g.detach(), s_tilde_g.detach(), adv_g.detach(), sides, mode)
+        two_sided_g = sides.two_sided.unsqueeze(-1).expand_as(survives_g)
+        return RowWeights(
+            s_bar, scatter_from_groups(s_tilde_g, index), survives, scatter_from_groups(two_sided_g, index)
+        )
 
     # ------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
@@ -315,9 +383,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
     def _rewrite_loss_inputs(self, inputs: dict[str, Any], per_token_logps: torch.Tensor) -> None:
         args: DFPOConfig = self.args
         mode = "train" if self.model.training else "eval"
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        mask = self._loss_mask(inputs)
         old = inputs.get("old_per_token_logps")
         if old is not None:
             old = self._bounded_old_logps(per_token_logps, old, mask)
@@ -335,10 +401,11 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         index = None
         if args.log_mechanism_metrics or args.sequence_rewrite_active:
             index = self._group_index(inputs, mode)
+        two_sided = None
         if self.importance_sampling_level == "sequence" and (index is not None or args.sequence_rewrite_active):
-            self._rewrite_sequence_level(inputs, per_token_logps, old, mask, advantages, index, mode)
+            two_sided = self._rewrite_sequence_level(inputs, per_token_logps, old, mask, advantages, index, mode)
         if args.log_mechanism_metrics and index is not None and per_token_logps.requires_grad:
-            self._watch_token_coefficients(per_token_logps, inputs["completion_ids"], mask, index, mode)
+            self._watch_token_coefficients(per_token_logps, inputs["completion_ids"], mask, index, two_sided, mode)
         self._apply_delta_weights(inputs, mask)  # DelTA: Â_i → Â_i λ̄_{i,t}, after every read of the 1-D Â
 
     def _bounded_old_logps(
@@ -383,24 +450,27 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         advantages: torch.Tensor,
         index: torch.Tensor | None,
         mode: str,
-    ) -> None:
+    ) -> torch.Tensor:
         """s̄ and s̃ of this micro-batch's rows (from the pre-pass, this forward, or gathered across processes),
-        then the advantage / old-log-prob rewrite of the configured gradient form (module docstring)."""
+        then the advantage / old-log-prob rewrite of the configured gradient form (module docstring). Returns
+        the rows' two-sided flags (eq. C8) for the residual split."""
         args: DFPOConfig = self.args
         differentiate = not args.transform_stop_gradient and index is not None and torch.is_grad_enabled()
         if PRE_PASS_S_TILDE in inputs:  # layout 3: computed at this optimizer step's θ for whole groups
-            s_bar, s_tilde = inputs[PRE_PASS_S_BAR], inputs[PRE_PASS_S_TILDE]
+            weights = RowWeights(*(inputs[key] for key in PRE_PASS_KEYS))
         else:
             logps = per_token_logps if differentiate else per_token_logps.detach()
             with torch.set_grad_enabled(differentiate):
-                s_bar = self._post_clip_weights(logps, old, mask, advantages)
+                s_bar, survives = self._post_clip_weights(logps, old, mask, advantages)
+                factor = self._aggregation_factor(inputs, mask, mask.sum().expand(mask.size(0)))
                 if index is not None:
-                    s_tilde = self._transform_groups(s_bar, advantages, index, mode)
+                    weights = self._transform_groups(s_bar, advantages, survives, factor, index, mode)
                 else:  # layout 2: the group's other members are on other processes in this micro-step
-                    s_tilde = self._transform_gathered_rows(inputs, s_bar, advantages, mode)
-        self.last_sequence_weights = {
-            "row_ids": inputs.get(ROW_IDS_KEY), "s_bar": s_bar.detach(), "s_tilde": s_tilde.detach()
-        }
+                    weights = self._transform_gathered_rows(inputs, s_bar, advantages, survives, factor, mode)
+        s_bar, s_tilde = weights.s_bar, weights.s_tilde
+        self.last_sequence_weights = {"row_ids": inputs.get(ROW_IDS_KEY), **{
+            key: value.detach() for key, value in weights._asdict().items()
+        }}
         if args.transform_gradient == "score":
             # coef_1 = exp(ρ - sg(ρ)) = 1 in value, ∇ρ in gradient: never clipped, -Â sg(s̃) ρ(θ) after TRL's min.
             inputs["old_per_token_logps"] = per_token_logps.detach()
@@ -411,25 +481,53 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         elif args.group_transform != "none":
             phi = s_tilde / s_bar
             inputs["advantages"] = advantages * phi.to(advantages.dtype)
+            if args.cancellation_target == "gradient" and args.group_transform == "orth_proj":
+                self._keep_flipped_rows_unclipped(inputs, per_token_logps, advantages, weights, phi)
+        return weights.two_sided
+
+    @staticmethod
+    def _keep_flipped_rows_unclipped(
+        inputs: dict[str, Any], per_token_logps: torch.Tensor, advantages: torch.Tensor, weights: RowWeights,
+        phi: torch.Tensor,
+    ) -> None:
+        """Orth-Proj under the gradient target can make s̃_i < 0 for a member of U. Handed to TRL as Â_i φ_i, the
+        flipped sign would select the other clip branch and could zero that member's gradient, breaking the
+        balance. For those rows only, use the score representation: old log-probs := the detached current ones
+        (ratio 1 in value, never clipped) and advantage Â_i s̃_i. For a member of U (s̄ = s) this has the same
+        value, Â_i s̃_i, and the same gradient, Â_i s̃_i ∇ρ_i, as J_i = Â_i φ_i s̄_i(θ) (docs/cancellation.md)."""
+        flipped = weights.survives & weights.two_sided & (phi < 0)
+        old = inputs.get("old_per_token_logps")
+        if old is None:  # on-policy: the old log-probs are already the detached current ones
+            old = per_token_logps.detach()
+        inputs["old_per_token_logps"] = torch.where(flipped.unsqueeze(1), per_token_logps.detach(), old)
+        scored = advantages * weights.s_tilde.detach().to(advantages.dtype)
+        inputs["advantages"] = torch.where(flipped, scored, inputs["advantages"])
 
     def _transform_gathered_rows(
-        self, inputs: dict[str, Any], s_bar: torch.Tensor, advantages: torch.Tensor, mode: str
-    ) -> torch.Tensor:
+        self, inputs: dict[str, Any], s_bar: torch.Tensor, advantages: torch.Tensor, survives: torch.Tensor,
+        factor: torch.Tensor, mode: str,
+    ) -> RowWeights:
         rows = s_bar.size(0)
         row_ids = inputs.get(ROW_IDS_KEY)
         if row_ids is None:
             offset = self.accelerator.process_index * rows
             row_ids = torch.arange(offset, offset + rows, device=s_bar.device)
-        all_ids, _, s_tilde_all = self._transform_across_processes(
-            row_ids, self._group_ids(inputs, mode), s_bar, advantages, mode
+        all_ids, gathered = self._transform_across_processes(
+            row_ids, self._group_ids(inputs, mode), s_bar, advantages, survives, factor, mode
         )
         order = torch.argsort(all_ids)
-        return s_tilde_all[order[torch.searchsorted(all_ids[order], row_ids.to(all_ids.device))]].to(s_bar.dtype)
+        position = order[torch.searchsorted(all_ids[order], row_ids.to(all_ids.device))]
+        return RowWeights(
+            s_bar, gathered.s_tilde[position].to(s_bar.dtype), survives, gathered.two_sided[position]
+        )
 
     def _log_sequence_metrics(
-        self, s_bar_g: torch.Tensor, s_tilde_g: torch.Tensor, adv_g: torch.Tensor, mode: str
+        self, s_bar_g: torch.Tensor, s_tilde_g: torch.Tensor, adv_g: torch.Tensor, sides: GroupSides, mode: str
     ) -> None:
         store = self._metrics[mode]
+        with_signal = int(sides.has_signal.sum())
+        if with_signal > 0:  # eq. C8: the share of groups with signal that no per-sequence weight can balance
+            store["cancellation/one_sided_groups"].append(float(sides.one_sided.sum()) / with_signal)
         store["asym/before"].append(mech.asym(s_bar_g, adv_g).item())
         store["asym/after"].append(mech.asym(s_tilde_g, adv_g).item())
         store["transform/orth_residual"].append(mech.orth_residual(s_tilde_g, adv_g).item())
@@ -443,19 +541,29 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         completion_ids: torch.Tensor,
         mask: torch.Tensor,
         index: torch.Tensor,
+        two_sided: torch.Tensor | None,
         mode: str,
     ) -> None:
         """Measure shared-prefix cancellation from the exact scalar on ∇ℓ_{i,t}: the gradient of the loss
-        w.r.t. the per-token log-probs, read in the backward pass TRL already runs (DESIGN.md §6)."""
+        w.r.t. the per-token log-probs, read in the backward pass TRL already runs (DESIGN.md §6); also over the
+        two-sided groups alone (eq. C8), where the gradient target cancels exactly."""
         ids_g, mask_g = completion_ids[index], mask[index]
         if not bool(mech.shared_prefix_mask(ids_g, mask_g).any()):
             return
         store = self._metrics[mode]
+        two_sided_g = None if two_sided is None else two_sided[index][:, 0]
 
         def on_grad(grad: torch.Tensor) -> None:
-            value, count = mech.shared_prefix_residual(grad.detach()[index].float(), ids_g, mask_g)
+            coefficients = grad.detach()[index].float()
+            value, count = mech.shared_prefix_residual(coefficients, ids_g, mask_g)
             if int(count) > 0:
                 store["cancellation/shared_prefix_residual"].append(float(value))
+            if two_sided_g is not None:
+                value, count = mech.shared_prefix_residual(
+                    coefficients[two_sided_g], ids_g[two_sided_g], mask_g[two_sided_g]
+                )
+                if int(count) > 0:
+                    store["cancellation/shared_prefix_residual_two_sided"].append(float(value))
 
         per_token_logps.register_hook(on_grad)
 

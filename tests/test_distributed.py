@@ -20,6 +20,7 @@ from tiny import WORDS, base_args, free_port, hand_batch, last_digit_reward, spa
 from trl import GRPOConfig, GRPOTrainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
+from dfpo_trl.cancellation import aggregation_factor, balance_group_weights, clip_survivors, gradient_coefficients
 from dfpo_trl.cli import default_process_group
 from dfpo_trl.layout import consecutive_group_ids
 from dfpo_trl.transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
@@ -52,15 +53,24 @@ def global_batch(rows: int, group_size: int, seed: int = 3) -> dict[str, Any]:
     return batch
 
 
-def reference_weights(batch: dict[str, Any], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Single-process s̄ and s̃ for every row of the generation batch (DESIGN.md §4's reference)."""
+def reference_weights(
+    batch: dict[str, Any], group_size: int, target: str = "weights"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Single-process s̄, s̃ and a (eq. C1) for every row of the generation batch (DESIGN.md §4's reference)."""
     rho = sequence_log_ratio(batch["reference_logps"], batch["old_per_token_logps"], batch["completion_mask"])
-    s_bar = sign_aware_post_clip(rho.exp(), batch["advantages"], 0.2, 0.28)
-    s_tilde = apply_group_transform(TRANSFORM, s_bar.view(-1, group_size), batch["advantages"].view(-1, group_size))
-    return s_bar, s_tilde.reshape(-1)
+    adv = batch["advantages"]
+    s_bar = sign_aware_post_clip(rho.exp(), adv, 0.2, 0.28)
+    survives = clip_survivors(rho.exp(), adv, 0.2, 0.28)
+    a = gradient_coefficients(adv, aggregation_factor(batch["completion_mask"], GSPO["loss_type"]), survives)
+    grouped = (s_bar.view(-1, group_size), adv.view(-1, group_size))
+    if target == "gradient":
+        s_tilde, _ = balance_group_weights(TRANSFORM, *grouped, a.view(-1, group_size), survives.view(-1, group_size))
+    else:
+        s_tilde = apply_group_transform(TRANSFORM, *grouped)
+    return s_bar, s_tilde.reshape(-1), a
 
 
-def worker(rank: int, port: int, sizes: dict[str, int], batch_path: str, out_dir: str) -> None:
+def worker(rank: int, port: int, sizes: dict[str, Any], batch_path: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
@@ -124,6 +134,11 @@ def reference_loss(inputs: dict[str, Any], phi: torch.Tensor, sizes: dict[str, i
         # 4 rows, one group split over the two processes in the same micro-step: all-gather only.
         (dict(per_device_train_batch_size=2, num_generations=4, steps_per_generation=1,
               gradient_accumulation_steps=1, num_iterations=2), "cross_process"),
+        # The gradient target (docs/cancellation.md) in both layouts that gather: U and c travel with s̄ and Â.
+        (dict(per_device_train_batch_size=3, num_generations=4, steps_per_generation=2,
+              gradient_accumulation_steps=2, cancellation_target="gradient"), "pre_pass"),
+        (dict(per_device_train_batch_size=2, num_generations=4, steps_per_generation=1,
+              gradient_accumulation_steps=1, num_iterations=2, cancellation_target="gradient"), "cross_process"),
     ],
 )
 def test_coefficients_and_loss_match_single_process(tmp_path, sizes, layout):
@@ -131,7 +146,11 @@ def test_coefficients_and_loss_match_single_process(tmp_path, sizes, layout):
     batch = global_batch(rows, sizes["num_generations"])
     torch.save(batch, tmp_path / "batch.pt")
     spawn_ranks(worker, (free_port(), sizes, str(tmp_path / "batch.pt"), str(tmp_path)), nprocs=WORLD)
-    s_bar_ref, s_tilde_ref = reference_weights(batch, sizes["num_generations"])
+    target = sizes.get("cancellation_target", "weights")
+    s_bar_ref, s_tilde_ref, a_ref = reference_weights(batch, sizes["num_generations"], target)
+    if target == "gradient":  # the reference itself balances the surviving gradient coefficients (eq. C1)
+        balance = (a_ref * s_tilde_ref).view(-1, sizes["num_generations"]).sum(-1)
+        assert balance.abs().max() < 1e-6 and (a_ref != 0).any()
     seen = []
     for rank in range(WORLD):
         for record in torch.load(tmp_path / f"rank{rank}.pt"):
