@@ -364,7 +364,10 @@ def difference_stats(a: list[Any], b: list[Any]) -> dict[str, Any] | None:
     if d is None:
         return None
     diff, low, high = d
-    return {"difference": diff, "low": low, "high": high, "excludes_zero": bool(low > 0 or high < 0)}
+    # zero_width: every seed of both methods gave the same value, so the interval has no width (a t-interval
+    # then says nothing about seeds not run; the report flags it).
+    return {"difference": diff, "low": low, "high": high, "excludes_zero": bool(low > 0 or high < 0),
+            "zero_width": low == high}
 
 
 def cancellation_summary(runs: list[dict[str, Any]], threshold: float, alpha: float) -> dict[str, Any]:

@@ -808,13 +808,17 @@ def bound_sentence(task: dict[str, Any], key: str, methods: list[str], what: str
     return f"- {what} ≤ {EXACT}: {verdict}: {'; '.join(parts)}."
 
 
-def resolved_sentences(task: dict[str, Any], reference: str) -> list[str]:
-    """Per method against ``reference``: which metrics' differences resolved (interval excludes 0), which did not."""
+def resolved_sentences(task: dict[str, Any], reference: str, said: list[str]) -> list[str]:
+    """Per method against ``reference``: which metrics' differences resolved (interval excludes 0), which did not.
+    ``said``: references already compared with, whose pair with ``reference`` is not repeated."""
     diffs = task.get(f"vs_{reference}") or {}
     ref_label = task["methods"][reference]["label"] if reference in task["methods"] else reference
     lines = []
     for m, by_key in diffs.items():
+        if m in said:
+            continue  # already said the other way round
         resolved = [f"{title} {d['difference']:+.3g} [{d['low']:+.3g}, {d['high']:+.3g}]"
+                    + (" (every seed the same value: a zero-width interval)" if d.get("zero_width") else "")
                     for key, title, _ in CANCELLATION_COLUMNS if (d := by_key.get(key)) and d["excludes_zero"]]
         open_ = [title for key, title, _ in CANCELLATION_COLUMNS if (d := by_key.get(key)) and not d["excludes_zero"]]
         untestable = [title for key, title, _ in CANCELLATION_COLUMNS if by_key.get(key) is None]
@@ -989,9 +993,10 @@ def cancellation_section(study: dict[str, Any] | None, figures: dict[str, list[s
                 out.append(f"| {methods[m]['label']} | "
                            + " | ".join(difference_text(by_key.get(k), d) for k, _, d in CANCELLATION_COLUMNS) + " |")
         out += ["", "What resolved:", ""]
-        for reference in study.get("references", []):
+        references = study.get("references", [])
+        for i, reference in enumerate(references):
             if task.get(f"vs_{reference}"):
-                out += resolved_sentences(task, reference)
+                out += resolved_sentences(task, reference, references[:i])
         gradient = [m for m in GRADIENT_TARGET if m in methods]
         checks = [
             bound_sentence(task, "residual_two_sided_off_policy", gradient,

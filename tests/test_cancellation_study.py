@@ -116,6 +116,9 @@ def test_report_section_follows_the_numbers(tmp_path: Path) -> None:
     assert "not resolved (interval includes 0): " in line and "held-out accuracy" in line.split("not resolved")[1]
     # Issue #10's bound: every seed of Min-Replace (gradient) has two-sided residual 0.001 * seed / 2 <= 0.01.
     assert "met by every one: Min-Replace (gradient) met (largest over 3 seeds 0.0010)" in text
+    # Every seed reached the threshold at the same rollout: resolved, but flagged as a zero-width interval.
+    assert "generations to threshold -2 [-2, -2] (every seed the same value: a zero-width interval)" in line
+    assert not any(x.startswith("- GSPO − Min-Replace") for x in text.splitlines())  # said once, vs GSPO
     for task in ("arithmetic", "sum_sentence"):
         for kind in ("bars", "residual"):
             assert (tmp_path / "figures" / f"cancellation_{task}_{kind}.png").stat().st_size > 1000
