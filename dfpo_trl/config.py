@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 
+from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from .transforms import GROUP_TRANSFORMS
@@ -14,6 +17,9 @@ CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 TOKEN_WEIGHTINGS = ("none", "delta")
 # Token-level clipped loss types DelTA weights, each with a known normalisation domain (delta_trainer).
 DELTA_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# transformers >= 5.24 renamed gradient_checkpointing to activation_checkpointing and warns whenever the old name
+# is set, which TRL's config does by default (True), so every run warned. Older 5.x releases know only the old name.
+HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
 
 
 @dataclass
@@ -94,6 +100,16 @@ class DFPOConfig(GRPOConfig):
             The "random λ" control: λ ~ U[λ_min, λ_max] on the same tokens, seeded from `seed`.
     """
 
+    # TRL's default (on), kept; None here so that only an explicit setting reaches transformers' deprecated alias.
+    gradient_checkpointing: bool | None = field(
+        default=None if HAS_ACTIVATION_CHECKPOINTING else True,
+        metadata={
+            "help": "Activation checkpointing (trades compute for memory); default on, as in TRL. Same as "
+            "activation_checkpointing on transformers >= 5.24; this name also works on older 5.x releases.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
     group_transform: str = field(
         default="none",
         metadata={
@@ -172,6 +188,7 @@ class DFPOConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        self._resolve_checkpointing_alias()
         self._validate_dfpo_fields()
         super().__post_init__()
 
@@ -258,6 +275,7 @@ class DFPOConfig(GRPOConfig):
                     "the rewritten old log-probabilities. Set off_policy_mask_threshold=None."
                 )
         self._validate_delta_fields()
+        self._validate_ranges()
 
     def _describe_sequence_options(self) -> str:
         parts = []
@@ -320,3 +338,93 @@ class DFPOConfig(GRPOConfig):
                 f"loss_type, but loss_type={self.loss_type!r} is not a token-level clipped loss. Set loss_type to "
                 f"one of {', '.join(repr(t) for t in DELTA_LOSS_TYPES)}."
             )
+
+    def _validate_ranges(self) -> None:
+        """Refuse out-of-range numbers of every field DFPO relies on, at start-up, naming the field and the fix.
+
+        TRL and transformers accept most of these silently (a negative clip range, a zero temperature, a
+        negative learning rate) and fail, if at all, minutes later inside a rollout or the loss.
+        """
+        problems: list[str] = []
+
+        def require(name: str, ok: bool, rule: str, fix: str) -> None:
+            if not ok:
+                problems.append(f"{name}={getattr(self, name)!r} {rule}; {fix}")
+
+        def finite(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        require(
+            "epsilon", finite(self.epsilon) and 0 < self.epsilon <= 1,
+            "is out of range: the clip range [1 - epsilon, 1 + epsilon_high] needs 0 < epsilon <= 1",
+            "GSPO and DFPO use 3e-4, token-level GRPO 0.2",
+        )
+        if self.epsilon_high is not None:
+            require(
+                "epsilon_high", finite(self.epsilon_high) and self.epsilon_high > 0,
+                "is out of range: the upper clip bound 1 + epsilon_high needs epsilon_high > 0",
+                "GSPO and DFPO use 4e-4, DAPO 0.28, or leave it unset (= epsilon)",
+            )
+        if self.delta is not None:
+            upper = 1 + (self.epsilon_high if self.epsilon_high is not None else self.epsilon)
+            require(
+                "delta", finite(self.delta) and self.delta > upper,
+                f"is out of range: the two-sided clip bound must exceed 1 + epsilon_high = {upper:g}",
+                "raise it or leave it unset (None)",
+            )
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations"):
+            value = getattr(self, name)
+            require(name, isinstance(value, int) and value >= 1, "must be an integer >= 1", f"set {name} >= 1")
+        if self.steps_per_generation is not None:
+            require(
+                "steps_per_generation", isinstance(self.steps_per_generation, int) and self.steps_per_generation >= 1,
+                "must be an integer >= 1", "set it >= 1, or leave it unset (= gradient_accumulation_steps)",
+            )
+        if self.max_completion_length is not None:
+            require(
+                "max_completion_length",
+                isinstance(self.max_completion_length, int) and self.max_completion_length >= 1,
+                "must be an integer >= 1 (tokens per completion)", "e.g. 16 for the arithmetic task",
+            )
+        require(
+            "temperature", finite(self.temperature) and self.temperature > 0,
+            "must be > 0 (sampling divides the logits by it; the log-probs use it too)", "use 1.0 or e.g. 0.6",
+        )
+        require("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]", "use 1.0 to keep all tokens")
+        require("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be >= 0", "use 0 to disable top-k")
+        require("beta", finite(self.beta) and self.beta >= 0, "must be >= 0 (KL coefficient)", "use 0.0 for no KL")
+        require(
+            "learning_rate", finite(self.learning_rate) and self.learning_rate > 0,
+            "must be > 0", "e.g. 5e-5 for the CPU main job, 1e-6 for large models",
+        )
+        require(
+            "transform_scale", finite(self.transform_scale) and self.transform_scale > 0,
+            "must be a finite number > 0 (the factor of the 'scale' ablation)", "the paper uses 0.5",
+        )
+        require(
+            "transform_truncate_floor", finite(self.transform_truncate_floor) and 0 < self.transform_truncate_floor < 1,
+            "must be in (0, 1) (a floor far below the weights, which are near 1)", "the default is 1e-6",
+        )
+        for name in ("delta_lambda_min", "delta_lambda_max"):
+            require(name, finite(getattr(self, name)), "must be a finite number", "the paper uses 0.8 and 1.2")
+        if self.delta_gamma is not None:
+            require(
+                "delta_gamma", finite(self.delta_gamma) and self.delta_gamma > 0,
+                "must be a finite number > 0", "or None for the adaptive gamma",
+            )
+        require(
+            "delta_refine_steps", isinstance(self.delta_refine_steps, int) and self.delta_refine_steps >= 0,
+            "must be an integer >= 0", "the paper uses 1",
+        )
+        if problems:
+            raise ValueError("out-of-range value(s): " + " | ".join(problems) + ".")
+
+    def _resolve_checkpointing_alias(self) -> None:
+        """Accept either checkpointing name without transformers' deprecation warning (TRL set the old name by
+        default, so every run warned with nothing for the user to change); unset means on, TRL's default."""
+        if not HAS_ACTIVATION_CHECKPOINTING:
+            return
+        if self.activation_checkpointing is None:
+            on = self.gradient_checkpointing
+            self.activation_checkpointing = True if on is None else bool(on)
+        self.gradient_checkpointing = None  # transformers mirrors the new name into it after resolving
