@@ -170,6 +170,64 @@ def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
     return parser
 
 
+# TRL / transformers fields a DFPO recipe sets most often, named in the short help (their help: --help-all).
+COMMON_TRL_FIELDS = (
+    "model_name_or_path", "output_dir", "learning_rate", "max_steps", "num_generations",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "num_iterations",
+    "importance_sampling_level", "loss_type", "epsilon", "epsilon_high", "beta", "temperature",
+    "max_completion_length", "use_vllm", "use_cpu", "bf16", "seed", "use_peft", "report_to",
+)  # fmt: skip
+
+
+def dfpo_field_names() -> list[str]:
+    """The fields DFPOConfig adds to GRPOConfig, in declaration order."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    inherited = {f.name for f in fields(GRPOConfig)}
+    return [f.name for f in fields(DFPOConfig) if f.name not in inherited]
+
+
+def short_help(parser: DFPOParser, width: int = 100) -> str:
+    """``dfpo-train --help``: usage, the script arguments and DFPO's fields, each with its default and help; the
+    thousand-odd TRL/transformers fields only by name (``--help-all`` prints them all)."""
+    import textwrap
+    from dataclasses import fields
+
+    actions = {a.dest: a for a in parser._actions}
+
+    def entry(name: str) -> str:
+        action = actions[name]
+        default = action.default
+        head = f"  --{name} (default: {default!r})" if default is not None else f"  --{name}"
+        body = textwrap.fill(
+            " ".join((action.help or "").replace("%%", "%").split()),
+            width=width,
+            initial_indent=" " * 6,
+            subsequent_indent=" " * 6,
+        )
+        return f"{head}\n{body}"
+
+    lines = [
+        "usage: dfpo-train RECIPE.yaml [--field value ...]",
+        "       dfpo-train --help-all    (every field: TRL's GRPOConfig, transformers' TrainingArguments, ModelConfig)",
+        "",
+        "Train with DFPO objectives (a TRL GRPOTrainer subclass) from a flat YAML recipe; any field can be set in the",
+        "recipe or as a flag, and flags beat the recipe. Example: dfpo-train recipes/smollm2_cpu.yaml --max_steps 10",
+        "",
+        "script arguments (task, data, held-out evaluation, outputs):",
+        *(entry(f.name) for f in fields(DFPOScriptArguments)),
+        "",
+        "DFPO fields of DFPOConfig (docs/design.md, docs/delta.md, docs/metrics.md):",
+        *(entry(name) for name in dfpo_field_names()),
+        "",
+        "common TRL fields (help: --help-all):",
+        textwrap.fill(", ".join(COMMON_TRL_FIELDS), width=width, initial_indent="  ", subsequent_indent="  "),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _recipe_argv(argv: Sequence[str]) -> list[str]:
     """Accept the recipe as a leading positional path (``dfpo-train recipe.yaml ...``) as well as ``--config``."""
     args = list(argv)
@@ -609,8 +667,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ``dfpo-train`` and ``python -m dfpo_trl``."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("dfpo_trl").setLevel(logging.INFO)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "--help-all" in args:
+        make_parser().print_help()
+        raise SystemExit(0)
+    if "-h" in args or "--help" in args:
+        print(short_help(make_parser()), end="")
+        raise SystemExit(0)
     try:
-        script_args, training_args, model_args = parse_args(argv)
+        script_args, training_args, model_args = parse_args(args)
         run(script_args, training_args, model_args)
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
@@ -627,10 +692,12 @@ __all__ = [
     "build_rewards",
     "build_task",
     "default_process_group",
+    "dfpo_field_names",
     "format_summary",
     "main",
     "make_parser",
     "parse_args",
     "resolve_model",
     "run",
+    "short_help",
 ]

@@ -109,9 +109,21 @@ def test_help_lists_dfpo_fields(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
-    text = " ".join(capsys.readouterr().out.split())
+    out = capsys.readouterr().out
+    text = " ".join(out.split())
     assert "--group_transform" in text and "In-group transform of the post-clip sequence weights" in text
-    assert "--symmetric_clip" in text and "--model_name_or_path" in text and "--task" in text
+    assert "--symmetric_clip" in text and "--delta_lambda_min" in text and "--task" in text
+    assert "model_name_or_path" in text and "--help-all" in text
+    assert "--lr_scheduler_kwargs" not in text  # TRL's full list is behind --help-all
+    assert len(out.splitlines()) < 150
+
+
+def test_help_all_lists_every_trl_field(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["recipes/smollm2_cpu.yaml", "--help-all"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--lr_scheduler_kwargs" in text and "--group_transform" in text and "--model_name_or_path" in text
 
 
 def test_unknown_recipe_key_names_the_nearest_field(tmp_path: Path) -> None:
