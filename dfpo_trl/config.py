@@ -29,14 +29,14 @@ class DFPOConfig(GRPOConfig):
 
     DFPO ("Design Conditions for Intra-Group Learning of Sequence-Level Rewards: Token Gradient
     Cancellation", arXiv 2604.13088) keeps token updates exchangeable inside a group so that shared,
-    reward-irrelevant tokens cancel. Equation numbers refer to that paper; `DESIGN.md` is the contract.
+    reward-irrelevant tokens cancel. Equation numbers refer to that paper; `docs/design.md` describes what we implement.
 
     Parameters:
         group_transform (`str`, *optional*, defaults to `"none"`):
             In-group transform of the sign-aware post-clip sequence weights s̄ (eq. 47), applied under
             stop-gradient. One of `"none"` (GSPO, eq. 49), `"min_replace"` (eq. 50), `"orth_proj"` (eq. 18),
             `"positive_orth_proj"` (exact QP of eq. 51), `"truncate_rebalance"` (eq. 52–55, β sign fixed, see
-            DESIGN.md §2), `"scale"` (Table 3 ablation). Needs `importance_sampling_level="sequence"`. Acts
+            docs/design.md), `"scale"` (Table 3 ablation). Needs `importance_sampling_level="sequence"`. Acts
             only off-policy (`steps_per_generation > gradient_accumulation_steps` or `num_iterations > 1`, or
             vLLM importance sampling): on-policy every s̄ is 1 and every transform is the identity.
         transform_scale (`float`, *optional*, defaults to `0.5`):
@@ -48,7 +48,7 @@ class DFPOConfig(GRPOConfig):
             `"ratio"`: J_i = Â_i φ_i s̄_i(θ), φ = s̃/s̄ under stop-gradient (eq. 59–62, 87–88); `"none"` is then
             TRL's GSPO exactly and clipped sequences keep GSPO's zero gradient. `"score"`: J_i = Â_i sg(s̃_i) ρ_i(θ)
             (eq. 16/68/85 read literally), every sequence gets the gradient Â_i s̃_i ∇ρ_i, clipped or not
-            (DESIGN.md §3). Compare a transform with `"none"` in the same form.
+            (docs/design.md). Compare a transform with `"none"` in the same form.
         transform_stop_gradient (`bool`, *optional*, defaults to `True`):
             `False` is the paper's "no stop-grad" ablation (Table 3): the transform is differentiated, J_i =
             Â_i s̃_i(θ). With `"min_replace"` and zero-mean advantages this makes the policy gradient exactly
@@ -59,9 +59,9 @@ class DFPOConfig(GRPOConfig):
             (`importance_sampling_level="token"`); `epsilon` (ε_low) is not used.
         log_mechanism_metrics (`bool`, *optional*, defaults to `True`):
             Log `asym/before`, `asym/after` (eq. 23), `transform/orth_residual`, `transform/phi_min|mean` and
-            `cancellation/shared_prefix_residual` (DESIGN.md §6) every step. O(batch) scalar work.
+            `cancellation/shared_prefix_residual` (docs/metrics.md) every step. O(batch) scalar work.
         log_energy_buckets (`int`, *optional*, defaults to `0`):
-            Gradient energy on frequent tokens (eq. 24, DESIGN.md §6). `0`: off, at no cost. k >= 2: every training
+            Gradient energy on frequent tokens (eq. 24, docs/metrics.md). `0`: off, at no cost. k >= 2: every training
             micro-batch logs `energy/freq_bucket_0` ... `energy/freq_bucket_{k-1}`, the share Σ_{t∈B_b} ‖∇_W ℓ_t‖ /
             Σ_t ‖∇_W ℓ_t‖ of each frequency bucket, averaged over the logging interval like the other metrics.
             ‖∇_W ℓ_t‖ is the exact per-token gradient norm of the LM-head weight W (a stand-in for all of θ):
@@ -75,7 +75,7 @@ class DFPOConfig(GRPOConfig):
             micro-step, a copy of h (B × T × d) and one no-grad float32 pass of h over the LM head; loss and
             gradients are unchanged. `1` is refused (a single bucket's share is always 1).
         token_weighting (`str`, *optional*, defaults to `"none"`):
-            `"delta"`: DelTA token weights (DESIGN.md §5, delta-digest.txt): per rollout batch, with the
+            `"delta"`: DelTA token weights (docs/delta.md): per rollout batch, with the
             rollout-time model, λ_{i,t} from the LM-head-row proxy (1 − p) h (centroids global over processes),
             self-normalised over the loss's normalisation domain (per sequence for `loss_type="grpo"`, per
             micro-batch for `"bnpo"`, over the global rollout batch for `"dapo"`/`"dr_grpo"`), held fixed across
@@ -129,7 +129,7 @@ class DFPOConfig(GRPOConfig):
         default="ratio",
         metadata={
             "help": "'ratio': J = A * phi * s_bar(theta), phi = s~/s_bar stop-gradient, 'none' equals TRL's GSPO; "
-            "'score': J = A * sg(s~) * rho(theta), clipped sequences keep their gradient (DESIGN.md section 3)."
+            "'score': J = A * sg(s~) * rho(theta), clipped sequences keep their gradient (docs/design.md)."
         },
     )
     transform_stop_gradient: bool = field(
@@ -158,7 +158,7 @@ class DFPOConfig(GRPOConfig):
     token_weighting: str = field(
         default="none",
         metadata={
-            "help": "'delta': DelTA token weights (DESIGN.md section 5): lambda from the (1 - p) h proxy once per "
+            "help": "'delta': DelTA token weights (docs/delta.md): lambda from the (1 - p) h proxy once per "
             "rollout batch, self-normalised over the loss's normalisation domain, fixed across num_iterations, "
             "stop-gradient per-token multipliers on the clipped surrogate. Token-level only. 'none': off."
         },
@@ -295,7 +295,7 @@ class DFPOConfig(GRPOConfig):
             )
 
     def _validate_delta_fields(self) -> None:
-        """DelTA (DESIGN.md §5): valid options, token-level clipped loss types only."""
+        """DelTA (docs/delta.md): valid options, token-level clipped loss types only."""
         if self.token_weighting not in TOKEN_WEIGHTINGS:
             raise ValueError(
                 f"token_weighting={self.token_weighting!r} is not valid; use 'none' or 'delta' (DelTA)."

@@ -53,7 +53,7 @@ def global_batch(rows: int, group_size: int, seed: int = 3) -> dict[str, Any]:
 
 
 def reference_weights(batch: dict[str, Any], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Single-process s̄ and s̃ for every row of the generation batch (DESIGN.md §4's reference)."""
+    """Single-process s̄ and s̃ for every row of the generation batch (docs/layouts.md's reference)."""
     rho = sequence_log_ratio(batch["reference_logps"], batch["old_per_token_logps"], batch["completion_mask"])
     s_bar = sign_aware_post_clip(rho.exp(), batch["advantages"], 0.2, 0.28)
     s_tilde = apply_group_transform(TRANSFORM, s_bar.view(-1, group_size), batch["advantages"].view(-1, group_size))
