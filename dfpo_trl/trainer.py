@@ -49,6 +49,7 @@ from .layout import (
     scatter_from_groups,
 )
 from .lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
+from .step_reward import StepRewardMixin
 from .transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ PRE_PASS_S_TILDE = "dfpo_s_tilde"
 MAX_LOG_RATIO = 20.0
 
 
-class DFPOTrainer(DeltaMixin, GRPOTrainer):
+class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
     """`trl.GRPOTrainer` with DFPO objectives. Takes the same arguments; `args` must be a [`DFPOConfig`]."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
