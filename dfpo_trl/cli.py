@@ -319,17 +319,50 @@ def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tupl
         )
     from transformers import AutoConfig
 
+    reachable = hub_reachable()
     try:
-        AutoConfig.from_pretrained(name, revision=model_args.model_revision)
+        # Unreachable hub: only a cached copy can load; asking the hub would retry for half a minute first.
+        AutoConfig.from_pretrained(name, revision=model_args.model_revision, local_files_only=not reachable)
     except Exception as exc:  # noqa: BLE001 - classified and re-raised with the way out
-        offline = _is_offline_error(exc)
+        offline = not reachable or _is_offline_error(exc)
         reason = "no network access to the Hugging Face Hub and no cached copy" if offline else "cannot be loaded"
         raise ModelUnavailableError(
             f"cannot load model {name!r}: {reason} ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). "
             "Use a local path (model_name_or_path: /path/to/checkpoint, a directory saved with save_pretrained), "
             "or omit model_name_or_path to train the embedded SmolLM2-135M-Instruct default, which needs no network."
         ) from exc
+    if not reachable:
+        _go_offline()
+        logger.warning("the Hugging Face Hub is not reachable: using the cached copy of %s", name)
     return name, name
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers a TCP connection within ``timeout`` seconds; False at once when
+    HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set. A machine without network then fails in seconds, not after
+    the hub client's retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _go_offline() -> None:
+    """Make every later hub lookup of this process (trainer, tokenizer) read the cache without asking."""
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
 
 
 # ------------------------------------------------------------------------------------------------ task, rewards
@@ -694,6 +727,7 @@ __all__ = [
     "default_process_group",
     "dfpo_field_names",
     "format_summary",
+    "hub_reachable",
     "main",
     "make_parser",
     "parse_args",

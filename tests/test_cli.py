@@ -376,3 +376,21 @@ def test_two_process_run_finishes_and_tears_down_the_process_group(tmp_path: Pat
         assert ended == {"code": 0, "pg_alive": False, "ddp_alive": False}
     summary = json.loads((out / "dfpo_summary.json").read_text())
     assert summary["steps"] == 2
+
+
+def test_unreachable_hub_fails_in_seconds_without_retries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import time
+
+    from huggingface_hub import constants
+    from trl import ModelConfig
+
+    import dfpo_trl.cli as cli
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://127.0.0.1:9")  # nothing listens on the discard port
+    assert not cli.hub_reachable(timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(ModelUnavailableError, match=r"no network access.*local path.*omit model_name_or_path"):
+        resolve_model(ModelConfig(model_name_or_path="no-such-org/no-such-model-dfpo"))
+    assert time.monotonic() - start < 10
