@@ -539,6 +539,7 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
 
     start = time.monotonic()
     model_path, model_label = resolve_model(model_args)
+    model_seconds = time.monotonic() - start  # the embedded model's one-time conversion, or a quick check
     try:
         task = build_task(script_args)
         reward_funcs = build_rewards(script_args, task)
@@ -576,6 +577,7 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     )
     use_dfpo_progress_bar(trainer)
     train_start = time.monotonic()
+    setup_seconds = train_start - start - model_seconds
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     train_seconds = time.monotonic() - train_start
     if script_args.save_model:
@@ -583,9 +585,8 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
 
     summary: dict[str, Any] = {}
     if trainer.accelerator.is_main_process:
-        summary = _write_outputs(
-            trainer, script_args, training_args, model_label, heldout_cb, curves, train_seconds, start
-        )
+        times = {"model": model_seconds, "setup": setup_seconds, "train_call": train_seconds}
+        summary = _write_outputs(trainer, script_args, training_args, model_label, heldout_cb, curves, times, start)
     # Ending a multi-process launch: the trainer's DDP reducer must not be the last holder of the process group.
     # `trainer.end()` (Transformers) destroys the group; if the reducer then drops the last reference, torch joins
     # gloo's worker threads while holding the GIL, and a worker that needs the GIL to release a finished
@@ -617,7 +618,7 @@ def _write_outputs(
     model_label: str,
     heldout_cb: Any,
     curves: Any,
-    train_seconds: float,
+    times: dict[str, float],
     start: float,
 ) -> dict[str, Any]:
     out = Path(training_args.output_dir)
@@ -628,11 +629,28 @@ def _write_outputs(
             from .plotting import plot_metrics
 
             plot_path = str(
-                plot_metrics(trainer.state.log_history, out / PLOT_FILE, title=_method_label(training_args))
+                plot_metrics(
+                    trainer.state.log_history,
+                    out / PLOT_FILE,
+                    title=_method_label(training_args),
+                    heldout=heldout_cb.results if heldout_cb is not None else None,
+                )
             )
         except ImportError as exc:
             logger.warning("no %s: %s (pip install matplotlib)", PLOT_FILE, exc)
-    rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
+    heldout = heldout_cb.results if heldout_cb is not None else {}
+    eval_before = float(heldout.get("before_seconds") or 0.0)
+    eval_after = float(heldout.get("after_seconds") or 0.0)
+    total = time.monotonic() - start
+    time_split = {  # seconds; the held-out evaluations run inside train(), so training excludes them
+        "model_conversion": round(times["model"], 1),
+        "setup": round(times["setup"], 1),
+        "eval_before": round(eval_before, 1),
+        "training": round(times["train_call"] - eval_before - eval_after, 1),
+        "eval_after": round(eval_after, 1),
+        "save_and_plot": round(total - times["model"] - times["setup"] - times["train_call"], 1),
+        "total": round(total, 1),
+    }
     summary = {
         "model": model_label,
         "task": script_args.task,
@@ -645,11 +663,10 @@ def _write_outputs(
         "steps": trainer.state.global_step,
         "learning_rate": training_args.learning_rate,
         "heldout": heldout_cb.results if heldout_cb is not None else None,
-        "reward_first": rewards[0] if rewards else None,
-        "reward_last": rewards[-1] if rewards else None,
         **curves.results,
-        "train_seconds": round(train_seconds, 1),
-        "total_seconds": round(time.monotonic() - start, 1),
+        "train_seconds": round(times["train_call"], 1),
+        "total_seconds": time_split["total"],
+        "time_split": time_split,
         "plot": plot_path,
         "output_dir": str(out),
     }
@@ -677,7 +694,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"held-out greedy accuracy   {_fmt(before)} -> {_fmt(after)}  ({_fmt(delta, '+.3f')}, "
             f"{heldout['n']} fixed problems)"
         )
-    lines.append(f"training reward            {_fmt(summary['reward_first'])} -> {_fmt(summary['reward_last'])}")
+    per = "step" if summary.get("reward_curve") == "step_reward" else "rollout"
+    lines.append(
+        f"training reward, EMA {_fmt(summary.get('reward_ema_alpha'), 'g'):<5}{_fmt(summary.get('reward_ema_first'))} "
+        f"-> {_fmt(summary.get('reward_ema_last'))}  (peak {_fmt(summary.get('reward_ema_peak'))}; one point per {per})"
+    )
     threshold = summary.get("reward_threshold")
     reached = summary.get("steps_to_threshold")
     lines.append(
@@ -685,10 +706,18 @@ def format_summary(summary: dict[str, Any]) -> str:
         "(EMA 0.3 of the training reward, eq. 19)"
     )
     lines.append(f"Jitter2 of reward curve    {_fmt(summary.get('reward_jitter2'), '.4f')}  (eq. 20)")
-    lines.append(
-        f"wall time                  {_fmt(summary['train_seconds'], '.0f')} s training, "
-        f"{_fmt(summary['total_seconds'], '.0f')} s in all"
-    )
+    split = summary.get("time_split")
+    if split:
+        parts = [
+            ("model_conversion", "model/conversion"), ("setup", "setup"), ("eval_before", "eval before"),
+            ("training", "training"), ("eval_after", "eval after"), ("save_and_plot", "save+plot"),
+        ]  # fmt: skip
+        lines.append(
+            f"wall time                  {_fmt(split['total'], '.0f')} s: "
+            + ", ".join(f"{label} {_fmt(split[key], '.0f')}" for key, label in parts)
+        )
+    else:
+        lines.append(f"wall time                  {_fmt(summary['total_seconds'], '.0f')} s in all")
     if summary.get("plot"):
         lines.append(f"metrics plot               {summary['plot']}")
     lines.append(f"summary                    {Path(summary['output_dir']) / SUMMARY_FILE}")

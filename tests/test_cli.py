@@ -322,10 +322,18 @@ def test_tiny_end_to_end_writes_summary_and_plot(
     assert summary["heldout"]["n"] == 4
     assert 0.0 <= summary["heldout"]["before"] <= 1.0 and 0.0 <= summary["heldout"]["after"] <= 1.0
     assert summary["reward_threshold"] == 0.6
+    # The reward curve has one point per optimizer step; the summary reports its EMA, not first/last rollout.
+    assert summary["reward_curve"] == "step_reward" and "reward_first" not in summary
+    assert summary["reward_ema_peak"] >= max(summary["reward_ema_first"], summary["reward_ema_last"])
+    split = summary["time_split"]
+    parts = ("model_conversion", "setup", "eval_before", "training", "eval_after", "save_and_plot")
+    assert all(split[k] >= 0 for k in parts) and split["eval_before"] == summary["heldout"]["before_seconds"]
+    assert sum(split[k] for k in parts) == pytest.approx(split["total"], abs=0.5)
     png = out / "dfpo_metrics.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "held-out greedy accuracy" in printed and "DFPO run summary" in printed
+    assert "eval before" in printed and "training reward, EMA 0.3" in printed
 
 
 def test_failing_reward_names_function_and_completion(
