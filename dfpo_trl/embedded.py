@@ -115,8 +115,27 @@ def _lock(root: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off: a conversion would otherwise draw four (de-quantize, load, write twice)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _convert(gguf: Path, target: Path) -> None:
     """Load the GGUF with transformers, drop the quantized marking, save model + tokenizer to ``target``."""
+    with _no_progress_bars():
+        _convert_quietly(gguf, target)
+
+
+def _convert_quietly(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -146,3 +146,15 @@ def test_second_call_reuses_cache(converted: tuple[Path, float]) -> None:
     elapsed = time.perf_counter() - start
     assert elapsed < 1.0 and elapsed < first_seconds / 10
     assert weights.stat().st_mtime_ns == mtime
+
+
+def test_conversion_draws_no_progress_bars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.utils import logging as hf_logging
+
+    seen: list[bool] = []
+    monkeypatch.setattr(
+        embedded, "_convert_quietly", lambda gguf, target: seen.append(hf_logging.is_progress_bar_enabled())
+    )
+    hf_logging.enable_progress_bar()
+    embedded._convert(tmp_path / EMBEDDED_GGUF, tmp_path)
+    assert seen == [False] and hf_logging.is_progress_bar_enabled()  # off during the conversion, restored after
