@@ -402,3 +402,15 @@ def test_unreachable_hub_fails_in_seconds_without_retries(monkeypatch: pytest.Mo
     with pytest.raises(ModelUnavailableError, match=r"no network access.*local path.*omit model_name_or_path"):
         resolve_model(ModelConfig(model_name_or_path="no-such-org/no-such-model-dfpo"))
     assert time.monotonic() - start < 10
+
+
+def test_example_stands_on_the_package_alone(tmp_path: Path) -> None:
+    example = ROOT / "examples" / "tiny_train.py"
+    assert "tests" not in example.read_text().split('"""', 2)[2]  # no sys.path trick towards tests/
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)  # the package only (as an installed dfpo_trl would be)
+    proc = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("phi_min=") >= 6  # the off-policy steps of two rollouts
