@@ -366,11 +366,10 @@ class DFPOConfig(GRPOConfig):
                 "GSPO and DFPO use 4e-4, DAPO 0.28, or leave it unset (= epsilon)",
             )
         if self.delta is not None:
-            upper = 1 + (self.epsilon_high if self.epsilon_high is not None else self.epsilon)
             require(
-                "delta", finite(self.delta) and self.delta > upper,
-                f"is out of range: the two-sided clip bound must exceed 1 + epsilon_high = {upper:g}",
-                "raise it or leave it unset (None)",
+                "delta", finite(self.delta) and self.delta > 1,
+                "is out of range: the two-sided clip bound on the ratio must exceed 1 (at 1 or below it clips "
+                "on-policy tokens)", "TRL recommends more than 1 + epsilon_high, or leave it unset (None)",
             )
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations"):
             value = getattr(self, name)

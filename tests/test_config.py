@@ -68,7 +68,7 @@ def test_trainer_refuses_a_plain_grpo_config():
         (dict(epsilon=0.0), "epsilon"),
         (dict(epsilon=float("nan")), "epsilon"),
         (dict(epsilon_high=-0.1), "epsilon_high"),
-        (dict(epsilon=0.2, delta=1.1), "delta"),
+        (dict(epsilon=0.2, delta=1.0), "delta"),
         (dict(steps_per_generation=0), "steps_per_generation"),
         (dict(num_iterations=0), "num_iterations"),
         (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps"),
