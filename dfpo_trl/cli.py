@@ -305,7 +305,7 @@ def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tupl
         from .embedded import embedded_model_path
 
         logger.info(
-            "no model_name_or_path: using the %s (the first use converts it once, about a minute)", EMBEDDED_LABEL
+            "no model_name_or_path: using the %s (the first use converts it once, under a minute)", EMBEDDED_LABEL
         )
         path = embedded_model_path(cache_dir)
         logger.info("embedded model checkpoint: %s", path)
