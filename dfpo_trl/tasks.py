@@ -340,7 +340,7 @@ class SumSentenceTask:
     A correct completion is that sentence with the sum: 20 tokens (SmolLM2's tokenizer) fixed by the prompt
     before the first one that can differ between right and wrong answers (the sum's digits), so once the
     policy follows the format the members of a group share a long prefix and differ at the number. That is
-    the case where shared-token cancellation (DESIGN.md §6, issue #10) has something to act on;
+    the case where shared-token cancellation (docs/cancellation.md, docs/metrics.md) has something to act on;
     ``arithmetic``'s completions vary in wording and share little. The sentence is the untrained
     SmolLM2-135M-Instruct's own greedy phrasing, so the format is reachable at once: on the CPU (the embedded
     Q4_1 GGUF) greedy decoding followed it on all of 40 random problems and scores 0.925 on 40 held-out ones;
