@@ -25,6 +25,7 @@ masking and ``delta`` clipping are TRL's code paths and apply on top unchanged.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from typing import Any, NamedTuple
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import split_tensor_dict
+from trl.trainer.utils import get_config_model_id, split_tensor_dict
 
 from . import metrics as mech
 from .cancellation import (
@@ -76,6 +77,13 @@ PRE_PASS_KEYS = (PRE_PASS_S_BAR, PRE_PASS_S_TILDE, PRE_PASS_SURVIVES, PRE_PASS_T
 MAX_LOG_RATIO = 20.0
 
 
+def default_config(model: Any) -> DFPOConfig:
+    """The config of a trainer built without ``args``, named as ``GRPOTrainer`` names its default
+    (``GRPOConfig(f"{model_name}-GRPO")``): ``DFPOConfig(f"{model_name}-DFPO")``, every DFPO option off."""
+    model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+    return DFPOConfig(f"{model_name.split('/')[-1]}-DFPO")
+
+
 class RowWeights(NamedTuple):
     """Per-row sequence weights of one micro-batch: s̄ (eq. 47), s̃ (the transform's output), whether the row's
     gradient survives the clip (U, eq. C2) and whether its group is two-sided (eq. C8)."""
@@ -87,18 +95,22 @@ class RowWeights(NamedTuple):
 
 
 class DFPOTrainer(DeltaMixin, GRPOTrainer):
-    """`trl.GRPOTrainer` with DFPO objectives. Takes the same arguments; `args` must be a [`DFPOConfig`]."""
+    """`trl.GRPOTrainer` with DFPO objectives. Takes the same arguments; `args` must be a [`DFPOConfig`] (built
+    from the model's name, every DFPO option off, when not given, as `GRPOTrainer` builds its default)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if config is not None and not isinstance(config, DFPOConfig):
+        arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        arguments.pop("self")
+        config = arguments.get("args")
+        if config is None:
+            config = default_config(arguments["model"])
+        elif not isinstance(config, DFPOConfig):
             raise TypeError(
                 f"DFPOTrainer needs args=DFPOConfig(...), got {type(config).__name__}; DFPOConfig takes every "
                 "GRPOConfig field plus the DFPO ones."
             )
-        super().__init__(*args, **kwargs)
-        if not isinstance(self.args, DFPOConfig):
-            raise TypeError("DFPOTrainer needs args=DFPOConfig(...).")
+        arguments["args"] = config
+        super().__init__(**arguments)
         self._dfpo_pending: dict[str, Any] | None = None
         if self.args.symmetric_clip:
             # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): the lower bound of eq. 79.
