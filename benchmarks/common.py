@@ -111,7 +111,12 @@ def trainer_and_config(name: str, baseline_trainer: str = "trl") -> tuple[type, 
     group-granular batches and mechanism metrics."""
     method = METHODS[name]
     if method.dfpo or baseline_trainer == "dfpo":
-        return DFPOTrainer, DFPOConfig, dict(method.overrides)
+        overrides = dict(method.overrides)
+        baseline = not method.dfpo or name == "dfpo_none"
+        if baseline and "group_granular_batches" in DFPOConfig.__dataclass_fields__:
+            # DFPO off keeps TRL's per-sample order unless asked: ask, for the mechanism metrics.
+            overrides["group_granular_batches"] = True
+        return DFPOTrainer, DFPOConfig, overrides
     return GRPOTrainer, GRPOConfig, dict(method.overrides)
 
 

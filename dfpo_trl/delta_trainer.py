@@ -33,6 +33,7 @@ from torch import Tensor
 from trl.models.utils import disable_gradient_checkpointing
 
 from .delta import self_normalise, token_weights_from_hidden
+from .layout import rollout_generator
 from .lm_head import HiddenCapture, lm_head_input_module
 
 logger = logging.getLogger(__name__)
@@ -285,11 +286,7 @@ class DeltaMixin:
         no state a checkpoint would have to save, so a resumed run draws the same λ as an uninterrupted one."""
         if not self.args.delta_random:
             return None
-        generator = torch.Generator(device=device)
-        generator.manual_seed(
-            int(self.args.seed) + 7919 * self.accelerator.process_index + 104729 * int(self.state.global_step)
-        )
-        return generator
+        return rollout_generator(self.args.seed, self.accelerator.process_index, self.state.global_step, device=device)
 
     # ------------------------------------------------------------------------------------------- logging
     def _delta_log(

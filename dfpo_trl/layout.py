@@ -89,6 +89,17 @@ def group_granular_order(group_ids: torch.Tensor, generator: torch.Generator | N
     return torch.argsort(key).to(group_ids.device)
 
 
+def rollout_generator(
+    seed: int, process_index: int, step: int, stream: int = 0, device: torch.device | str | None = None
+) -> torch.Generator:
+    """A generator for one rollout's random draws, seeded from (seed, process, optimizer step, stream) alone:
+    DFPO's draws never touch torch's global RNG (so TRL's stream is unchanged), and it holds no state a
+    checkpoint would have to save (a run resumed at a generation boundary draws the same numbers)."""
+    generator = torch.Generator(device=device if device is not None else "cpu")
+    generator.manual_seed(int(seed) + 7919 * int(process_index) + 104729 * int(step) + 1_000_003 * int(stream))
+    return generator
+
+
 def concat_sequence_dicts(chunks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Join micro-batch dicts (as TRL's ``split_tensor_dict`` makes them) back into one batch dict.
 

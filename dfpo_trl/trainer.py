@@ -56,6 +56,7 @@ from .layout import (
     group_index,
     holds_whole_groups,
     permute_sequence_dict,
+    rollout_generator,
     scatter_from_groups,
 )
 from .lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
@@ -75,6 +76,7 @@ PRE_PASS_SURVIVES = "dfpo_survives"
 PRE_PASS_TWO_SIDED = "dfpo_two_sided"
 PRE_PASS_KEYS = (PRE_PASS_S_BAR, PRE_PASS_S_TILDE, PRE_PASS_SURVIVES, PRE_PASS_TWO_SIDED)
 MAX_LOG_RATIO = 20.0
+GROUP_SHUFFLE_STREAM = 1  # DelTA's random-λ control is stream 0
 
 
 def default_config(model: Any) -> DFPOConfig:
@@ -127,10 +129,18 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
 
     # ----------------------------------------------------------------------------------------------- layout
     def _choose_group_layout(self) -> str:
-        """The cheapest exact layout for these batch sizes (DESIGN.md §4); refuse only what cannot be exact."""
+        """The cheapest exact layout for these batch sizes (DESIGN.md §4); refuse only what cannot be exact.
+        With every DFPO option off (and ``group_granular_batches`` not forced) TRL's per-sample order is kept."""
         args: DFPOConfig = self.args
         per_device, group_size = args.per_device_train_batch_size, self.num_generations
-        if per_device % group_size == 0:
+        whole = per_device % group_size == 0
+        if args.group_granular_batches is True and not whole:
+            raise ValueError(
+                f"group_granular_batches=True needs whole groups in every micro-batch, but "
+                f"per_device_train_batch_size={per_device} is not a multiple of num_generations={group_size}. "
+                f"Set per_device_train_batch_size to a multiple of {group_size}, or group_granular_batches=None."
+            )
+        if whole and args.wants_group_granular_batches:
             # TRL slices the global generation batch per process in blocks of per_device * steps_per_generation
             # rows, a multiple of G, so a group-granular split keeps every group inside one micro-batch.
             return LAYOUT_GROUP_GRANULAR
@@ -175,16 +185,23 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             self._step % self._generate_every == 0 or self._buffered_inputs is None
         )
         inputs = super()._prepare_inputs(generation_batch)
-        if not self.model.training or self.group_layout == LAYOUT_PER_SAMPLE:
+        if not self.model.training or self.group_layout in (LAYOUT_PER_SAMPLE, LAYOUT_CROSS_PROCESS):
             return inputs
         spg = self.args.steps_per_generation
-        if regenerated:
+        if regenerated and self.group_layout == LAYOUT_GROUP_GRANULAR:
             full = concat_sequence_dicts(self._buffered_inputs)
-            full = permute_sequence_dict(full, group_granular_order(full[GROUP_IDS_KEY]))
-            self._buffered_inputs = split_tensor_dict(full, spg)
+            order = group_granular_order(full[GROUP_IDS_KEY], self._group_shuffle_generator())
+            self._buffered_inputs = split_tensor_dict(permute_sequence_dict(full, order), spg)
         if self.group_layout == LAYOUT_PRE_PASS and self._step % self.args.gradient_accumulation_steps == 0:
             self._pre_pass()
         return self._buffered_inputs[self._step % spg]
+
+    def _group_shuffle_generator(self) -> torch.Generator:
+        """DFPO's own generator for the group shuffle, seeded per rollout: torch's global RNG stream stays TRL's,
+        and a run resumed at a generation boundary draws the same order (no state for a checkpoint to hold)."""
+        return rollout_generator(
+            self.args.seed, self.accelerator.process_index, self.state.global_step, stream=GROUP_SHUFFLE_STREAM
+        )
 
     # ------------------------------------------------------------------------------------ pre-pass (layout 3)
     def _policy_unchanged_since_rollout(self) -> bool:
