@@ -373,6 +373,23 @@ class DFPOConfig(GRPOConfig):
             )
 
     @property
+    def dfpo_options_active(self) -> bool:
+        """Whether any DFPO option changes the loss or needs the loss's policy forward (the trainer refuses to
+        go on when TRL's loss did not let DFPO rewrite its inputs)."""
+        return bool(self.describe_active_options())
+
+    def describe_active_options(self) -> str:
+        """The DFPO options that are on, as they are set (empty when DFPO is off)."""
+        parts = [self._describe_sequence_options()] if self.sequence_rewrite_active else []
+        if self.symmetric_clip:
+            parts.append("symmetric_clip=True")
+        if self.token_weighting != "none":
+            parts.append(f"token_weighting={self.token_weighting!r}")
+        if self.log_energy_buckets:
+            parts.append(f"log_energy_buckets={self.log_energy_buckets}")
+        return ", ".join(parts)
+
+    @property
     def wants_group_granular_batches(self) -> bool:
         """Whether the group shuffle should run when the batch sizes allow it: forced on, or automatic with a
         DFPO option that reads whole groups (a transform, the score form, no stop-gradient)."""

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from trl.models.utils import disable_gradient_checkpointing
 
 from .delta import self_normalise, token_weights_from_hidden
 from .layout import rollout_generator
 from .lm_head import HiddenCapture, lm_head_input_module
+from .trl_compat import bind_call, disable_gradient_checkpointing, trl_runs_old_logps_forward
 
 logger = logging.getLogger(__name__)
 
@@ -204,18 +204,6 @@ class DeltaMixin:
     def _delta_enabled(self) -> bool:
         return getattr(self.args, "token_weighting", "none") == "delta" and self.model.training
 
-    @property
-    def _generate_every(self) -> int:
-        """Micro-steps between two rollouts, as TRL 1.16 counts them (``_prepare_inputs``)."""
-        return self.args.steps_per_generation * self.num_iterations
-
-    def _trl_runs_old_logps_forward(self) -> bool:
-        """TRL 1.16's condition for computing old log-probs in the rollout (``_generate_and_score_completions``):
-        the off-policy case, where θ can differ from θ_old and DFPO's transforms act."""
-        return self.args.gradient_accumulation_steps % self._generate_every != 0 or bool(
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
-
     def _delta_all_reduce(self) -> Reducer | None:
         return sum_over_processes if self.accelerator.num_processes > 1 else None
 
@@ -226,7 +214,7 @@ class DeltaMixin:
         capture = HiddenCapture()
         # Armed only when TRL will run the old-log-prob forward: the first policy forward of the rollout is then
         # that one (with a PEFT reference, the later reference forward also goes through the policy).
-        self._delta_armed = capture if self._trl_runs_old_logps_forward() else None
+        self._delta_armed = capture if trl_runs_old_logps_forward(self) else None
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
@@ -241,7 +229,7 @@ class DeltaMixin:
         if capture is None or model is not self.model:
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         self._delta_armed = None
-        logits_to_keep = kwargs["logits_to_keep"] if "logits_to_keep" in kwargs else args[2]
+        logits_to_keep = bind_call("_get_per_token_logps_and_entropies", model, *args, **kwargs)["logits_to_keep"]
         module = lm_head_input_module(self.accelerator.unwrap_model(model))
         return capture.run(
             module, int(logits_to_keep), lambda: super(DeltaMixin, self)._get_per_token_logps_and_entropies(
@@ -258,8 +246,9 @@ class DeltaMixin:
         try:
             with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, output["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size, **extra,
+                    model=self.model, input_ids=input_ids, attention_mask=attention_mask,
+                    logits_to_keep=output["completion_ids"].size(1), batch_size=self.args.per_device_train_batch_size,
+                    **extra,
                 )
         finally:
             self._delta_armed = None

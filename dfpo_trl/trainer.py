@@ -31,9 +31,8 @@ import math
 from typing import Any, NamedTuple
 
 import torch
+import trl
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import get_config_model_id, split_tensor_dict
 
 from . import metrics as mech
 from .cancellation import (
@@ -61,6 +60,17 @@ from .layout import (
 )
 from .lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
 from .transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
+from .trl_compat import (
+    SUPPORTED_TRL_TEXT,
+    TRLCompatibilityError,
+    bind_call,
+    check_trainer_attributes,
+    disable_gradient_checkpointing,
+    generate_every,
+    get_config_model_id,
+    split_tensor_dict,
+    trl_runs_old_logps_forward,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,13 +123,14 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             )
         arguments["args"] = config
         super().__init__(**arguments)
+        check_trainer_attributes(self)
         self._dfpo_pending: dict[str, Any] | None = None
         if self.args.symmetric_clip:
             # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): the lower bound of eq. 79.
             self.epsilon_low = 1.0
         self.group_layout = self._choose_group_layout()
         logger.info("DFPO group layout: %s", self.group_layout)
-        if self.args.sequence_rewrite_active and not self._trl_runs_old_logps_forward():
+        if self.args.sequence_rewrite_active and not trl_runs_old_logps_forward(self):
             logger.warning(
                 "group_transform=%r runs on-policy (steps_per_generation <= gradient_accumulation_steps, "
                 "num_iterations=1, no vLLM importance sampling): every post-clip weight is 1 and the transform "
@@ -182,7 +193,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         """TRL's buffering, with its per-sample shuffle replaced by a group-granular one (DESIGN.md §4)."""
         regenerated = self.model.training and (
-            self._step % self._generate_every == 0 or self._buffered_inputs is None
+            self._step % generate_every(self) == 0 or self._buffered_inputs is None
         )
         inputs = super()._prepare_inputs(generation_batch)
         if not self.model.training or self.group_layout in (LAYOUT_PER_SAMPLE, LAYOUT_CROSS_PROCESS):
@@ -207,7 +218,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
     def _policy_unchanged_since_rollout(self) -> bool:
         """True in the first optimizer step after a rollout: θ = θ_old, so every s is 1 and the pre-pass forward
         can be skipped (its old log-probs were computed by this model at this θ)."""
-        return self._step % self._generate_every == 0
+        return self._step % generate_every(self) == 0
 
     def _pre_pass(self) -> None:
         """At the start of an optimizer step, compute s̄ at the step's θ for every member of every group that has
@@ -295,7 +306,8 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
                 ids = torch.cat([full["prompt_ids"][part], full["completion_ids"][part]], dim=1)
                 attention = torch.cat([full["prompt_mask"][part], full["completion_mask"][part]], dim=1)
                 logps, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, ids, attention, full["completion_ids"].size(1), batch_size=chunk
+                    model=self.model, input_ids=ids, attention_mask=attention,
+                    logits_to_keep=full["completion_ids"].size(1), batch_size=chunk,
                 )
                 if not real:
                     continue
@@ -368,16 +380,24 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         inputs = dict(inputs)  # the buffered rollout is reused across iterations: never mutate it
         self._dfpo_pending = inputs
         try:
-            return super()._compute_loss(model, inputs)
+            loss = super()._compute_loss(model=model, inputs=inputs)
+            rewritten = self._dfpo_pending is None  # consumed by the policy forward's hook
         finally:
             self._dfpo_pending = None
+        if not rewritten and self.args.dfpo_options_active:
+            raise TRLCompatibilityError(
+                f"TRL's _compute_loss never ran its policy forward through _get_per_token_logps_and_entropies, so "
+                f"DFPO's input rewrite did not run and {self.args.describe_active_options()} would be silently "
+                f"ignored (trl {trl.__version__}; dfpo_trl supports trl{SUPPORTED_TRL_TEXT})."
+            )
+        return loss
 
     def _get_per_token_logps_and_entropies(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
         """TRL's helper; on the loss's policy forward, also rewrite the inputs TRL reads next (see module doc)."""
         capture = None
         if self._dfpo_pending is not None and self._energy_active():
             capture = HiddenCapture("log_energy_buckets")
-            logits_to_keep = kwargs["logits_to_keep"] if "logits_to_keep" in kwargs else args[2]
+            logits_to_keep = bind_call("_get_per_token_logps_and_entropies", model, *args, **kwargs)["logits_to_keep"]
             module = lm_head_input_module(self.accelerator.unwrap_model(model), "log_energy_buckets")
             logps, entropies, aux_loss = capture.run(
                 module,
