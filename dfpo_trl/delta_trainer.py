@@ -34,7 +34,7 @@ from torch import Tensor
 from .delta import self_normalise, token_weights_from_hidden
 from .layout import rollout_generator
 from .lm_head import HiddenCapture, lm_head_input_module
-from .trl_compat import bind_call, disable_gradient_checkpointing, trl_runs_old_logps_forward
+from .trl_compat import MULTIMODAL_KEYS, bind_call, disable_gradient_checkpointing, trl_runs_old_logps_forward
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +43,6 @@ TOKEN_TABLE_SIZE = 10
 DOMAIN_SEQUENCE = "sequence"  # loss_type="grpo": per-sequence token mean
 DOMAIN_MICRO_BATCH = "micro_batch"  # loss_type="bnpo": token mean of the local micro-batch
 DOMAIN_ROLLOUT = "rollout"  # loss_type="dapo" / "dr_grpo": tokens of the whole (global) rollout batch
-# Inputs of TRL's `_get_per_token_logps_and_entropies` that a rollout dict may carry (multimodal models).
-_FORWARD_KEYS = (
-    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-)
-
 Reducer = Callable[[Tensor], Tensor]
 
 
@@ -241,7 +235,7 @@ class DeltaMixin:
         """The one extra no-grad forward of the on-policy case, through TRL's own log-prob helper."""
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        extra = {key: output[key] for key in _FORWARD_KEYS if key in output}
+        extra = {key: output[key] for key in MULTIMODAL_KEYS if key in output}
         self._delta_armed = capture
         try:
             with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):

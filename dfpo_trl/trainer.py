@@ -61,6 +61,7 @@ from .layout import (
 from .lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
 from .transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
 from .trl_compat import (
+    MULTIMODAL_KEYS,
     SUPPORTED_TRL_TEXT,
     TRLCompatibilityError,
     bind_call,
@@ -130,6 +131,8 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             self.epsilon_low = 1.0
         self.group_layout = self._choose_group_layout()
         logger.info("DFPO group layout: %s", self.group_layout)
+        if self._regroups_batches() and self._model_is_multimodal():
+            raise ValueError(self._multimodal_refusal("the model or its processor is multimodal"))
         if self.args.sequence_rewrite_active and not trl_runs_old_logps_forward(self):
             logger.warning(
                 "group_transform=%r runs on-policy (steps_per_generation <= gradient_accumulation_steps, "
@@ -178,6 +181,32 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             )
         return LAYOUT_PRE_PASS
 
+    def _regroups_batches(self) -> bool:
+        """Whether this layout concatenates, permutes or re-forwards TRL's buffered rollout (group shuffle,
+        pre-pass): code that treats every tensor as one row per sample."""
+        return self.group_layout in (LAYOUT_GROUP_GRANULAR, LAYOUT_PRE_PASS)
+
+    def _model_is_multimodal(self) -> bool:
+        model = self.accelerator.unwrap_model(self.model)
+        config = getattr(model, "config", None)
+        has_vision = getattr(config, "vision_config", None) is not None
+        return has_vision or getattr(self.processing_class, "image_processor", None) is not None
+
+    def _multimodal_refusal(self, why: str) -> str:
+        option = self.args.describe_active_options() or "group_granular_batches=True"
+        return (
+            f"{option} needs the {self.group_layout!r} layout, which regroups TRL's rollout into whole groups "
+            "(or re-forwards it in a pre-pass) as if every tensor had one row per sample, but "
+            f"{why}: {', '.join(MULTIMODAL_KEYS[:4])}, ... are not one row per sample (pixel_values rows are "
+            "image patches) and the pre-pass does not pass them to the model. Vision-language batches are not "
+            "supported with this layout: use a text-only model, or turn the option off."
+        )
+
+    def _refuse_multimodal_batch(self, batch: dict[str, Any]) -> None:
+        present = [key for key in MULTIMODAL_KEYS if batch.get(key) is not None]
+        if present:
+            raise ValueError(self._multimodal_refusal(f"the rollout carries {', '.join(present)}"))
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's rollout, plus an explicit group id per row (global row // G, as TRL's sampler lays rows out)."""
         output = super()._generate_and_score_completions(inputs)
@@ -199,6 +228,8 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         if not self.model.training or self.group_layout in (LAYOUT_PER_SAMPLE, LAYOUT_CROSS_PROCESS):
             return inputs
         spg = self.args.steps_per_generation
+        if regenerated:
+            self._refuse_multimodal_batch(self._buffered_inputs[0])
         if regenerated and self.group_layout == LAYOUT_GROUP_GRANULAR:
             full = concat_sequence_dicts(self._buffered_inputs)
             order = group_granular_order(full[GROUP_IDS_KEY], self._group_shuffle_generator())

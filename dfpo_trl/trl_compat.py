@@ -24,6 +24,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, split_tensor_dict
 
 __all__ = [
+    "MULTIMODAL_KEYS",
     "SUPPORTED_TRL",
     "TOUCH_POINTS",
     "TRAINER_ATTRIBUTES",
@@ -78,6 +79,15 @@ TRAINER_ATTRIBUTES: tuple[str, ...] = (
     "_buffered_inputs", "_step", "_metrics", "num_generations", "num_generations_eval", "num_iterations",
     "epsilon_low", "epsilon_high", "loss_type", "importance_sampling_level", "temperature", "use_vllm",
     "vllm_importance_sampling_correction",
+)
+
+
+# Multimodal inputs TRL's rollout may put in a batch and its log-prob helper consumes (TRL 1.16's
+# `_get_per_token_logps_and_entropies` keyword arguments). Several are not one row per sample: pixel_values rows are
+# image patches or tiles, counted by image_grid_thw / num_images / num_tiles.
+MULTIMODAL_KEYS: tuple[str, ...] = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )
 
 
