@@ -15,6 +15,9 @@ import torch
 GROUP_IDS_KEY = "group_ids"
 # Global row index in the generation batch: lets gathered per-sequence scalars find their rows again.
 ROW_IDS_KEY = "row_ids"
+# Whether a buffered training micro-batch holds whole groups: looked up once per rollout, so that the loss path
+# never has to ask the device (a host sync per micro-step).
+WHOLE_GROUPS_KEY = "dfpo_whole_groups"
 
 
 def consecutive_group_ids(
@@ -31,11 +34,12 @@ def consecutive_group_ids(
     return torch.div(rows, num_generations, rounding_mode="floor")
 
 
-def group_index(group_ids: torch.Tensor, group_size: int) -> torch.Tensor:
+def group_index(group_ids: torch.Tensor, group_size: int, validate: bool = True) -> torch.Tensor:
     """Row indices arranged as (num_groups, group_size), one row per group, groups in ascending id order.
 
     Raises a ``ValueError`` that names the layout problem when a group does not have exactly ``group_size``
-    members in ``group_ids`` (a group cut apart by a per-sample shuffle or a split).
+    members in ``group_ids`` (a group cut apart by a per-sample shuffle or a split). ``validate=False`` skips
+    that check (it reads the device: a host sync) for ids already checked, e.g. once per rollout.
     """
     if group_ids.dim() != 1:
         raise ValueError(f"group_ids must be 1-D (one id per row), got shape {tuple(group_ids.shape)}.")
@@ -47,6 +51,8 @@ def group_index(group_ids: torch.Tensor, group_size: int) -> torch.Tensor:
         )
     order = torch.argsort(group_ids, stable=True)
     index = order.view(n // group_size, group_size)
+    if not validate:
+        return index
     sorted_ids = group_ids[index]
     if not bool((sorted_ids == sorted_ids[:, :1]).all()):
         _, counts = torch.unique(group_ids, return_counts=True)
@@ -103,12 +109,12 @@ def rollout_generator(
 def concat_sequence_dicts(chunks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Join micro-batch dicts (as TRL's ``split_tensor_dict`` makes them) back into one batch dict.
 
-    Tensors with a batch dimension are concatenated, lists joined, 0-dim tensors (``num_items_in_batch``)
-    and ``None`` taken from the first chunk.
+    Tensors with a batch dimension are concatenated, lists joined, 0-dim tensors (``num_items_in_batch``),
+    flags and ``None`` taken from the first chunk.
     """
     out: dict[str, Any] = {}
     for key, first in chunks[0].items():
-        if first is None or (isinstance(first, torch.Tensor) and first.dim() == 0):
+        if first is None or isinstance(first, bool) or (isinstance(first, torch.Tensor) and first.dim() == 0):
             out[key] = first
         elif isinstance(first, torch.Tensor):
             out[key] = torch.cat([chunk[key] for chunk in chunks], dim=0)
@@ -123,7 +129,7 @@ def permute_sequence_dict(batch: dict[str, Any], order: torch.Tensor) -> dict[st
     """Reorder every per-row entry of a batch dict by ``order``; 0-dim tensors and ``None`` stay as they are."""
     out: dict[str, Any] = {}
     for key, value in batch.items():
-        if value is None or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        if value is None or isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() == 0):
             out[key] = value
         elif isinstance(value, torch.Tensor):
             out[key] = value[order.to(value.device)]

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 import trl
+from accelerate.utils import gather_object
 from trl import GRPOTrainer
 
 from . import metrics as mech
@@ -49,6 +50,7 @@ from .delta_trainer import DeltaMixin
 from .layout import (
     GROUP_IDS_KEY,
     ROW_IDS_KEY,
+    WHOLE_GROUPS_KEY,
     concat_sequence_dicts,
     consecutive_group_ids,
     group_granular_order,
@@ -59,6 +61,7 @@ from .layout import (
     scatter_from_groups,
 )
 from .lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
+from .metric_store import MetricStore
 from .transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
 from .trl_compat import (
     MULTIMODAL_KEYS,
@@ -126,6 +129,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         super().__init__(**arguments)
         check_trainer_attributes(self)
         self._dfpo_pending: dict[str, Any] | None = None
+        self.dfpo_metrics = MetricStore()  # device tensors until a logging step (metric_store)
         if self.args.symmetric_clip:
             # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): the lower bound of eq. 79.
             self.epsilon_low = 1.0
@@ -225,18 +229,33 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             self._step % generate_every(self) == 0 or self._buffered_inputs is None
         )
         inputs = super()._prepare_inputs(generation_batch)
-        if not self.model.training or self.group_layout in (LAYOUT_PER_SAMPLE, LAYOUT_CROSS_PROCESS):
+        if not self.model.training:
             return inputs
         spg = self.args.steps_per_generation
         if regenerated:
-            self._refuse_multimodal_batch(self._buffered_inputs[0])
-        if regenerated and self.group_layout == LAYOUT_GROUP_GRANULAR:
-            full = concat_sequence_dicts(self._buffered_inputs)
-            order = group_granular_order(full[GROUP_IDS_KEY], self._group_shuffle_generator())
-            self._buffered_inputs = split_tensor_dict(permute_sequence_dict(full, order), spg)
+            if self._regroups_batches():
+                self._refuse_multimodal_batch(self._buffered_inputs[0])
+            if self.group_layout == LAYOUT_GROUP_GRANULAR:
+                full = concat_sequence_dicts(self._buffered_inputs)
+                order = group_granular_order(full[GROUP_IDS_KEY], self._group_shuffle_generator())
+                self._buffered_inputs = split_tensor_dict(permute_sequence_dict(full, order), spg)
+            self._mark_whole_groups()
         if self.group_layout == LAYOUT_PRE_PASS and self._step % self.args.gradient_accumulation_steps == 0:
             self._pre_pass()
         return self._buffered_inputs[self._step % spg]
+
+    def _mark_whole_groups(self) -> None:
+        """Record in each buffered micro-batch whether it holds whole groups (one host read per rollout, not
+        one per micro-step); in the group-granular layout, check that it does."""
+        if not (self.args.log_mechanism_metrics or self.args.sequence_rewrite_active):
+            return
+        for micro in self._buffered_inputs:
+            group_ids = micro[GROUP_IDS_KEY]
+            if self.group_layout == LAYOUT_GROUP_GRANULAR:
+                group_index(group_ids, self.num_generations)  # raises with the fix if a group is cut apart
+                micro[WHOLE_GROUPS_KEY] = True
+            else:
+                micro[WHOLE_GROUPS_KEY] = holds_whole_groups(group_ids, self.num_generations)
 
     def _group_shuffle_generator(self) -> torch.Generator:
         """DFPO's own generator for the group shuffle, seeded per rollout: torch's global RNG stream stays TRL's,
@@ -291,6 +310,11 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """s̄ = sign-aware post-clip of s = exp(ρ) (eq. 44–47) with the trainer's clip range, and U: whether each
         row's gradient survives TRL's clip (eq. C2; every row in the score form, which is never clipped)."""
+        # sequence_log_ratio reads a NaN token log-ratio as 0 and ±Inf as ±1e6: count the sequences whose weight
+        # was so sanitised (per process, never silent).
+        broken = (~torch.isfinite(logps.detach() - old) & (mask != 0)).any(-1)
+        mode = "train" if self.model.training else "eval"
+        self.dfpo_metrics.add_sum(mode, "transform/sanitised_weights", broken.sum())
         s = torch.exp(sequence_log_ratio(logps, old, mask))
         s_bar = sign_aware_post_clip(s, advantages, self.epsilon_low, self.epsilon_high)
         if self.args.transform_gradient == "score":
@@ -405,6 +429,23 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             s_bar, scatter_from_groups(s_tilde_g, index), survives, scatter_from_groups(two_sided_g, index)
         )
 
+    # ---------------------------------------------------------------------------------------------- logging
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, after DFPO's metrics are reduced over every process and handed to TRL's averaging."""
+        self.flush_dfpo_metrics("train" if self.model.training else "eval")
+        super().log(logs, start_time)
+
+    def flush_dfpo_metrics(self, mode: str = "train") -> None:
+        """Move DFPO's pending metrics of ``mode`` into TRL's ``_metrics`` (one value each, reduced over all
+        processes: the same meaning at any world size). Collective: every process must call it together, as
+        every process calls ``log``."""
+        gather = None
+        if self.accelerator.num_processes > 1:
+            def gather(names: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+                return [[tuple(item) for item in per] for per in gather_object([names])]
+        for name, value in self.dfpo_metrics.flush(mode, self.accelerator.device, gather).items():
+            self._metrics[mode][name].append(value)
+
     # ------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """TRL's loss on a shallow copy of ``inputs`` that DFPO rewrites right after the policy forward pass."""
@@ -456,6 +497,9 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         """The (num_groups, G) row index when this micro-batch holds whole groups, else None."""
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         group_ids = self._group_ids(inputs, mode)
+        whole = inputs.get(WHOLE_GROUPS_KEY)  # known for buffered training micro-batches (_mark_whole_groups)
+        if whole is not None:
+            return group_index(group_ids, group_size, validate=False) if whole else None
         if self.group_layout == LAYOUT_GROUP_GRANULAR and mode == "train":
             return group_index(group_ids, group_size)  # raises with the fix if a group is cut apart
         return group_index(group_ids, group_size) if holds_whole_groups(group_ids, group_size) else None
@@ -498,13 +542,8 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         if self.importance_sampling_level == "sequence":
             rho = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
             excess = rho - rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-            if not bool((excess != 0).any()):
-                return old
-            return old + excess.unsqueeze(1) * mask
-        excess = log_ratio - log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        if not bool((excess != 0).any()):
-            return old
-        return old + excess
+            return old + excess.unsqueeze(1) * mask  # + 0 where inside the bound: the same values, no branch
+        return old + (log_ratio - log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
     def _symmetric_clip_old_logps(
         self, per_token_logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, inputs_mask: torch.Tensor,
@@ -514,9 +553,9 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         the fraction of scored tokens so capped."""
         log_cap = math.log1p(self.epsilon_high)
         over = (advantages < 0).unsqueeze(1) & ((per_token_logps.detach() - old) > log_cap)
-        scored = inputs_mask.sum()
-        self._metrics[mode]["grpo_fix/negative_capped_fraction"].append(
-            ((over & inputs_mask.bool()).sum() / scored.clamp(min=1)).item()
+        # the fraction of scored tokens capped, pooled over the logging interval's tokens on every process
+        self.dfpo_metrics.add_mean(
+            mode, "grpo_fix/negative_capped_fraction", (over & inputs_mask.bool()).sum(), inputs_mask.sum()
         )
         # For capped tokens: log r = logp - (logp - log_cap) = log_cap exactly, with no gradient path left.
         return torch.where(over, per_token_logps - log_cap, old)
@@ -604,16 +643,16 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
     def _log_sequence_metrics(
         self, s_bar_g: torch.Tensor, s_tilde_g: torch.Tensor, adv_g: torch.Tensor, sides: GroupSides, mode: str
     ) -> None:
-        store = self._metrics[mode]
-        with_signal = int(sides.has_signal.sum())
-        if with_signal > 0:  # eq. C8: the share of groups with signal that no per-sequence weight can balance
-            store["cancellation/one_sided_groups"].append(float(sides.one_sided.sum()) / with_signal)
-        store["asym/before"].append(mech.asym(s_bar_g, adv_g).item())
-        store["asym/after"].append(mech.asym(s_tilde_g, adv_g).item())
-        store["transform/orth_residual"].append(mech.orth_residual(s_tilde_g, adv_g).item())
+        """Group metrics of one (num_groups, G) batch, as device tensors pooled over groups (metric_store)."""
+        store, groups = self.dfpo_metrics, s_bar_g.size(0)
+        # eq. C8: the share of groups with signal that no per-sequence weight can balance
+        store.add_mean(mode, "cancellation/one_sided_groups", sides.one_sided.sum(), sides.has_signal.sum())
+        store.add_mean(mode, "asym/before", mech.asym(s_bar_g, adv_g) * groups, groups)
+        store.add_mean(mode, "asym/after", mech.asym(s_tilde_g, adv_g) * groups, groups)
+        store.add_mean(mode, "transform/orth_residual", mech.orth_residual(s_tilde_g, adv_g) * groups, groups)
         phi_min, phi_mean = mech.phi_stats(s_tilde_g, s_bar_g)
-        store["transform/phi_min"].append(float(phi_min))
-        store["transform/phi_mean"].append(float(phi_mean))
+        store.add_min(mode, "transform/phi_min", phi_min, s_bar_g.numel())
+        store.add_mean(mode, "transform/phi_mean", phi_mean * s_bar_g.numel(), s_bar_g.numel())
 
     def _watch_token_coefficients(
         self,
@@ -628,22 +667,17 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         w.r.t. the per-token log-probs, read in the backward pass TRL already runs (DESIGN.md §6); also over the
         two-sided groups alone (eq. C8), where the gradient target cancels exactly."""
         ids_g, mask_g = completion_ids[index], mask[index]
-        if not bool(mech.shared_prefix_mask(ids_g, mask_g).any()):
-            return
-        store = self._metrics[mode]
-        two_sided_g = None if two_sided is None else two_sided[index][:, 0]
+        store = self.dfpo_metrics
+        # One-sided groups' tokens are masked out of the two-sided residual (no boolean indexing: no host sync).
+        mask_two_sided = None if two_sided is None else mask_g * two_sided[index].unsqueeze(-1).to(mask_g.dtype)
 
         def on_grad(grad: torch.Tensor) -> None:
             coefficients = grad.detach()[index].float()
             value, count = mech.shared_prefix_residual(coefficients, ids_g, mask_g)
-            if int(count) > 0:
-                store["cancellation/shared_prefix_residual"].append(float(value))
-            if two_sided_g is not None:
-                value, count = mech.shared_prefix_residual(
-                    coefficients[two_sided_g], ids_g[two_sided_g], mask_g[two_sided_g]
-                )
-                if int(count) > 0:
-                    store["cancellation/shared_prefix_residual_two_sided"].append(float(value))
+            store.add_mean(mode, "cancellation/shared_prefix_residual", value * count, count)
+            if mask_two_sided is not None:
+                value, count = mech.shared_prefix_residual(coefficients, ids_g, mask_two_sided)
+                store.add_mean(mode, "cancellation/shared_prefix_residual_two_sided", value * count, count)
 
         per_token_logps.register_hook(on_grad)
 
@@ -679,13 +713,13 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             )
         del hidden
         bucket = mech.frequency_buckets(completion_ids, mask, num_buckets)
-        store = self._metrics["train"]
+        store = self.dfpo_metrics
 
         def on_grad(grad: torch.Tensor) -> None:
             energy = grad.detach().float().abs() * scale.to(grad.device)
-            shares = mech.energy_by_bucket(energy, bucket.to(grad.device), num_buckets)
-            if bool(shares.sum() > 0):  # a micro-batch without gradient has no shares to average
-                for b, share in enumerate(shares.tolist()):
-                    store[f"energy/freq_bucket_{b}"].append(share)
+            sums = mech.energy_sums_by_bucket(energy, bucket.to(grad.device), num_buckets)
+            total = sums.sum()  # each bucket's share of the energy pooled over micro-steps and processes
+            for b in range(num_buckets):
+                store.add_mean("train", f"energy/freq_bucket_{b}", sums[b], total)
 
         per_token_logps.register_hook(on_grad)
