@@ -34,6 +34,7 @@ from torch import Tensor
 from .delta import self_normalise, token_weights_from_hidden
 from .layout import rollout_generator
 from .lm_head import HiddenCapture, lm_head_input_module
+from .loss_inputs import loss_mask
 from .trl_compat import MULTIMODAL_KEYS, bind_call, disable_gradient_checkpointing, trl_runs_old_logps_forward
 
 logger = logging.getLogger(__name__)
@@ -249,9 +250,7 @@ class DeltaMixin:
 
     def _delta_store_weights(self, output: dict[str, Any], capture: HiddenCapture) -> None:
         assert capture.hidden is not None and capture.logps is not None
-        mask = output["completion_mask"]
-        if "tool_mask" in output:
-            mask = mask * output["tool_mask"]
+        mask = loss_mask(output)
         advantages = output["advantages"]
         hidden, probs = capture.hidden, capture.logps.float().exp()
         capture.hidden = None  # the (B, T, d) copy lives only until the weights exist

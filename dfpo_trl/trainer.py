@@ -1,8 +1,9 @@
 """``DFPOTrainer``: TRL's ``GRPOTrainer`` with DFPO's in-group transforms, GRPO-fix and mechanism metrics.
 
-The trainer only wires the pure modules (``transforms``, ``metrics``, ``layout``) into TRL. It never
-re-implements TRL's loss: TRL's own ``_compute_loss`` runs unchanged, and DFPO enters through the two inputs
-that TRL reads *after* its policy forward pass, the advantages and the old log-probabilities:
+The trainer only wires the pure modules (``loss_inputs``, ``transforms``, ``cancellation``, ``metrics``,
+``layout``) into TRL, through the touch points declared in ``trl_compat``. It never re-implements TRL's loss:
+TRL's own ``_compute_loss`` runs unchanged, and DFPO enters through the two inputs that TRL reads *after* its
+policy forward pass, the advantages and the old log-probabilities (``loss_inputs``, pure functions of tensors):
 
 * ratio form (DESIGN.md §3): advantages Â_i → Â_i φ_i with φ_i = s̃_i / s̄_i under stop-gradient. For φ_i ≥ 0,
   TRL's -min(s Â φ, c Â φ) = -φ Â s̄(θ), which is eq. 59–62; φ ≡ 1 for ``"none"``, so that is GSPO exactly.
@@ -41,7 +42,6 @@ from .cancellation import (
     GroupSides,
     aggregation_factor,
     balance_group_weights,
-    clip_survivors,
     gradient_coefficients,
     group_sides,
 )
@@ -61,8 +61,15 @@ from .layout import (
     scatter_from_groups,
 )
 from .lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
+from .loss_inputs import (
+    bounded_old_logps,
+    grpo_fix_old_logps,
+    loss_mask,
+    post_clip_weights,
+    sequence_level_inputs,
+)
 from .metric_store import MetricStore
-from .transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
+from .transforms import apply_group_transform
 from .trl_compat import (
     MULTIMODAL_KEYS,
     SUPPORTED_TRL_TEXT,
@@ -89,7 +96,6 @@ PRE_PASS_S_TILDE = "dfpo_s_tilde"
 PRE_PASS_SURVIVES = "dfpo_survives"
 PRE_PASS_TWO_SIDED = "dfpo_two_sided"
 PRE_PASS_KEYS = (PRE_PASS_S_BAR, PRE_PASS_S_TILDE, PRE_PASS_SURVIVES, PRE_PASS_TWO_SIDED)
-MAX_LOG_RATIO = 20.0
 GROUP_SHUFFLE_STREAM = 1  # DelTA's random-λ control is stream 0
 
 
@@ -214,8 +220,8 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's rollout, plus an explicit group id per row (global row // G, as TRL's sampler lays rows out)."""
         output = super()._generate_and_score_completions(inputs)
-        mode = "train" if self.model.training else "eval"
-        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        mode = self._mode()
+        group_size = self._group_size(mode)
         local_rows = output["prompt_ids"].size(0)
         offset = self.accelerator.process_index * local_rows
         device = output["prompt_ids"].device
@@ -292,9 +298,9 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             s_bar, survives = self._post_clip_weights_no_grad(full, rows)
             self._metrics["train"]["prepass/forward_skipped"].append(0.0)
         micro_tokens = torch.cat(
-            [self._loss_mask(micro).sum().expand(micro["advantages"].size(0)) for micro in self._buffered_inputs]
+            [loss_mask(micro).sum().expand(micro["advantages"].size(0)) for micro in self._buffered_inputs]
         )
-        factor = self._aggregation_factor(full, self._loss_mask(full), micro_tokens)[rows]
+        factor = self._aggregation_factor(full, loss_mask(full), micro_tokens)[rows]
         row_ids, weights = self._transform_across_processes(
             full[ROW_IDS_KEY][rows], full[GROUP_IDS_KEY][rows], s_bar, full["advantages"][rows], survives, factor,
             "train",
@@ -308,25 +314,14 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
     def _post_clip_weights(
         self, logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """s̄ = sign-aware post-clip of s = exp(ρ) (eq. 44–47) with the trainer's clip range, and U: whether each
-        row's gradient survives TRL's clip (eq. C2; every row in the score form, which is never clipped)."""
-        # sequence_log_ratio reads a NaN token log-ratio as 0 and ±Inf as ±1e6: count the sequences whose weight
-        # was so sanitised (per process, never silent).
-        broken = (~torch.isfinite(logps.detach() - old) & (mask != 0)).any(-1)
-        mode = "train" if self.model.training else "eval"
-        self.dfpo_metrics.add_sum(mode, "transform/sanitised_weights", broken.sum())
-        s = torch.exp(sequence_log_ratio(logps, old, mask))
-        s_bar = sign_aware_post_clip(s, advantages, self.epsilon_low, self.epsilon_high)
-        if self.args.transform_gradient == "score":
-            return s_bar, torch.ones_like(s, dtype=torch.bool)
-        survives = clip_survivors(s.detach(), advantages, self.epsilon_low, self.epsilon_high, self.args.delta)
-        return s_bar, survives
-
-    @staticmethod
-    def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
-        """The tokens TRL's loss counts: completion mask times tool mask."""
-        mask = inputs["completion_mask"]
-        return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+        """s̄ and U (loss_inputs.post_clip_weights) with the trainer's clip range; counts the sequences whose
+        NaN/Inf token log-ratios were sanitised (never silent)."""
+        weights = post_clip_weights(
+            logps, old, mask, advantages, self.epsilon_low, self.epsilon_high, self.args.delta,
+            score_form=self.args.transform_gradient == "score",
+        )
+        self.dfpo_metrics.add_sum(self._mode(), "transform/sanitised_weights", weights.sanitised.sum())
+        return weights.s_bar, weights.survives
 
     def _aggregation_factor(
         self, inputs: dict[str, Any], mask: torch.Tensor, micro_batch_tokens: torch.Tensor
@@ -366,7 +361,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
                 )
                 if not real:
                     continue
-                mask = self._loss_mask(full)[part]
+                mask = loss_mask(full)[part]
                 old = full.get("old_per_token_logps")
                 old = logps if old is None else old[part]
                 s_bar, survive = self._post_clip_weights(logps, old, mask, full["advantages"][part])
@@ -398,7 +393,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
              factor.double()], 1,
         )
         gathered = self._gather_rows(packed)
-        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        group_size = self._group_size(mode)
         index = group_index(gathered[:, 1].to(torch.int64), group_size)
         weights = self._transform_groups(
             gathered[:, 2].float(), gathered[:, 3].float(), gathered[:, 4] > 0.5, gathered[:, 5], index, mode
@@ -485,17 +480,24 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
                 self._watch_gradient_energy(model, logps, pending, capture)
         return logps, entropies, aux_loss
 
+    def _mode(self) -> str:
+        return "train" if self.model.training else "eval"
+
+    def _group_size(self, mode: str) -> int:
+        """G of the batches of ``mode``: TRL's ``num_generations`` in training, ``num_generations_eval`` else."""
+        return self.num_generations if mode == "train" else self.num_generations_eval
+
     def _group_ids(self, inputs: dict[str, Any], mode: str) -> torch.Tensor:
         group_ids = inputs.get(GROUP_IDS_KEY)
         if group_ids is None:  # a hand-built batch: consecutive blocks of num_generations
-            group_size = self.num_generations if mode == "train" else self.num_generations_eval
+            group_size = self._group_size(mode)
             rows = inputs["completion_ids"].size(0)
             group_ids = consecutive_group_ids(rows, group_size, device=inputs["completion_ids"].device)
         return group_ids
 
     def _group_index(self, inputs: dict[str, Any], mode: str) -> torch.Tensor | None:
         """The (num_groups, G) row index when this micro-batch holds whole groups, else None."""
-        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        group_size = self._group_size(mode)
         group_ids = self._group_ids(inputs, mode)
         whole = inputs.get(WHOLE_GROUPS_KEY)  # known for buffered training micro-batches (_mark_whole_groups)
         if whole is not None:
@@ -506,11 +508,11 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
 
     def _rewrite_loss_inputs(self, inputs: dict[str, Any], per_token_logps: torch.Tensor) -> None:
         args: DFPOConfig = self.args
-        mode = "train" if self.model.training else "eval"
-        mask = self._loss_mask(inputs)
+        mode = self._mode()
+        mask = loss_mask(inputs)
         old = inputs.get("old_per_token_logps")
         if old is not None:
-            old = self._bounded_old_logps(per_token_logps, old, mask)
+            old = bounded_old_logps(per_token_logps, old, mask, self.importance_sampling_level == "sequence")
             inputs["old_per_token_logps"] = old
         else:
             old = per_token_logps.detach()
@@ -519,8 +521,12 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             raise ValueError("DFPO needs one advantage per sequence (shape (B,)), as TRL's rollout produces.")
 
         if args.symmetric_clip:
-            inputs["old_per_token_logps"] = self._symmetric_clip_old_logps(
-                per_token_logps, old, advantages, mask, mode
+            inputs["old_per_token_logps"], capped = grpo_fix_old_logps(
+                per_token_logps, old, advantages, self.epsilon_high
+            )
+            # the fraction of scored tokens capped, pooled over the logging interval's tokens on every process
+            self.dfpo_metrics.add_mean(
+                mode, "grpo_fix/negative_capped_fraction", (capped & mask.bool()).sum(), mask.sum()
             )
         index = None
         if args.log_mechanism_metrics or args.sequence_rewrite_active:
@@ -531,34 +537,6 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         if args.log_mechanism_metrics and index is not None and per_token_logps.requires_grad:
             self._watch_token_coefficients(per_token_logps, inputs["completion_ids"], mask, index, two_sided, mode)
         self._apply_delta_weights(inputs, mask)  # DelTA: Â_i → Â_i λ̄_{i,t}, after every read of the 1-D Â
-
-    def _bounded_old_logps(
-        self, per_token_logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Shift the old log-probs so that TRL's log-ratio (ρ_i at sequence level, per token otherwise) lies in
-        ±MAX_LOG_RATIO: exp() never overflows and Â = 0 rows never give inf·0. Gradients are unchanged; values
-        change only where the log-ratio was beyond e^±20 (DESIGN.md §2, "clamp log-ratios before exp")."""
-        log_ratio = per_token_logps.detach() - old
-        if self.importance_sampling_level == "sequence":
-            rho = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-            excess = rho - rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-            return old + excess.unsqueeze(1) * mask  # + 0 where inside the bound: the same values, no branch
-        return old + (log_ratio - log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-
-    def _symmetric_clip_old_logps(
-        self, per_token_logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, inputs_mask: torch.Tensor,
-        mode: str,
-    ) -> torch.Tensor:
-        """GRPO-fix for Â < 0: freeze r at 1+ε_high (value kept, gradient 0) where r > 1+ε_high (eq. 79); logs
-        the fraction of scored tokens so capped."""
-        log_cap = math.log1p(self.epsilon_high)
-        over = (advantages < 0).unsqueeze(1) & ((per_token_logps.detach() - old) > log_cap)
-        # the fraction of scored tokens capped, pooled over the logging interval's tokens on every process
-        self.dfpo_metrics.add_mean(
-            mode, "grpo_fix/negative_capped_fraction", (over & inputs_mask.bool()).sum(), inputs_mask.sum()
-        )
-        # For capped tokens: log r = logp - (logp - log_cap) = log_cap exactly, with no gradient path left.
-        return torch.where(over, per_token_logps - log_cap, old)
 
     def _rewrite_sequence_level(
         self,
@@ -586,41 +564,20 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
                     weights = self._transform_groups(s_bar, advantages, survives, factor, index, mode)
                 else:  # layout 2: the group's other members are on other processes in this micro-step
                     weights = self._transform_gathered_rows(inputs, s_bar, advantages, survives, factor, mode)
-        s_bar, s_tilde = weights.s_bar, weights.s_tilde
         self.last_sequence_weights = {"row_ids": inputs.get(ROW_IDS_KEY), **{
             key: value.detach() for key, value in weights._asdict().items()
         }}
-        if args.transform_gradient == "score":
-            # coef_1 = exp(ρ - sg(ρ)) = 1 in value, ∇ρ in gradient: never clipped, -Â sg(s̃) ρ(θ) after TRL's min.
-            inputs["old_per_token_logps"] = per_token_logps.detach()
-            inputs["advantages"] = advantages * s_tilde.detach().to(advantages.dtype)
-        elif differentiate:
-            # -min(s Â s̃/s̄, c Â s̃/s̄) = -Â s̃(θ) on both branches: the transform is differentiated.
-            inputs["advantages"] = advantages * (s_tilde / s_bar).to(advantages.dtype)
-        elif args.group_transform != "none":
-            phi = s_tilde / s_bar
-            inputs["advantages"] = advantages * phi.to(advantages.dtype)
-            if args.cancellation_target == "gradient" and args.group_transform == "orth_proj":
-                self._keep_flipped_rows_unclipped(inputs, per_token_logps, advantages, weights, phi)
+        rewritten = sequence_level_inputs(
+            per_token_logps, old, advantages, weights.s_bar, weights.s_tilde, weights.survives, weights.two_sided,
+            score_form=args.transform_gradient == "score",
+            differentiate=differentiate,
+            transform_active=args.group_transform != "none",
+            flip_to_score=args.cancellation_target == "gradient" and args.group_transform == "orth_proj",
+        )
+        inputs["advantages"] = rewritten.advantages
+        if rewritten.old_per_token_logps is not None:
+            inputs["old_per_token_logps"] = rewritten.old_per_token_logps
         return weights.two_sided
-
-    @staticmethod
-    def _keep_flipped_rows_unclipped(
-        inputs: dict[str, Any], per_token_logps: torch.Tensor, advantages: torch.Tensor, weights: RowWeights,
-        phi: torch.Tensor,
-    ) -> None:
-        """Orth-Proj under the gradient target can make s̃_i < 0 for a member of U. Handed to TRL as Â_i φ_i, the
-        flipped sign would select the other clip branch and could zero that member's gradient, breaking the
-        balance. For those rows only, use the score representation: old log-probs := the detached current ones
-        (ratio 1 in value, never clipped) and advantage Â_i s̃_i. For a member of U (s̄ = s) this has the same
-        value, Â_i s̃_i, and the same gradient, Â_i s̃_i ∇ρ_i, as J_i = Â_i φ_i s̄_i(θ) (docs/cancellation.md)."""
-        flipped = weights.survives & weights.two_sided & (phi < 0)
-        old = inputs.get("old_per_token_logps")
-        if old is None:  # on-policy: the old log-probs are already the detached current ones
-            old = per_token_logps.detach()
-        inputs["old_per_token_logps"] = torch.where(flipped.unsqueeze(1), per_token_logps.detach(), old)
-        scored = advantages * weights.s_tilde.detach().to(advantages.dtype)
-        inputs["advantages"] = torch.where(flipped, scored, inputs["advantages"])
 
     def _transform_gathered_rows(
         self, inputs: dict[str, Any], s_bar: torch.Tensor, advantages: torch.Tensor, survives: torch.Tensor,
@@ -697,9 +654,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             return
         num_buckets = self.args.log_energy_buckets
         completion_ids = inputs["completion_ids"]
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        mask = loss_mask(inputs)
         head = fused_lm_head(self.accelerator.unwrap_model(model))
         with gathered_for_reading(head.weight, head.bias):
             scale = mech.lm_head_grad_scale(
