@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .transforms import (
+    TRANSFORMS,
     W_MAX,
     _check_groups,
     _compute_dtype,
@@ -48,8 +49,8 @@ __all__ = [
 
 CANCELLATION_TARGETS: tuple[str, ...] = ("weights", "gradient")
 ONE_SIDED_POLICIES: tuple[str, ...] = ("keep", "zero")
-# Transforms with a balance condition that "gradient" can retarget; "none" and "scale" have none.
-BALANCING_TRANSFORMS: tuple[str, ...] = ("min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance")
+# Transforms with a balance condition that "gradient" can retarget ("none" and "scale" have none): from the registry.
+BALANCING_TRANSFORMS: tuple[str, ...] = tuple(name for name, t in TRANSFORMS.items() if t.balances)
 # Loss types whose per-token coefficient carries the per-sequence mean's 1/L_i (TRL 1.16's "grpo").
 _PER_SEQUENCE_MEAN_LOSSES = ("grpo",)
 # Loss types normalised by the micro-batch's own token count (TRL 1.16's "bnpo").

@@ -33,9 +33,9 @@ from torch import Tensor
 
 from .delta import self_normalise, token_weights_from_hidden
 from .layout import rollout_generator
-from .lm_head import HiddenCapture, lm_head_input_module
+from .lm_head import HiddenCapture, capture_log_prob_forward
 from .loss_inputs import loss_mask
-from .trl_compat import MULTIMODAL_KEYS, bind_call, disable_gradient_checkpointing, trl_runs_old_logps_forward
+from .trl_compat import MULTIMODAL_KEYS, disable_gradient_checkpointing, trl_runs_old_logps_forward
 
 logger = logging.getLogger(__name__)
 
@@ -224,12 +224,9 @@ class DeltaMixin:
         if capture is None or model is not self.model:
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         self._delta_armed = None
-        logits_to_keep = bind_call("_get_per_token_logps_and_entropies", model, *args, **kwargs)["logits_to_keep"]
-        module = lm_head_input_module(self.accelerator.unwrap_model(model))
-        return capture.run(
-            module, int(logits_to_keep), lambda: super(DeltaMixin, self)._get_per_token_logps_and_entropies(
-                model, *args, **kwargs
-            )
+        return capture_log_prob_forward(
+            capture, self.accelerator.unwrap_model(model), ((model, *args), kwargs),
+            lambda: super(DeltaMixin, self)._get_per_token_logps_and_entropies(model, *args, **kwargs),
         )
 
     def _delta_policy_forward(self, output: dict[str, Any], capture: HiddenCapture) -> None:

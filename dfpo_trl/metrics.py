@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .precision import compute_dtype as _compute_dtype
+
 __all__ = [
     "asym",
     "ema",
@@ -31,8 +33,6 @@ __all__ = [
 _PHI_DENOM_MIN = 1e-12
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _check_groups(name: str, x: torch.Tensor, advantages: torch.Tensor) -> None:

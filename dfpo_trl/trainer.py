@@ -60,7 +60,7 @@ from .layout import (
     rollout_generator,
     scatter_from_groups,
 )
-from .lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
+from .lm_head import HiddenCapture, capture_log_prob_forward, fused_lm_head, gathered_for_reading
 from .loss_inputs import (
     bounded_old_logps,
     grpo_fix_old_logps,
@@ -74,7 +74,6 @@ from .trl_compat import (
     MULTIMODAL_KEYS,
     SUPPORTED_TRL_TEXT,
     TRLCompatibilityError,
-    bind_call,
     check_trainer_attributes,
     disable_gradient_checkpointing,
     generate_every,
@@ -464,11 +463,8 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         capture = None
         if self._dfpo_pending is not None and self._energy_active():
             capture = HiddenCapture("log_energy_buckets")
-            logits_to_keep = bind_call("_get_per_token_logps_and_entropies", model, *args, **kwargs)["logits_to_keep"]
-            module = lm_head_input_module(self.accelerator.unwrap_model(model), "log_energy_buckets")
-            logps, entropies, aux_loss = capture.run(
-                module,
-                int(logits_to_keep),
+            logps, entropies, aux_loss = capture_log_prob_forward(
+                capture, self.accelerator.unwrap_model(model), ((model, *args), kwargs),
                 lambda: super(DFPOTrainer, self)._get_per_token_logps_and_entropies(model, *args, **kwargs),
             )
         else:
