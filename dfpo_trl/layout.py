@@ -73,6 +73,13 @@ def holds_whole_groups(group_ids: torch.Tensor, group_size: int) -> bool:
     return bool((counts == group_size).all())
 
 
+def positions_of(row_ids: torch.Tensor, all_row_ids: torch.Tensor) -> torch.Tensor:
+    """Where each of ``row_ids`` sits in ``all_row_ids`` (unique ids, any order, every ``row_ids`` present): the
+    index that takes per-row values gathered from all processes back to a micro-batch's rows."""
+    order = torch.argsort(all_row_ids)
+    return order[torch.searchsorted(all_row_ids[order], row_ids.to(all_row_ids.device))]
+
+
 def scatter_from_groups(grouped: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Inverse of ``x[index]``: put (num_groups, G, ...) values back into row order (B, ...)."""
     flat_index = index.reshape(-1)

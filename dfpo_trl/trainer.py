@@ -41,9 +41,7 @@ from .cancellation import (
     FACTOR_LOSS_TYPES,
     GroupSides,
     aggregation_factor,
-    balance_group_weights,
-    gradient_coefficients,
-    group_sides,
+    transform_group_weights,
 )
 from .config import DFPOConfig
 from .delta_trainer import DeltaMixin
@@ -57,6 +55,7 @@ from .layout import (
     group_index,
     holds_whole_groups,
     permute_sequence_dict,
+    positions_of,
     rollout_generator,
     scatter_from_groups,
 )
@@ -69,7 +68,6 @@ from .loss_inputs import (
     sequence_level_inputs,
 )
 from .metric_store import MetricStore
-from .transforms import apply_group_transform
 from .trl_compat import (
     MULTIMODAL_KEYS,
     SUPPORTED_TRL_TEXT,
@@ -304,9 +302,8 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
             full[ROW_IDS_KEY][rows], full[GROUP_IDS_KEY][rows], s_bar, full["advantages"][rows], survives, factor,
             "train",
         )
-        order = torch.argsort(row_ids)
         for micro in window:
-            position = order[torch.searchsorted(row_ids[order], micro[ROW_IDS_KEY].to(row_ids.device))]
+            position = positions_of(micro[ROW_IDS_KEY], row_ids)
             for key, values in zip(PRE_PASS_KEYS, weights, strict=True):
                 micro[key] = values[position]
 
@@ -407,15 +404,11 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         the surviving gradient coefficients a = Â c 1[U] (``"gradient"``, eq. C1); returns rows in row order."""
         args: DFPOConfig = self.args
         s_bar_g, adv_g, survives_g = s_bar[index], advantages[index].to(s_bar.dtype), survives[index]
-        a_g = gradient_coefficients(adv_g.detach(), factor[index], survives_g)
-        options = dict(scale_factor=args.transform_scale, truncate_floor=args.transform_truncate_floor)
-        if args.cancellation_target == "gradient":
-            s_tilde_g, sides = balance_group_weights(
-                args.group_transform, s_bar_g, adv_g, a_g, survives_g, args.cancellation_one_sided, **options
-            )
-        else:
-            s_tilde_g = apply_group_transform(args.group_transform, s_bar_g, adv_g, **options)
-            sides = group_sides(adv_g.detach(), a_g)
+        s_tilde_g, sides = transform_group_weights(
+            args.group_transform, s_bar_g, adv_g, survives_g, factor[index], args.cancellation_target,
+            args.cancellation_one_sided, scale_factor=args.transform_scale,
+            truncate_floor=args.transform_truncate_floor,
+        )
         if args.log_mechanism_metrics:
             self._log_sequence_metrics(s_bar_g.detach(), s_tilde_g.detach(), adv_g.detach(), sides, mode)
         two_sided_g = sides.two_sided.unsqueeze(-1).expand_as(survives_g)
@@ -587,8 +580,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         all_ids, gathered = self._transform_across_processes(
             row_ids, self._group_ids(inputs, mode), s_bar, advantages, survives, factor, mode
         )
-        order = torch.argsort(all_ids)
-        position = order[torch.searchsorted(all_ids[order], row_ids.to(all_ids.device))]
+        position = positions_of(row_ids, all_ids)
         return RowWeights(
             s_bar, gathered.s_tilde[position].to(s_bar.dtype), survives, gathered.two_sided[position]
         )
