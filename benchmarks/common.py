@@ -71,13 +71,45 @@ METHODS: dict[str, Method] = {
         Method("delta", True, {**DAPO, "token_weighting": "delta"}, "grpo", "DelTA", "token"),
         # Diagnostic: GSPO through DFPOTrainer (group-granular batches, mechanism metrics), no transform.
         Method("dfpo_none", True, dict(GSPO), "gspo", "GSPO via DFPOTrainer"),
+        # Issue #10: the transform balances the surviving gradients' shared-token coefficients, not the weights.
+        Method(
+            "min_replace_grad", True, {**GSPO, "group_transform": "min_replace", "cancellation_target": "gradient"},
+            "gspo", "Min-Replace (gradient)",
+        ),
+        Method(
+            "positive_orth_proj_grad", True,
+            {**GSPO, "group_transform": "positive_orth_proj", "cancellation_target": "gradient"},
+            "gspo", "Positive Orth-Proj (gradient)",
+        ),
+        Method(
+            "min_replace_grad_zero", True,
+            {**GSPO, "group_transform": "min_replace", "cancellation_target": "gradient",
+             "cancellation_one_sided": "zero"},
+            "gspo", "Min-Replace (gradient, one-sided zero)",
+        ),
     ]
 }
+
+# Issue #10's study: the gradient-target variants against GSPO, Min-Replace on the weights and the score form.
+CANCELLATION_METHODS = [
+    "gspo", "min_replace", "min_replace_grad", "positive_orth_proj_grad", "min_replace_grad_zero", "none_score",
+]
 
 
 def delta_available() -> bool:
     """DelTA is benchmarked only when this dfpo_trl has the ``token_weighting`` config field."""
     return "token_weighting" in DFPOConfig.__dataclass_fields__
+
+
+def gradient_target_available() -> bool:
+    """The issue-#10 methods run only when this dfpo_trl has ``DFPOConfig.cancellation_target``."""
+    return "cancellation_target" in DFPOConfig.__dataclass_fields__
+
+
+def missing_config_fields(name: str) -> list[str]:
+    """Config fields a method sets that this dfpo_trl's DFPOConfig (or GRPOConfig) lacks."""
+    fields = set(DFPOConfig.__dataclass_fields__)
+    return sorted(k for k in METHODS[name].overrides if k not in fields)
 
 
 def _with_delta(names: list[str]) -> list[str]:
@@ -95,23 +127,35 @@ LEARNING_METHODS = _with_delta(
 )
 
 
-def check_methods(names: list[str]) -> list[str]:
-    """Refuse unknown names and DelTA when this dfpo_trl lacks it, with the fix."""
+def check_methods(names: list[str], allow_missing: bool = False) -> list[str]:
+    """Refuse unknown names, and methods whose config fields this dfpo_trl lacks (DelTA, issue #10's
+    ``cancellation_*``), with the fix. ``allow_missing``: run the latter without those fields (smoke tests)."""
     for name in names:
         if name not in METHODS:
             raise SystemExit(f"unknown method {name!r}; known: {', '.join(METHODS)}")
         if name == "delta" and not delta_available():
             raise SystemExit("method 'delta' needs DFPOConfig.token_weighting, which this dfpo_trl lacks")
+        missing = missing_config_fields(name)
+        if missing and not allow_missing:
+            raise SystemExit(
+                f"method {name!r} needs DFPOConfig field(s) {', '.join(missing)}, which this dfpo_trl lacks "
+                "(issue #10); --allow-missing-fields runs it without them (CPU smoke only)"
+            )
     return names
 
 
-def trainer_and_config(name: str, baseline_trainer: str = "trl") -> tuple[type, type, dict[str, Any]]:
+def trainer_and_config(
+    name: str, baseline_trainer: str = "trl", allow_missing: bool = False
+) -> tuple[type, type, dict[str, Any]]:
     """(trainer class, config class, overrides) of a method. ``baseline_trainer="dfpo"`` runs gspo/grpo through
     DFPOTrainer with no DFPO option (the same loss and gradients as TRL, tested), so that every method has
     group-granular batches and mechanism metrics."""
     method = METHODS[name]
     if method.dfpo or baseline_trainer == "dfpo":
         overrides = dict(method.overrides)
+        if allow_missing:
+            for key in missing_config_fields(name):
+                overrides.pop(key)
         baseline = not method.dfpo or name == "dfpo_none"
         if baseline and "group_granular_batches" in DFPOConfig.__dataclass_fields__:
             # DFPO off keeps TRL's per-sample order unless asked: ask, for the mechanism metrics.
@@ -213,16 +257,22 @@ class IdParityReward:
         return [float(sum(ids) % 2) for ids in completion_ids]
 
 
-def task_and_rewards(reward: str) -> tuple[Any, list[Any]]:
-    """The arithmetic task of ``dfpo_trl.tasks`` and the reward functions to train with."""
+BENCHMARK_TASKS = ("arithmetic", "sum_sentence")  # tasks of dfpo_trl.tasks the learning benchmark runs on
+
+
+def task_and_rewards(reward: str, task_name: str = "arithmetic") -> tuple[Any, list[Any]]:
+    """A task of ``dfpo_trl.tasks`` (``arithmetic`` or ``sum_sentence``) and the reward functions to train with:
+    the task's own (``reward="task"``, or ``"arithmetic"`` for backward compatibility) or ``id_parity``."""
     from dfpo_trl.tasks import get_task
 
-    task = get_task("arithmetic")
-    if reward == "arithmetic":
+    if task_name not in BENCHMARK_TASKS:
+        raise SystemExit(f"unknown task {task_name!r}; use one of {', '.join(BENCHMARK_TASKS)}")
+    task = get_task(task_name)
+    if reward in ("task", "arithmetic"):
         return task, list(task.reward_funcs)
     if reward == "id_parity":
         return task, [IdParityReward()]
-    raise SystemExit(f"unknown reward {reward!r}; use 'arithmetic' or 'id_parity'")
+    raise SystemExit(f"unknown reward {reward!r}; use 'task' or 'id_parity'")
 
 
 def config_kwargs(

@@ -1,4 +1,4 @@
-"""Learning dynamics of every method on the arithmetic task, several seeds, runs in parallel (issue #5, part 2).
+"""Learning dynamics of every method on a task, several seeds, runs in parallel (issue #5 part 2, issue #10).
 
     # on the GPU machine: every (method, seed) run as its own process, N at a time, all on cuda:0
     python benchmarks/learning.py --launch --model /root/models/smollm2-135m-instruct --seeds 0 --out-dir $OUT
@@ -7,19 +7,27 @@
     # CPU check of the whole pipeline (tiny random model, 2 generations, 2 methods x 1 seed)
     python benchmarks/learning.py --launch --smoke --out-dir /tmp/learning-smoke
 
+    # issue #10's study: 6 methods x 5 seeds on a task (``--tasks arithmetic sum_sentence``: both), runs spread
+    # over every visible GPU; then cancellation.json from the parts (benchmarks/README.md has the sizes)
+    python benchmarks/learning.py --launch --study cancellation --model /root/models/smollm2-135m-instruct \
+        --task sum_sentence --seeds 0 1 2 3 4 --parallel 30 --generations 36 --deadline-s 560 --out-dir $OUT
+    python benchmarks/learning.py --aggregate benchmarks/results/cancellation/*_runs.json --study cancellation
+
 One run (``--run``) trains one method from the same pretrained weights with one seed (sampling, data order and
 training problems follow the seed) for ``--generations`` rollouts of ``batch_size * steps_per_generation /
 num_generations`` prompts, off-policy (``steps_per_generation`` > gradient accumulation = 1), and writes its
 curves after every rollout: sampled reward per generation, and per optimizer step entropy, ``asym/*``,
-``cancellation/shared_prefix_residual``, ``transform/*``, clip ratios. At the end: greedy accuracy on the fixed
-held-out problems of ``dfpo_trl.tasks``. Every method runs through DFPOTrainer by default (``--baseline-trainer
-dfpo``: GSPO and GRPO are DFPOTrainer with no DFPO option, the same loss and gradients as TRL), so every method
-has the same group-granular batches and the same mechanism metrics.
+``cancellation/*`` (the shared-prefix residual, overall and two-sided, the one-sided group fraction), ``transform/*``,
+clip ratios. At the end: greedy accuracy on the fixed held-out problems of the task (``--task``: ``arithmetic`` or
+``sum_sentence`` of ``dfpo_trl.tasks``). Summaries average the cancellation metrics and the clip fraction over the
+off-policy steps (index within the rollout ≠ 0) as well. Every method runs through DFPOTrainer by default
+(``--baseline-trainer dfpo``: GSPO and GRPO are DFPOTrainer with no DFPO option, the same loss and gradients as
+TRL), so every method has the same group-granular batches and the same mechanism metrics.
 
 ``--launch`` starts the runs, prints progress with an ETA, stops every run in time to evaluate before
 ``--deadline-s`` and writes to ``--out-dir`` three files: ``learning_<tag>_runs.json`` (every run, full
-curves, rewritten as runs finish), ``learning_<tag>.json`` (the issue's schema for these runs) and
-``learning_<tag>.log``.
+curves, rewritten as runs finish), ``learning_<tag>.json`` (the issue's schema for these runs; with ``--study
+cancellation``: ``cancellation_<tag>.json``) and ``learning_<tag>.log``.
 """
 
 from __future__ import annotations
@@ -49,6 +57,9 @@ STEP_KEYS = (
 )
 STEP_PREFIXES = ("asym/", "cancellation/", "transform/", "delta/", "grpo_fix/", "energy/")
 RESIDUAL = "cancellation/shared_prefix_residual"
+RESIDUAL_TWO_SIDED = "cancellation/shared_prefix_residual_two_sided"  # issue #10
+ONE_SIDED = "cancellation/one_sided_groups"  # issue #10
+CLIP_REGION = "clip_ratio/region_mean"
 EVAL_MARGIN_S = 45.0  # time a run keeps for its held-out evaluation and the final write
 
 
@@ -67,11 +78,16 @@ def run_one(args: argparse.Namespace) -> None:
     model = common.build_model(
         args.model, args.random_config, tokenizer, common.DTYPES[args.dtype], args.device, args.seed
     )
-    task, rewards = common.task_and_rewards("arithmetic")
+    task, rewards = common.task_and_rewards(args.reward, args.task)
     heldout = task.build_dataset("test", args.heldout)
     spg = args.steps_per_generation
+    trainer_cls, config_cls, overrides = common.trainer_and_config(
+        args.method, args.baseline_trainer, allow_missing=args.allow_missing_fields
+    )
     record: dict[str, Any] = {
-        "method": args.method, "seed": args.seed, "device": common.device_name(args.device),
+        "task": args.task, "method": args.method, "seed": args.seed, "device": common.device_name(args.device),
+        # Config fields of the method this dfpo_trl lacked and the run went without (--allow-missing-fields).
+        "missing_fields": common.missing_config_fields(args.method) if args.allow_missing_fields else [],
         "model": pathlib.Path(args.model).name if args.model else f"random-{args.random_config}",
         "settings": settings_of(args), "versions": common.versions(), "complete": False,
         "initial_accuracy": None, "final_accuracy": None, "steps": [], "log": {},
@@ -107,7 +123,6 @@ def run_one(args: argparse.Namespace) -> None:
                 control.should_training_stop = True
                 record["stopped_early"] = True
 
-    trainer_cls, config_cls, overrides = common.trainer_and_config(args.method, args.baseline_trainer)
     if args.sequence_loss_type and overrides.get("importance_sampling_level") == "sequence":
         overrides["loss_type"] = args.sequence_loss_type
     if args.energy_buckets:
@@ -136,10 +151,12 @@ def run_one(args: argparse.Namespace) -> None:
         final_model, tokenizer, heldout, task, max_new_tokens=args.eval_max_new_tokens, batch_size=64
     )
     record["complete"] = len(reward_curve(record)) >= args.generations
+    if args.device.startswith("cuda"):
+        record["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
     write()
     rewards = reward_curve(record)
     print(
-        f"{args.method} seed {args.seed}: {len(rewards)} generations, final reward "
+        f"{args.task} {args.method} seed {args.seed}: {len(rewards)} generations, final reward "
         f"{statistics.fmean(rewards[-3:]) if rewards else float('nan'):.3f}, held-out "
         f"{record['initial_accuracy']} -> {record['final_accuracy']:.3f}, {record['wall_s']:.0f} s"
     )
@@ -150,22 +167,45 @@ def reward_curve(run: dict[str, Any]) -> list[float]:
     return [v for v in run["log"].get("reward", []) if v is not None]
 
 
-def per_generation(run: dict[str, Any], key: str) -> list[float | None]:
-    """Mean of a per-step metric over each rollout's optimizer steps (None where it was never logged)."""
+def per_generation(run: dict[str, Any], key: str, off_policy: bool = False) -> list[float | None]:
+    """Mean of a per-step metric over each rollout's optimizer steps (None where it was never logged);
+    ``off_policy``: over the steps after the rollout's first (see :func:`rollout_positions`) only."""
     spg = run["settings"]["steps_per_generation"]
     values = run["log"].get(key, [])
+    positions = rollout_positions(run)
     out = []
     for g in range(len(reward_curve(run))):
-        chunk = [v for v in values[g * spg : (g + 1) * spg] if v is not None]
+        chunk = [
+            v for i, v in enumerate(values[g * spg : (g + 1) * spg], g * spg)
+            if v is not None and not (off_policy and positions[i] == 0)
+        ]
         out.append(statistics.fmean(chunk) if chunk else None)
     return out
+
+
+def rollout_positions(run: dict[str, Any]) -> list[int]:
+    """Each logged step's index within its rollout: 0 for the step that sampled (on-policy, every s = 1),
+    1 … steps_per_generation − 1 for the off-policy steps that reuse its completions. From the logged global
+    step (1-based, one log per step)."""
+    spg = run["settings"]["steps_per_generation"]
+    return [(int(step) - 1) % spg for step in run["steps"]]
+
+
+def step_mean(run: dict[str, Any], key: str, where: str = "all") -> float | None:
+    """Mean of a per-step metric over ``where`` = "all", "off_policy" or "on_policy" steps; None if never logged."""
+    positions = rollout_positions(run)
+    values = [
+        v for v, pos in zip(run["log"].get(key, []), positions, strict=False)
+        if v is not None and (where == "all" or (pos == 0) == (where == "on_policy"))
+    ]
+    return statistics.fmean(values) if values else None
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     keys = (
         "lr", "num_generations", "steps_per_generation", "batch_size", "max_completion_length", "temperature",
         "beta", "generations", "threshold", "ema", "heldout", "dtype", "gradient_checkpointing",
-        "baseline_trainer", "eval_max_new_tokens", "sequence_loss_type", "energy_buckets",
+        "baseline_trainer", "eval_max_new_tokens", "sequence_loss_type", "energy_buckets", "task", "reward",
     )
     return {k: getattr(args, k, None) for k in keys}
 
@@ -200,6 +240,12 @@ def run_summary(run: dict[str, Any], threshold: float, alpha: float) -> dict[str
         "asym_reduction": paired_mean(run["log"].get("asym/before", []), run["log"].get("asym/after", [])),
         # Eq. 24: share of the LM-head gradient norm on the most frequent tokens (bucket 0), mean over steps.
         "energy_frequent": mean_of("energy/freq_bucket_0"),
+        # Issue #10: the clip and the cancellation on the off-policy steps (where the clip acts), and on-policy.
+        "clip_fraction_off_policy": step_mean(run, CLIP_REGION, "off_policy"),
+        "residual_off_policy": step_mean(run, RESIDUAL, "off_policy"),
+        "residual_two_sided_off_policy": step_mean(run, RESIDUAL_TWO_SIDED, "off_policy"),
+        "one_sided_groups_off_policy": step_mean(run, ONE_SIDED, "off_policy"),
+        "residual_on_policy": step_mean(run, RESIDUAL, "on_policy"),
         "generations_done": len(rewards),
         "complete": bool(run.get("complete")),
         "wall_s": run.get("wall_s"),
@@ -237,9 +283,11 @@ def aggregate(runs: list[dict[str, Any]], threshold: float, alpha: float) -> tup
             ("energy_frequent", "energy/freq_bucket_0"),
         ):
             c.setdefault(name, []).append(per_generation(run, key))
-    settings = {k: v for k, v in first["settings"].items() if k not in ("threshold", "ema")}
+    settings = {k: v for k, v in first["settings"].items() if k not in ("threshold", "ema", "task")}
+    tasks = sorted({run_task(r) for r in runs})
     summary = {
-        "device": first["device"], "model": first["model"], "task": "arithmetic (dfpo_trl.tasks, single-digit a + b)",
+        "device": first["device"], "model": first["model"],
+        "task": "; ".join(TASK_DESCRIPTIONS.get(t, t) for t in tasks),
         "threshold": threshold, "generations": settings["generations"],
         "methods": methods,
         "ema_alpha": alpha,
@@ -252,20 +300,145 @@ def aggregate(runs: list[dict[str, Any]], threshold: float, alpha: float) -> tup
     return summary, {"settings": settings, "threshold": threshold, "ema_alpha": alpha, "methods": curves}
 
 
+TASK_DESCRIPTIONS = {
+    "arithmetic": "arithmetic (dfpo_trl.tasks, single-digit a + b)",
+    "sum_sentence": "sum_sentence (dfpo_trl.tasks: single-digit a + b answered in a required ~20-token sentence)",
+}
+
+
+def run_task(run: dict[str, Any]) -> str:
+    """The task a run trained on (runs written before ``--task`` existed are arithmetic)."""
+    return run.get("task") or "arithmetic"
+
+
 def load_runs(paths: list[str]) -> list[dict[str, Any]]:
-    """Runs from ``*_runs.json`` files (lists) or single-run files; a later file replaces the same (method, seed)."""
-    found: dict[tuple[str, int], dict[str, Any]] = {}
+    """Runs from ``*_runs.json`` files (lists) or single-run files; a later file replaces the same (task, method,
+    seed)."""
+    found: dict[tuple[str, str, int], dict[str, Any]] = {}
     for path in paths:
         data = json.loads(pathlib.Path(path).read_text())
         for run in data if isinstance(data, list) else data.get("runs", [data]):
-            found[(run["method"], run["seed"])] = run
+            found[(run_task(run), run["method"], run["seed"])] = run
     return list(found.values())
+
+
+# ------------------------------------------------------------------------------------ issue #10 study
+# (key of run_summary, what it is); every one gets per-seed values, a mean with a 95% t-interval over seeds and
+# Welch intervals of its difference to GSPO and to Min-Replace on the weights.
+CANCELLATION_METRICS = {
+    "generations_to_threshold": "1-based rollout whose reward EMA first reaches the threshold (null: never; "
+    "means and differences count never as generations + 1, a lower bound)",
+    "jitter2": "Jitter2 (eq. 20) of the per-rollout sampled reward",
+    "final_accuracy": "held-out greedy accuracy after training",
+    "final_reward": "sampled reward, mean of the last 3 rollouts",
+    "entropy_final": "mean entropy over the last rollout's optimizer steps",
+    "clip_fraction_off_policy": "clip_ratio/region_mean (fraction of completion tokens in the clip region) on "
+    "off-policy steps",
+    "residual_off_policy": "cancellation/shared_prefix_residual on off-policy steps (step index within the "
+    "rollout != 0)",
+    "residual_two_sided_off_policy": "cancellation/shared_prefix_residual_two_sided on off-policy steps",
+    "one_sided_groups_off_policy": "cancellation/one_sided_groups on off-policy steps (fraction of the groups with "
+    "non-zero advantages whose surviving members share one sign or are none)",
+    "residual_on_policy": "cancellation/shared_prefix_residual on the rollout's first step",
+}
+STUDY_REFERENCES = ("gspo", "min_replace")  # differences are taken against these
+INTERVAL = "95% Student-t interval over seeds (mean); 95% Welch-t interval (difference of two methods' means)"
+
+
+def metric_stats(values: list[Any]) -> dict[str, Any] | None:
+    """Mean, 95% t-interval and n of the non-null values; None when there are none."""
+    from report import mean_ci
+
+    stats = mean_ci(values)
+    if stats is None:
+        return None
+    mean, low, high, n = stats
+    return {"mean": mean, "low": low, "high": high, "n": n}
+
+
+def difference_stats(a: list[Any], b: list[Any]) -> dict[str, Any] | None:
+    """mean(a) − mean(b) with a 95% Welch interval and whether it excludes 0; None below 2 values a side."""
+    from report import diff_ci
+
+    d = diff_ci(a, b)
+    if d is None:
+        return None
+    diff, low, high = d
+    # zero_width: every seed of both methods gave the same value, so the interval has no width (a t-interval
+    # then says nothing about seeds not run; the report flags it).
+    return {"difference": diff, "low": low, "high": high, "excludes_zero": bool(low > 0 or high < 0),
+            "zero_width": low == high}
+
+
+def cancellation_summary(runs: list[dict[str, Any]], threshold: float, alpha: float) -> dict[str, Any]:
+    """``cancellation.json``: per task and method, every seed's metric values, means with 95% t-intervals, the
+    differences to GSPO and to Min-Replace (weights) with Welch intervals, and per-rollout curves of the
+    off-policy residuals for the figures."""
+    if not runs:
+        raise SystemExit("no runs to aggregate")
+    order = {m: i for i, m in enumerate(common.CANCELLATION_METHODS)}
+    runs = sorted(runs, key=lambda r: (run_task(r), order.get(r["method"], 99), r["method"], r["seed"]))
+    tasks: dict[str, Any] = {}
+    for run in runs:
+        task = tasks.setdefault(run_task(run), {
+            "description": TASK_DESCRIPTIONS.get(run_task(run), run_task(run)),
+            "settings": {k: v for k, v in run["settings"].items() if k not in ("threshold", "ema")},
+            "methods": {},
+        })
+        summary = run_summary(run, threshold, alpha)
+        entry = task["methods"].setdefault(run["method"], {
+            "label": common.METHODS[run["method"]].label if run["method"] in common.METHODS else run["method"],
+            "overrides": common.METHODS[run["method"]].overrides if run["method"] in common.METHODS else {},
+            "seeds": [], "devices": [], "complete": [], "missing_fields": [], "values": {}, "curves": {},
+        })
+        entry["seeds"].append(run["seed"])
+        entry["devices"].append(run["device"])
+        entry["complete"].append(bool(run.get("complete")))
+        entry["missing_fields"].append(run.get("missing_fields", []))
+        for key in (*CANCELLATION_METRICS, "initial_accuracy", "generations_done"):
+            entry["values"].setdefault(key, []).append(summary.get(key))
+        for name, key, off in (("reward", "reward", False), ("residual_off_policy", RESIDUAL, True),
+                               ("residual_two_sided_off_policy", RESIDUAL_TWO_SIDED, True),
+                               ("one_sided_groups_off_policy", ONE_SIDED, True),
+                               ("clip_fraction_off_policy", CLIP_REGION, True)):
+            curve = reward_curve(run) if key == "reward" else per_generation(run, key, off_policy=off)
+            entry["curves"].setdefault(name, []).append(curve)
+    for task in tasks.values():
+        budget = task["settings"]["generations"]
+        methods = task["methods"]
+        for entry in methods.values():
+            entry["stats"] = {key: metric_stats(study_values(entry, key, budget)) for key in CANCELLATION_METRICS}
+        for reference in STUDY_REFERENCES:
+            if reference not in methods:
+                continue
+            task[f"vs_{reference}"] = {
+                m: {key: difference_stats(study_values(e, key, budget), study_values(methods[reference], key, budget))
+                    for key in CANCELLATION_METRICS}
+                for m, e in methods.items() if m != reference
+            }
+    first = runs[0]
+    return {
+        "study": "issue #10: cancellation in the gradient, not only in the weights",
+        "device": first["device"], "devices": sorted({r["device"] for r in runs}), "model": first["model"],
+        "versions": first["versions"], "threshold": threshold, "ema_alpha": alpha, "interval": INTERVAL,
+        "metrics": CANCELLATION_METRICS, "references": list(STUDY_REFERENCES), "tasks": tasks,
+    }
+
+
+def study_values(entry: dict[str, Any], key: str, budget: int) -> list[float | None]:
+    """A metric's per-seed values as the statistics use them: never-reached thresholds count as budget + 1."""
+    values = entry["values"][key]
+    if key == "generations_to_threshold":
+        return [budget + 1 if v is None else v for v in values]
+    return values
 
 
 # ---------------------------------------------------------------------------------------------- launcher
 def launch(args: argparse.Namespace) -> None:
     """Run every (method, seed) as a subprocess, ``--parallel`` at a time; collect and summarise."""
-    methods = common.check_methods(list(args.methods))
+    methods = common.check_methods(list(args.methods), allow_missing=args.allow_missing_fields)
+    tasks = list(args.tasks or [args.task])
+    gpus = gpu_slots(args)
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="dfpo-learning-"))
@@ -281,26 +454,25 @@ def launch(args: argparse.Namespace) -> None:
         log_file.write(line + "\n")
         log_file.flush()
 
-    queue = [(m, s) for s in args.seeds for m in methods]
+    everything = [(t, m, s) for t in tasks for s in args.seeds for m in methods]
+    queue = list(everything)
     say(
-        f"{len(queue)} runs ({len(methods)} methods x seeds {args.seeds}), {args.parallel} in parallel, "
-        f"{args.generations} generations each, deadline {args.deadline_s:.0f} s; work dir {work}"
+        f"{len(queue)} runs (tasks {tasks} x {len(methods)} methods x seeds {args.seeds}), {args.parallel} in "
+        f"parallel on {len(gpus) or 'no'} GPU(s) {gpus}, {args.generations} generations each, deadline "
+        f"{args.deadline_s:.0f} s; work dir {work}"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    running: dict[tuple[str, int], tuple[subprocess.Popen, float]] = {}
+    running: dict[tuple[str, str, int], tuple[subprocess.Popen, float, str | None]] = {}
     durations: list[float] = []
     failed: list[str] = []
     skipped: list[str] = []
     last_report = 0.0
 
-    def run_file(m: str, s: int) -> pathlib.Path:
-        return work / "runs" / f"{m}_s{s}.json"
-
     def collect() -> list[dict[str, Any]]:
         runs = []
-        for m, s in [(m, s) for s in args.seeds for m in methods]:
-            path = run_file(m, s)
+        for t, m, s in everything:
+            path = run_file(work, t, m, s)
             if path.exists():
                 runs.append(json.loads(path.read_text()))
         return runs
@@ -309,21 +481,20 @@ def launch(args: argparse.Namespace) -> None:
         runs = collect()
         common.write_json(out_dir / f"learning_{tag}_runs.json", runs)
         if runs:
-            summary, _ = aggregate(runs, args.threshold, args.ema)
-            common.write_json(out_dir / f"learning_{tag}.json", summary)
+            write_summary(runs, args, out_dir, tag)
 
     while queue or running:
         now = time.time()
-        for key, (proc, t0) in list(running.items()):
+        for key, (proc, t0, _) in list(running.items()):
             if proc.poll() is not None:
                 del running[key]
-                name = f"{key[0]} seed {key[1]}"
+                name = f"{key[0]} {key[1]} seed {key[2]}"
                 if proc.returncode == 0:
                     durations.append(now - t0)
                     say(f"done {name} in {now - t0:.0f} s")
                 else:
                     failed.append(name)
-                    tail = (work / f"{key[0]}_s{key[1]}.log").read_text(errors="replace")[-3000:]
+                    tail = run_file(work, *key).with_suffix(".log").read_text(errors="replace")[-3000:]
                     say(f"FAILED {name} (exit {proc.returncode}); log tail:\n{tail}")
                 write_outputs()
         left = args.deadline_s - (now - start)
@@ -331,23 +502,31 @@ def launch(args: argparse.Namespace) -> None:
             expected = max(durations) if durations else 0.0
             if left < EVAL_MARGIN_S + 30 or (durations and left < 0.5 * expected):
                 say(f"not starting {len(queue)} queued runs: {left:.0f} s left, a run takes ~{expected:.0f} s")
-                skipped.extend(f"{m} seed {s}" for m, s in queue)
+                skipped.extend(f"{t} {m} seed {s}" for t, m, s in queue)
                 queue.clear()
                 break
-            m, s = queue.pop(0)
-            cmd = [sys.executable, __file__, "--run", "--method", m, "--seed", str(s), "--out", str(run_file(m, s)),
-                   "--stop-at", str(start + args.deadline_s - EVAL_MARGIN_S), *child_flags(args)]
-            log = (work / f"{m}_s{s}.log").open("w")
-            running[(m, s)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.time())
+            t, m, s = queue.pop(0)
+            out = run_file(work, t, m, s)
+            # The untrained model's greedy accuracy is the same for every run of a task: measured once per task.
+            first_of_task = (m, s) == (methods[0], args.seeds[0])
+            initial = args.initial_eval and (first_of_task or not args.initial_eval_once)
+            cmd = [sys.executable, __file__, "--run", "--task", t, "--method", m, "--seed", str(s), "--out", str(out),
+                   "--stop-at", str(start + args.deadline_s - EVAL_MARGIN_S), *child_flags(args),
+                   "--initial-eval" if initial else "--no-initial-eval"]
+            gpu = least_busy(gpus, [g for _, _, g in running.values()])
+            child_env = env if gpu is None else dict(env, CUDA_VISIBLE_DEVICES=gpu)
+            log = out.with_suffix(".log").open("w")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
+            running[(t, m, s)] = (proc, time.time(), gpu)
         if now - last_report >= args.report_every:
             last_report = now
             say(progress(running, queue, durations, args, start))
         if left <= 0:
-            for key, (proc, _) in running.items():
-                say(f"deadline: terminating {key[0]} seed {key[1]}")
+            for key, (proc, _, _) in running.items():
+                say(f"deadline: terminating {key[0]} {key[1]} seed {key[2]}")
                 proc.send_signal(signal.SIGTERM)
             time.sleep(5)
-            for proc, _ in running.values():
+            for proc, _, _ in running.values():
                 if proc.poll() is None:
                     proc.kill()
             running.clear()
@@ -358,9 +537,11 @@ def launch(args: argparse.Namespace) -> None:
         f"finished: {len(runs)} runs written, failed: {', '.join(failed) or 'none'}, not started (deadline): "
         f"{', '.join(skipped) or 'none'}; {time.time() - start:.0f} s"
     )
-    if runs:
-        summary, _ = aggregate(runs, args.threshold, args.ema)
-        say("\n" + table(summary))
+    for t in tasks:
+        task_runs = [r for r in runs if run_task(r) == t]
+        if task_runs:
+            summary, _ = aggregate(task_runs, args.threshold, args.ema)
+            say(f"{t}:\n" + table(summary, study=args.study == "cancellation"))
     log_file.close()
     if failed or not runs:
         raise SystemExit(1)
@@ -369,26 +550,62 @@ def launch(args: argparse.Namespace) -> None:
 def progress(running: dict, queue: list, durations: list[float], args: argparse.Namespace, start: float) -> str:
     """One status line: generations done per running run and an ETA from their rates so far."""
     parts, etas = [], []
-    for (m, s), (_, t0) in running.items():
-        path = pathlib.Path(args.work_dir or "") / "runs" / f"{m}_s{s}.json" if args.work_dir else None
+    for (t, m, s), (_, t0, _) in running.items():
+        path = run_file(pathlib.Path(args.work_dir), t, m, s) if args.work_dir else None
         done = 0
         if path is not None and path.exists():
             try:
                 done = json.loads(path.read_text()).get("generations_done", 0)
             except ValueError:
                 done = 0
-        parts.append(f"{m}/{s}:{done}")
+        parts.append(f"{t[:5]}/{m}/{s}:{done}")
         if done:
             etas.append((time.time() - t0) / done * (args.generations - done) + 20)
     status = f"running {len(running)}, queued {len(queue)}, generations done: {' '.join(parts)}"
     if not etas:
         return status + "; ETA after the first generation"
     waves = -(-len(queue) // max(args.parallel, 1))
-    oldest = min(t for _, t in running.values())
+    oldest = min(t0 for _, t0, _ in running.values())
     per_run = statistics.fmean(durations) if durations else max(etas) + time.time() - oldest
     eta = max(etas) + waves * per_run
     end = time.time() - start + eta
     return status + f"; ETA ~{eta:.0f} s, {end:.0f} s after start (deadline {args.deadline_s:.0f} s)"
+
+
+def run_file(work: pathlib.Path, task: str, method: str, seed: int) -> pathlib.Path:
+    """Where a run writes its JSON (its log: the same name with ``.log``)."""
+    return work / "runs" / f"{task}_{method}_s{seed}.json"
+
+
+def write_summary(runs: list[dict[str, Any]], args: argparse.Namespace, out_dir: pathlib.Path, tag: str) -> None:
+    """The launcher's summary file: ``cancellation_<tag>.json`` for the issue-#10 study, else
+    ``learning_<tag>.json`` (one task's runs)."""
+    if args.study == "cancellation":
+        common.write_json(out_dir / f"cancellation_{tag}.json", cancellation_summary(runs, args.threshold, args.ema))
+    else:
+        summary, _ = aggregate(runs, args.threshold, args.ema)
+        common.write_json(out_dir / f"learning_{tag}.json", summary)
+
+
+def gpu_slots(args: argparse.Namespace) -> list[str]:
+    """The GPUs runs are spread over (``--gpus``: "auto" = every visible one; a count; or a list of ids), as
+    CUDA_VISIBLE_DEVICES values; empty on the CPU. A run's memory stays on its own card."""
+    if not args.device.startswith("cuda") or args.gpus == "none":
+        return []
+    if args.gpus == "auto":
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    if args.gpus.isdigit():
+        return [str(i) for i in range(int(args.gpus))]
+    return args.gpus.split(",")
+
+
+def least_busy(gpus: list[str], busy: list[str | None]) -> str | None:
+    """The GPU with the fewest running runs (first on a tie); None when runs are not placed on GPUs."""
+    if not gpus:
+        return None
+    return min(gpus, key=lambda g: busy.count(g))
 
 
 def child_flags(args: argparse.Namespace) -> list[str]:
@@ -398,32 +615,40 @@ def child_flags(args: argparse.Namespace) -> list[str]:
         "lr", "num_generations", "steps_per_generation", "batch_size", "max_completion_length", "temperature",
         "beta", "generations", "threshold", "ema", "heldout", "train_size", "dtype", "baseline_trainer",
         "eval_max_new_tokens", "device", "model", "random_config", "tokenizer", "sequence_loss_type",
-        "energy_buckets",
+        "energy_buckets", "reward",
     ):
         value = getattr(args, key)
         if value is not None:
             flags += [f"--{key.replace('_', '-')}", str(value)]
     flags.append("--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing")
-    flags.append("--initial-eval" if args.initial_eval else "--no-initial-eval")
+    if args.allow_missing_fields:
+        flags.append("--allow-missing-fields")
     return flags
 
 
-def table(summary: dict[str, Any]) -> str:
-    """Short per-method table: mean over seeds (None-aware)."""
+def table(summary: dict[str, Any], study: bool = False) -> str:
+    """Short per-method table: mean over seeds (None-aware); ``study``: issue #10's off-policy columns too."""
 
     def mean(values: list[Any]) -> str:
         v = [x for x in values if x is not None]
         return f"{statistics.fmean(v):.3f}" if v else "-"
 
-    lines = [f"{'method':<20} {'seeds':>5} {'gen->thr':>9} {'reached':>7} {'jitter2':>8} {'acc':>6} {'entropy':>8} "
+    lines = [f"{'method':<24} {'seeds':>5} {'gen->thr':>9} {'reached':>7} {'jitter2':>8} {'acc':>6} {'entropy':>8} "
              f"{'residual':>8} {'asym':>8}"]
     for m, e in summary["methods"].items():
         reached = sum(x is not None for x in e["generations_to_threshold"])
         lines.append(
-            f"{m:<20} {len(e['seeds']):>5} {mean(e['generations_to_threshold']):>9} {reached:>4}/{len(e['seeds']):<2} "
+            f"{m:<24} {len(e['seeds']):>5} {mean(e['generations_to_threshold']):>9} {reached:>4}/{len(e['seeds']):<2} "
             f"{mean(e['jitter2']):>8} {mean(e['final_accuracy']):>6} {mean(e['entropy_final']):>8} "
             f"{mean(e['shared_prefix_residual']):>8} {mean(e['asym_after']):>8}"
         )
+    if study:
+        lines.append(f"{'off-policy steps:':<24} {'clip':>8} {'residual':>9} {'two-sided':>9} {'one-sided':>9}")
+        for m, e in summary["methods"].items():
+            lines.append(
+                f"{m:<24} {mean(e['clip_fraction_off_policy']):>8} {mean(e['residual_off_policy']):>9} "
+                f"{mean(e['residual_two_sided_off_policy']):>9} {mean(e['one_sided_groups_off_policy']):>9}"
+            )
     return "\n".join(lines)
 
 
@@ -438,7 +663,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--model", help="checkpoint path (GPU kit: /root/models/smollm2-135m-instruct)")
     src.add_argument("--random-config", choices=common.RANDOM_CONFIGS)
     p.add_argument("--tokenizer")
-    p.add_argument("--methods", nargs="+", default=common.LEARNING_METHODS)
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="default: the issue-5 methods, or with --study cancellation issue #10's six")
+    p.add_argument("--task", choices=common.BENCHMARK_TASKS, default="arithmetic",
+                   help="training reward and held-out accuracy (dfpo_trl.tasks)")
+    p.add_argument("--reward", choices=["task", "id_parity"], default="task",
+                   help="training reward: the task's, or id_parity (random models, which never solve the task: "
+                   "about half of each group scores 1, so the mechanism metrics have non-zero advantages)")
+    p.add_argument("--tasks", nargs="+", choices=common.BENCHMARK_TASKS,
+                   help="launcher: several tasks in one launch (default: --task)")
+    p.add_argument("--study", choices=["learning", "cancellation"], default="learning",
+                   help="cancellation: issue #10's methods by default and cancellation_<tag>.json / cancellation.json")
+    p.add_argument("--allow-missing-fields", action="store_true",
+                   help="run methods whose DFPOConfig fields this dfpo_trl lacks without them (CPU smoke only; "
+                   "every run records what it went without)")
+    p.add_argument("--gpus", default="auto",
+                   help="launcher: spread runs over GPUs: auto (all visible), a count, ids '0,1', or none")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--method")
     p.add_argument("--seed", type=int, default=0)
@@ -470,6 +710,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="log eq. 24's energy/freq_bucket_* with this many frequency buckets (DFPOConfig.log_energy_buckets)",
     )
     p.add_argument("--initial-eval", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--initial-eval-once", action=argparse.BooleanOptionalAction, default=True,
+                   help="launcher: the untrained model's held-out accuracy only in each task's first run (it is the "
+                   "same weights and greedy decoding for every run)")
     p.add_argument("--device", default=None)
     p.add_argument("--parallel", type=int, default=10)
     p.add_argument("--deadline-s", type=float, default=480.0, help="launcher: all runs end (evaluated) by then")
@@ -480,13 +723,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--work-dir", help="launcher: per-run files and logs (default: a temporary directory)")
     p.add_argument("--tag", help="launcher: output file tag (default: from the seeds)")
-    p.add_argument("--smoke", action="store_true", help="CPU: tiny random model, 2 generations, 2 methods x 1 seed")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny random model, 2 generations, 2 methods x 1 seed "
+                   "(with --study cancellation: 3 generations, sum_sentence x 6 methods x 1 seed)")
     args = p.parse_args(argv)
+    if args.methods is None:
+        args.methods = common.CANCELLATION_METHODS if args.study == "cancellation" else common.LEARNING_METHODS
     if args.smoke:
         args.model, args.random_config, args.device, args.dtype = None, "tiny", "cpu", "float32"
         args.generations, args.num_generations, args.batch_size, args.steps_per_generation = 2, 4, 8, 2
         args.max_completion_length, args.eval_max_new_tokens, args.lr = 8, 8, 1e-3
-        if args.launch:
+        if args.launch and args.study == "cancellation":
+            # Every study method on the new task, trained on id_parity (a random model never solves the task, and
+            # zero advantages would leave the mechanism metrics empty); the pipeline, not the numbers, is checked.
+            args.generations, args.heldout, args.reward = 3, 8, "id_parity"
+            args.tasks, args.seeds, args.parallel, args.deadline_s = ["sum_sentence"], [0], 2, 500.0
+            args.allow_missing_fields = True
+            args.report_every, args.poll_s, args.tag = 20.0, 0.5, args.tag or "smoke"
+        elif args.launch:
             args.methods, args.seeds, args.parallel, args.deadline_s = ["gspo", "min_replace"], [0], 2, 170.0
             args.report_every, args.poll_s, args.tag = 10.0, 0.5, args.tag or "smoke"
     if args.device is None:
@@ -505,12 +758,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.run:
-        common.check_methods([args.method])
+        common.check_methods([args.method], allow_missing=args.allow_missing_fields)
         run_one(args)
     elif args.launch:
         if args.work_dir is None:
             args.work_dir = tempfile.mkdtemp(prefix="dfpo-learning-")
         launch(args)
+    elif args.study == "cancellation":
+        runs = load_runs(args.aggregate)
+        first = runs[0]["settings"] if runs else {}
+        result = cancellation_summary(runs, first.get("threshold", args.threshold), first.get("ema", args.ema))
+        path = pathlib.Path(args.out_dir) / "cancellation.json"
+        common.write_json(path, result)
+        for t in result["tasks"]:
+            summary, _ = aggregate([r for r in runs if run_task(r) == t], result["threshold"], result["ema_alpha"])
+            print(f"{t}:\n{table(summary, study=True)}")
+        print(f"wrote {path} ({len(runs)} runs)")
     else:
         runs = load_runs(args.aggregate)
         first = runs[0]["settings"] if runs else {}

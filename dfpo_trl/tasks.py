@@ -37,6 +37,8 @@ __all__ = [
     "MathVerifyReward",
     "RewardFunc",
     "SafeReward",
+    "SumSentenceReward",
+    "SumSentenceTask",
     "Task",
     "completion_text",
     "get_task",
@@ -280,6 +282,101 @@ class ArithmeticTask:
 
 
 # --------------------------------------------------------------------------------------------------
+# Sum sentence: the arithmetic problems with a required answer sentence (a long shared stretch)
+
+
+# The untrained SmolLM2-135M-Instruct's own greedy phrasing, so it follows the format from the start.
+SUM_SENTENCE_LEAD = "To compute {a} + {b}, we add the numbers: {a} + {b} ="
+SUM_SENTENCE_PROMPT = (
+    "Compute {a} + {b}. Reply in exactly this format:\n" + SUM_SENTENCE_LEAD + " <number>."
+)
+# Characters a reply may open with before the required sentence (a quote the model copies from the prompt).
+_OPENING = " \t\n\"'`*"
+
+
+class SumSentenceReward:
+    """1.0 when the completion opens with the prompt's required sentence (``SUM_SENTENCE_LEAD`` with the
+    problem's numbers; leading blanks, quotes, backticks and asterisks ignored) and its last number equals
+    ``a + b``; ``unformatted`` (0.5) when the last number is the sum without that opening; else 0.0.
+
+    The format is rewarded on purpose: it makes the best completions of a group share the lead's tokens, so the
+    group's positive- and negative-advantage members share a long stretch whose gradients should cancel (the
+    shared-prefix residual has something to measure). Only partly, because at temperature 1 the untrained
+    model opens with the exact sentence too rarely (about 3%) for an all-or-nothing reward to give a signal.
+    """
+
+    __name__ = "sum_sentence_correct"
+
+    def __init__(self, unformatted: float = 0.5) -> None:
+        self.unformatted = unformatted
+
+    def __call__(
+        self, prompts: list[Any], completions: list[Any], answer: list[int], a: list[int], b: list[int],
+        **kwargs: Any,
+    ) -> list[float | None]:
+        if not len(answer) == len(a) == len(b) == len(completions):
+            raise ValueError(
+                f"got {len(completions)} completions but {len(answer)} answers, {len(a)} a's and {len(b)} b's"
+            )
+        rewards: list[float | None] = []
+        for completion, target, x, y in zip(completions, answer, a, b, strict=True):
+            text = completion_text(completion).lstrip(_OPENING)
+            value = last_number(text)
+            if value is None or value != float(target):
+                rewards.append(0.0)
+            else:
+                rewards.append(1.0 if text.startswith(SUM_SENTENCE_LEAD.format(a=x, b=y)) else self.unformatted)
+        return rewards
+
+
+@dataclass
+class SumSentenceTask:
+    """The arithmetic task's problems ("Compute a + b", single digits, the same train and held-out splits),
+    but the prompt spells out the one sentence to answer with, and only that sentence earns the full reward:
+
+        Compute 3 + 5. Reply in exactly this format:
+        To compute 3 + 5, we add the numbers: 3 + 5 = <number>.
+
+    A correct completion is that sentence with the sum: 20 tokens (SmolLM2's tokenizer) fixed by the prompt
+    before the first one that can differ between right and wrong answers (the sum's digits), so once the
+    policy follows the format the members of a group share a long prefix and differ at the number. That is
+    the case where shared-token cancellation (DESIGN.md §6, issue #10) has something to act on;
+    ``arithmetic``'s completions vary in wording and share little. The sentence is the untrained
+    SmolLM2-135M-Instruct's own greedy phrasing, so the format is reachable at once: on the CPU (the embedded
+    Q4_1 GGUF) greedy decoding followed it on all of 40 random problems and scores 0.925 on 40 held-out ones;
+    sampling at temperature 1 (TRL's setting; 80 completions) scores 0.16 on average: 6% the sentence with the
+    right sum, 19% the right sum without it (``arithmetic``: 0.38 sampled in the same setup, 0.33 on the GPU), so
+    the reward starts low but non-zero and most of what there is to learn is the format, i.e. the shared stretch.
+    Reward: :class:`SumSentenceReward`: 1 for the sentence with the correct sum, 0.5 for the correct sum
+    without the sentence, 0 otherwise (held-out "accuracy" is its mean under greedy decoding). Splits: exactly
+    :class:`ArithmeticTask`'s (the same streams), so the two tasks differ only in the required answer format.
+    """
+
+    name: str = "sum_sentence"
+    default_train_size: int = 2000
+    default_heldout_size: int = 100
+    reward_funcs: list[RewardFunc] = field(default_factory=lambda: [safe_reward(SumSentenceReward())])
+
+    def build_dataset(self, split: str, n: int | None = None, seed: int = 0) -> Dataset:
+        """Rows: ``prompt`` (one user message), ``answer`` (a + b), ``a``, ``b``."""
+        _check_split(split)
+        if n is None:
+            n = self.default_train_size if split == TRAIN_SPLIT else self.default_heldout_size
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        pairs = _arithmetic_pairs(split, n, seed)
+        messages = [[{"role": "user", "content": SUM_SENTENCE_PROMPT.format(a=a, b=b)}] for a, b in pairs]
+        return Dataset.from_dict(
+            {
+                "prompt": messages,
+                "answer": [a + b for a, b in pairs],
+                "a": [a for a, _ in pairs],
+                "b": [b for _, b in pairs],
+            }
+        )
+
+
+# --------------------------------------------------------------------------------------------------
 # Math: any `datasets` dataset, graded with math-verify
 
 
@@ -422,7 +519,9 @@ class MathTask:
 # Registry
 
 
-TASKS: dict[str, Callable[..., Task]] = {"arithmetic": ArithmeticTask, "math": MathTask}
+TASKS: dict[str, Callable[..., Task]] = {
+    "arithmetic": ArithmeticTask, "math": MathTask, "sum_sentence": SumSentenceTask,
+}
 
 
 def register_task(name: str, factory: Callable[..., Task]) -> None:

@@ -10,10 +10,13 @@ import pytest
 from datasets import Dataset, DatasetDict
 
 from dfpo_trl.tasks import (
+    SUM_SENTENCE_LEAD,
     TASKS,
     ArithmeticReward,
     ArithmeticTask,
     MathTask,
+    SumSentenceReward,
+    SumSentenceTask,
     Task,
     completion_text,
     get_task,
@@ -178,6 +181,77 @@ def test_safe_reward_async() -> None:
     expected = "reward function 'areward' failed on completion 1: bad completion"
     with pytest.raises(RuntimeError, match=expected):
         asyncio.run(wrapped(prompts=["p", "p"], completions=["good", "bad"]))
+
+
+# -- sum_sentence: arithmetic answered in a required sentence ----------------------------------------
+
+
+def _sum_sentence_reward(texts: list[str], a: int, b: int, answer: int | None = None) -> list[float | None]:
+    n = len(texts)
+    return SumSentenceReward()(
+        prompts=[None] * n, completions=texts, answer=[a + b if answer is None else answer] * n, a=[a] * n, b=[b] * n
+    )
+
+
+def test_sum_sentence_prompt_spells_out_the_sentence_and_shares_arithmetic_splits() -> None:
+    task = get_task("sum_sentence")
+    assert isinstance(task, SumSentenceTask) and isinstance(task, Task)
+    arithmetic = ArithmeticTask()
+    for split, seed in (("train", 0), ("train", 5), ("test", 0), ("test", 9)):
+        rows = task.build_dataset(split, 120, seed=seed)
+        assert _pairs(rows) == _pairs(arithmetic.build_dataset(split, 120, seed=seed))
+        for row in rows.select(range(5)):
+            content = row["prompt"][0]["content"]
+            assert content.startswith(f"Compute {row['a']} + {row['b']}.")
+            assert SUM_SENTENCE_LEAD.format(a=row["a"], b=row["b"]) + " <number>." in content
+            assert row["answer"] == row["a"] + row["b"]
+    held = _pairs(task.build_dataset("test", 100, seed=0))
+    assert held == _pairs(task.build_dataset("test", 100, seed=77))  # fixed, seed-independent
+    assert len(set(held)) == 100
+    assert _pairs(task.build_dataset("train", 50, seed=1)) == _pairs(task.build_dataset("train", 50, seed=1))
+    assert _pairs(task.build_dataset("train", 50, seed=1)) != _pairs(task.build_dataset("train", 50, seed=2))
+    assert len(task.build_dataset("test")) == 100
+    with pytest.raises(ValueError, match="unknown split"):
+        task.build_dataset("validation")
+
+
+def test_sum_sentence_reward_needs_the_sentence_and_the_sum() -> None:
+    lead = SUM_SENTENCE_LEAD.format(a=3, b=5)
+    texts = [
+        f"{lead} 8.",  # right
+        f'"{lead} 8."',  # the quotes of a copied template do not matter
+        f"\n  {lead} 8.\nAnswer: 8",  # leading blanks and a trailing answer line: last number still 8
+        f"{lead} 9.",  # wrong sum
+        "The sum is 8.",  # right sum, no sentence: half
+        f"Sure! {lead} 8.",  # the sentence, but not first (rewarded completions must share the lead): half
+        f"{lead} 8. Also 3 + 5 + 1 = 9",  # last number is not the sum
+        "To compute 3 + 5, we add them: eight.",  # no number after the sentence's own
+        "",
+    ]
+    assert _sum_sentence_reward(texts, 3, 5) == [1.0, 1.0, 1.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.0]
+    assert SumSentenceReward(unformatted=0.0)(
+        prompts=[None], completions=["The sum is 8."], answer=[8], a=[3], b=[5]
+    ) == [0.0]
+    # The sentence must carry the problem's own numbers, in order, for the full reward.
+    assert _sum_sentence_reward([f"{SUM_SENTENCE_LEAD.format(a=5, b=3)} 8."], 3, 5) == [0.5]
+    conversational = [[{"role": "assistant", "content": f"{lead} 8."}]]
+    assert SumSentenceReward()(prompts=[None], completions=conversational, answer=[8], a=[3], b=[5]) == [1.0]
+    with pytest.raises(ValueError, match="2 completions but 1 answers"):
+        SumSentenceReward()(prompts=[None, None], completions=["x", "y"], answer=[8], a=[3], b=[5])
+
+
+def test_sum_sentence_task_reward_reads_the_dataset_columns() -> None:
+    """The task's reward reads the dataset's own columns, as TRL and greedy_accuracy pass them."""
+    task = SumSentenceTask()
+    rows = task.build_dataset("test", 4)
+    completions = [f"{SUM_SENTENCE_LEAD.format(a=r['a'], b=r['b'])} {r['answer']}." for r in rows]
+    completions[0] = completions[0].replace(f" {rows[0]['answer']}.", f" {rows[0]['answer'] + 1}.")
+    completions[1] = f"It is {rows[1]['answer']}."
+    values = task.reward_funcs[0](
+        prompts=rows["prompt"], completions=completions, answer=rows["answer"], a=rows["a"], b=rows["b"]
+    )
+    assert values == [0.0, 0.5, 1.0, 1.0]
+    assert task.reward_funcs[0].__name__ == "sum_sentence_correct"
 
 
 # -- registry -------------------------------------------------------------------------------------
