@@ -340,6 +340,43 @@ def transforms_section(timing: dict[str, Any] | None) -> list[str]:
     return out + [""]
 
 
+def loss_step_section(results: pathlib.Path) -> list[str]:
+    """Loss + backward on one fixed batch against TRL's GRPOTrainer (benchmarks/loss_step.py), every file."""
+    files = sorted(results.glob("loss_step_*.json"))
+    if not files:
+        return []
+    out = [
+        "### Loss and backward on one fixed batch (`benchmarks/loss_step.py`)",
+        "",
+        "Only `compute_loss` + `backward` of each method on the same model and the same off-policy batch, methods "
+        "interleaved in shuffled rounds; ratio to TRL's `GRPOTrainer` (GSPO settings) taken within each round, "
+        "median over rounds with its 95% bootstrap interval. This isolates what the methods add to a training step "
+        "(no sampling, no optimizer), which whole-loop timings here cannot resolve.",
+        "",
+    ]
+    for path in files:
+        r = load(path)
+        out += [
+            f"**{r['model']}** ({r['dtype']}, {r['rows']} rows in groups of {r['group_size']}, completions up to "
+            f"{r['completion_length']} tokens, gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}"
+            f") on {r['device']}, {r['rounds']} rounds × {r['reps']} repetitions:",
+            "",
+            "| method | median loss + backward (ms) | ratio to TRL | 95% interval |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name, m in r["methods"].items():
+            ratio, ci = m.get("ratio_to_trl"), m.get("ratio_interval_95")
+            text = "TRL's `GRPOTrainer` (GSPO)" if name == r["baseline"] else f"{label(name)} (`{name}`)"
+            out.append(f"| {text} | {1e3 * m['median_s']:.2f} | "
+                       f"{fmt(ratio)} | {'[' + fmt(ci[0]) + ', ' + fmt(ci[1]) + ']' if ci else '–'} |")
+        above = [n for n, m in r["methods"].items() if m.get("ratio_interval_95") and m["ratio_interval_95"][0] > 1]
+        out += ["", (f"Intervals entirely above 1 (a resolved cost): {', '.join(above)}." if above
+                     else "No interval lies entirely above 1.")
+                + (" DFPOTrainer with DFPO off gave the same loss value as TRL's trainer."
+                   if r.get("dfpo_none_loss_equals_trl") else ""), ""]
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- learning
 # (metric key in learning.json, label, predicted direction of method - reference: -1 lower, +1 higher)
 PREDICTIONS = [
@@ -1109,6 +1146,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         *overhead_section(overhead_entries(results)),
         *transforms_section(load(results / "transforms_timing.json")),
+        *loss_step_section(results),
         *learning_section(summary, curves, figures, energy_elsewhere=energy_elsewhere),
         *dapo_lines,
         *zero3_lines,
