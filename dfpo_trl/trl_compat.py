@@ -20,8 +20,6 @@ from typing import Any, NamedTuple
 import trl
 from packaging.version import Version
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import get_config_model_id, split_tensor_dict
 
 __all__ = [
     "MULTIMODAL_KEYS",
@@ -99,6 +97,17 @@ class UntestedTRLWarning(UserWarning):
     """The installed TRL is outside the tested range, though every touch point checks out."""
 
 
+def _import_helpers() -> tuple[Callable[..., Any], ...]:
+    """TRL's helper functions DFPO calls: gradient checkpointing off for no-grad passes, the model id behind a
+    default output_dir, and the buffer split of ``_prepare_inputs``."""
+    try:
+        from trl.models.utils import disable_gradient_checkpointing
+        from trl.trainer.utils import get_config_model_id, split_tensor_dict
+    except ImportError as exc:
+        raise _incompatible(f"a TRL helper is gone ({exc})") from exc
+    return disable_gradient_checkpointing, get_config_model_id, split_tensor_dict
+
+
 def _incompatible(detail: str) -> TRLCompatibilityError:
     return TRLCompatibilityError(
         f"dfpo_trl supports trl{SUPPORTED_TRL_TEXT}; the installed trl {trl.__version__} differs where DFPO hooks "
@@ -171,4 +180,5 @@ def trl_runs_old_logps_forward(trainer: Any) -> bool:
     )
 
 
+disable_gradient_checkpointing, get_config_model_id, split_tensor_dict = _import_helpers()
 check_touch_points()

@@ -62,6 +62,17 @@ def test_renamed_compute_loss_stops_the_import():
     assert_refused(result, "GRPOTrainer._compute_loss does not exist")
 
 
+def test_a_removed_trl_helper_stops_the_import():
+    result = run_python(
+        """
+        import trl.trainer.utils
+        del trl.trainer.utils.split_tensor_dict
+        """,
+        "import dfpo_trl\n",
+    )
+    assert_refused(result, "a TRL helper is gone", "split_tensor_dict")
+
+
 def test_renamed_parameter_of_the_log_prob_helper_stops_the_import():
     result = run_python(
         """
