@@ -1,9 +1,9 @@
 """Shared pieces of the DFPO benchmarks: the method table, model/tokenizer loading, config building.
 
 Every benchmark names methods by the keys of :data:`METHODS`. A method is a trainer class, a config class and
-the config overrides that make it that method (FINDINGS.md settings: GSPO ε = 3e-4/4e-4, GRPO = TRL's DAPO
+the config overrides that make it that method (docs/reference-runs.md settings: GSPO ε = 3e-4/4e-4, GRPO = TRL's DAPO
 loss with ε = 0.2/0.28). Each method also names the reference it must be compared with in the same gradient
-form (DESIGN.md §7): a ratio-form transform with GSPO, a score-form transform with ``none_score``, the
+form (docs/design.md): a ratio-form transform with GSPO, a score-form transform with ``none_score``, the
 token-level fixes with TRL's GRPO.
 """
 
@@ -30,7 +30,7 @@ from dfpo_trl import DFPOConfig, DFPOTrainer  # noqa: E402
 
 GPU_MODEL_PATH = "/root/models/smollm2-135m-instruct"
 
-# FINDINGS.md: GSPO with ε = 3e-4 / 4e-4 (sequence level); GRPO = TRL's DAPO loss with ε = 0.2 / 0.28.
+# docs/reference-runs.md: GSPO with ε = 3e-4 / 4e-4 (sequence level); GRPO = TRL's DAPO loss with ε = 0.2 / 0.28.
 GSPO = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4)
 DAPO = dict(importance_sampling_level="token", loss_type="dapo", epsilon=0.2, epsilon_high=0.28)
 

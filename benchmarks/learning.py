@@ -702,7 +702,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-max-new-tokens", type=int, default=64)
     p.add_argument(
         "--sequence-loss-type", choices=["grpo", "dapo", "bnpo", "dr_grpo"], default=None,
-        help="loss_type of the sequence-level methods (GSPO and the transforms; default: grpo, as FINDINGS.md). "
+        help="loss_type of the sequence-level methods (GSPO and the transforms; default: grpo, as in "
+        "docs/reference-runs.md). "
         "A token-sum aggregation (dapo) makes shared tokens cancel whatever the completion lengths (NOTES.md)",
     )
     p.add_argument(

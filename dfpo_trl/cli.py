@@ -170,6 +170,64 @@ def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
     return parser
 
 
+# TRL / transformers fields a DFPO recipe sets most often, named in the short help (their help: --help-all).
+COMMON_TRL_FIELDS = (
+    "model_name_or_path", "output_dir", "learning_rate", "max_steps", "num_generations",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "num_iterations",
+    "importance_sampling_level", "loss_type", "epsilon", "epsilon_high", "beta", "temperature",
+    "max_completion_length", "use_vllm", "use_cpu", "bf16", "seed", "use_peft", "report_to",
+)  # fmt: skip
+
+
+def dfpo_field_names() -> list[str]:
+    """The fields DFPOConfig adds to GRPOConfig, in declaration order."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    inherited = {f.name for f in fields(GRPOConfig)}
+    return [f.name for f in fields(DFPOConfig) if f.name not in inherited]
+
+
+def short_help(parser: DFPOParser, width: int = 100) -> str:
+    """``dfpo-train --help``: usage, the script arguments and DFPO's fields, each with its default and help; the
+    thousand-odd TRL/transformers fields only by name (``--help-all`` prints them all)."""
+    import textwrap
+    from dataclasses import fields
+
+    actions = {a.dest: a for a in parser._actions}
+
+    def entry(name: str) -> str:
+        action = actions[name]
+        default = action.default
+        head = f"  --{name} (default: {default!r})" if default is not None else f"  --{name}"
+        body = textwrap.fill(
+            " ".join((action.help or "").replace("%%", "%").split()),
+            width=width,
+            initial_indent=" " * 6,
+            subsequent_indent=" " * 6,
+        )
+        return f"{head}\n{body}"
+
+    lines = [
+        "usage: dfpo-train RECIPE.yaml [--field value ...]",
+        "       dfpo-train --help-all    (every field: TRL's GRPOConfig, transformers' TrainingArguments, ModelConfig)",
+        "",
+        "Train with DFPO objectives (a TRL GRPOTrainer subclass) from a flat YAML recipe; any field can be set in the",
+        "recipe or as a flag, and flags beat the recipe. Example: dfpo-train recipes/smollm2_cpu.yaml --max_steps 10",
+        "",
+        "script arguments (task, data, held-out evaluation, outputs):",
+        *(entry(f.name) for f in fields(DFPOScriptArguments)),
+        "",
+        "DFPO fields of DFPOConfig (docs/design.md, docs/delta.md, docs/metrics.md):",
+        *(entry(name) for name in dfpo_field_names()),
+        "",
+        "common TRL fields (help: --help-all):",
+        textwrap.fill(", ".join(COMMON_TRL_FIELDS), width=width, initial_indent="  ", subsequent_indent="  "),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _recipe_argv(argv: Sequence[str]) -> list[str]:
     """Accept the recipe as a leading positional path (``dfpo-train recipe.yaml ...``) as well as ``--config``."""
     args = list(argv)
@@ -261,17 +319,50 @@ def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tupl
         )
     from transformers import AutoConfig
 
+    reachable = hub_reachable()
     try:
-        AutoConfig.from_pretrained(name, revision=model_args.model_revision)
+        # Unreachable hub: only a cached copy can load; asking the hub would retry for half a minute first.
+        AutoConfig.from_pretrained(name, revision=model_args.model_revision, local_files_only=not reachable)
     except Exception as exc:  # noqa: BLE001 - classified and re-raised with the way out
-        offline = _is_offline_error(exc)
+        offline = not reachable or _is_offline_error(exc)
         reason = "no network access to the Hugging Face Hub and no cached copy" if offline else "cannot be loaded"
         raise ModelUnavailableError(
             f"cannot load model {name!r}: {reason} ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). "
             "Use a local path (model_name_or_path: /path/to/checkpoint, a directory saved with save_pretrained), "
             "or omit model_name_or_path to train the embedded SmolLM2-135M-Instruct default, which needs no network."
         ) from exc
+    if not reachable:
+        _go_offline()
+        logger.warning("the Hugging Face Hub is not reachable: using the cached copy of %s", name)
     return name, name
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers a TCP connection within ``timeout`` seconds; False at once when
+    HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set. A machine without network then fails in seconds, not after
+    the hub client's retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _go_offline() -> None:
+    """Make every later hub lookup of this process (trainer, tokenizer) read the cache without asking."""
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
 
 
 # ------------------------------------------------------------------------------------------------ task, rewards
@@ -448,6 +539,7 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
 
     start = time.monotonic()
     model_path, model_label = resolve_model(model_args)
+    model_seconds = time.monotonic() - start  # the embedded model's one-time conversion, or a quick check
     try:
         task = build_task(script_args)
         reward_funcs = build_rewards(script_args, task)
@@ -485,6 +577,7 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     )
     use_dfpo_progress_bar(trainer)
     train_start = time.monotonic()
+    setup_seconds = train_start - start - model_seconds
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     train_seconds = time.monotonic() - train_start
     if script_args.save_model:
@@ -492,9 +585,8 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
 
     summary: dict[str, Any] = {}
     if trainer.accelerator.is_main_process:
-        summary = _write_outputs(
-            trainer, script_args, training_args, model_label, heldout_cb, curves, train_seconds, start
-        )
+        times = {"model": model_seconds, "setup": setup_seconds, "train_call": train_seconds}
+        summary = _write_outputs(trainer, script_args, training_args, model_label, heldout_cb, curves, times, start)
     # Ending a multi-process launch: the trainer's DDP reducer must not be the last holder of the process group.
     # `trainer.end()` (Transformers) destroys the group; if the reducer then drops the last reference, torch joins
     # gloo's worker threads while holding the GIL, and a worker that needs the GIL to release a finished
@@ -526,7 +618,7 @@ def _write_outputs(
     model_label: str,
     heldout_cb: Any,
     curves: Any,
-    train_seconds: float,
+    times: dict[str, float],
     start: float,
 ) -> dict[str, Any]:
     out = Path(training_args.output_dir)
@@ -537,11 +629,28 @@ def _write_outputs(
             from .plotting import plot_metrics
 
             plot_path = str(
-                plot_metrics(trainer.state.log_history, out / PLOT_FILE, title=_method_label(training_args))
+                plot_metrics(
+                    trainer.state.log_history,
+                    out / PLOT_FILE,
+                    title=_method_label(training_args),
+                    heldout=heldout_cb.results if heldout_cb is not None else None,
+                )
             )
         except ImportError as exc:
             logger.warning("no %s: %s (pip install matplotlib)", PLOT_FILE, exc)
-    rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
+    heldout = heldout_cb.results if heldout_cb is not None else {}
+    eval_before = float(heldout.get("before_seconds") or 0.0)
+    eval_after = float(heldout.get("after_seconds") or 0.0)
+    total = time.monotonic() - start
+    time_split = {  # seconds; the held-out evaluations run inside train(), so training excludes them
+        "model_conversion": round(times["model"], 1),
+        "setup": round(times["setup"], 1),
+        "eval_before": round(eval_before, 1),
+        "training": round(times["train_call"] - eval_before - eval_after, 1),
+        "eval_after": round(eval_after, 1),
+        "save_and_plot": round(total - times["model"] - times["setup"] - times["train_call"], 1),
+        "total": round(total, 1),
+    }
     summary = {
         "model": model_label,
         "task": script_args.task,
@@ -554,11 +663,10 @@ def _write_outputs(
         "steps": trainer.state.global_step,
         "learning_rate": training_args.learning_rate,
         "heldout": heldout_cb.results if heldout_cb is not None else None,
-        "reward_first": rewards[0] if rewards else None,
-        "reward_last": rewards[-1] if rewards else None,
         **curves.results,
-        "train_seconds": round(train_seconds, 1),
-        "total_seconds": round(time.monotonic() - start, 1),
+        "train_seconds": round(times["train_call"], 1),
+        "total_seconds": time_split["total"],
+        "time_split": time_split,
         "plot": plot_path,
         "output_dir": str(out),
     }
@@ -586,7 +694,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"held-out greedy accuracy   {_fmt(before)} -> {_fmt(after)}  ({_fmt(delta, '+.3f')}, "
             f"{heldout['n']} fixed problems)"
         )
-    lines.append(f"training reward            {_fmt(summary['reward_first'])} -> {_fmt(summary['reward_last'])}")
+    per = "step" if summary.get("reward_curve") == "step_reward" else "rollout"
+    lines.append(
+        f"training reward, EMA {_fmt(summary.get('reward_ema_alpha'), 'g'):<5}{_fmt(summary.get('reward_ema_first'))} "
+        f"-> {_fmt(summary.get('reward_ema_last'))}  (peak {_fmt(summary.get('reward_ema_peak'))}; one point per {per})"
+    )
     threshold = summary.get("reward_threshold")
     reached = summary.get("steps_to_threshold")
     lines.append(
@@ -594,10 +706,18 @@ def format_summary(summary: dict[str, Any]) -> str:
         "(EMA 0.3 of the training reward, eq. 19)"
     )
     lines.append(f"Jitter2 of reward curve    {_fmt(summary.get('reward_jitter2'), '.4f')}  (eq. 20)")
-    lines.append(
-        f"wall time                  {_fmt(summary['train_seconds'], '.0f')} s training, "
-        f"{_fmt(summary['total_seconds'], '.0f')} s in all"
-    )
+    split = summary.get("time_split")
+    if split:
+        parts = [
+            ("model_conversion", "model/conversion"), ("setup", "setup"), ("eval_before", "eval before"),
+            ("training", "training"), ("eval_after", "eval after"), ("save_and_plot", "save+plot"),
+        ]  # fmt: skip
+        lines.append(
+            f"wall time                  {_fmt(split['total'], '.0f')} s: "
+            + ", ".join(f"{label} {_fmt(split[key], '.0f')}" for key, label in parts)
+        )
+    else:
+        lines.append(f"wall time                  {_fmt(summary['total_seconds'], '.0f')} s in all")
     if summary.get("plot"):
         lines.append(f"metrics plot               {summary['plot']}")
     lines.append(f"summary                    {Path(summary['output_dir']) / SUMMARY_FILE}")
@@ -609,8 +729,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ``dfpo-train`` and ``python -m dfpo_trl``."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("dfpo_trl").setLevel(logging.INFO)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "--help-all" in args:
+        make_parser().print_help()
+        raise SystemExit(0)
+    if "-h" in args or "--help" in args:
+        print(short_help(make_parser()), end="")
+        raise SystemExit(0)
     try:
-        script_args, training_args, model_args = parse_args(argv)
+        script_args, training_args, model_args = parse_args(args)
         run(script_args, training_args, model_args)
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
@@ -627,10 +754,13 @@ __all__ = [
     "build_rewards",
     "build_task",
     "default_process_group",
+    "dfpo_field_names",
     "format_summary",
+    "hub_reachable",
     "main",
     "make_parser",
     "parse_args",
     "resolve_model",
     "run",
+    "short_help",
 ]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 
+from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from .cancellation import BALANCING_TRANSFORMS, CANCELLATION_TARGETS, ONE_SIDED_POLICIES
@@ -15,6 +18,9 @@ CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 TOKEN_WEIGHTINGS = ("none", "delta")
 # Token-level clipped loss types DelTA weights, each with a known normalisation domain (delta_trainer).
 DELTA_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# transformers >= 5.24 renamed gradient_checkpointing to activation_checkpointing and warns whenever the old name
+# is set, which TRL's config does by default (True), so every run warned. Older 5.x releases know only the old name.
+HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
 
 
 @dataclass
@@ -24,14 +30,14 @@ class DFPOConfig(GRPOConfig):
 
     DFPO ("Design Conditions for Intra-Group Learning of Sequence-Level Rewards: Token Gradient
     Cancellation", arXiv 2604.13088) keeps token updates exchangeable inside a group so that shared,
-    reward-irrelevant tokens cancel. Equation numbers refer to that paper; `DESIGN.md` is the contract.
+    reward-irrelevant tokens cancel. Equation numbers refer to that paper; `docs/design.md` describes what we implement.
 
     Parameters:
         group_transform (`str`, *optional*, defaults to `"none"`):
             In-group transform of the sign-aware post-clip sequence weights s̄ (eq. 47), applied under
             stop-gradient. One of `"none"` (GSPO, eq. 49), `"min_replace"` (eq. 50), `"orth_proj"` (eq. 18),
             `"positive_orth_proj"` (exact QP of eq. 51), `"truncate_rebalance"` (eq. 52–55, β sign fixed, see
-            DESIGN.md §2), `"scale"` (Table 3 ablation). Needs `importance_sampling_level="sequence"`. Acts
+            docs/design.md), `"scale"` (Table 3 ablation). Needs `importance_sampling_level="sequence"`. Acts
             only off-policy (`steps_per_generation > gradient_accumulation_steps` or `num_iterations > 1`, or
             vLLM importance sampling): on-policy every s̄ is 1 and every transform is the identity.
         transform_scale (`float`, *optional*, defaults to `0.5`):
@@ -43,7 +49,7 @@ class DFPOConfig(GRPOConfig):
             `"ratio"`: J_i = Â_i φ_i s̄_i(θ), φ = s̃/s̄ under stop-gradient (eq. 59–62, 87–88); `"none"` is then
             TRL's GSPO exactly and clipped sequences keep GSPO's zero gradient. `"score"`: J_i = Â_i sg(s̃_i) ρ_i(θ)
             (eq. 16/68/85 read literally), every sequence gets the gradient Â_i s̃_i ∇ρ_i, clipped or not
-            (DESIGN.md §3). Compare a transform with `"none"` in the same form.
+            (docs/design.md). Compare a transform with `"none"` in the same form.
         transform_stop_gradient (`bool`, *optional*, defaults to `True`):
             `False` is the paper's "no stop-grad" ablation (Table 3): the transform is differentiated, J_i =
             Â_i s̃_i(θ). With `"min_replace"` and zero-mean advantages this makes the policy gradient exactly
@@ -70,7 +76,7 @@ class DFPOConfig(GRPOConfig):
             (`importance_sampling_level="token"`); `epsilon` (ε_low) is not used.
         group_granular_batches (`bool` or `None`, *optional*, defaults to `None`):
             Whether TRL's per-sample shuffle of each rollout is replaced by a shuffle of whole groups, so that every
-            micro-batch holds whole groups (layout 1 of DESIGN.md §4; needs `per_device_train_batch_size` a
+            micro-batch holds whole groups (layout 1 of docs/layouts.md; needs `per_device_train_batch_size` a
             multiple of `num_generations`). `None` (automatic): only when a DFPO option needs whole groups (a
             `group_transform`, the score form, `transform_stop_gradient=False`) and the batch sizes allow it;
             with every DFPO option off the run is then TRL's own, bit for bit (same micro-batch order, same RNG
@@ -82,12 +88,12 @@ class DFPOConfig(GRPOConfig):
             torch's global RNG. Source: issue #11 (a drop-in for `GRPOTrainer`).
         log_mechanism_metrics (`bool`, *optional*, defaults to `True`):
             Log `asym/before`, `asym/after` (eq. 23), `transform/orth_residual`, `transform/phi_min|mean` and
-            `cancellation/shared_prefix_residual` (DESIGN.md §6) every step. O(batch) scalar work. The group
+            `cancellation/shared_prefix_residual` (docs/metrics.md) every step. O(batch) scalar work. The group
             metrics need whole groups in a micro-batch: without group-granular batches (see
             `group_granular_batches`) they are computed only on micro-batches that happen to hold whole groups
             and are skipped on the others.
         log_energy_buckets (`int`, *optional*, defaults to `0`):
-            Gradient energy on frequent tokens (eq. 24, DESIGN.md §6). `0`: off, at no cost. k >= 2: every training
+            Gradient energy on frequent tokens (eq. 24, docs/metrics.md). `0`: off, at no cost. k >= 2: every training
             micro-batch logs `energy/freq_bucket_0` ... `energy/freq_bucket_{k-1}`, the share Σ_{t∈B_b} ‖∇_W ℓ_t‖ /
             Σ_t ‖∇_W ℓ_t‖ of each frequency bucket, averaged over the logging interval like the other metrics.
             ‖∇_W ℓ_t‖ is the exact per-token gradient norm of the LM-head weight W (a stand-in for all of θ):
@@ -101,7 +107,7 @@ class DFPOConfig(GRPOConfig):
             micro-step, a copy of h (B × T × d) and one no-grad float32 pass of h over the LM head; loss and
             gradients are unchanged. `1` is refused (a single bucket's share is always 1).
         token_weighting (`str`, *optional*, defaults to `"none"`):
-            `"delta"`: DelTA token weights (DESIGN.md §5, delta-digest.txt): per rollout batch, with the
+            `"delta"`: DelTA token weights (docs/delta.md): per rollout batch, with the
             rollout-time model, λ_{i,t} from the LM-head-row proxy (1 − p) h (centroids global over processes),
             self-normalised over the loss's normalisation domain (per sequence for `loss_type="grpo"`, per
             micro-batch for `"bnpo"`, over the global rollout batch for `"dapo"`/`"dr_grpo"`), held fixed across
@@ -126,6 +132,16 @@ class DFPOConfig(GRPOConfig):
             The "random λ" control: λ ~ U[λ_min, λ_max] on the same tokens, seeded from `seed`.
     """
 
+    # TRL's default (on), kept; None here so that only an explicit setting reaches transformers' deprecated alias.
+    gradient_checkpointing: bool | None = field(
+        default=None if HAS_ACTIVATION_CHECKPOINTING else True,
+        metadata={
+            "help": "Activation checkpointing (trades compute for memory); default on, as in TRL. Same as "
+            "activation_checkpointing on transformers >= 5.24; this name also works on older 5.x releases.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
     group_transform: str = field(
         default="none",
         metadata={
@@ -145,7 +161,7 @@ class DFPOConfig(GRPOConfig):
         default="ratio",
         metadata={
             "help": "'ratio': J = A * phi * s_bar(theta), phi = s~/s_bar stop-gradient, 'none' equals TRL's GSPO; "
-            "'score': J = A * sg(s~) * rho(theta), clipped sequences keep their gradient (DESIGN.md section 3)."
+            "'score': J = A * sg(s~) * rho(theta), clipped sequences keep their gradient (docs/design.md)."
         },
     )
     transform_stop_gradient: bool = field(
@@ -198,7 +214,7 @@ class DFPOConfig(GRPOConfig):
     token_weighting: str = field(
         default="none",
         metadata={
-            "help": "'delta': DelTA token weights (DESIGN.md section 5): lambda from the (1 - p) h proxy once per "
+            "help": "'delta': DelTA token weights (docs/delta.md): lambda from the (1 - p) h proxy once per "
             "rollout batch, self-normalised over the loss's normalisation domain, fixed across num_iterations, "
             "stop-gradient per-token multipliers on the clipped surrogate. Token-level only. 'none': off."
         },
@@ -228,6 +244,7 @@ class DFPOConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        self._resolve_checkpointing_alias()
         self._validate_dfpo_fields()
         super().__post_init__()
 
@@ -332,6 +349,7 @@ class DFPOConfig(GRPOConfig):
                     "the rewritten old log-probabilities. Set off_policy_mask_threshold=None."
                 )
         self._validate_delta_fields()
+        self._validate_ranges()
 
     def _validate_cancellation_fields(self) -> None:
         """cancellation_target / cancellation_one_sided (docs/cancellation.md): valid values and combinations."""
@@ -415,7 +433,7 @@ class DFPOConfig(GRPOConfig):
             )
 
     def _validate_delta_fields(self) -> None:
-        """DelTA (DESIGN.md §5): valid options, token-level clipped loss types only."""
+        """DelTA (docs/delta.md): valid options, token-level clipped loss types only."""
         if self.token_weighting not in TOKEN_WEIGHTINGS:
             raise ValueError(
                 f"token_weighting={self.token_weighting!r} is not valid; use 'none' or 'delta' (DelTA)."
@@ -458,3 +476,92 @@ class DFPOConfig(GRPOConfig):
                 f"loss_type, but loss_type={self.loss_type!r} is not a token-level clipped loss. Set loss_type to "
                 f"one of {', '.join(repr(t) for t in DELTA_LOSS_TYPES)}."
             )
+
+    def _validate_ranges(self) -> None:
+        """Refuse out-of-range numbers of every field DFPO relies on, at start-up, naming the field and the fix.
+
+        TRL and transformers accept most of these silently (a negative clip range, a zero temperature, a
+        negative learning rate) and fail, if at all, minutes later inside a rollout or the loss.
+        """
+        problems: list[str] = []
+
+        def require(name: str, ok: bool, rule: str, fix: str) -> None:
+            if not ok:
+                problems.append(f"{name}={getattr(self, name)!r} {rule}; {fix}")
+
+        def finite(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        require(
+            "epsilon", finite(self.epsilon) and 0 < self.epsilon <= 1,
+            "is out of range: the clip range [1 - epsilon, 1 + epsilon_high] needs 0 < epsilon <= 1",
+            "GSPO and DFPO use 3e-4, token-level GRPO 0.2",
+        )
+        if self.epsilon_high is not None:
+            require(
+                "epsilon_high", finite(self.epsilon_high) and self.epsilon_high > 0,
+                "is out of range: the upper clip bound 1 + epsilon_high needs epsilon_high > 0",
+                "GSPO and DFPO use 4e-4, DAPO 0.28, or leave it unset (= epsilon)",
+            )
+        if self.delta is not None:
+            require(
+                "delta", finite(self.delta) and self.delta > 1,
+                "is out of range: the two-sided clip bound on the ratio must exceed 1 (at 1 or below it clips "
+                "on-policy tokens)", "TRL recommends more than 1 + epsilon_high, or leave it unset (None)",
+            )
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations"):
+            value = getattr(self, name)
+            require(name, isinstance(value, int) and value >= 1, "must be an integer >= 1", f"set {name} >= 1")
+        if self.steps_per_generation is not None:
+            require(
+                "steps_per_generation", isinstance(self.steps_per_generation, int) and self.steps_per_generation >= 1,
+                "must be an integer >= 1", "set it >= 1, or leave it unset (= gradient_accumulation_steps)",
+            )
+        if self.max_completion_length is not None:
+            require(
+                "max_completion_length",
+                isinstance(self.max_completion_length, int) and self.max_completion_length >= 1,
+                "must be an integer >= 1 (tokens per completion)", "e.g. 16 for the arithmetic task",
+            )
+        require(
+            "temperature", finite(self.temperature) and self.temperature > 0,
+            "must be > 0 (sampling divides the logits by it; the log-probs use it too)", "use 1.0 or e.g. 0.6",
+        )
+        require("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]", "use 1.0 to keep all tokens")
+        require("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be >= 0", "use 0 to disable top-k")
+        require("beta", finite(self.beta) and self.beta >= 0, "must be >= 0 (KL coefficient)", "use 0.0 for no KL")
+        require(
+            "learning_rate", finite(self.learning_rate) and self.learning_rate > 0,
+            "must be > 0", "e.g. 5e-5 for the CPU main job, 1e-6 for large models",
+        )
+        require(
+            "transform_scale", finite(self.transform_scale) and self.transform_scale > 0,
+            "must be a finite number > 0 (the factor of the 'scale' ablation)", "the paper uses 0.5",
+        )
+        require(
+            "transform_truncate_floor", finite(self.transform_truncate_floor) and 0 < self.transform_truncate_floor < 1,
+            "must be in (0, 1) (a floor far below the weights, which are near 1)", "the default is 1e-6",
+        )
+        for name in ("delta_lambda_min", "delta_lambda_max"):
+            require(name, finite(getattr(self, name)), "must be a finite number", "the paper uses 0.8 and 1.2")
+        if self.delta_gamma is not None:
+            require(
+                "delta_gamma", finite(self.delta_gamma) and self.delta_gamma > 0,
+                "must be a finite number > 0", "or None for the adaptive gamma",
+            )
+        require(
+            "delta_refine_steps", isinstance(self.delta_refine_steps, int) and self.delta_refine_steps >= 0,
+            "must be an integer >= 0", "the paper uses 1",
+        )
+        if problems:
+            raise ValueError("out-of-range value(s): " + " | ".join(problems) + ".")
+
+    def _resolve_checkpointing_alias(self) -> None:
+        """Accept either checkpointing name without transformers' deprecation warning (TRL set the old name by
+        default, so every run warned with nothing for the user to change); unset means on, TRL's default."""
+        if not HAS_ACTIVATION_CHECKPOINTING:
+            return
+        if self.activation_checkpointing is None:
+            on = self.gradient_checkpointing
+            self.activation_checkpointing = True if on is None else bool(on)
+        self.gradient_checkpointing = None  # transformers mirrors the new name into it after resolving

@@ -1,8 +1,8 @@
-"""DelTA token weights: discriminative token coefficients for RLVR (DESIGN.md §5, delta-digest.txt).
+"""DelTA token weights: discriminative token coefficients for RLVR (docs/delta.md).
 
 A sequence-level RLVR update moves token probabilities like a linear discriminator between the positive-
-and negative-advantage centroids of token-gradient vectors (digest eq. centroid-decomposition and
-eq. local-discriminator-score). DelTA scores each rollout token by how characteristic its proxy gradient
+and negative-advantage centroids of token-gradient vectors (the DelTA paper's centroid decomposition and
+local discriminator score; docs/delta.md). DelTA scores each rollout token by how characteristic its proxy gradient
 vector is of its own side versus the opposite side (eq. DelTA-alpha), refines the centroids with those
 scores, maps the scores into bounded coefficients λ ∈ [λ_min, λ_max] and uses them, self-normalised,
 as stop-gradient per-token multipliers on the policy loss (eq. DelTA-weighted-objective).
@@ -21,7 +21,7 @@ Conventions (the user documentation must state them):
   control keeps the exact support of the default). With group-centred advantages this only happens
   when every group in the batch has zero advantages.
 * Adaptive γ. ``γ_side`` is the unweighted mean of ``|margin|`` over that side's tokens, recomputed at
-  every refinement step (γ^{(k)} in the digest). Because margins and γ both scale with ``‖v‖²``, the
+  every refinement step (γ^{(k)} in the DelTA paper). Because margins and γ both scale with ``‖v‖²``, the
   weights are invariant to a common positive rescaling of ``v`` (a fixed ``gamma`` breaks this). If all
   margins of a side are 0, γ is set to 1 (the score is then σ(0) = 1/2 for every token of that side).
 * Refinement. Both centroids are updated simultaneously from the previous scores:
@@ -105,7 +105,7 @@ def _side_sums(
 
     Returns ``sum_vec`` (2, d) with ``sum_vec[k] = Σ_{side=k} weight · coef · h`` and ``sum_weight`` (2,)
     with ``sum_weight[k] = Σ_{side=k} weight``; side 0 is Â > 0, side 1 is Â < 0. The centroid of side k
-    (digest eq. centroid-decomposition, μ = weighted mean of v) is ``sum_vec[k] / sum_weight[k]``. Both are
+    (the centroid decomposition, μ = weighted mean of v) is ``sum_vec[k] / sum_weight[k]``. Both are
     packed in one (2, d + 1) tensor so a distributed run pays a single collective.
     """
     n, d, dtype = idx.numel(), h_flat.shape[-1], weight.dtype
@@ -140,7 +140,7 @@ def _margins(
     all_reduce: Reducer | None,
     chunk: int,
 ) -> Tensor:
-    """Score margins of the active tokens (numerators of digest eq. DelTA-alpha).
+    """Score margins of the active tokens (numerators of DelTA's α, docs/delta.md step 4).
 
     ``opposite``: ``‖v − μ_opp‖² − ‖v − μ_own‖²``. Expanding both squares, the ``‖v‖²`` terms cancel and
     the margin of a positive-side token is the linear discriminator ``2 δ·(v − (μ₊ + μ₋)/2)`` with
@@ -164,7 +164,7 @@ def _margins(
 def _scores(
     margin: Tensor, side: Tensor, assignment: str, gamma: float | None, all_reduce: Reducer | None
 ) -> Tensor:
-    """α from margins: σ(margin / γ_side) (digest eq. DelTA-alpha) or the hard 1[margin > 0]."""
+    """α from margins: σ(margin / γ_side) (DelTA's α, docs/delta.md step 4) or the hard 1[margin > 0]."""
     if assignment == "hard":
         return (margin > 0).to(margin.dtype)
     if gamma is None:
@@ -284,7 +284,7 @@ def token_weights(
 ) -> Tensor:
     """DelTA coefficients λ (B, T) from proxy token-gradient vectors, before self-normalisation.
 
-    Digest "Method Details": centroids μ_± are the |Â|-weighted means of ``vectors`` (B, T, d) over each
+    DelTA's method (docs/delta.md): centroids μ_± are the |Â|-weighted means of ``vectors`` (B, T, d) over each
     side's scored tokens (eq. centroid-decomposition); α = σ((‖v − μ_opp‖² − ‖v − μ_own‖²)/γ_side)
     (eq. DelTA-alpha, adaptive γ_side = mean |margin| of the side unless ``gamma`` is given);
     ``refine_steps`` times μ_own ← α|Â|-weighted mean and α recomputed; λ = λ_min + (λ_max − λ_min)α.
@@ -330,9 +330,9 @@ def token_weights_from_hidden(
 ) -> Tensor:
     """:func:`token_weights` for the LM-head-row proxy v = (1 − p) h without materialising v.
 
-    Digest "Implementation details": ∇_{W_y} log p(y) = (1 − p(y)) h. ``hidden`` (B, T, d) are the final
+    DelTA's proxy (docs/delta.md step 1): ∇_{W_y} log p(y) = (1 − p(y)) h. ``hidden`` (B, T, d) are the final
     hidden states feeding the LM head, ``token_probs`` (B, T) the sampled tokens' probabilities p. Sums are
-    Σ w (1 − p) h (matmuls over h), distances use ‖v − μ‖² = (1−p)²‖h‖² − 2(1−p) h·μ + ‖μ‖² (DESIGN.md §5);
+    Σ w (1 − p) h (matmuls over h), distances use ‖v − μ‖² = (1−p)²‖h‖² − 2(1−p) h·μ + ‖μ‖² (docs/delta.md);
     the only (tokens × d) temporaries are float32 copies of at most ``chunk_tokens`` rows of h.
     Equal to ``token_weights((1 - token_probs)[..., None] * hidden, ...)`` up to float rounding.
     """
@@ -363,7 +363,7 @@ def self_normalise(
     dim: int | None = None,
     all_reduce: Reducer | None = None,
 ) -> Tensor:
-    """λ̄ = λ · N / Z with N = Σ mask and Z = Σ λ · mask (digest: "λ̄ = λ N/Z", eq. DelTA-weighted-objective).
+    """λ̄ = λ · N / Z with N = Σ mask and Z = Σ λ · mask (DelTA's self-normalised objective, docs/delta.md step 6).
 
     Afterwards the weights average exactly 1 over the masked tokens of the normalisation domain, so the
     loss's usual token-count normaliser N can be kept. The domain is the whole tensor (``dim=None``,

@@ -1,4 +1,4 @@
-"""DelTA token weights wired into ``DFPOTrainer`` (DESIGN.md §5, delta-digest.txt "Implementation details").
+"""DelTA token weights wired into ``DFPOTrainer`` (docs/delta.md).
 
 ``DeltaMixin`` sits between ``DFPOTrainer`` and ``trl.GRPOTrainer`` in the method resolution order. With
 ``token_weighting="delta"``, once per *training* rollout batch, after TRL has computed the advantages:
@@ -48,7 +48,7 @@ Reducer = Callable[[Tensor], Tensor]
 
 
 def normalisation_domain(loss_type: str) -> str:
-    """Where λ̄ must average 1 so that the loss's own normaliser is kept (digest: λ̄ = λ N / Z).
+    """Where λ̄ must average 1 so that the loss's own normaliser is kept (DelTA's λ̄ = λ N / Z, docs/delta.md step 6).
 
     ``grpo`` divides each sequence by its length: per sequence. ``bnpo`` divides the micro-batch by its
     (local) token count: per micro-batch, done at loss time. ``dapo`` divides by the token count of the whole
@@ -183,7 +183,7 @@ def format_token_table(rows: list[dict[str, Any]]) -> str:
 
 
 class DeltaMixin:
-    """DelTA token weighting for a ``GRPOTrainer`` subclass whose args are a ``DFPOConfig`` (DESIGN.md §5).
+    """DelTA token weighting for a ``GRPOTrainer`` subclass whose args are a ``DFPOConfig`` (docs/delta.md).
 
     The subclass calls :meth:`_apply_delta_weights` on the loss inputs after its own advantage rewrites.
     ``delta_token_table`` holds the latest table of highest/lowest-weighted tokens (made at logging steps).

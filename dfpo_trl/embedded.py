@@ -115,8 +115,39 @@ def _lock(root: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off: a conversion would otherwise draw four (de-quantize, load, write twice).
+    The de-quantizing loop uses plain tqdm, which transformers' switch does not reach, so it is disabled there."""
+    import functools
+
+    from transformers.utils import logging as hf_logging
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support fails later, with its own message
+        gguf_utils = None
+    plain_tqdm = getattr(gguf_utils, "tqdm", None)
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    if plain_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(plain_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if plain_tqdm is not None:
+            gguf_utils.tqdm = plain_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _convert(gguf: Path, target: Path) -> None:
     """Load the GGUF with transformers, drop the quantized marking, save model + tokenizer to ``target``."""
+    with _no_progress_bars():
+        _convert_quietly(gguf, target)
+
+
+def _convert_quietly(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,6 +1,6 @@
 """Group layout: explicit group ids, the (num_groups, G) view the transforms need, group-granular batches.
 
-A DFPO transform needs every member's post-clip weight at the same parameters (DESIGN.md §4). Groups are
+A DFPO transform needs every member's post-clip weight at the same parameters (docs/layouts.md). Groups are
 carried as an explicit int64 id per row (``inputs["group_ids"]``), never inferred from "every G rows",
 so that shuffling, splitting and gathering can never silently mix members of different prompts.
 """
@@ -92,7 +92,7 @@ def group_granular_order(group_ids: torch.Tensor, generator: torch.Generator | N
     """A row order that shuffles whole groups and keeps each group's rows together.
 
     Replaces TRL's per-sample shuffle so that splitting the generation batch into equal micro-batches of a
-    multiple of G rows keeps every group whole (layout 1 of DESIGN.md §4).
+    multiple of G rows keeps every group whole (the group-granular layout of docs/layouts.md).
     """
     unique_ids, inverse = torch.unique(group_ids.cpu(), return_inverse=True)
     perm = torch.randperm(unique_ids.numel(), generator=generator)

@@ -1,4 +1,4 @@
-"""Mechanism metrics of DFPO (DESIGN.md §6; arXiv 2604.13088 eq. 19, 20, 23/94, 24).
+"""Mechanism metrics of DFPO (docs/metrics.md; arXiv 2604.13088 eq. 19, 20, 23/94, 24).
 
 Tensor metrics take ``(num_groups, G)`` (or ``(num_groups, G, T)``) tensors, compute in float32 (float64
 when an input is float64) and return 0-dim tensors, so the trainer decides when to synchronise with the
@@ -68,7 +68,7 @@ def orth_residual(w_tilde: torch.Tensor, advantages: torch.Tensor) -> torch.Tens
 
 
 def phi_stats(w_tilde: torch.Tensor, w_bar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, mean) of φ = w̃ / w̄, the stop-gradient factor of the ratio-form surrogate (DESIGN.md §3).
+    """(min, mean) of φ = w̃ / w̄, the stop-gradient factor of the ratio-form surrogate (docs/design.md).
 
     φ < 1 means the transform shrank a sequence's weight. w̄ is clamped below at 1e-12 before dividing.
     Any shape; empty input gives (0, 0).
@@ -109,7 +109,7 @@ def shared_prefix_mask(completion_ids: torch.Tensor, completion_mask: torch.Tens
 def shared_prefix_residual(
     token_coefficients: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shared-token cancellation residual (DESIGN.md §6): returns (value, count).
+    """Shared-token cancellation residual (docs/metrics.md): returns (value, count).
 
     Over shared positions (see :func:`shared_prefix_mask`) with Σ_i |c_{i,t}| > 0, the mean of
     |Σ_i c_{i,t}| / Σ_i |c_{i,t}|, where c_{i,t} is the effective scalar multiplying ∇ℓ_{i,t}. 0 means
@@ -147,7 +147,7 @@ def lm_head_grad_scale(
     final_logit_softcapping: float | None = None,
     vocab_chunk_size: int = 8192,
 ) -> torch.Tensor:
-    """‖∂ log p(y_t) / ∂W‖_F per token, W the LM-head weight (eq. 24, DESIGN.md §6): the per-token LM-head
+    """‖∂ log p(y_t) / ∂W‖_F per token, W the LM-head weight (eq. 24, docs/metrics.md): the per-token LM-head
     gradient norm ‖∇_W ℓ_t‖ is |c_t| times this, c_t = ∂loss/∂ log p(y_t).
 
     For the logits TRL's fused head uses, z = softcap · tanh(s (h Wᵀ + b) / softcap) / τ (plain s (h Wᵀ + b) / τ
@@ -240,7 +240,7 @@ def _check_bucket_inputs(
 
 
 def frequency_buckets(token_ids: torch.Tensor, mask: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Frequency bucket of every token of a batch (the token sets B of eq. 24, DESIGN.md §6); −1 where
+    """Frequency bucket of every token of a batch (the token sets B of eq. 24, docs/metrics.md); −1 where
     ``mask`` is 0.
 
     The distinct ids of the unmasked tokens are ranked by their count in this batch (most frequent first, ties
@@ -281,7 +281,7 @@ def energy_sums_by_bucket(token_energy: torch.Tensor, bucket: torch.Tensor, num_
 
 
 def energy_by_bucket(token_energy: torch.Tensor, bucket: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Energy(B_b) = Σ_{t∈B_b} ‖∇ℓ_t‖ / Σ_t ‖∇ℓ_t‖ for b = 0..num_buckets−1 (eq. 24, DESIGN.md §6).
+    """Energy(B_b) = Σ_{t∈B_b} ‖∇ℓ_t‖ / Σ_t ‖∇ℓ_t‖ for b = 0..num_buckets−1 (eq. 24, docs/metrics.md).
 
     ``token_energy`` holds non-negative per-token gradient norms, ``bucket`` the bucket of each token (−1 =
     not counted, see :func:`frequency_buckets`), same shape. Returns the (num_buckets,) shares, summing to 1,

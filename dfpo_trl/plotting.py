@@ -1,4 +1,4 @@
-"""PNG of the training curves: reward, entropy and DFPO's mechanism metrics over optimizer steps.
+"""PNG of the training curves: held-out accuracy, reward, entropy and DFPO's mechanism metrics over optimizer steps.
 
 Reads ``trainer.state.log_history`` (a list of logged dicts). Uses matplotlib's object API with the Agg canvas,
 so it never touches pyplot's global backend (safe in notebooks, servers and CI).
@@ -11,18 +11,32 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PANELS", "curve", "plot_metrics"]
+from .metrics import ema
 
-# One panel per entry: title and the logged keys drawn in it (a panel with no logged key is left out).
+__all__ = ["DEFAULT_PANELS", "EMA_ALPHA", "READING_GUIDE", "RESIDUAL_FLOOR", "curve", "plot_metrics"]
+
+# One panel per entry: title and the logged keys drawn in it (a panel with no logged key is left out). In a
+# panel whose keys are alternatives (REWARD_KEYS) only the first one a run logged is drawn.
+REWARD_KEYS = ("step_reward", "reward")
 DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("training reward (mean)", ("reward",)),
+    ("training reward (points) and its EMA (line)", REWARD_KEYS),
     ("entropy", ("entropy",)),
     ("Asym (eq. 23)", ("asym/before", "asym/after")),
     ("phi = s~ / s_bar", ("transform/phi_min", "transform/phi_mean")),
-    ("orthogonality residual |sum s~ A|", ("transform/orth_residual",)),
-    ("shared-prefix residual (0 = cancels)", ("cancellation/shared_prefix_residual",)),
+    ("orthogonality residual |sum s~ A| (log)", ("transform/orth_residual",)),
+    ("shared-prefix residual (0 = cancels, 1 = none)", ("cancellation/shared_prefix_residual",)),
     ("DelTA lambda", ("delta/lambda_pos_mean", "delta/lambda_neg_mean")),
     ("completion length", ("completions/mean_length",)),
+)
+EMA_ALPHA = 0.3  # the EMA of eq. 19, as in the run summary
+# Below this the orthogonality residual is float32 rounding of sums of O(1) terms, not a signal: drawn at the floor.
+RESIDUAL_FLOOR = 1e-6
+LOG_FLOOR_KEYS = ("transform/orth_residual",)
+UNIT_RANGE_KEYS = ("cancellation/shared_prefix_residual",)
+READING_GUIDE = (
+    "How to read: the transform acts in the off-policy steps of each rollout (not its first). Balanced groups show "
+    f"phi < 1 and an orthogonality residual at the {RESIDUAL_FLOOR:g} floor (float rounding); the shared-prefix "
+    "residual is the learning tax on shared tokens (0 = they cancel); Asym after < before = weights evened out."
 )
 
 History = Sequence[Mapping[str, Any]]
@@ -39,48 +53,65 @@ def curve(history: History, key: str) -> tuple[list[float], list[float]]:
     return steps, values
 
 
+def _keys_to_draw(history: History, keys: Sequence[str]) -> list[str]:
+    present = [k for k in keys if curve(history, k)[0]]
+    return present[:1] if tuple(keys) == REWARD_KEYS else present
+
+
+def _accuracy_panel(ax: Any, heldout: Mapping[str, Mapping[str, Any]]) -> None:
+    """Grouped bars of held-out greedy accuracy before and after training, one pair per run."""
+    width = 0.8 / max(len(heldout), 1)
+    for run_index, (run, result) in enumerate(heldout.items()):
+        values = [result.get("before"), result.get("after")]
+        xs = [i + (run_index - (len(heldout) - 1) / 2) * width for i in range(2)]
+        drawn = [(x, v) for x, v in zip(xs, values, strict=True) if isinstance(v, (int, float))]
+        ax.bar([x for x, _ in drawn], [v for _, v in drawn], width=width, color=f"C{run_index}", label=run or None)
+        for x, v in drawn:
+            ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=8)
+    n = next((r.get("n") for r in heldout.values() if r.get("n")), None)
+    ax.set_xticks([0, 1], ["before training", "after training"])
+    ax.set_ylim(0, 1.08)
+    ax.set_title(f"held-out greedy accuracy{f' ({n} problems)' if n else ''}", fontsize=10)
+
+
 def plot_metrics(
     histories: History | Mapping[str, History],
     path: str | os.PathLike[str] | None = None,
     title: str | None = None,
     panels: Sequence[tuple[str, Sequence[str]]] = DEFAULT_PANELS,
     columns: int = 2,
+    heldout: Mapping[str, Any] | None = None,
 ) -> Any:
     """Plot one run's log history, or several (``{"GSPO": history, "DFPO": history}``) overlaid per panel.
 
+    ``heldout`` adds a first panel with held-out accuracy before/after: one run's ``{"before", "after", "n"}``
+    (the main job's ``HeldoutAccuracyCallback.results``) or ``{run name: that}``. The reward is drawn per logged
+    point with its EMA (α = 0.3, eq. 19); the orthogonality residual on a log axis floored at
+    :data:`RESIDUAL_FLOOR`; the shared-prefix residual on its [0, 1] range; a caption says how to read them.
     Writes a PNG to ``path`` when given and returns the path; otherwise returns the matplotlib ``Figure``.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     runs: dict[str, History] = dict(histories) if isinstance(histories, Mapping) else {"": histories}
+    if heldout is not None and "before" in heldout:
+        heldout = {next(iter(runs)): heldout}
     used = [(name, [k for k in keys if any(curve(h, k)[0] for h in runs.values())]) for name, keys in panels]
     used = [(name, keys) for name, keys in used if keys]
+    if heldout:
+        used.insert(0, ("", ["heldout"]))
     if not used:
         used = [("no metrics logged", [])]
     rows = -(-len(used) // columns)
-    fig = Figure(figsize=(5.0 * columns, 2.8 * rows), layout="constrained")
+    fig = Figure(figsize=(5.0 * columns, 2.8 * rows + 0.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
     styles = ("-", "--", ":", "-.")
     for ax, (name, keys) in zip(axes, used, strict=False):
-        for run_index, (run, history) in enumerate(runs.items()):
-            for key_index, key in enumerate(keys):
-                steps, values = curve(history, key)
-                if not steps:
-                    continue
-                label = " ".join(p for p in (run, key.split("/")[-1] if len(keys) > 1 else "") if p)
-                ax.plot(
-                    steps,
-                    values,
-                    linestyle=styles[key_index % len(styles)],
-                    color=f"C{run_index}",
-                    marker="o" if len(steps) < 30 else None,
-                    markersize=3,
-                    label=label or None,
-                )
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
+        if keys == ["heldout"]:
+            _accuracy_panel(ax, heldout)  # type: ignore[arg-type]
+        else:
+            _draw_curves(ax, name, keys, runs, styles)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -89,9 +120,48 @@ def plot_metrics(
         ax.set_visible(False)
     if title:
         fig.suptitle(title, fontsize=12)
+    fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
+    fig.text(0.5, 0.005, READING_GUIDE, ha="center", va="bottom", fontsize=7, wrap=True)
     if path is None:
         return fig
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(target, dpi=110)
     return target
+
+
+def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, History], styles: Sequence[str]) -> None:
+    floored = any(k in LOG_FLOOR_KEYS for k in keys)
+    for run_index, (run, history) in enumerate(runs.items()):
+        for key_index, key in enumerate(_keys_to_draw(history, keys)):
+            steps, values = curve(history, key)
+            if not steps:
+                continue
+            label = " ".join(p for p in (run, key.split("/")[-1] if len(keys) > 1 else "") if p)
+            color = f"C{run_index}"
+            if tuple(keys) == REWARD_KEYS:
+                ax.plot(steps, values, linestyle="none", marker="o", markersize=2.5, color=color, alpha=0.45)
+                ax.plot(steps, ema(values, alpha=EMA_ALPHA), color=color, label=f"{run} EMA {EMA_ALPHA}".strip())
+                continue
+            if floored:
+                values = [max(v, RESIDUAL_FLOOR) for v in values]
+            ax.plot(
+                steps,
+                values,
+                linestyle=styles[key_index % len(styles)],
+                color=color,
+                marker="o" if len(steps) < 30 else None,
+                markersize=3,
+                label=label or None,
+            )
+    if floored:
+        ax.set_yscale("log")
+        ax.axhline(RESIDUAL_FLOOR, color="0.5", linewidth=0.8, linestyle=":")
+        ax.set_ylim(bottom=RESIDUAL_FLOOR / 2)
+        ax.annotate(
+            f"<= {RESIDUAL_FLOOR:g}: float rounding", (0.01, 0.02), xycoords="axes fraction", fontsize=7, color="0.4"
+        )
+    if any(k in UNIT_RANGE_KEYS for k in keys):
+        ax.set_ylim(-0.02, 1.02)
+    ax.set_title(name, fontsize=10)
+    ax.set_xlabel("optimizer step", fontsize=8)

@@ -5,17 +5,17 @@ The trainer only wires the pure modules (``loss_inputs``, ``transforms``, ``canc
 TRL's own ``_compute_loss`` runs unchanged, and DFPO enters through the two inputs that TRL reads *after* its
 policy forward pass, the advantages and the old log-probabilities (``loss_inputs``, pure functions of tensors):
 
-* ratio form (DESIGN.md §3): advantages Â_i → Â_i φ_i with φ_i = s̃_i / s̄_i under stop-gradient. For φ_i ≥ 0,
+* ratio form (docs/design.md): advantages Â_i → Â_i φ_i with φ_i = s̃_i / s̄_i under stop-gradient. For φ_i ≥ 0,
   TRL's -min(s Â φ, c Â φ) = -φ Â s̄(θ), which is eq. 59–62; φ ≡ 1 for ``"none"``, so that is GSPO exactly.
 * score form: old log-probs → the detached current ones (ratio 1 in value, ∇ρ in gradient, never clipped) and
   advantages → Â_i s̃_i, so the policy term is -Â_i sg(s̃_i) ρ_i(θ) (eq. 16/68/85).
 * GRPO-fix (Appendix H): ε_low := 1 turns TRL's clip into clip(r, 0, 1+ε_high) for Â ≥ 0; for Â < 0 tokens
   with r > 1+ε_high the old log-prob is rewritten so that r is the constant 1+ε_high (zero gradient), which
   makes the weight the same operator for both signs (eq. 79–80).
-* DelTA (DESIGN.md §5, ``token_weighting="delta"``, wired by ``delta_trainer.DeltaMixin``): advantages →
+* DelTA (docs/delta.md, ``token_weighting="delta"``, wired by ``delta_trainer.DeltaMixin``): advantages →
   Â_i λ̄_{i,t} (B, T) last, with λ̄ > 0 computed once per rollout, so the policy term is -λ̄ min(rÂ, clip(r)Â).
 
-* Gradient energy on frequent tokens (eq. 24, DESIGN.md §6, ``log_energy_buckets=k``, off by default): the loss's
+* Gradient energy on frequent tokens (eq. 24, docs/metrics.md, ``log_energy_buckets=k``, off by default): the loss's
   policy forward also keeps h (the backbone output TRL's fused head projects), a no-grad pass gives the per-token
   LM-head gradient scale ‖∂ log p_t/∂W‖, and a backward hook on the per-token log-probs multiplies it by |c_t|
   and logs each frequency bucket's share. Nothing in the loss or its gradients changes.
@@ -68,6 +68,7 @@ from .loss_inputs import (
     sequence_level_inputs,
 )
 from .metric_store import MetricStore
+from .step_reward import StepRewardMixin
 from .trl_compat import (
     MULTIMODAL_KEYS,
     SUPPORTED_TRL_TEXT,
@@ -82,7 +83,7 @@ from .trl_compat import (
 
 logger = logging.getLogger(__name__)
 
-# Group layouts of DESIGN.md §4, cheapest first. The trainer picks one at start-up and logs it.
+# Group layouts of docs/layouts.md, cheapest first. The trainer picks one at start-up and logs it.
 LAYOUT_GROUP_GRANULAR = "group_granular"  # whole groups in every micro-batch: free
 LAYOUT_CROSS_PROCESS = "cross_process"  # groups spread over processes in one micro-step: all-gather scalars
 LAYOUT_PRE_PASS = "pre_pass"  # groups spread over micro-steps: no-grad pre-pass at each optimizer step
@@ -113,7 +114,7 @@ class RowWeights(NamedTuple):
     two_sided: torch.Tensor
 
 
-class DFPOTrainer(DeltaMixin, GRPOTrainer):
+class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
     """`trl.GRPOTrainer` with DFPO objectives. Takes the same arguments; `args` must be a [`DFPOConfig`] (built
     from the model's name, every DFPO option off, when not given, as `GRPOTrainer` builds its default)."""
 
@@ -150,7 +151,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
 
     # ----------------------------------------------------------------------------------------------- layout
     def _choose_group_layout(self) -> str:
-        """The cheapest exact layout for these batch sizes (DESIGN.md §4); refuse only what cannot be exact.
+        """The cheapest exact layout for these batch sizes (docs/layouts.md); refuse only what cannot be exact.
         With every DFPO option off (and ``group_granular_batches`` not forced) TRL's per-sample order is kept."""
         args: DFPOConfig = self.args
         per_device, group_size = args.per_device_train_batch_size, self.num_generations
@@ -227,7 +228,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         return output
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
-        """TRL's buffering, with its per-sample shuffle replaced by a group-granular one (DESIGN.md §4)."""
+        """TRL's buffering, with its per-sample shuffle replaced by a group-granular one (docs/layouts.md)."""
         regenerated = self.model.training and (
             self._step % generate_every(self) == 0 or self._buffered_inputs is None
         )
@@ -276,7 +277,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
     def _pre_pass(self) -> None:
         """At the start of an optimizer step, compute s̄ at the step's θ for every member of every group that has
         a row in the step (on any process), transform the complete groups, and attach s̄, s̃ to the step's
-        micro-batches, so each micro-step's loss uses exact in-group coefficients (DESIGN.md §4, layout 3)."""
+        micro-batches, so each micro-step's loss uses exact in-group coefficients (docs/layouts.md, pre-pass)."""
         spg, accumulation = self.args.steps_per_generation, self.args.gradient_accumulation_steps
         start = self._step % spg
         for micro in self._buffered_inputs:  # the previous optimizer step's coefficients are stale now
@@ -609,7 +610,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
         mode: str,
     ) -> None:
         """Measure shared-prefix cancellation from the exact scalar on ∇ℓ_{i,t}: the gradient of the loss
-        w.r.t. the per-token log-probs, read in the backward pass TRL already runs (DESIGN.md §6); also over the
+        w.r.t. the per-token log-probs, read in the backward pass TRL already runs (docs/metrics.md); also over the
         two-sided groups alone (eq. C8), where the gradient target cancels exactly."""
         ids_g, mask_g = completion_ids[index], mask[index]
         store = self.dfpo_metrics
@@ -634,7 +635,7 @@ class DFPOTrainer(DeltaMixin, GRPOTrainer):
     def _watch_gradient_energy(
         self, model: torch.nn.Module, per_token_logps: torch.Tensor, inputs: dict[str, Any], capture: HiddenCapture
     ) -> None:
-        """Energy on frequent tokens (eq. 24, DESIGN.md §6): ‖∇_W ℓ_t‖ = |c_t| · ‖∂ log p_t/∂W‖ with the scale from
+        """Energy on frequent tokens (eq. 24, docs/metrics.md): ‖∇_W ℓ_t‖ = |c_t| · ‖∂ log p_t/∂W‖ with the scale from
         this forward's h (no grad, the LM head gathered read-only under ZeRO-3) and c_t = ∂loss/∂log p_t read in
         the backward pass TRL already runs; logs each frequency bucket's share of Σ_t ‖∇_W ℓ_t‖."""
         hidden, capture.hidden = capture.hidden, None

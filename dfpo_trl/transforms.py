@@ -254,7 +254,7 @@ def truncate_rebalance(w: torch.Tensor, advantages: torch.Tensor, floor: float =
     δ > 0: the positive-advantage side is scaled by α = M_N / M_P; δ < 0: the negative side by
     β = M_P / M_N; δ = 0: s⁺. Zero-advantage members are never scaled. Eq. 55 prints
     β = −Σ_P Â_i s⁺_i / Σ_N (−Â_i) s⁺_i, which is negative; the positive β used here is the factor
-    that gives Âᵀs̃ = 0 (DESIGN.md §2). α, β lie in (0, 1) when both sides are non-empty and are 0
+    that gives Âᵀs̃ = 0 (docs/design.md). α, β lie in (0, 1) when both sides are non-empty and are 0
     when the opposite side is empty (the only scaling that reaches orthogonality).
 
     ``floor`` (default 1e-6) only matters for weights ≤ floor; s̄ = exp(·) > 0, so it mostly guards
@@ -334,7 +334,7 @@ def apply_group_transform(
     scale_factor: float = 0.5,
     truncate_floor: float = 1e-6,
 ) -> torch.Tensor:
-    """Apply the named in-group transform of :data:`TRANSFORMS` (DESIGN.md §2) to ``w`` shaped (num_groups, G).
+    """Apply the named in-group transform of :data:`TRANSFORMS` (docs/design.md) to ``w`` shaped (num_groups, G).
 
     ``none`` returns ``w`` itself (no sanitization), so it reproduces GSPO exactly.
     """

@@ -69,6 +69,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("_generate_and_score_completions", ("inputs",), True,
                "the rollout, to which DFPO adds group and row ids and DelTA's weights"),
     TouchPoint("log", ("logs", "start_time"), True, "where DFPO flushes its metrics into TRL's"),
+    TouchPoint("_calculate_rewards", ("inputs", "prompts", "completions", "completion_ids_list"), True,
+               "each completion's reward, which step_reward carries with its row"),
 )
 
 # Attributes a constructed GRPOTrainer must have: the buffer and micro-step counter DFPO's layouts read, TRL's

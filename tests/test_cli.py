@@ -86,7 +86,7 @@ def test_cpu_recipe_is_the_embedded_default() -> None:
     script_args, args, model_args = parse_args([str(ROOT / "recipes" / "smollm2_cpu.yaml")])
     assert model_args.model_name_or_path is None and script_args.task == "arithmetic"
     assert args.use_cpu and not args.bf16 and script_args.eval_size >= 100
-    assert args.learning_rate == pytest.approx(5e-5) and args.num_generations == 8
+    assert args.learning_rate == pytest.approx(1e-4) and args.num_generations == 8 and args.max_steps == 24
 
 
 @pytest.mark.parametrize(
@@ -109,9 +109,21 @@ def test_help_lists_dfpo_fields(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
-    text = " ".join(capsys.readouterr().out.split())
+    out = capsys.readouterr().out
+    text = " ".join(out.split())
     assert "--group_transform" in text and "In-group transform of the post-clip sequence weights" in text
-    assert "--symmetric_clip" in text and "--model_name_or_path" in text and "--task" in text
+    assert "--symmetric_clip" in text and "--delta_lambda_min" in text and "--task" in text
+    assert "model_name_or_path" in text and "--help-all" in text
+    assert "--lr_scheduler_kwargs" not in text  # TRL's full list is behind --help-all
+    assert len(out.splitlines()) < 150
+
+
+def test_help_all_lists_every_trl_field(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["recipes/smollm2_cpu.yaml", "--help-all"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--lr_scheduler_kwargs" in text and "--group_transform" in text and "--model_name_or_path" in text
 
 
 def test_unknown_recipe_key_names_the_nearest_field(tmp_path: Path) -> None:
@@ -310,10 +322,18 @@ def test_tiny_end_to_end_writes_summary_and_plot(
     assert summary["heldout"]["n"] == 4
     assert 0.0 <= summary["heldout"]["before"] <= 1.0 and 0.0 <= summary["heldout"]["after"] <= 1.0
     assert summary["reward_threshold"] == 0.6
+    # The reward curve has one point per optimizer step; the summary reports its EMA, not first/last rollout.
+    assert summary["reward_curve"] == "step_reward" and "reward_first" not in summary
+    assert summary["reward_ema_peak"] >= max(summary["reward_ema_first"], summary["reward_ema_last"])
+    split = summary["time_split"]
+    parts = ("model_conversion", "setup", "eval_before", "training", "eval_after", "save_and_plot")
+    assert all(split[k] >= 0 for k in parts) and split["eval_before"] == summary["heldout"]["before_seconds"]
+    assert sum(split[k] for k in parts) == pytest.approx(split["total"], abs=0.5)
     png = out / "dfpo_metrics.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "held-out greedy accuracy" in printed and "DFPO run summary" in printed
+    assert "eval before" in printed and "training reward, EMA 0.3" in printed
 
 
 def test_failing_reward_names_function_and_completion(
@@ -364,3 +384,33 @@ def test_two_process_run_finishes_and_tears_down_the_process_group(tmp_path: Pat
         assert ended == {"code": 0, "pg_alive": False, "ddp_alive": False}
     summary = json.loads((out / "dfpo_summary.json").read_text())
     assert summary["steps"] == 2
+
+
+def test_unreachable_hub_fails_in_seconds_without_retries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import time
+
+    from huggingface_hub import constants
+    from trl import ModelConfig
+
+    import dfpo_trl.cli as cli
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://127.0.0.1:9")  # nothing listens on the discard port
+    assert not cli.hub_reachable(timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(ModelUnavailableError, match=r"no network access.*local path.*omit model_name_or_path"):
+        resolve_model(ModelConfig(model_name_or_path="no-such-org/no-such-model-dfpo"))
+    assert time.monotonic() - start < 10
+
+
+def test_example_stands_on_the_package_alone(tmp_path: Path) -> None:
+    example = ROOT / "examples" / "tiny_train.py"
+    assert "tests" not in example.read_text().split('"""', 2)[2]  # no sys.path trick towards tests/
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)  # the package only (as an installed dfpo_trl would be)
+    proc = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("phi_min=") >= 6  # the off-policy steps of two rollouts

@@ -61,6 +61,58 @@ def test_trainer_refuses_a_plain_grpo_config():
         make_trainer(DFPOTrainer, GRPOConfig)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (dict(epsilon=-1.0), "epsilon"),
+        (dict(epsilon=0.0), "epsilon"),
+        (dict(epsilon=float("nan")), "epsilon"),
+        (dict(epsilon_high=-0.1), "epsilon_high"),
+        (dict(epsilon=0.2, delta=1.0), "delta"),
+        (dict(steps_per_generation=0), "steps_per_generation"),
+        (dict(num_iterations=0), "num_iterations"),
+        (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps"),
+        (dict(max_completion_length=0), "max_completion_length"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(beta=-0.1), "beta"),
+        (dict(learning_rate=-1e-5), "learning_rate"),
+        (dict(learning_rate=float("inf")), "learning_rate"),
+        (dict(**SEQ, group_transform="scale", transform_scale=float("inf")), "transform_scale"),
+        (dict(**SEQ, group_transform="scale", transform_scale=float("nan")), "transform_scale"),
+        (dict(transform_truncate_floor=2.0), "transform_truncate_floor"),
+        (dict(token_weighting="delta", delta_lambda_max=float("inf")), "delta_lambda_max"),
+        (dict(token_weighting="delta", delta_gamma=float("inf")), "delta_gamma"),
+    ],
+)
+def test_out_of_range_values_are_refused_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=rf"out-of-range value\(s\): {field}="):
+        config(**overrides)
+
+
+def test_every_range_problem_is_reported_at_once():
+    with pytest.raises(ValueError) as info:
+        config(temperature=0.0, learning_rate=-1.0)
+    assert "temperature=0.0 must be > 0" in str(info.value) and "learning_rate=-1.0 must be > 0" in str(info.value)
+
+
+def test_in_range_edges_are_accepted():
+    cfg = config(epsilon=1.0, epsilon_high=None, beta=0.0, top_k=0, top_p=1.0, max_completion_length=1)
+    assert cfg.epsilon == 1.0
+
+
+def test_checkpointing_default_on_and_either_name_without_a_deprecation_warning(recwarn):
+    assert config().gradient_checkpointing is True
+    assert config(gradient_checkpointing=False).gradient_checkpointing is False
+    from dfpo_trl.config import HAS_ACTIVATION_CHECKPOINTING
+
+    if HAS_ACTIVATION_CHECKPOINTING:
+        off = config(activation_checkpointing=False)
+        assert off.activation_checkpointing is False and off.gradient_checkpointing is False
+    assert not [w for w in recwarn if "checkpointing" in str(w.message)]
+
+
 def test_every_registered_transform_is_validated_and_documented():
     """One registry (dfpo_trl.transforms.TRANSFORMS) feeds config validation, the trainer and the docs: every
     registered name is accepted by DFPOConfig and listed in its docstring and in the README's field table."""

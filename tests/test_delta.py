@@ -1,4 +1,4 @@
-"""Tests for dfpo_trl.delta (DESIGN.md §5, delta-digest.txt "Method Details")."""
+"""Tests for dfpo_trl.delta (docs/delta.md)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def make_batch(b=6, t=9, d=5, seed=0, dtype=torch.float64, zero_rows=(2,)):
 
 
 def naive_weights(v, adv, mask, refine_steps=1, gamma=None, assignment="soft", contrast="opposite"):
-    """Direct transcription of the digest's DelTA equations (explicit distances, float64)."""
+    """Direct transcription of DelTA's equations (docs/delta.md) (explicit distances, float64)."""
     v, adv = v.double(), adv.double()
     active = (mask != 0) & (adv[:, None] != 0)
     pos = active & (adv[:, None] > 0)

@@ -1,4 +1,4 @@
-"""DelTA through the real trainer (DESIGN.md §5): rollout-time weights, alignment, loss, metrics, processes."""
+"""DelTA through the real trainer (docs/delta.md): rollout-time weights, alignment, loss, metrics, processes."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def global_batch(rows: int, group_size: int, seed: int = 3) -> dict[str, Any]:
 def reference_weights(
     batch: dict[str, Any], group_size: int, target: str = "weights"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Single-process s̄, s̃ and a (eq. C1) for every row of the generation batch (DESIGN.md §4's reference)."""
+    """Single-process s̄, s̃ and a (eq. C1) for every row of the generation batch (docs/layouts.md's reference)."""
     rho = sequence_log_ratio(batch["reference_logps"], batch["old_per_token_logps"], batch["completion_mask"])
     adv = batch["advantages"]
     s_bar = sign_aware_post_clip(rho.exp(), adv, 0.2, 0.28)

@@ -146,3 +146,20 @@ def test_second_call_reuses_cache(converted: tuple[Path, float]) -> None:
     elapsed = time.perf_counter() - start
     assert elapsed < 1.0 and elapsed < first_seconds / 10
     assert weights.stat().st_mtime_ns == mtime
+
+
+def test_conversion_draws_no_progress_bars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    def record(gguf: Path, target: Path) -> None:
+        bar = gguf_utils.tqdm(range(3))  # the de-quantizing loop's plain tqdm
+        seen.append((hf_logging.is_progress_bar_enabled(), bar.disable))
+
+    seen: list[tuple[bool, bool]] = []
+    plain = gguf_utils.tqdm
+    monkeypatch.setattr(embedded, "_convert_quietly", record)
+    hf_logging.enable_progress_bar()
+    embedded._convert(tmp_path / EMBEDDED_GGUF, tmp_path)
+    assert seen == [(False, True)]  # every bar off during the conversion
+    assert hf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is plain  # restored after

@@ -1,4 +1,4 @@
-"""Gradient energy on frequent tokens (arXiv 2604.13088 eq. 24, DESIGN.md §6): the pure functions in
+"""Gradient energy on frequent tokens (arXiv 2604.13088 eq. 24, docs/metrics.md): the pure functions in
 ``dfpo_trl.metrics``, the LM-head helpers in ``dfpo_trl.lm_head``, ``log_energy_buckets`` in the config and the
 trainer (loss and gradients unchanged; logged shares equal a per-token autograd computation)."""
 
@@ -87,7 +87,7 @@ def test_scale_times_coefficient_is_the_autograd_lm_head_gradient_norm(config_ex
 
 
 def test_scale_is_the_design_formula_with_bias_and_temperature():
-    """‖h‖ · ‖e_y − p‖ / τ with ‖e_y − p‖² = 1 − 2 p_y + Σ_k p_k² (DESIGN.md §6), full softmax in float64."""
+    """‖h‖ · ‖e_y − p‖ / τ with ‖e_y − p‖² = 1 − 2 p_y + Σ_k p_k² (docs/metrics.md), full softmax in float64."""
     g = torch.Generator().manual_seed(0)
     hidden = 3 * torch.randn(4, 3, 8, generator=g)
     weight, bias = torch.randn(23, 8, generator=g), torch.randn(23, generator=g)

@@ -1,4 +1,4 @@
-"""Tests of dfpo_trl.metrics (DESIGN.md §6; arXiv 2604.13088 eq. 19, 20, 23)."""
+"""Tests of dfpo_trl.metrics (docs/metrics.md; arXiv 2604.13088 eq. 19, 20, 23)."""
 
 from __future__ import annotations
 
