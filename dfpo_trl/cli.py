@@ -581,7 +581,15 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     train_seconds = time.monotonic() - train_start
     if script_args.save_model:
-        trainer.save_model(training_args.output_dir)
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar says nothing
+        try:
+            trainer.save_model(training_args.output_dir)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
 
     summary: dict[str, Any] = {}
     if trainer.accelerator.is_main_process:
