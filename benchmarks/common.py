@@ -156,6 +156,10 @@ def trainer_and_config(
         if allow_missing:
             for key in missing_config_fields(name):
                 overrides.pop(key)
+        baseline = not method.dfpo or name == "dfpo_none"
+        if baseline and "group_granular_batches" in DFPOConfig.__dataclass_fields__:
+            # DFPO off keeps TRL's per-sample order unless asked: ask, for the mechanism metrics.
+            overrides["group_granular_batches"] = True
         return DFPOTrainer, DFPOConfig, overrides
     return GRPOTrainer, GRPOConfig, dict(method.overrides)
 

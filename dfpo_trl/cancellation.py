@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .transforms import (
+    TRANSFORMS,
     W_MAX,
     _check_groups,
     _compute_dtype,
@@ -40,6 +41,7 @@ __all__ = [
     "GroupSides",
     "aggregation_factor",
     "balance_group_weights",
+    "transform_group_weights",
     "clip_survivors",
     "gradient_coefficients",
     "group_sides",
@@ -48,8 +50,8 @@ __all__ = [
 
 CANCELLATION_TARGETS: tuple[str, ...] = ("weights", "gradient")
 ONE_SIDED_POLICIES: tuple[str, ...] = ("keep", "zero")
-# Transforms with a balance condition that "gradient" can retarget; "none" and "scale" have none.
-BALANCING_TRANSFORMS: tuple[str, ...] = ("min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance")
+# Transforms with a balance condition that "gradient" can retarget ("none" and "scale" have none): from the registry.
+BALANCING_TRANSFORMS: tuple[str, ...] = tuple(name for name, t in TRANSFORMS.items() if t.balances)
 # Loss types whose per-token coefficient carries the per-sequence mean's 1/L_i (TRL 1.16's "grpo").
 _PER_SEQUENCE_MEAN_LOSSES = ("grpo",)
 # Loss types normalised by the micro-batch's own token count (TRL 1.16's "bnpo").
@@ -224,3 +226,30 @@ def balance_group_weights(
     if one_sided == "zero":
         s_tilde = torch.where(sides.one_sided.unsqueeze(-1), torch.zeros_like(s_tilde), s_tilde)
     return s_tilde, sides
+
+
+def transform_group_weights(
+    name: str,
+    s_bar: torch.Tensor,
+    advantages: torch.Tensor,
+    survives: torch.Tensor,
+    factor: torch.Tensor,
+    target: str = "weights",
+    one_sided: str = "keep",
+    *,
+    scale_factor: float = 0.5,
+    truncate_floor: float = 1e-6,
+) -> tuple[torch.Tensor, GroupSides]:
+    """s̃ of the configured transform for (num_groups, G) tensors, and the groups' sides (eq. C8).
+
+    ``target="weights"``: the paper's transform, balancing Σ_i Â_i s̃_i = 0; ``"gradient"``: it balances the
+    coefficients a_i = Â_i c_i 1[i ∈ U] of the gradients that survive the clip (eq. C1, :func:`balance_group_weights`),
+    with ``factor`` = c (eq. C3) and ``survives`` = U (eq. C2). The sides are reported under either target.
+    """
+    if target not in CANCELLATION_TARGETS:
+        raise ValueError(f"cancellation_target={target!r} is not valid; use 'weights' or 'gradient'.")
+    a = gradient_coefficients(advantages.detach(), factor, survives)
+    options = dict(scale_factor=scale_factor, truncate_floor=truncate_floor)
+    if target == "gradient":
+        return balance_group_weights(name, s_bar, advantages, a, survives, one_sided, **options)
+    return apply_group_transform(name, s_bar, advantages, **options), group_sides(advantages.detach(), a)

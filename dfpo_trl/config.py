@@ -74,9 +74,24 @@ class DFPOConfig(GRPOConfig):
             GRPO-fix (Appendix H, eq. 79–80): per-token objective Â_i clip(r_{i,t}, 0, 1 + ε_high), the same
             operator whatever the sign of Â_i, aggregated by TRL's `loss_type`. Token-level only
             (`importance_sampling_level="token"`); `epsilon` (ε_low) is not used.
+        group_granular_batches (`bool` or `None`, *optional*, defaults to `None`):
+            Whether TRL's per-sample shuffle of each rollout is replaced by a shuffle of whole groups, so that every
+            micro-batch holds whole groups (layout 1 of docs/layouts.md; needs `per_device_train_batch_size` a
+            multiple of `num_generations`). `None` (automatic): only when a DFPO option needs whole groups (a
+            `group_transform`, the score form, `transform_stop_gradient=False`) and the batch sizes allow it;
+            with every DFPO option off the run is then TRL's own, bit for bit (same micro-batch order, same RNG
+            stream). `True`: always, e.g. to log the group mechanism metrics of a baseline (GSPO through
+            `DFPOTrainer`) on every micro-batch; this changes the micro-batch order against `GRPOTrainer`'s.
+            `False`: never; transforms then use the pre-pass or cross-process layouts, and
+            `transform_stop_gradient=False` (which needs whole groups) is refused. The group shuffle draws from
+            DFPO's own generator, seeded per rollout from (`seed`, process, optimizer step), never from
+            torch's global RNG. Source: issue #11 (a drop-in for `GRPOTrainer`).
         log_mechanism_metrics (`bool`, *optional*, defaults to `True`):
             Log `asym/before`, `asym/after` (eq. 23), `transform/orth_residual`, `transform/phi_min|mean` and
-            `cancellation/shared_prefix_residual` (docs/metrics.md) every step. O(batch) scalar work.
+            `cancellation/shared_prefix_residual` (docs/metrics.md) every step. O(batch) scalar work. The group
+            metrics need whole groups in a micro-batch: without group-granular batches (see
+            `group_granular_batches`) they are computed only on micro-batches that happen to hold whole groups
+            and are skipped on the others.
         log_energy_buckets (`int`, *optional*, defaults to `0`):
             Gradient energy on frequent tokens (eq. 24, docs/metrics.md). `0`: off, at no cost. k >= 2: every training
             micro-batch logs `energy/freq_bucket_0` ... `energy/freq_bucket_{k-1}`, the share Σ_{t∈B_b} ‖∇_W ℓ_t‖ /
@@ -175,6 +190,15 @@ class DFPOConfig(GRPOConfig):
             "signs; token-level importance sampling only."
         },
     )
+    group_granular_batches: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Shuffle whole groups instead of TRL's per-sample shuffle, so every micro-batch holds whole "
+            "groups. None = automatic (only when a DFPO transform needs it; DFPO off = TRL's run bit for bit); "
+            "True = always (e.g. mechanism metrics of a GSPO baseline; changes the micro-batch order vs TRL); "
+            "False = never (transforms use the pre-pass or cross-process layouts)."
+        },
+    )
     log_mechanism_metrics: bool = field(
         default=True,
         metadata={"help": "Log asym/*, transform/*, cancellation/shared_prefix_residual every step."},
@@ -250,6 +274,17 @@ class DFPOConfig(GRPOConfig):
                 "group-relative advantages and in-group transforms; set num_generations >= 2."
             )
         self._validate_cancellation_fields()
+        if self.group_granular_batches not in (None, True, False):
+            raise ValueError(
+                f"group_granular_batches={self.group_granular_batches!r} is not valid; use None (automatic), True "
+                "or False."
+            )
+        if self.group_granular_batches is False and not self.transform_stop_gradient:
+            raise ValueError(
+                "transform_stop_gradient=False differentiates the transform through every member's s̄, so whole "
+                "groups must be in one micro-batch, but group_granular_batches=False. Set "
+                "group_granular_batches=None (automatic) or True."
+            )
         if self.transform_scale <= 0:
             raise ValueError(f"transform_scale must be > 0, got {self.transform_scale}.")
         if self.transform_truncate_floor <= 0:
@@ -354,6 +389,31 @@ class DFPOConfig(GRPOConfig):
                 "fixed, so it changes which tokens carry gradient. Set top_entropy_quantile=1.0 or "
                 "cancellation_target='weights'."
             )
+
+    @property
+    def dfpo_options_active(self) -> bool:
+        """Whether any DFPO option changes the loss or needs the loss's policy forward (the trainer refuses to
+        go on when TRL's loss did not let DFPO rewrite its inputs)."""
+        return bool(self.describe_active_options())
+
+    def describe_active_options(self) -> str:
+        """The DFPO options that are on, as they are set (empty when DFPO is off)."""
+        parts = [self._describe_sequence_options()] if self.sequence_rewrite_active else []
+        if self.symmetric_clip:
+            parts.append("symmetric_clip=True")
+        if self.token_weighting != "none":
+            parts.append(f"token_weighting={self.token_weighting!r}")
+        if self.log_energy_buckets:
+            parts.append(f"log_energy_buckets={self.log_energy_buckets}")
+        return ", ".join(parts)
+
+    @property
+    def wants_group_granular_batches(self) -> bool:
+        """Whether the group shuffle should run when the batch sizes allow it: forced on, or automatic with a
+        DFPO option that reads whole groups (a transform, the score form, no stop-gradient)."""
+        if self.group_granular_batches is None:
+            return self.sequence_rewrite_active
+        return bool(self.group_granular_batches)
 
     def _describe_sequence_options(self) -> str:
         parts = []

@@ -51,6 +51,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .precision import compute_dtype as _compute_dtype
+
 __all__ = ["self_normalise", "token_weights", "token_weights_from_hidden"]
 
 Reducer = Callable[[Tensor], Tensor]
@@ -64,8 +66,6 @@ def _reduce(x: Tensor, all_reduce: Reducer | None) -> Tensor:
     return x if all_reduce is None else all_reduce(x)
 
 
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _rows(h_flat: Tensor, idx: Tensor, start: int, stop: int, dtype: torch.dtype) -> Tensor:

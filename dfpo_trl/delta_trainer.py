@@ -30,10 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from trl.models.utils import disable_gradient_checkpointing
 
 from .delta import self_normalise, token_weights_from_hidden
-from .lm_head import HiddenCapture, lm_head_input_module
+from .layout import rollout_generator
+from .lm_head import HiddenCapture, capture_log_prob_forward
+from .loss_inputs import loss_mask
+from .trl_compat import MULTIMODAL_KEYS, disable_gradient_checkpointing, trl_runs_old_logps_forward
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +44,6 @@ TOKEN_TABLE_SIZE = 10
 DOMAIN_SEQUENCE = "sequence"  # loss_type="grpo": per-sequence token mean
 DOMAIN_MICRO_BATCH = "micro_batch"  # loss_type="bnpo": token mean of the local micro-batch
 DOMAIN_ROLLOUT = "rollout"  # loss_type="dapo" / "dr_grpo": tokens of the whole (global) rollout batch
-# Inputs of TRL's `_get_per_token_logps_and_entropies` that a rollout dict may carry (multimodal models).
-_FORWARD_KEYS = (
-    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-)
-
 Reducer = Callable[[Tensor], Tensor]
 
 
@@ -203,18 +199,6 @@ class DeltaMixin:
     def _delta_enabled(self) -> bool:
         return getattr(self.args, "token_weighting", "none") == "delta" and self.model.training
 
-    @property
-    def _generate_every(self) -> int:
-        """Micro-steps between two rollouts, as TRL 1.16 counts them (``_prepare_inputs``)."""
-        return self.args.steps_per_generation * self.num_iterations
-
-    def _trl_runs_old_logps_forward(self) -> bool:
-        """TRL 1.16's condition for computing old log-probs in the rollout (``_generate_and_score_completions``):
-        the off-policy case, where θ can differ from θ_old and DFPO's transforms act."""
-        return self.args.gradient_accumulation_steps % self._generate_every != 0 or bool(
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
-
     def _delta_all_reduce(self) -> Reducer | None:
         return sum_over_processes if self.accelerator.num_processes > 1 else None
 
@@ -225,7 +209,7 @@ class DeltaMixin:
         capture = HiddenCapture()
         # Armed only when TRL will run the old-log-prob forward: the first policy forward of the rollout is then
         # that one (with a PEFT reference, the later reference forward also goes through the policy).
-        self._delta_armed = capture if self._trl_runs_old_logps_forward() else None
+        self._delta_armed = capture if trl_runs_old_logps_forward(self) else None
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
@@ -240,34 +224,30 @@ class DeltaMixin:
         if capture is None or model is not self.model:
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         self._delta_armed = None
-        logits_to_keep = kwargs["logits_to_keep"] if "logits_to_keep" in kwargs else args[2]
-        module = lm_head_input_module(self.accelerator.unwrap_model(model))
-        return capture.run(
-            module, int(logits_to_keep), lambda: super(DeltaMixin, self)._get_per_token_logps_and_entropies(
-                model, *args, **kwargs
-            )
+        return capture_log_prob_forward(
+            capture, self.accelerator.unwrap_model(model), ((model, *args), kwargs),
+            lambda: super(DeltaMixin, self)._get_per_token_logps_and_entropies(model, *args, **kwargs),
         )
 
     def _delta_policy_forward(self, output: dict[str, Any], capture: HiddenCapture) -> None:
         """The one extra no-grad forward of the on-policy case, through TRL's own log-prob helper."""
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        extra = {key: output[key] for key in _FORWARD_KEYS if key in output}
+        extra = {key: output[key] for key in MULTIMODAL_KEYS if key in output}
         self._delta_armed = capture
         try:
             with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, output["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size, **extra,
+                    model=self.model, input_ids=input_ids, attention_mask=attention_mask,
+                    logits_to_keep=output["completion_ids"].size(1), batch_size=self.args.per_device_train_batch_size,
+                    **extra,
                 )
         finally:
             self._delta_armed = None
 
     def _delta_store_weights(self, output: dict[str, Any], capture: HiddenCapture) -> None:
         assert capture.hidden is not None and capture.logps is not None
-        mask = output["completion_mask"]
-        if "tool_mask" in output:
-            mask = mask * output["tool_mask"]
+        mask = loss_mask(output)
         advantages = output["advantages"]
         hidden, probs = capture.hidden, capture.logps.float().exp()
         capture.hidden = None  # the (B, T, d) copy lives only until the weights exist
@@ -285,11 +265,7 @@ class DeltaMixin:
         no state a checkpoint would have to save, so a resumed run draws the same λ as an uninterrupted one."""
         if not self.args.delta_random:
             return None
-        generator = torch.Generator(device=device)
-        generator.manual_seed(
-            int(self.args.seed) + 7919 * self.accelerator.process_index + 104729 * int(self.state.global_step)
-        )
-        return generator
+        return rollout_generator(self.args.seed, self.accelerator.process_index, self.state.global_step, device=device)
 
     # ------------------------------------------------------------------------------------------- logging
     def _delta_log(

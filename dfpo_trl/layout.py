@@ -15,6 +15,9 @@ import torch
 GROUP_IDS_KEY = "group_ids"
 # Global row index in the generation batch: lets gathered per-sequence scalars find their rows again.
 ROW_IDS_KEY = "row_ids"
+# Whether a buffered training micro-batch holds whole groups: looked up once per rollout, so that the loss path
+# never has to ask the device (a host sync per micro-step).
+WHOLE_GROUPS_KEY = "dfpo_whole_groups"
 
 
 def consecutive_group_ids(
@@ -31,11 +34,12 @@ def consecutive_group_ids(
     return torch.div(rows, num_generations, rounding_mode="floor")
 
 
-def group_index(group_ids: torch.Tensor, group_size: int) -> torch.Tensor:
+def group_index(group_ids: torch.Tensor, group_size: int, validate: bool = True) -> torch.Tensor:
     """Row indices arranged as (num_groups, group_size), one row per group, groups in ascending id order.
 
     Raises a ``ValueError`` that names the layout problem when a group does not have exactly ``group_size``
-    members in ``group_ids`` (a group cut apart by a per-sample shuffle or a split).
+    members in ``group_ids`` (a group cut apart by a per-sample shuffle or a split). ``validate=False`` skips
+    that check (it reads the device: a host sync) for ids already checked, e.g. once per rollout.
     """
     if group_ids.dim() != 1:
         raise ValueError(f"group_ids must be 1-D (one id per row), got shape {tuple(group_ids.shape)}.")
@@ -47,6 +51,8 @@ def group_index(group_ids: torch.Tensor, group_size: int) -> torch.Tensor:
         )
     order = torch.argsort(group_ids, stable=True)
     index = order.view(n // group_size, group_size)
+    if not validate:
+        return index
     sorted_ids = group_ids[index]
     if not bool((sorted_ids == sorted_ids[:, :1]).all()):
         _, counts = torch.unique(group_ids, return_counts=True)
@@ -65,6 +71,13 @@ def holds_whole_groups(group_ids: torch.Tensor, group_size: int) -> bool:
         return False
     _, counts = torch.unique(group_ids, return_counts=True)
     return bool((counts == group_size).all())
+
+
+def positions_of(row_ids: torch.Tensor, all_row_ids: torch.Tensor) -> torch.Tensor:
+    """Where each of ``row_ids`` sits in ``all_row_ids`` (unique ids, any order, every ``row_ids`` present): the
+    index that takes per-row values gathered from all processes back to a micro-batch's rows."""
+    order = torch.argsort(all_row_ids)
+    return order[torch.searchsorted(all_row_ids[order], row_ids.to(all_row_ids.device))]
 
 
 def scatter_from_groups(grouped: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -89,15 +102,26 @@ def group_granular_order(group_ids: torch.Tensor, generator: torch.Generator | N
     return torch.argsort(key).to(group_ids.device)
 
 
+def rollout_generator(
+    seed: int, process_index: int, step: int, stream: int = 0, device: torch.device | str | None = None
+) -> torch.Generator:
+    """A generator for one rollout's random draws, seeded from (seed, process, optimizer step, stream) alone:
+    DFPO's draws never touch torch's global RNG (so TRL's stream is unchanged), and it holds no state a
+    checkpoint would have to save (a run resumed at a generation boundary draws the same numbers)."""
+    generator = torch.Generator(device=device if device is not None else "cpu")
+    generator.manual_seed(int(seed) + 7919 * int(process_index) + 104729 * int(step) + 1_000_003 * int(stream))
+    return generator
+
+
 def concat_sequence_dicts(chunks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Join micro-batch dicts (as TRL's ``split_tensor_dict`` makes them) back into one batch dict.
 
-    Tensors with a batch dimension are concatenated, lists joined, 0-dim tensors (``num_items_in_batch``)
-    and ``None`` taken from the first chunk.
+    Tensors with a batch dimension are concatenated, lists joined, 0-dim tensors (``num_items_in_batch``),
+    flags and ``None`` taken from the first chunk.
     """
     out: dict[str, Any] = {}
     for key, first in chunks[0].items():
-        if first is None or (isinstance(first, torch.Tensor) and first.dim() == 0):
+        if first is None or isinstance(first, bool) or (isinstance(first, torch.Tensor) and first.dim() == 0):
             out[key] = first
         elif isinstance(first, torch.Tensor):
             out[key] = torch.cat([chunk[key] for chunk in chunks], dim=0)
@@ -112,7 +136,7 @@ def permute_sequence_dict(batch: dict[str, Any], order: torch.Tensor) -> dict[st
     """Reorder every per-row entry of a batch dict by ``order``; 0-dim tensors and ``None`` stay as they are."""
     out: dict[str, Any] = {}
     for key, value in batch.items():
-        if value is None or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        if value is None or isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() == 0):
             out[key] = value
         elif isinstance(value, torch.Tensor):
             out[key] = value[order.to(value.device)]

@@ -22,6 +22,8 @@ import torch
 from accelerate.utils import is_peft_model
 from torch import Tensor
 
+from .trl_compat import bind_call
+
 
 def lm_head_input_module(model: torch.nn.Module, purpose: str = "token_weighting='delta'") -> torch.nn.Module:
     """The backbone whose ``last_hidden_state`` TRL's fused LM head projects (``model.base_model`` of the
@@ -73,6 +75,18 @@ class HiddenCapture:
         self.chunks = []
         self.logps = out[0].detach()
         return out
+
+
+def capture_log_prob_forward(
+    capture: HiddenCapture, model: torch.nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]],
+    forward: Callable[[], Any],
+) -> Any:
+    """Run one call of TRL's ``_get_per_token_logps_and_entropies`` (``forward``) with ``capture`` hooked on the
+    backbone its fused head reads. ``model`` is the unwrapped policy; ``call`` the call's (args, kwargs), whose
+    ``logits_to_keep`` is read by name. The one wiring DelTA's rollout forward and the energy metric share."""
+    args, kwargs = call
+    logits_to_keep = bind_call("_get_per_token_logps_and_entropies", *args, **kwargs)["logits_to_keep"]
+    return capture.run(lm_head_input_module(model, capture.purpose), int(logits_to_keep), forward)
 
 
 class FusedHead(NamedTuple):

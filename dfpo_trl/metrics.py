@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .precision import compute_dtype as _compute_dtype
+
 __all__ = [
     "asym",
     "ema",
@@ -31,8 +33,6 @@ __all__ = [
 _PHI_DENOM_MIN = 1e-12
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _check_groups(name: str, x: torch.Tensor, advantages: torch.Tensor) -> None:
@@ -265,6 +265,21 @@ def frequency_buckets(token_ids: torch.Tensor, mask: torch.Tensor, num_buckets: 
     return bucket
 
 
+def energy_sums_by_bucket(token_energy: torch.Tensor, bucket: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Σ_{t∈B_b} ‖∇ℓ_t‖ for b = 0..num_buckets−1, the numerators of eq. 24 (:func:`energy_by_bucket`).
+
+    Tokens with bucket −1 count nowhere. No input checks and no host sync (bucket indices from
+    :func:`frequency_buckets` are in range by construction), so it can run inside a backward hook; the trainer
+    pools these sums over micro-steps and processes before dividing.
+    """
+    dtype = _compute_dtype(token_energy)
+    used = bucket >= 0
+    index = torch.where(used, bucket, torch.zeros_like(bucket)).to(torch.int64).reshape(-1)
+    energy = torch.where(used, token_energy.detach().to(dtype), torch.zeros((), dtype=dtype, device=bucket.device))
+    sums = torch.zeros(num_buckets, dtype=dtype, device=token_energy.device)
+    return sums.index_add_(0, index.to(token_energy.device), energy.reshape(-1).to(token_energy.device))
+
+
 def energy_by_bucket(token_energy: torch.Tensor, bucket: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """Energy(B_b) = Σ_{t∈B_b} ‖∇ℓ_t‖ / Σ_t ‖∇ℓ_t‖ for b = 0..num_buckets−1 (eq. 24, docs/metrics.md).
 
@@ -273,13 +288,10 @@ def energy_by_bucket(token_energy: torch.Tensor, bucket: torch.Tensor, num_bucke
     or zeros when the counted energy is 0 (float32, float64 for float64 input).
     """
     _check_bucket_inputs("energy_by_bucket", ("token_energy", token_energy), ("bucket", bucket), num_buckets)
-    dtype = _compute_dtype(token_energy)
     used = bucket >= 0
-    index = bucket[used].to(torch.int64)
-    if index.numel() and int(index.max()) >= num_buckets:
-        raise ValueError(f"bucket index {int(index.max())} is out of range for num_buckets={num_buckets}")
-    sums = torch.zeros(num_buckets, dtype=dtype, device=token_energy.device)
-    sums.index_add_(0, index.to(token_energy.device), token_energy.detach()[used].to(dtype))
+    if used.any() and int(bucket[used].max()) >= num_buckets:
+        raise ValueError(f"bucket index {int(bucket[used].max())} is out of range for num_buckets={num_buckets}")
+    sums = energy_sums_by_bucket(token_energy, bucket, num_buckets)
     total = sums.sum()
     positive = total > 0
     return torch.where(positive, sums / torch.where(positive, total, torch.ones_like(total)), torch.zeros_like(sums))

@@ -44,6 +44,9 @@ class StepRewardMixin:
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         rewards = inputs.get(ROW_REWARD_KEY)
         if rewards is not None and self.model.training:
-            local = rewards.float().nanmean().reshape(1)
-            self._metrics["train"][STEP_REWARD_METRIC].append(self.accelerator.gather(local).nanmean().item())
-        return super()._compute_loss(model, inputs)
+            # pooled over the step's rows on every process at the logging step (metric_store): no host read and
+            # no collective per micro-step
+            valid = ~torch.isnan(rewards)
+            total = torch.where(valid, rewards.float(), torch.zeros_like(rewards, dtype=torch.float32)).sum()
+            self.dfpo_metrics.add_mean("train", STEP_REWARD_METRIC, total, valid.sum())
+        return super()._compute_loss(model=model, inputs=inputs)

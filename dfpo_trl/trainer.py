@@ -1,8 +1,9 @@
 """``DFPOTrainer``: TRL's ``GRPOTrainer`` with DFPO's in-group transforms, GRPO-fix and mechanism metrics.
 
-The trainer only wires the pure modules (``transforms``, ``metrics``, ``layout``) into TRL. It never
-re-implements TRL's loss: TRL's own ``_compute_loss`` runs unchanged, and DFPO enters through the two inputs
-that TRL reads *after* its policy forward pass, the advantages and the old log-probabilities:
+The trainer only wires the pure modules (``loss_inputs``, ``transforms``, ``cancellation``, ``metrics``,
+``layout``) into TRL, through the touch points declared in ``trl_compat``. It never re-implements TRL's loss:
+TRL's own ``_compute_loss`` runs unchanged, and DFPO enters through the two inputs that TRL reads *after* its
+policy forward pass, the advantages and the old log-probabilities (``loss_inputs``, pure functions of tensors):
 
 * ratio form (docs/design.md): advantages Â_i → Â_i φ_i with φ_i = s̃_i / s̄_i under stop-gradient. For φ_i ≥ 0,
   TRL's -min(s Â φ, c Â φ) = -φ Â s̄(θ), which is eq. 59–62; φ ≡ 1 for ``"none"``, so that is GSPO exactly.
@@ -25,41 +26,60 @@ masking and ``delta`` clipping are TRL's code paths and apply on top unchanged.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from typing import Any, NamedTuple
 
 import torch
+import trl
+from accelerate.utils import gather_object
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import split_tensor_dict
 
 from . import metrics as mech
 from .cancellation import (
     FACTOR_LOSS_TYPES,
     GroupSides,
     aggregation_factor,
-    balance_group_weights,
-    clip_survivors,
-    gradient_coefficients,
-    group_sides,
+    transform_group_weights,
 )
 from .config import DFPOConfig
 from .delta_trainer import DeltaMixin
 from .layout import (
     GROUP_IDS_KEY,
     ROW_IDS_KEY,
+    WHOLE_GROUPS_KEY,
     concat_sequence_dicts,
     consecutive_group_ids,
     group_granular_order,
     group_index,
     holds_whole_groups,
     permute_sequence_dict,
+    positions_of,
+    rollout_generator,
     scatter_from_groups,
 )
-from .lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
+from .lm_head import HiddenCapture, capture_log_prob_forward, fused_lm_head, gathered_for_reading
+from .loss_inputs import (
+    bounded_old_logps,
+    grpo_fix_old_logps,
+    loss_mask,
+    post_clip_weights,
+    sequence_level_inputs,
+)
+from .metric_store import MetricStore
 from .step_reward import StepRewardMixin
-from .transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
+from .trl_compat import (
+    MULTIMODAL_KEYS,
+    SUPPORTED_TRL_TEXT,
+    TRLCompatibilityError,
+    check_trainer_attributes,
+    disable_gradient_checkpointing,
+    generate_every,
+    get_config_model_id,
+    split_tensor_dict,
+    trl_runs_old_logps_forward,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +94,14 @@ PRE_PASS_S_TILDE = "dfpo_s_tilde"
 PRE_PASS_SURVIVES = "dfpo_survives"
 PRE_PASS_TWO_SIDED = "dfpo_two_sided"
 PRE_PASS_KEYS = (PRE_PASS_S_BAR, PRE_PASS_S_TILDE, PRE_PASS_SURVIVES, PRE_PASS_TWO_SIDED)
-MAX_LOG_RATIO = 20.0
+GROUP_SHUFFLE_STREAM = 1  # DelTA's random-λ control is stream 0
+
+
+def default_config(model: Any) -> DFPOConfig:
+    """The config of a trainer built without ``args``, named as ``GRPOTrainer`` names its default
+    (``GRPOConfig(f"{model_name}-GRPO")``): ``DFPOConfig(f"{model_name}-DFPO")``, every DFPO option off."""
+    model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+    return DFPOConfig(f"{model_name.split('/')[-1]}-DFPO")
 
 
 class RowWeights(NamedTuple):
@@ -88,25 +115,33 @@ class RowWeights(NamedTuple):
 
 
 class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
-    """`trl.GRPOTrainer` with DFPO objectives. Takes the same arguments; `args` must be a [`DFPOConfig`]."""
+    """`trl.GRPOTrainer` with DFPO objectives. Takes the same arguments; `args` must be a [`DFPOConfig`] (built
+    from the model's name, every DFPO option off, when not given, as `GRPOTrainer` builds its default)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if config is not None and not isinstance(config, DFPOConfig):
+        arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        arguments.pop("self")
+        config = arguments.get("args")
+        if config is None:
+            config = default_config(arguments["model"])
+        elif not isinstance(config, DFPOConfig):
             raise TypeError(
                 f"DFPOTrainer needs args=DFPOConfig(...), got {type(config).__name__}; DFPOConfig takes every "
                 "GRPOConfig field plus the DFPO ones."
             )
-        super().__init__(*args, **kwargs)
-        if not isinstance(self.args, DFPOConfig):
-            raise TypeError("DFPOTrainer needs args=DFPOConfig(...).")
+        arguments["args"] = config
+        super().__init__(**arguments)
+        check_trainer_attributes(self)
         self._dfpo_pending: dict[str, Any] | None = None
+        self.dfpo_metrics = MetricStore()  # device tensors until a logging step (metric_store)
         if self.args.symmetric_clip:
             # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): the lower bound of eq. 79.
             self.epsilon_low = 1.0
         self.group_layout = self._choose_group_layout()
         logger.info("DFPO group layout: %s", self.group_layout)
-        if self.args.sequence_rewrite_active and not self._trl_runs_old_logps_forward():
+        if self._regroups_batches() and self._model_is_multimodal():
+            raise ValueError(self._multimodal_refusal("the model or its processor is multimodal"))
+        if self.args.sequence_rewrite_active and not trl_runs_old_logps_forward(self):
             logger.warning(
                 "group_transform=%r runs on-policy (steps_per_generation <= gradient_accumulation_steps, "
                 "num_iterations=1, no vLLM importance sampling): every post-clip weight is 1 and the transform "
@@ -116,10 +151,18 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
 
     # ----------------------------------------------------------------------------------------------- layout
     def _choose_group_layout(self) -> str:
-        """The cheapest exact layout for these batch sizes (docs/layouts.md); refuse only what cannot be exact."""
+        """The cheapest exact layout for these batch sizes (docs/layouts.md); refuse only what cannot be exact.
+        With every DFPO option off (and ``group_granular_batches`` not forced) TRL's per-sample order is kept."""
         args: DFPOConfig = self.args
         per_device, group_size = args.per_device_train_batch_size, self.num_generations
-        if per_device % group_size == 0:
+        whole = per_device % group_size == 0
+        if args.group_granular_batches is True and not whole:
+            raise ValueError(
+                f"group_granular_batches=True needs whole groups in every micro-batch, but "
+                f"per_device_train_batch_size={per_device} is not a multiple of num_generations={group_size}. "
+                f"Set per_device_train_batch_size to a multiple of {group_size}, or group_granular_batches=None."
+            )
+        if whole and args.wants_group_granular_batches:
             # TRL slices the global generation batch per process in blocks of per_device * steps_per_generation
             # rows, a multiple of G, so a group-granular split keeps every group inside one micro-batch.
             return LAYOUT_GROUP_GRANULAR
@@ -146,11 +189,37 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
             )
         return LAYOUT_PRE_PASS
 
+    def _regroups_batches(self) -> bool:
+        """Whether this layout concatenates, permutes or re-forwards TRL's buffered rollout (group shuffle,
+        pre-pass): code that treats every tensor as one row per sample."""
+        return self.group_layout in (LAYOUT_GROUP_GRANULAR, LAYOUT_PRE_PASS)
+
+    def _model_is_multimodal(self) -> bool:
+        model = self.accelerator.unwrap_model(self.model)
+        config = getattr(model, "config", None)
+        has_vision = getattr(config, "vision_config", None) is not None
+        return has_vision or getattr(self.processing_class, "image_processor", None) is not None
+
+    def _multimodal_refusal(self, why: str) -> str:
+        option = self.args.describe_active_options() or "group_granular_batches=True"
+        return (
+            f"{option} needs the {self.group_layout!r} layout, which regroups TRL's rollout into whole groups "
+            "(or re-forwards it in a pre-pass) as if every tensor had one row per sample, but "
+            f"{why}: {', '.join(MULTIMODAL_KEYS[:4])}, ... are not one row per sample (pixel_values rows are "
+            "image patches) and the pre-pass does not pass them to the model. Vision-language batches are not "
+            "supported with this layout: use a text-only model, or turn the option off."
+        )
+
+    def _refuse_multimodal_batch(self, batch: dict[str, Any]) -> None:
+        present = [key for key in MULTIMODAL_KEYS if batch.get(key) is not None]
+        if present:
+            raise ValueError(self._multimodal_refusal(f"the rollout carries {', '.join(present)}"))
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's rollout, plus an explicit group id per row (global row // G, as TRL's sampler lays rows out)."""
         output = super()._generate_and_score_completions(inputs)
-        mode = "train" if self.model.training else "eval"
-        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        mode = self._mode()
+        group_size = self._group_size(mode)
         local_rows = output["prompt_ids"].size(0)
         offset = self.accelerator.process_index * local_rows
         device = output["prompt_ids"].device
@@ -161,25 +230,49 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         """TRL's buffering, with its per-sample shuffle replaced by a group-granular one (docs/layouts.md)."""
         regenerated = self.model.training and (
-            self._step % self._generate_every == 0 or self._buffered_inputs is None
+            self._step % generate_every(self) == 0 or self._buffered_inputs is None
         )
         inputs = super()._prepare_inputs(generation_batch)
-        if not self.model.training or self.group_layout == LAYOUT_PER_SAMPLE:
+        if not self.model.training:
             return inputs
         spg = self.args.steps_per_generation
         if regenerated:
-            full = concat_sequence_dicts(self._buffered_inputs)
-            full = permute_sequence_dict(full, group_granular_order(full[GROUP_IDS_KEY]))
-            self._buffered_inputs = split_tensor_dict(full, spg)
+            if self._regroups_batches():
+                self._refuse_multimodal_batch(self._buffered_inputs[0])
+            if self.group_layout == LAYOUT_GROUP_GRANULAR:
+                full = concat_sequence_dicts(self._buffered_inputs)
+                order = group_granular_order(full[GROUP_IDS_KEY], self._group_shuffle_generator())
+                self._buffered_inputs = split_tensor_dict(permute_sequence_dict(full, order), spg)
+            self._mark_whole_groups()
         if self.group_layout == LAYOUT_PRE_PASS and self._step % self.args.gradient_accumulation_steps == 0:
             self._pre_pass()
         return self._buffered_inputs[self._step % spg]
+
+    def _mark_whole_groups(self) -> None:
+        """Record in each buffered micro-batch whether it holds whole groups (one host read per rollout, not
+        one per micro-step); in the group-granular layout, check that it does."""
+        if not (self.args.log_mechanism_metrics or self.args.sequence_rewrite_active):
+            return
+        for micro in self._buffered_inputs:
+            group_ids = micro[GROUP_IDS_KEY]
+            if self.group_layout == LAYOUT_GROUP_GRANULAR:
+                group_index(group_ids, self.num_generations)  # raises with the fix if a group is cut apart
+                micro[WHOLE_GROUPS_KEY] = True
+            else:
+                micro[WHOLE_GROUPS_KEY] = holds_whole_groups(group_ids, self.num_generations)
+
+    def _group_shuffle_generator(self) -> torch.Generator:
+        """DFPO's own generator for the group shuffle, seeded per rollout: torch's global RNG stream stays TRL's,
+        and a run resumed at a generation boundary draws the same order (no state for a checkpoint to hold)."""
+        return rollout_generator(
+            self.args.seed, self.accelerator.process_index, self.state.global_step, stream=GROUP_SHUFFLE_STREAM
+        )
 
     # ------------------------------------------------------------------------------------ pre-pass (layout 3)
     def _policy_unchanged_since_rollout(self) -> bool:
         """True in the first optimizer step after a rollout: θ = θ_old, so every s is 1 and the pre-pass forward
         can be skipped (its old log-probs were computed by this model at this θ)."""
-        return self._step % self._generate_every == 0
+        return self._step % generate_every(self) == 0
 
     def _pre_pass(self) -> None:
         """At the start of an optimizer step, compute s̄ at the step's θ for every member of every group that has
@@ -203,36 +296,29 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
             s_bar, survives = self._post_clip_weights_no_grad(full, rows)
             self._metrics["train"]["prepass/forward_skipped"].append(0.0)
         micro_tokens = torch.cat(
-            [self._loss_mask(micro).sum().expand(micro["advantages"].size(0)) for micro in self._buffered_inputs]
+            [loss_mask(micro).sum().expand(micro["advantages"].size(0)) for micro in self._buffered_inputs]
         )
-        factor = self._aggregation_factor(full, self._loss_mask(full), micro_tokens)[rows]
+        factor = self._aggregation_factor(full, loss_mask(full), micro_tokens)[rows]
         row_ids, weights = self._transform_across_processes(
             full[ROW_IDS_KEY][rows], full[GROUP_IDS_KEY][rows], s_bar, full["advantages"][rows], survives, factor,
             "train",
         )
-        order = torch.argsort(row_ids)
         for micro in window:
-            position = order[torch.searchsorted(row_ids[order], micro[ROW_IDS_KEY].to(row_ids.device))]
+            position = positions_of(micro[ROW_IDS_KEY], row_ids)
             for key, values in zip(PRE_PASS_KEYS, weights, strict=True):
                 micro[key] = values[position]
 
     def _post_clip_weights(
         self, logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """s̄ = sign-aware post-clip of s = exp(ρ) (eq. 44–47) with the trainer's clip range, and U: whether each
-        row's gradient survives TRL's clip (eq. C2; every row in the score form, which is never clipped)."""
-        s = torch.exp(sequence_log_ratio(logps, old, mask))
-        s_bar = sign_aware_post_clip(s, advantages, self.epsilon_low, self.epsilon_high)
-        if self.args.transform_gradient == "score":
-            return s_bar, torch.ones_like(s, dtype=torch.bool)
-        survives = clip_survivors(s.detach(), advantages, self.epsilon_low, self.epsilon_high, self.args.delta)
-        return s_bar, survives
-
-    @staticmethod
-    def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
-        """The tokens TRL's loss counts: completion mask times tool mask."""
-        mask = inputs["completion_mask"]
-        return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+        """s̄ and U (loss_inputs.post_clip_weights) with the trainer's clip range; counts the sequences whose
+        NaN/Inf token log-ratios were sanitised (never silent)."""
+        weights = post_clip_weights(
+            logps, old, mask, advantages, self.epsilon_low, self.epsilon_high, self.args.delta,
+            score_form=self.args.transform_gradient == "score",
+        )
+        self.dfpo_metrics.add_sum(self._mode(), "transform/sanitised_weights", weights.sanitised.sum())
+        return weights.s_bar, weights.survives
 
     def _aggregation_factor(
         self, inputs: dict[str, Any], mask: torch.Tensor, micro_batch_tokens: torch.Tensor
@@ -267,11 +353,12 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
                 ids = torch.cat([full["prompt_ids"][part], full["completion_ids"][part]], dim=1)
                 attention = torch.cat([full["prompt_mask"][part], full["completion_mask"][part]], dim=1)
                 logps, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, ids, attention, full["completion_ids"].size(1), batch_size=chunk
+                    model=self.model, input_ids=ids, attention_mask=attention,
+                    logits_to_keep=full["completion_ids"].size(1), batch_size=chunk,
                 )
                 if not real:
                     continue
-                mask = self._loss_mask(full)[part]
+                mask = loss_mask(full)[part]
                 old = full.get("old_per_token_logps")
                 old = logps if old is None else old[part]
                 s_bar, survive = self._post_clip_weights(logps, old, mask, full["advantages"][part])
@@ -303,7 +390,7 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
              factor.double()], 1,
         )
         gathered = self._gather_rows(packed)
-        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        group_size = self._group_size(mode)
         index = group_index(gathered[:, 1].to(torch.int64), group_size)
         weights = self._transform_groups(
             gathered[:, 2].float(), gathered[:, 3].float(), gathered[:, 4] > 0.5, gathered[:, 5], index, mode
@@ -318,15 +405,11 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
         the surviving gradient coefficients a = Â c 1[U] (``"gradient"``, eq. C1); returns rows in row order."""
         args: DFPOConfig = self.args
         s_bar_g, adv_g, survives_g = s_bar[index], advantages[index].to(s_bar.dtype), survives[index]
-        a_g = gradient_coefficients(adv_g.detach(), factor[index], survives_g)
-        options = dict(scale_factor=args.transform_scale, truncate_floor=args.transform_truncate_floor)
-        if args.cancellation_target == "gradient":
-            s_tilde_g, sides = balance_group_weights(
-                args.group_transform, s_bar_g, adv_g, a_g, survives_g, args.cancellation_one_sided, **options
-            )
-        else:
-            s_tilde_g = apply_group_transform(args.group_transform, s_bar_g, adv_g, **options)
-            sides = group_sides(adv_g.detach(), a_g)
+        s_tilde_g, sides = transform_group_weights(
+            args.group_transform, s_bar_g, adv_g, survives_g, factor[index], args.cancellation_target,
+            args.cancellation_one_sided, scale_factor=args.transform_scale,
+            truncate_floor=args.transform_truncate_floor,
+        )
         if args.log_mechanism_metrics:
             self._log_sequence_metrics(s_bar_g.detach(), s_tilde_g.detach(), adv_g.detach(), sides, mode)
         two_sided_g = sides.two_sided.unsqueeze(-1).expand_as(survives_g)
@@ -334,26 +417,48 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
             s_bar, scatter_from_groups(s_tilde_g, index), survives, scatter_from_groups(two_sided_g, index)
         )
 
+    # ---------------------------------------------------------------------------------------------- logging
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, after DFPO's metrics are reduced over every process and handed to TRL's averaging."""
+        self.flush_dfpo_metrics("train" if self.model.training else "eval")
+        super().log(logs, start_time)
+
+    def flush_dfpo_metrics(self, mode: str = "train") -> None:
+        """Move DFPO's pending metrics of ``mode`` into TRL's ``_metrics`` (one value each, reduced over all
+        processes: the same meaning at any world size). Collective: every process must call it together, as
+        every process calls ``log``."""
+        gather = None
+        if self.accelerator.num_processes > 1:
+            def gather(names: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+                return [[tuple(item) for item in per] for per in gather_object([names])]
+        for name, value in self.dfpo_metrics.flush(mode, self.accelerator.device, gather).items():
+            self._metrics[mode][name].append(value)
+
     # ------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """TRL's loss on a shallow copy of ``inputs`` that DFPO rewrites right after the policy forward pass."""
         inputs = dict(inputs)  # the buffered rollout is reused across iterations: never mutate it
         self._dfpo_pending = inputs
         try:
-            return super()._compute_loss(model, inputs)
+            loss = super()._compute_loss(model=model, inputs=inputs)
+            rewritten = self._dfpo_pending is None  # consumed by the policy forward's hook
         finally:
             self._dfpo_pending = None
+        if not rewritten and self.args.dfpo_options_active:
+            raise TRLCompatibilityError(
+                f"TRL's _compute_loss never ran its policy forward through _get_per_token_logps_and_entropies, so "
+                f"DFPO's input rewrite did not run and {self.args.describe_active_options()} would be silently "
+                f"ignored (trl {trl.__version__}; dfpo_trl supports trl{SUPPORTED_TRL_TEXT})."
+            )
+        return loss
 
     def _get_per_token_logps_and_entropies(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
         """TRL's helper; on the loss's policy forward, also rewrite the inputs TRL reads next (see module doc)."""
         capture = None
         if self._dfpo_pending is not None and self._energy_active():
             capture = HiddenCapture("log_energy_buckets")
-            logits_to_keep = kwargs["logits_to_keep"] if "logits_to_keep" in kwargs else args[2]
-            module = lm_head_input_module(self.accelerator.unwrap_model(model), "log_energy_buckets")
-            logps, entropies, aux_loss = capture.run(
-                module,
-                int(logits_to_keep),
+            logps, entropies, aux_loss = capture_log_prob_forward(
+                capture, self.accelerator.unwrap_model(model), ((model, *args), kwargs),
                 lambda: super(DFPOTrainer, self)._get_per_token_logps_and_entropies(model, *args, **kwargs),
             )
         else:
@@ -365,29 +470,39 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
                 self._watch_gradient_energy(model, logps, pending, capture)
         return logps, entropies, aux_loss
 
+    def _mode(self) -> str:
+        return "train" if self.model.training else "eval"
+
+    def _group_size(self, mode: str) -> int:
+        """G of the batches of ``mode``: TRL's ``num_generations`` in training, ``num_generations_eval`` else."""
+        return self.num_generations if mode == "train" else self.num_generations_eval
+
     def _group_ids(self, inputs: dict[str, Any], mode: str) -> torch.Tensor:
         group_ids = inputs.get(GROUP_IDS_KEY)
         if group_ids is None:  # a hand-built batch: consecutive blocks of num_generations
-            group_size = self.num_generations if mode == "train" else self.num_generations_eval
+            group_size = self._group_size(mode)
             rows = inputs["completion_ids"].size(0)
             group_ids = consecutive_group_ids(rows, group_size, device=inputs["completion_ids"].device)
         return group_ids
 
     def _group_index(self, inputs: dict[str, Any], mode: str) -> torch.Tensor | None:
         """The (num_groups, G) row index when this micro-batch holds whole groups, else None."""
-        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        group_size = self._group_size(mode)
         group_ids = self._group_ids(inputs, mode)
+        whole = inputs.get(WHOLE_GROUPS_KEY)  # known for buffered training micro-batches (_mark_whole_groups)
+        if whole is not None:
+            return group_index(group_ids, group_size, validate=False) if whole else None
         if self.group_layout == LAYOUT_GROUP_GRANULAR and mode == "train":
             return group_index(group_ids, group_size)  # raises with the fix if a group is cut apart
         return group_index(group_ids, group_size) if holds_whole_groups(group_ids, group_size) else None
 
     def _rewrite_loss_inputs(self, inputs: dict[str, Any], per_token_logps: torch.Tensor) -> None:
         args: DFPOConfig = self.args
-        mode = "train" if self.model.training else "eval"
-        mask = self._loss_mask(inputs)
+        mode = self._mode()
+        mask = loss_mask(inputs)
         old = inputs.get("old_per_token_logps")
         if old is not None:
-            old = self._bounded_old_logps(per_token_logps, old, mask)
+            old = bounded_old_logps(per_token_logps, old, mask, self.importance_sampling_level == "sequence")
             inputs["old_per_token_logps"] = old
         else:
             old = per_token_logps.detach()
@@ -396,8 +511,12 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
             raise ValueError("DFPO needs one advantage per sequence (shape (B,)), as TRL's rollout produces.")
 
         if args.symmetric_clip:
-            inputs["old_per_token_logps"] = self._symmetric_clip_old_logps(
-                per_token_logps, old, advantages, mask, mode
+            inputs["old_per_token_logps"], capped = grpo_fix_old_logps(
+                per_token_logps, old, advantages, self.epsilon_high
+            )
+            # the fraction of scored tokens capped, pooled over the logging interval's tokens on every process
+            self.dfpo_metrics.add_mean(
+                mode, "grpo_fix/negative_capped_fraction", (capped & mask.bool()).sum(), mask.sum()
             )
         index = None
         if args.log_mechanism_metrics or args.sequence_rewrite_active:
@@ -408,39 +527,6 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
         if args.log_mechanism_metrics and index is not None and per_token_logps.requires_grad:
             self._watch_token_coefficients(per_token_logps, inputs["completion_ids"], mask, index, two_sided, mode)
         self._apply_delta_weights(inputs, mask)  # DelTA: Â_i → Â_i λ̄_{i,t}, after every read of the 1-D Â
-
-    def _bounded_old_logps(
-        self, per_token_logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Shift the old log-probs so that TRL's log-ratio (ρ_i at sequence level, per token otherwise) lies in
-        ±MAX_LOG_RATIO: exp() never overflows and Â = 0 rows never give inf·0. Gradients are unchanged; values
-        change only where the log-ratio was beyond e^±20 (docs/decisions.md, "Numerics")."""
-        log_ratio = per_token_logps.detach() - old
-        if self.importance_sampling_level == "sequence":
-            rho = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-            excess = rho - rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-            if not bool((excess != 0).any()):
-                return old
-            return old + excess.unsqueeze(1) * mask
-        excess = log_ratio - log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        if not bool((excess != 0).any()):
-            return old
-        return old + excess
-
-    def _symmetric_clip_old_logps(
-        self, per_token_logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, inputs_mask: torch.Tensor,
-        mode: str,
-    ) -> torch.Tensor:
-        """GRPO-fix for Â < 0: freeze r at 1+ε_high (value kept, gradient 0) where r > 1+ε_high (eq. 79); logs
-        the fraction of scored tokens so capped."""
-        log_cap = math.log1p(self.epsilon_high)
-        over = (advantages < 0).unsqueeze(1) & ((per_token_logps.detach() - old) > log_cap)
-        scored = inputs_mask.sum()
-        self._metrics[mode]["grpo_fix/negative_capped_fraction"].append(
-            ((over & inputs_mask.bool()).sum() / scored.clamp(min=1)).item()
-        )
-        # For capped tokens: log r = logp - (logp - log_cap) = log_cap exactly, with no gradient path left.
-        return torch.where(over, per_token_logps - log_cap, old)
 
     def _rewrite_sequence_level(
         self,
@@ -468,41 +554,20 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
                     weights = self._transform_groups(s_bar, advantages, survives, factor, index, mode)
                 else:  # layout 2: the group's other members are on other processes in this micro-step
                     weights = self._transform_gathered_rows(inputs, s_bar, advantages, survives, factor, mode)
-        s_bar, s_tilde = weights.s_bar, weights.s_tilde
         self.last_sequence_weights = {"row_ids": inputs.get(ROW_IDS_KEY), **{
             key: value.detach() for key, value in weights._asdict().items()
         }}
-        if args.transform_gradient == "score":
-            # coef_1 = exp(ρ - sg(ρ)) = 1 in value, ∇ρ in gradient: never clipped, -Â sg(s̃) ρ(θ) after TRL's min.
-            inputs["old_per_token_logps"] = per_token_logps.detach()
-            inputs["advantages"] = advantages * s_tilde.detach().to(advantages.dtype)
-        elif differentiate:
-            # -min(s Â s̃/s̄, c Â s̃/s̄) = -Â s̃(θ) on both branches: the transform is differentiated.
-            inputs["advantages"] = advantages * (s_tilde / s_bar).to(advantages.dtype)
-        elif args.group_transform != "none":
-            phi = s_tilde / s_bar
-            inputs["advantages"] = advantages * phi.to(advantages.dtype)
-            if args.cancellation_target == "gradient" and args.group_transform == "orth_proj":
-                self._keep_flipped_rows_unclipped(inputs, per_token_logps, advantages, weights, phi)
+        rewritten = sequence_level_inputs(
+            per_token_logps, old, advantages, weights.s_bar, weights.s_tilde, weights.survives, weights.two_sided,
+            score_form=args.transform_gradient == "score",
+            differentiate=differentiate,
+            transform_active=args.group_transform != "none",
+            flip_to_score=args.cancellation_target == "gradient" and args.group_transform == "orth_proj",
+        )
+        inputs["advantages"] = rewritten.advantages
+        if rewritten.old_per_token_logps is not None:
+            inputs["old_per_token_logps"] = rewritten.old_per_token_logps
         return weights.two_sided
-
-    @staticmethod
-    def _keep_flipped_rows_unclipped(
-        inputs: dict[str, Any], per_token_logps: torch.Tensor, advantages: torch.Tensor, weights: RowWeights,
-        phi: torch.Tensor,
-    ) -> None:
-        """Orth-Proj under the gradient target can make s̃_i < 0 for a member of U. Handed to TRL as Â_i φ_i, the
-        flipped sign would select the other clip branch and could zero that member's gradient, breaking the
-        balance. For those rows only, use the score representation: old log-probs := the detached current ones
-        (ratio 1 in value, never clipped) and advantage Â_i s̃_i. For a member of U (s̄ = s) this has the same
-        value, Â_i s̃_i, and the same gradient, Â_i s̃_i ∇ρ_i, as J_i = Â_i φ_i s̄_i(θ) (docs/cancellation.md)."""
-        flipped = weights.survives & weights.two_sided & (phi < 0)
-        old = inputs.get("old_per_token_logps")
-        if old is None:  # on-policy: the old log-probs are already the detached current ones
-            old = per_token_logps.detach()
-        inputs["old_per_token_logps"] = torch.where(flipped.unsqueeze(1), per_token_logps.detach(), old)
-        scored = advantages * weights.s_tilde.detach().to(advantages.dtype)
-        inputs["advantages"] = torch.where(flipped, scored, inputs["advantages"])
 
     def _transform_gathered_rows(
         self, inputs: dict[str, Any], s_bar: torch.Tensor, advantages: torch.Tensor, survives: torch.Tensor,
@@ -516,8 +581,7 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
         all_ids, gathered = self._transform_across_processes(
             row_ids, self._group_ids(inputs, mode), s_bar, advantages, survives, factor, mode
         )
-        order = torch.argsort(all_ids)
-        position = order[torch.searchsorted(all_ids[order], row_ids.to(all_ids.device))]
+        position = positions_of(row_ids, all_ids)
         return RowWeights(
             s_bar, gathered.s_tilde[position].to(s_bar.dtype), survives, gathered.two_sided[position]
         )
@@ -525,16 +589,16 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
     def _log_sequence_metrics(
         self, s_bar_g: torch.Tensor, s_tilde_g: torch.Tensor, adv_g: torch.Tensor, sides: GroupSides, mode: str
     ) -> None:
-        store = self._metrics[mode]
-        with_signal = int(sides.has_signal.sum())
-        if with_signal > 0:  # eq. C8: the share of groups with signal that no per-sequence weight can balance
-            store["cancellation/one_sided_groups"].append(float(sides.one_sided.sum()) / with_signal)
-        store["asym/before"].append(mech.asym(s_bar_g, adv_g).item())
-        store["asym/after"].append(mech.asym(s_tilde_g, adv_g).item())
-        store["transform/orth_residual"].append(mech.orth_residual(s_tilde_g, adv_g).item())
+        """Group metrics of one (num_groups, G) batch, as device tensors pooled over groups (metric_store)."""
+        store, groups = self.dfpo_metrics, s_bar_g.size(0)
+        # eq. C8: the share of groups with signal that no per-sequence weight can balance
+        store.add_mean(mode, "cancellation/one_sided_groups", sides.one_sided.sum(), sides.has_signal.sum())
+        store.add_mean(mode, "asym/before", mech.asym(s_bar_g, adv_g) * groups, groups)
+        store.add_mean(mode, "asym/after", mech.asym(s_tilde_g, adv_g) * groups, groups)
+        store.add_mean(mode, "transform/orth_residual", mech.orth_residual(s_tilde_g, adv_g) * groups, groups)
         phi_min, phi_mean = mech.phi_stats(s_tilde_g, s_bar_g)
-        store["transform/phi_min"].append(float(phi_min))
-        store["transform/phi_mean"].append(float(phi_mean))
+        store.add_min(mode, "transform/phi_min", phi_min, s_bar_g.numel())
+        store.add_mean(mode, "transform/phi_mean", phi_mean * s_bar_g.numel(), s_bar_g.numel())
 
     def _watch_token_coefficients(
         self,
@@ -546,25 +610,20 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
         mode: str,
     ) -> None:
         """Measure shared-prefix cancellation from the exact scalar on ∇ℓ_{i,t}: the gradient of the loss
-        w.r.t. the per-token log-probs, read in the backward pass TRL already runs (docs/metrics.md); also over
-        the two-sided groups alone (docs/cancellation.md, eq. C8), where the gradient target cancels exactly."""
+        w.r.t. the per-token log-probs, read in the backward pass TRL already runs (docs/metrics.md); also over the
+        two-sided groups alone (docs/cancellation.md, eq. C8), where the gradient target cancels exactly."""
         ids_g, mask_g = completion_ids[index], mask[index]
-        if not bool(mech.shared_prefix_mask(ids_g, mask_g).any()):
-            return
-        store = self._metrics[mode]
-        two_sided_g = None if two_sided is None else two_sided[index][:, 0]
+        store = self.dfpo_metrics
+        # One-sided groups' tokens are masked out of the two-sided residual (no boolean indexing: no host sync).
+        mask_two_sided = None if two_sided is None else mask_g * two_sided[index].unsqueeze(-1).to(mask_g.dtype)
 
         def on_grad(grad: torch.Tensor) -> None:
             coefficients = grad.detach()[index].float()
             value, count = mech.shared_prefix_residual(coefficients, ids_g, mask_g)
-            if int(count) > 0:
-                store["cancellation/shared_prefix_residual"].append(float(value))
-            if two_sided_g is not None:
-                value, count = mech.shared_prefix_residual(
-                    coefficients[two_sided_g], ids_g[two_sided_g], mask_g[two_sided_g]
-                )
-                if int(count) > 0:
-                    store["cancellation/shared_prefix_residual_two_sided"].append(float(value))
+            store.add_mean(mode, "cancellation/shared_prefix_residual", value * count, count)
+            if mask_two_sided is not None:
+                value, count = mech.shared_prefix_residual(coefficients, ids_g, mask_two_sided)
+                store.add_mean(mode, "cancellation/shared_prefix_residual_two_sided", value * count, count)
 
         per_token_logps.register_hook(on_grad)
 
@@ -584,9 +643,7 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
             return
         num_buckets = self.args.log_energy_buckets
         completion_ids = inputs["completion_ids"]
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        mask = loss_mask(inputs)
         head = fused_lm_head(self.accelerator.unwrap_model(model))
         with gathered_for_reading(head.weight, head.bias):
             scale = mech.lm_head_grad_scale(
@@ -600,13 +657,13 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
             )
         del hidden
         bucket = mech.frequency_buckets(completion_ids, mask, num_buckets)
-        store = self._metrics["train"]
+        store = self.dfpo_metrics
 
         def on_grad(grad: torch.Tensor) -> None:
             energy = grad.detach().float().abs() * scale.to(grad.device)
-            shares = mech.energy_by_bucket(energy, bucket.to(grad.device), num_buckets)
-            if bool(shares.sum() > 0):  # a micro-batch without gradient has no shares to average
-                for b, share in enumerate(shares.tolist()):
-                    store[f"energy/freq_bucket_{b}"].append(share)
+            sums = mech.energy_sums_by_bucket(energy, bucket.to(grad.device), num_buckets)
+            total = sums.sum()  # each bucket's share of the energy pooled over micro-steps and processes
+            for b in range(num_buckets):
+                store.add_mean("train", f"energy/freq_bucket_{b}", sums[b], total)
 
         per_token_logps.register_hook(on_grad)

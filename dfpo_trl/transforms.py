@@ -21,10 +21,17 @@ Numerics, shared by all group transforms except ``none``:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
+
+from .precision import compute_dtype as _compute_dtype
 
 __all__ = [
     "GROUP_TRANSFORMS",
+    "TRANSFORMS",
+    "GroupTransform",
     "W_MAX",
     "apply_group_transform",
     "min_replace",
@@ -36,14 +43,6 @@ __all__ = [
     "truncate_rebalance",
 ]
 
-GROUP_TRANSFORMS: tuple[str, ...] = (
-    "none",
-    "min_replace",
-    "orth_proj",
-    "positive_orth_proj",
-    "truncate_rebalance",
-    "scale",
-)
 
 #: Bound applied to sanitized weights (see module docstring).
 W_MAX = 1e10
@@ -58,8 +57,6 @@ _REL_ADV_EPS = 1e-20
 _DENSE_MAX_ELEMENTS = 1 << 24
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _sanitize_weights(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -300,6 +297,35 @@ def scale(w: torch.Tensor, advantages: torch.Tensor, factor: float = 0.5) -> tor
     return _to_output(x * factor, w.dtype)
 
 
+class GroupTransform(NamedTuple):
+    """One in-group transform of the registry: its function of (w, Â, scale_factor, truncate_floor), whether it
+    has a balance condition Σ_i a_i s̃_i = 0 (that ``cancellation_target="gradient"`` can retarget, eq. C1), and
+    where it comes from."""
+
+    apply: Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]
+    balances: bool
+    source: str
+
+
+def _identity(w: torch.Tensor, advantages: torch.Tensor, _scale: float, _floor: float) -> torch.Tensor:
+    _check_groups(w, advantages)
+    return w  # no sanitization: GSPO exactly
+
+
+#: The one registry of transforms: config validation, the trainer, the docs test and the tests read it.
+TRANSFORMS: dict[str, GroupTransform] = {
+    "none": GroupTransform(_identity, False, "GSPO, eq. 49"),
+    "min_replace": GroupTransform(lambda w, a, _s, _f: min_replace(w, a), True, "eq. 50"),
+    "orth_proj": GroupTransform(lambda w, a, _s, _f: orth_proj(w, a), True, "eq. 18"),
+    "positive_orth_proj": GroupTransform(lambda w, a, _s, _f: positive_orth_proj(w, a), True, "exact QP of eq. 51"),
+    "truncate_rebalance": GroupTransform(
+        lambda w, a, _s, floor: truncate_rebalance(w, a, floor=floor), True, "eq. 52-55"
+    ),
+    "scale": GroupTransform(lambda w, a, factor, _f: scale(w, a, factor=factor), False, "Table 3 ablation"),
+}
+GROUP_TRANSFORMS: tuple[str, ...] = tuple(TRANSFORMS)
+
+
 def apply_group_transform(
     name: str,
     w: torch.Tensor,
@@ -308,21 +334,11 @@ def apply_group_transform(
     scale_factor: float = 0.5,
     truncate_floor: float = 1e-6,
 ) -> torch.Tensor:
-    """Apply the named in-group transform (docs/design.md) to ``w`` shaped (num_groups, G).
+    """Apply the named in-group transform of :data:`TRANSFORMS` (docs/design.md) to ``w`` shaped (num_groups, G).
 
     ``none`` returns ``w`` itself (no sanitization), so it reproduces GSPO exactly.
     """
-    if name == "none":
-        _check_groups(w, advantages)
-        return w
-    if name == "min_replace":
-        return min_replace(w, advantages)
-    if name == "orth_proj":
-        return orth_proj(w, advantages)
-    if name == "positive_orth_proj":
-        return positive_orth_proj(w, advantages)
-    if name == "truncate_rebalance":
-        return truncate_rebalance(w, advantages, floor=truncate_floor)
-    if name == "scale":
-        return scale(w, advantages, factor=scale_factor)
-    raise ValueError(f"unknown group transform name={name!r}; valid names: {', '.join(GROUP_TRANSFORMS)}")
+    transform = TRANSFORMS.get(name)
+    if transform is None:
+        raise ValueError(f"unknown group transform name={name!r}; valid names: {', '.join(GROUP_TRANSFORMS)}")
+    return transform.apply(w, advantages, scale_factor, truncate_floor)

@@ -17,6 +17,7 @@ from dfpo_trl.cancellation import (
     gradient_coefficients,
     group_sides,
     min_replace_on_subset,
+    transform_group_weights,
 )
 from dfpo_trl.metrics import shared_prefix_residual
 from dfpo_trl.transforms import apply_group_transform
@@ -318,3 +319,21 @@ def test_gradient_target_with_vllm_importance_sampling_folds_the_ratio_into_c():
     batch["importance_sampling_ratio"] = 0.7 + 0.6 * torch.rand(4, 1, generator=g)  # sequence-level ratios
     assert shared_residual(trainer, batch) <= 1e-6
 
+
+
+@pytest.mark.parametrize("target", ["weights", "gradient"])
+def test_transform_group_weights_is_the_configured_transform(target):
+    """The trainer's one call: the paper's transform for "weights", the balanced form for "gradient"."""
+    g = torch.Generator().manual_seed(3)
+    s_bar = 0.8 + 0.4 * torch.rand(3, 4, generator=g)
+    adv = torch.randn(3, 4, generator=g)
+    survives = torch.rand(3, 4, generator=g) > 0.2
+    factor = torch.full((3, 4), 0.25, dtype=torch.float64)
+    s_tilde, sides = transform_group_weights("orth_proj", s_bar, adv, survives, factor, target)
+    a = gradient_coefficients(adv, factor, survives)
+    if target == "weights":
+        assert torch.equal(s_tilde, apply_group_transform("orth_proj", s_bar, adv))
+    else:
+        balanced = (a * s_tilde)[sides.two_sided].sum(-1)
+        assert balanced.abs().max() < 1e-5
+    assert torch.equal(sides.two_sided, group_sides(adv, a).two_sided)

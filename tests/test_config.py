@@ -111,3 +111,21 @@ def test_checkpointing_default_on_and_either_name_without_a_deprecation_warning(
         off = config(activation_checkpointing=False)
         assert off.activation_checkpointing is False and off.gradient_checkpointing is False
     assert not [w for w in recwarn if "checkpointing" in str(w.message)]
+
+
+def test_every_registered_transform_is_validated_and_documented():
+    """One registry (dfpo_trl.transforms.TRANSFORMS) feeds config validation, the trainer and the docs: every
+    registered name is accepted by DFPOConfig and listed in its docstring and in the README's field table."""
+    from pathlib import Path
+
+    from dfpo_trl.transforms import TRANSFORMS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `group_transform` |"))
+    docstring = DFPOConfig.__doc__.split("group_transform (")[1].split("transform_scale (")[0]
+    for name in TRANSFORMS:
+        assert f"`{name}`" in row, name
+        assert f'`"{name}"`' in docstring, name
+        DFPOConfig(output_dir="/tmp/x", use_cpu=True, group_transform=name, importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="is not a DFPO transform"):
+        DFPOConfig(output_dir="/tmp/x", use_cpu=True, group_transform="not_registered")

@@ -164,3 +164,86 @@ def test_coefficients_and_loss_match_single_process(tmp_path, sizes, layout):
     covered = torch.cat(seen).unique()
     assert covered.numel() == rows // (sizes["steps_per_generation"] // sizes["gradient_accumulation_steps"])
     assert (s_tilde_ref != s_bar_ref).any()  # the transform acted, so the comparison has teeth
+
+
+GROUP_METRICS = (
+    "asym/before", "asym/after", "transform/orth_residual", "transform/phi_min", "transform/phi_mean",
+    "transform/sanitised_weights", "cancellation/one_sided_groups", "cancellation/shared_prefix_residual",
+    "cancellation/shared_prefix_residual_two_sided",
+)
+METRIC_SIZES = dict(per_device_train_batch_size=4, num_generations=2, steps_per_generation=2,
+                    gradient_accumulation_steps=2, cancellation_target="gradient")
+
+
+def metrics_batch(rows: int) -> dict[str, Any]:
+    """The generation batch of the metric test: every group shares its first two completion tokens."""
+    batch = global_batch(rows, METRIC_SIZES["num_generations"], seed=5)
+    batch["completion_ids"][:, :2] = torch.tensor([16, 17])
+    return batch
+
+
+def logged_group_metrics(trainer: DFPOTrainer, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
+    """Loss and backward of each micro-batch (whole groups, consecutive rows), then TRL's `log`."""
+    trainer.current_gradient_accumulation_steps = len(micro_batches)
+    for micro in micro_batches:
+        trainer.compute_loss(trainer.model, dict(micro)).backward()
+    trainer.log({})
+    return {k: v for k, v in trainer.state.log_history[-1].items() if k in GROUP_METRICS}
+
+
+def metric_trainer() -> DFPOTrainer:
+    args = DFPOConfig(**base_args(**GSPO, **METRIC_SIZES, group_transform=TRANSFORM))
+    trainer = DFPOTrainer(model=tiny_model(), reward_funcs=last_digit_reward, args=args,
+                          train_dataset=__import__("tiny").addition_dataset(), processing_class=tiny_tokenizer())
+    trainer.model.train()
+    assert trainer.group_layout == "group_granular"
+    return trainer
+
+
+def split_rows(batch: dict[str, Any], start: int, stop: int, size: int) -> list[dict[str, Any]]:
+    out = []
+    for lo in range(start, stop, size):
+        micro = {k: (v[lo:lo + size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()
+                 if k != "reference_logps"}
+        micro["group_ids"] = consecutive_group_ids(size, METRIC_SIZES["num_generations"], offset=lo)
+        out.append(micro)
+    return out
+
+
+def metric_worker(rank: int, port: int, batch_path: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    batch = torch.load(batch_path)
+    trainer = metric_trainer()
+    local = METRIC_SIZES["per_device_train_batch_size"] * METRIC_SIZES["steps_per_generation"]
+    size = METRIC_SIZES["per_device_train_batch_size"]
+    logged = logged_group_metrics(trainer, split_rows(batch, rank * local, (rank + 1) * local, size))
+    torch.save(logged, Path(out_dir) / f"metrics{rank}.pt")
+    group_handle = default_process_group()
+    trainer.accelerator.wait_for_everyone()
+    dist.destroy_process_group()
+    del trainer
+    gc.collect()
+    del group_handle
+
+
+def test_group_metrics_mean_the_same_at_one_and_two_processes(tmp_path):
+    """Group-granular layout: each process transforms its own groups, so its metrics cover only those. Logged,
+    they must be the metrics of all groups of every process, i.e. what one process logs for the whole batch."""
+    local = METRIC_SIZES["per_device_train_batch_size"] * METRIC_SIZES["steps_per_generation"]
+    batch = metrics_batch(WORLD * local)
+    torch.save(batch, tmp_path / "batch.pt")
+    spawn_ranks(metric_worker, (free_port(), str(tmp_path / "batch.pt"), str(tmp_path)), nprocs=WORLD)
+    single = logged_group_metrics(metric_trainer(), split_rows(batch, 0, WORLD * local,
+                                                                METRIC_SIZES["per_device_train_batch_size"]))
+    assert set(single) == set(GROUP_METRICS)
+    per_rank = [torch.load(tmp_path / f"metrics{rank}.pt") for rank in range(WORLD)]
+    for logged in per_rank:
+        assert logged.keys() == single.keys()
+        for name, value in single.items():
+            assert logged[name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
+    # the processes did see different groups: their own means differ, so the gather is what makes them equal
+    halves = [logged_group_metrics(metric_trainer(), split_rows(batch, r * local, (r + 1) * local, 4))
+              for r in range(WORLD)]
+    assert halves[0]["asym/before"] != pytest.approx(halves[1]["asym/before"], rel=1e-3)

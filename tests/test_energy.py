@@ -278,6 +278,7 @@ def test_energy_off_or_without_grad_runs_no_capture(monkeypatch):
     on = make_trainer(DFPOTrainer, DFPOConfig, **GSPO, steps_per_generation=2, log_energy_buckets=3)
     with torch.no_grad():  # an evaluation-style loss: nothing is differentiated, nothing is measured
         on.compute_loss(on.model, with_old_logps(on, ids, mask, adv, log_ratio))
+    on.flush_dfpo_metrics("train")
     assert not any(key.startswith("energy/") for key in on._metrics["train"])
 
 

@@ -4,9 +4,11 @@ What TRL 1.16 / transformers 5 checkpoint: weights, optimizer, scheduler, ``Trai
 history, ``num_input_tokens_seen``) and the python/numpy/torch RNG states, restored right before the first
 resumed step. What they do not: the rollout buffer (``_buffered_inputs``), the micro-step counter ``_step`` and
 the state of ``RepeatSampler``'s private shuffle generator. DFPO keeps nothing else across steps: its group
-shuffle draws from torch's global RNG, the pre-pass and DelTA's λ̄ are recomputed from each rollout, its metrics
-are flushed at every log and its settings come from the config; DelTA's ``delta_random`` control seeds its
-generator per rollout from (seed, process, step). Hence (each case tested below, for
+shuffle draws from its own generator seeded per rollout from (seed, process, optimizer step) (it used to draw
+from torch's global RNG, which checkpoints restore; both resume exactly, the new stream leaves TRL's global RNG
+stream untouched), the pre-pass and DelTA's λ̄ are recomputed from each rollout, its metrics are flushed at every
+log and its settings come from the config; DelTA's ``delta_random`` control seeds its generator the same way.
+Hence (each case tested below, for
 ``trl.GRPOTrainer`` and ``DFPOTrainer`` alike):
 
 * checkpoint at a generation boundary of the first epoch: the resumed run *is* the uninterrupted one (every

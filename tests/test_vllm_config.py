@@ -17,6 +17,7 @@ from tiny import base_args, capturing, hand_batch, loss_and_grads, make_trainer,
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.transforms import GROUP_TRANSFORMS
+from dfpo_trl.trl_compat import trl_runs_old_logps_forward
 
 SEQ = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.2, epsilon_high=0.28)
 TOKEN_FIX = dict(importance_sampling_level="token", loss_type="dapo", epsilon_high=0.28, symmetric_clip=True)
@@ -136,11 +137,11 @@ def test_vllm_is_correction_makes_every_step_off_policy(spg, accumulation):
     steps_per_generation == gradient_accumulation_steps; without vLLM that setting is on-policy."""
     trainer = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace", steps_per_generation=spg,
                            gradient_accumulation_steps=accumulation)
-    assert not trainer._trl_runs_old_logps_forward()
+    assert not trl_runs_old_logps_forward(trainer)
     with_vllm(trainer)
-    assert trainer._trl_runs_old_logps_forward()
+    assert trl_runs_old_logps_forward(trainer)
     trainer.vllm_importance_sampling_correction = False  # vLLM without the correction: on-policy again
-    assert not trainer._trl_runs_old_logps_forward()
+    assert not trl_runs_old_logps_forward(trainer)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

@@ -110,10 +110,13 @@ def make_trainer(trainer_cls: type, config_cls: type, seed: int = 0, model: Any 
 
 
 def loss_and_grads(trainer: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss of the real `compute_loss` and the gradient of every parameter."""
+    """Loss of the real `compute_loss` and the gradient of every parameter. DFPO's metrics, kept on the device
+    until a logging step, are then flushed into `trainer._metrics` as `log` would."""
     trainer.model.zero_grad(set_to_none=True)
     loss = trainer.compute_loss(trainer.model, dict(batch))
     loss.backward()
+    if hasattr(trainer, "flush_dfpo_metrics"):
+        trainer.flush_dfpo_metrics("train")
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return loss.detach(), grads
 

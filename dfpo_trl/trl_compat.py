@@ -1,0 +1,186 @@
+"""Every point where dfpo_trl touches TRL's ``GRPOTrainer`` internals, declared and checked in one place.
+
+DFPO enters TRL through private methods (it overrides some, calls others) and reads a few private attributes
+and conditions. Private APIs change between releases without notice, and a renamed hook would not fail: TRL
+would simply stop calling DFPO's override and the run would silently train plain GSPO. So at import this module
+checks that each hooked or called method exists with the parameters DFPO relies on, and raises
+:class:`TRLCompatibilityError` naming the supported TRL range when one does not; at construction
+:func:`check_trainer_attributes` does the same for the attributes. An installed TRL outside the tested range
+whose checks pass gets a :class:`UntestedTRLWarning`. DFPO reads TRL's call arguments by name
+(:func:`bind_call`), never by position.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import trl
+from packaging.version import Version
+from trl import GRPOTrainer
+
+__all__ = [
+    "MULTIMODAL_KEYS",
+    "SUPPORTED_TRL",
+    "TOUCH_POINTS",
+    "TRAINER_ATTRIBUTES",
+    "TRLCompatibilityError",
+    "UntestedTRLWarning",
+    "bind_call",
+    "check_touch_points",
+    "check_trainer_attributes",
+    "disable_gradient_checkpointing",
+    "generate_every",
+    "get_config_model_id",
+    "split_tensor_dict",
+    "trl_runs_old_logps_forward",
+]
+
+# The TRL releases dfpo_trl is tested against (pyproject pins the same range).
+SUPPORTED_TRL = (Version("1.16.0"), Version("1.17.0"))
+SUPPORTED_TRL_TEXT = ">=1.16.0,<1.17 (tested: 1.16.x)"
+
+
+class TouchPoint(NamedTuple):
+    """A ``GRPOTrainer`` method DFPO overrides or calls, and the parameters it relies on.
+
+    ``ordered``: DFPO's override declares these parameters itself (TRL passes them by position), so they must
+    come first, in this order; otherwise DFPO binds the call by name and only their presence matters.
+    """
+
+    name: str
+    parameters: tuple[str, ...]
+    ordered: bool
+    why: str
+
+
+TOUCH_POINTS: tuple[TouchPoint, ...] = (
+    TouchPoint("__init__", ("model", "reward_funcs", "args", "train_dataset", "processing_class"), False,
+               "DFPOTrainer binds its constructor arguments by name to build a default DFPOConfig"),
+    TouchPoint("_compute_loss", ("model", "inputs"), True,
+               "DFPO hands TRL's loss a copy of the inputs it rewrites after the policy forward"),
+    TouchPoint("_get_per_token_logps_and_entropies",
+               ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"), False,
+               "the loss's policy forward, where DFPO rewrites advantages and old log-probs; also called by DFPO"),
+    TouchPoint("_prepare_inputs", ("generation_batch",), True,
+               "TRL's rollout buffer, which DFPO regroups into whole groups and pre-passes"),
+    TouchPoint("_generate_and_score_completions", ("inputs",), True,
+               "the rollout, to which DFPO adds group and row ids and DelTA's weights"),
+    TouchPoint("log", ("logs", "start_time"), True, "where DFPO flushes its metrics into TRL's"),
+    TouchPoint("_calculate_rewards", ("inputs", "prompts", "completions", "completion_ids_list"), True,
+               "each completion's reward, which step_reward carries with its row"),
+)
+
+# Attributes a constructed GRPOTrainer must have: the buffer and micro-step counter DFPO's layouts read, TRL's
+# metric store, and the loss settings DFPO's rewrite reproduces.
+TRAINER_ATTRIBUTES: tuple[str, ...] = (
+    "_buffered_inputs", "_step", "_metrics", "num_generations", "num_generations_eval", "num_iterations",
+    "epsilon_low", "epsilon_high", "loss_type", "importance_sampling_level", "temperature", "use_vllm",
+    "vllm_importance_sampling_correction",
+)
+
+
+# Multimodal inputs TRL's rollout may put in a batch and its log-prob helper consumes (TRL 1.16's
+# `_get_per_token_logps_and_entropies` keyword arguments). Several are not one row per sample: pixel_values rows are
+# image patches or tiles, counted by image_grid_thw / num_images / num_tiles.
+MULTIMODAL_KEYS: tuple[str, ...] = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
+
+
+class TRLCompatibilityError(ImportError):
+    """The installed TRL lacks a method, parameter or attribute dfpo_trl hooks (a release DFPO does not support)."""
+
+
+class UntestedTRLWarning(UserWarning):
+    """The installed TRL is outside the tested range, though every touch point checks out."""
+
+
+def _import_helpers() -> tuple[Callable[..., Any], ...]:
+    """TRL's helper functions DFPO calls: gradient checkpointing off for no-grad passes, the model id behind a
+    default output_dir, and the buffer split of ``_prepare_inputs``."""
+    try:
+        from trl.models.utils import disable_gradient_checkpointing
+        from trl.trainer.utils import get_config_model_id, split_tensor_dict
+    except ImportError as exc:
+        raise _incompatible(f"a TRL helper is gone ({exc})") from exc
+    return disable_gradient_checkpointing, get_config_model_id, split_tensor_dict
+
+
+def _incompatible(detail: str) -> TRLCompatibilityError:
+    return TRLCompatibilityError(
+        f"dfpo_trl supports trl{SUPPORTED_TRL_TEXT}; the installed trl {trl.__version__} differs where DFPO hooks "
+        f"it: {detail}. Without this hook DFPO's options would be silently ignored. Install a supported TRL "
+        "(pip install 'trl>=1.16,<1.17')."
+    )
+
+
+def _parameters(method: Callable[..., Any]) -> list[str]:
+    names = list(inspect.signature(method).parameters)
+    return names[1:] if names and names[0] == "self" else names
+
+
+def check_touch_points(trainer_cls: type = GRPOTrainer) -> None:
+    """Raise :class:`TRLCompatibilityError` unless every method of :data:`TOUCH_POINTS` exists on
+    ``trainer_cls`` with the parameters DFPO relies on; warn when TRL's version is outside the tested range."""
+    for point in TOUCH_POINTS:
+        method = getattr(trainer_cls, point.name, None)
+        if not callable(method):
+            raise _incompatible(f"GRPOTrainer.{point.name} does not exist ({point.why})")
+        found = _parameters(method)
+        if point.ordered:
+            ok = found[: len(point.parameters)] == list(point.parameters)
+        else:
+            ok = set(point.parameters) <= set(found)
+        if not ok:
+            expected = ", ".join(point.parameters)
+            raise _incompatible(
+                f"GRPOTrainer.{point.name} has parameters ({', '.join(found)}) where DFPO expects "
+                f"({expected}{', ...' if not point.ordered else ''}){' in this order' if point.ordered else ''} "
+                f"({point.why})"
+            )
+    version = Version(trl.__version__)
+    if not SUPPORTED_TRL[0] <= version < SUPPORTED_TRL[1]:
+        warnings.warn(
+            f"dfpo_trl is tested with trl{SUPPORTED_TRL_TEXT}, but trl {trl.__version__} is installed. Every TRL "
+            "method and parameter DFPO hooks is present, but TRL's loss may have changed: check the results.",
+            UntestedTRLWarning,
+            stacklevel=2,
+        )
+
+
+def check_trainer_attributes(trainer: Any) -> None:
+    """Raise :class:`TRLCompatibilityError` unless a constructed trainer has every attribute DFPO reads."""
+    missing = [name for name in TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
+    if missing:
+        raise _incompatible(f"a constructed GRPOTrainer has no attribute {', '.join(missing)}")
+
+
+def bind_call(method_name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The arguments of a call to ``GRPOTrainer.<method_name>`` (without ``self``) by parameter name, read
+    against TRL's own signature: positional arguments are named as TRL names them, whatever their order."""
+    signature = inspect.signature(getattr(GRPOTrainer, method_name))
+    bound = signature.bind(None, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(signature.parameters)))
+    return arguments
+
+
+def generate_every(trainer: Any) -> int:
+    """Micro-steps between two rollouts, as TRL 1.16's ``_prepare_inputs`` counts them."""
+    return trainer.args.steps_per_generation * trainer.num_iterations
+
+
+def trl_runs_old_logps_forward(trainer: Any) -> bool:
+    """TRL 1.16's condition for computing old log-probs in the rollout (``_generate_and_score_completions``):
+    the off-policy case, where θ can differ from θ_old and DFPO's transforms act."""
+    return trainer.args.gradient_accumulation_steps % generate_every(trainer) != 0 or bool(
+        trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    )
+
+
+disable_gradient_checkpointing, get_config_model_id, split_tensor_dict = _import_helpers()
+check_touch_points()
