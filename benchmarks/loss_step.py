@@ -52,7 +52,7 @@ def fixed_batch(args: argparse.Namespace, tokenizer: Any, device: str) -> dict[s
     tokens, completion lengths between half and all of ``--completion-length``, zero-mean advantages per group."""
     import torch
 
-    from dfpo_trl.layout import consecutive_group_ids
+    from dfpo_trl.layout import WHOLE_GROUPS_KEY, consecutive_group_ids
 
     g = torch.Generator().manual_seed(args.seed)
     rows, length, vocab = args.rows, args.completion_length, len(tokenizer)
@@ -69,6 +69,9 @@ def fixed_batch(args: argparse.Namespace, tokenizer: Any, device: str) -> dict[s
         "num_items_in_batch": completion_mask.sum(),
         "group_ids": consecutive_group_ids(rows, args.group_size),
         "row_ids": torch.arange(rows),
+        # What DFPOTrainer's _prepare_inputs marks on a buffered micro-batch of whole groups (TRL ignores it), so
+        # the loss takes the training path instead of re-checking the groups of a hand-built batch.
+        WHOLE_GROUPS_KEY: True,
     }
     # Old log-probs = current ones minus a per-row shift of a few ε (set after the model exists, in main()).
     batch["row_shift"] = args.shift * torch.randn(rows, 1, generator=g)
