@@ -261,6 +261,7 @@ class ArithmeticTask:
     default_train_size: int = 2000
     default_heldout_size: int = 100
     reward_funcs: list[RewardFunc] = field(default_factory=lambda: [safe_reward(ArithmeticReward())])
+    prompt_template: str = ARITHMETIC_PROMPT  # formatted with a and b
 
     def build_dataset(self, split: str, n: int | None = None, seed: int = 0) -> Dataset:
         """Rows: ``prompt`` (one user message), ``answer`` (a + b), ``a``, ``b``."""
@@ -270,7 +271,7 @@ class ArithmeticTask:
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         pairs = _arithmetic_pairs(split, n, seed)
-        messages = [[{"role": "user", "content": ARITHMETIC_PROMPT.format(a=a, b=b)}] for a, b in pairs]
+        messages = [[{"role": "user", "content": self.prompt_template.format(a=a, b=b)}] for a, b in pairs]
         return Dataset.from_dict(
             {
                 "prompt": messages,
@@ -330,7 +331,7 @@ class SumSentenceReward:
 
 
 @dataclass
-class SumSentenceTask:
+class SumSentenceTask(ArithmeticTask):
     """The arithmetic task's problems ("Compute a + b", single digits, the same train and held-out splits),
     but the prompt spells out the one sentence to answer with, and only that sentence earns the full reward:
 
@@ -353,27 +354,8 @@ class SumSentenceTask:
     """
 
     name: str = "sum_sentence"
-    default_train_size: int = 2000
-    default_heldout_size: int = 100
     reward_funcs: list[RewardFunc] = field(default_factory=lambda: [safe_reward(SumSentenceReward())])
-
-    def build_dataset(self, split: str, n: int | None = None, seed: int = 0) -> Dataset:
-        """Rows: ``prompt`` (one user message), ``answer`` (a + b), ``a``, ``b``."""
-        _check_split(split)
-        if n is None:
-            n = self.default_train_size if split == TRAIN_SPLIT else self.default_heldout_size
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        pairs = _arithmetic_pairs(split, n, seed)
-        messages = [[{"role": "user", "content": SUM_SENTENCE_PROMPT.format(a=a, b=b)}] for a, b in pairs]
-        return Dataset.from_dict(
-            {
-                "prompt": messages,
-                "answer": [a + b for a, b in pairs],
-                "a": [a for a, _ in pairs],
-                "b": [b for _, b in pairs],
-            }
-        )
+    prompt_template: str = SUM_SENTENCE_PROMPT
 
 
 # --------------------------------------------------------------------------------------------------
