@@ -345,6 +345,7 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
         total_chunks = int(counts.max().item())
         fallback = torch.zeros(1, dtype=rows.dtype, device=rows.device)
         s_bars, survives = [], []
+        full_mask = loss_mask(full)
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             for k in range(total_chunks):
                 part = rows[k * chunk : (k + 1) * chunk]
@@ -358,7 +359,7 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
                 )
                 if not real:
                     continue
-                mask = loss_mask(full)[part]
+                mask = full_mask[part]
                 old = full.get("old_per_token_logps")
                 old = logps if old is None else old[part]
                 s_bar, survive = self._post_clip_weights(logps, old, mask, full["advantages"][part])
