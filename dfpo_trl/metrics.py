@@ -122,16 +122,31 @@ def shared_prefix_residual(
             "shared_prefix_residual expects token_coefficients shaped like completion_ids; got "
             f"{tuple(token_coefficients.shape)} and {tuple(completion_ids.shape)}"
         )
-    shared = shared_prefix_mask(completion_ids, completion_mask)
+    (total, count), = shared_prefix_residual_sums(
+        token_coefficients, shared_prefix_mask(completion_ids, completion_mask)
+    )
+    return total / count.clamp(min=1).to(total.dtype), count
+
+
+def shared_prefix_residual_sums(
+    token_coefficients: torch.Tensor, shared: torch.Tensor, *group_subsets: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(Σ ratio, count) of :func:`shared_prefix_residual` over all groups, then over each subset of groups.
+
+    ``token_coefficients`` (num_groups, G, T); ``shared`` the (num_groups, T) mask of
+    :func:`shared_prefix_mask`; each of ``group_subsets`` a (num_groups,) bool selecting groups (e.g. the two-sided
+    ones, eq. C8). One pass over the coefficients serves every subset: the metric runs in a backward hook on
+    every micro-step, where each extra kernel shows in step time."""
     dtype = _compute_dtype(token_coefficients)
     c = token_coefficients.to(dtype)
     total_abs = c.abs().sum(dim=1)
     used = shared & (total_abs > 0)
-    ratio = c.sum(dim=1).abs() / torch.where(used, total_abs, torch.ones_like(total_abs))
-    ratio = torch.where(used, ratio, torch.zeros_like(ratio))
-    count = used.sum()
-    value = ratio.sum() / count.clamp(min=1).to(dtype)
-    return value, count
+    ratio = torch.where(used, c.sum(dim=1).abs() / torch.where(used, total_abs, 1.0), 0.0)
+    sums = [(ratio.sum(), used.sum())]
+    for subset in group_subsets:
+        keep = subset.unsqueeze(-1)
+        sums.append(((ratio * keep).sum(), (used & keep).sum()))
+    return sums
 
 
 # ------------------------------------------------------------------------------------------ eq. 24 energy

@@ -613,18 +613,16 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
         """Measure shared-prefix cancellation from the exact scalar on ∇ℓ_{i,t}: the gradient of the loss
         w.r.t. the per-token log-probs, read in the backward pass TRL already runs (docs/metrics.md); also over the
         two-sided groups alone (docs/cancellation.md, eq. C8), where the gradient target cancels exactly."""
-        ids_g, mask_g = completion_ids[index], mask[index]
         store = self.dfpo_metrics
-        # One-sided groups' tokens are masked out of the two-sided residual (no boolean indexing: no host sync).
-        mask_two_sided = None if two_sided is None else mask_g * two_sided[index].unsqueeze(-1).to(mask_g.dtype)
+        shared = mech.shared_prefix_mask(completion_ids[index], mask[index])
+        # One-sided groups' positions leave the two-sided residual (a mask, not boolean indexing: no host sync).
+        subsets = () if two_sided is None else (two_sided[index[:, 0]].bool(),)
 
         def on_grad(grad: torch.Tensor) -> None:
-            coefficients = grad.detach()[index].float()
-            value, count = mech.shared_prefix_residual(coefficients, ids_g, mask_g)
-            store.add_mean(mode, "cancellation/shared_prefix_residual", value * count, count)
-            if mask_two_sided is not None:
-                value, count = mech.shared_prefix_residual(coefficients, ids_g, mask_two_sided)
-                store.add_mean(mode, "cancellation/shared_prefix_residual_two_sided", value * count, count)
+            sums = mech.shared_prefix_residual_sums(grad.detach()[index], shared, *subsets)
+            store.add_mean(mode, "cancellation/shared_prefix_residual", *sums[0])
+            if subsets:
+                store.add_mean(mode, "cancellation/shared_prefix_residual_two_sided", *sums[1])
 
         per_token_logps.register_hook(on_grad)
 
