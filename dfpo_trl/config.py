@@ -23,6 +23,22 @@ DELTA_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
 
 
+def gradient_checkpointing_metadata(has_activation_checkpointing: bool) -> dict[str, object]:
+    """The ``gradient_checkpointing`` field's metadata for TRL's argument parser.
+
+    With a ``None`` default (transformers >= 5.24) ``--gradient_checkpointing`` alone must still mean True, so the
+    flag takes an optional value (``nargs``/``const``). With a ``True`` default (older 5.x) the parser adds those
+    itself and also a ``--no_gradient_checkpointing`` flag built from this metadata, where ``nargs`` is an error:
+    ``dfpo-train`` failed at start-up on transformers 5.17 until this was split."""
+    help_text = (
+        "Activation checkpointing (trades compute for memory); default on, as in TRL. Same as "
+        "activation_checkpointing on transformers >= 5.24; this name also works on older 5.x releases."
+    )
+    if has_activation_checkpointing:
+        return {"help": help_text, "nargs": "?", "const": True}
+    return {"help": help_text}
+
+
 @dataclass
 class DFPOConfig(GRPOConfig):
     r"""
@@ -135,12 +151,7 @@ class DFPOConfig(GRPOConfig):
     # TRL's default (on), kept; None here so that only an explicit setting reaches transformers' deprecated alias.
     gradient_checkpointing: bool | None = field(
         default=None if HAS_ACTIVATION_CHECKPOINTING else True,
-        metadata={
-            "help": "Activation checkpointing (trades compute for memory); default on, as in TRL. Same as "
-            "activation_checkpointing on transformers >= 5.24; this name also works on older 5.x releases.",
-            "nargs": "?",
-            "const": True,
-        },
+        metadata=gradient_checkpointing_metadata(HAS_ACTIVATION_CHECKPOINTING),
     )
     group_transform: str = field(
         default="none",

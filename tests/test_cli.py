@@ -414,3 +414,30 @@ def test_example_stands_on_the_package_alone(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("phi_min=") >= 6  # the off-policy steps of two rollouts
+
+
+@pytest.mark.parametrize("has_activation_checkpointing", [True, False])
+def test_gradient_checkpointing_flag_parses_on_either_transformers(has_activation_checkpointing: bool) -> None:
+    """The field's metadata under both transformers generations: with a True default (transformers < 5.24) TRL's
+    parser adds ``--no_gradient_checkpointing`` from the metadata, which must not carry ``nargs`` (start-up
+    failed on transformers 5.17); with a None default ``--gradient_checkpointing`` alone must still mean True."""
+    import dataclasses
+
+    from trl import TrlParser
+
+    from dfpo_trl.config import gradient_checkpointing_metadata
+
+    @dataclasses.dataclass
+    class Args:
+        gradient_checkpointing: bool | None = dataclasses.field(
+            default=None if has_activation_checkpointing else True,
+            metadata=gradient_checkpointing_metadata(has_activation_checkpointing),
+        )
+
+    parser = TrlParser(Args)
+    default = None if has_activation_checkpointing else True
+    assert parser.parse_args([]).gradient_checkpointing is default
+    assert parser.parse_args(["--gradient_checkpointing"]).gradient_checkpointing is True
+    assert parser.parse_args(["--gradient_checkpointing", "false"]).gradient_checkpointing is False
+    if not has_activation_checkpointing:
+        assert parser.parse_args(["--no_gradient_checkpointing"]).gradient_checkpointing is False
