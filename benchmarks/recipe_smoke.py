@@ -9,7 +9,12 @@ no network). Used for the LoRA recipe on one GPU and LoRA with ZeRO-3 on two (is
 
 Everything the recipe says about the objective (transform, clipping, loss type), the batch (num_generations,
 per-device batch, accumulation, steps_per_generation), LoRA and precision is kept; only the model, the data, the
-run length, the completion length and checkpointing change, and the script prints each change.
+run length, the completion length and checkpointing change, and the script prints each change. ``--set KEY=VALUE``
+(repeatable, the value read as YAML) changes anything else on purpose, e.g. the 32B recipe scaled to 4 processes
+without vLLM (benchmarks/two_node.py):
+
+    python benchmarks/recipe_smoke.py recipes/qwen3_32b.yaml --model /root/models/smollm2-135m-instruct \
+        --max-steps 8 --out /tmp/two_node.yaml --set num_generations=4 --set use_vllm=false ...
 """
 
 from __future__ import annotations
@@ -39,6 +44,17 @@ def smoke_recipe(recipe: dict, model: str, max_steps: int, output_dir: str, **li
     return out
 
 
+def parse_set(items: list[str]) -> dict:
+    """``KEY=VALUE`` pairs, each value read as YAML (``false`` -> False, ``4`` -> 4, ``sdpa`` -> 'sdpa')."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("recipe", type=pathlib.Path)
@@ -50,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-max-new-tokens", type=int, default=32)
     p.add_argument("--output-dir", default="/tmp/dfpo-recipe-smoke")
     p.add_argument("--out", type=pathlib.Path, required=True, help="where to write the derived recipe")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="set any recipe key (value read as YAML); repeatable; applied last")
     args = p.parse_args(argv)
     recipe = yaml.safe_load(args.recipe.read_text())
     derived = smoke_recipe(
@@ -57,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         max_completion_length=args.max_completion_length, max_prompt_length=args.max_prompt_length,
         eval_size=args.eval_size, eval_max_new_tokens=args.eval_max_new_tokens,
     )
+    derived.update(parse_set(args.overrides))
     for key in sorted(set(recipe) | set(derived)):
         if recipe.get(key) != derived.get(key):
             print(f"  {key}: {recipe.get(key)!r} -> {derived.get(key, '(removed)')!r}")
