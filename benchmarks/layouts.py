@@ -2,22 +2,34 @@
 against TRL's own GSPO, at the paper's shape scaled down, and the in-group coefficients of both layouts against
 a single-process reference.
 
-Commands (4 GPUs, after the kit's setup ``bash .dev/setup.sh && export PYTHONPATH=/tmp/site:$PWD``); the first
-runs every phase below in order and stops itself within ``--deadline-s`` (default 510 s):
+Commands (4 GPUs, after the kit's setup ``bash .dev/setup.sh && export PYTHONPATH=/tmp/site:$PWD``). Each stops
+itself within ``--deadline-s`` (default 510 s). Timing and check in two commands, each with the whole budget, then
+merged here (the safer plan: a 1.7B model loads five times in all):
 
+    python benchmarks/layouts.py --no-check --out-dir $OUT      # reference init + timing  -> $OUT/layouts.json
+    python benchmarks/layouts.py --no-time --out-dir $OUT       # reference + coefficient check -> $OUT/layouts.json
+    # here, with the two files copied to timing/ and check/:
+    python benchmarks/layouts.py --merge timing/layouts.json check/layouts.json --out-dir benchmarks/results/layouts
+
+    # or everything in one command (the check's share of the budget is bounded, the timing gets the rest)
     python benchmarks/layouts.py --out-dir $OUT
 
     # the same, phase by phase (the work dir carries the random init and the reference between them)
     python benchmarks/layouts.py --phase reference --work-dir /tmp/dfpo-layouts
-    accelerate launch --config_file recipes/accelerate/zero3_4gpu.yaml benchmarks/layouts.py --phase check \\
+    accelerate launch --config_file recipes/accelerate/zero3_4gpu.yaml benchmarks/layouts.py --phase check \
         --work-dir /tmp/dfpo-layouts
-    accelerate launch --config_file recipes/accelerate/zero3_4gpu.yaml benchmarks/layouts.py --phase time \\
-        --work-dir /tmp/dfpo-layouts
+    accelerate launch --config_file recipes/accelerate/zero3_4gpu.yaml benchmarks/layouts.py --phase time \
+        --work-dir /tmp/dfpo-layouts --deadline-s 400
     python benchmarks/layouts.py --phase report --work-dir /tmp/dfpo-layouts --out-dir $OUT
 
-    # CPU check of the pipeline (tiny random model, 4 gloo processes through torchrun, no DeepSpeed), ~3 min
-    python benchmarks/layouts.py --device cpu --random-config tiny --completion-length 24 \\
-        --min-completion-length 12 --rounds 3 --out-dir /tmp/layouts-cpu
+    # CPU check of the pipeline (tiny random model, 4 gloo processes through torchrun, no DeepSpeed), ~2.5 min
+    python benchmarks/layouts.py --device cpu --random-config tiny --completion-length 24 \
+        --min-completion-length 12 --rounds 2 --out-dir /tmp/layouts-cpu
+
+Shape (defaults): per-device batch 1, G = 4 = processes, ``steps_per_generation`` 16 and accumulation 4, so a
+rollout is 4 optimizer steps (1 on-policy, 3 off-policy) as in recipes/qwen3_32b.yaml (128 / 32) and the
+pre-pass forwards about as many rows per trained row as at the paper's shape; completions of 256-384 tokens
+(random lengths), prompts of 32 tokens; Qwen3-1.7B's shape with SmolLM2's vocabulary, random init.
 
 Phases:
 
@@ -240,6 +252,8 @@ def trainer_config(
         gradient_checkpointing=not args.no_gradient_checkpointing, use_cpu=on_cpu,
         bf16=precision == "bfloat16" and not on_cpu, model_init_kwargs={"dtype": precision},
     )
+    if precision == "float32":
+        kwargs["tf32"] = False  # full float32 matmuls, as the reference's
     kwargs.update(overrides)
     if epsilon is not None:
         kwargs.update(epsilon=epsilon[0], epsilon_high=epsilon[1])
@@ -336,6 +350,7 @@ def phase_reference(args: argparse.Namespace) -> None:
     work = pathlib.Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     device = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False  # full float32, as the check's trainers (tf32=False)
     tokenizer, batch = tokenizer_and_batch(args)
     path = init_dir(args)
     started = time.time()
@@ -394,8 +409,11 @@ def phase_check(args: argparse.Namespace) -> None:
             trainer.fixed_old_logps = reference["old_per_token_logps"]
             trainer.records = []
             trainer.train()
+            plugin = trainer.accelerator.state.deepspeed_plugin
             result.update(layout=trainer.group_layout, records=trainer.records,
-                          processes=trainer.accelerator.num_processes)
+                          processes=trainer.accelerator.num_processes,
+                          zero_stage=plugin.zero_stage if plugin is not None else 0,
+                          device=common.device_name(args.device if args.device == "cpu" else "cuda"))
         except Exception as exc:  # noqa: BLE001 - recorded, the other layout still runs
             result["error"] = f"{type(exc).__name__}: {exc}"
             if rank() == 0:
@@ -430,6 +448,8 @@ def compare_check(args: argparse.Namespace) -> dict[str, Any]:
                 entry.setdefault("error", part["error"])
                 continue
             entry["layout"] = part["layout"]
+            for key in ("device", "processes", "zero_stage"):
+                out.setdefault(key, part.get(key))
             for record in part["records"]:
                 if record["step_in_rollout"] != 1:
                     continue
@@ -657,7 +677,10 @@ def phase_report(args: argparse.Namespace) -> dict[str, Any]:
     work = pathlib.Path(args.work_dir)
     timing_path = work / "timing.json"
     timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
-    check = compare_check(args)
+    if args.no_check:
+        check: dict[str, Any] = {"coefficients_match_reference": None, "skipped": "--no-check", "layouts": {}}
+    else:
+        check = compare_check(args)
     report: dict[str, Any] = {
         "device": timing.get("device"), "gpus": timing.get("processes"), "zero_stage": timing.get("zero_stage"),
         "per_device_train_batch_size": args.per_device, "num_generations": args.num_generations,
@@ -699,12 +722,38 @@ def phase_report(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def merge_reports(args: argparse.Namespace) -> dict[str, Any]:
+    """One ``layouts.json`` from the JSONs of separate runs (e.g. ``--no-check`` and ``--no-time`` on two
+    machines): the timing from the run with the most rounds, the coefficient check from a run that made one."""
+    reports = [(path, json.loads(pathlib.Path(path).read_text())) for path in args.merge]
+    timed_path, merged = max(reports, key=lambda item: item[1].get("rounds") or 0)
+    merged = dict(merged)
+    checked = [(path, r) for path, r in reports if r.get("coefficient_check", {}).get("layouts")]
+    if checked:
+        check_path, check = checked[0]
+        merged["coefficients_match_reference"] = check["coefficients_match_reference"]
+        merged["coefficient_check"] = check["coefficient_check"]
+    else:
+        check_path = None
+    merged["merged_from"] = {"timing": timed_path, "coefficient_check": check_path}
+    for key in ("stages", "wall_s", "command"):
+        merged[key] = {path: r.get(key) for path, r in reports}
+    common.write_json(pathlib.Path(args.out_dir) / "layouts.json", merged)
+    print_table(merged)
+    return merged
+
+
 def print_table(report: dict[str, Any]) -> None:
     def fmt(value: Any, spec: str) -> str:
-        return format(value, spec) if isinstance(value, (int, float)) else "-"
+        width = int(spec.split(".")[0] or 0)
+        return format(value, spec) if isinstance(value, (int, float)) else "-".rjust(width)
 
     lo, hi = report["completion_length_range"]
-    print(f"\n{report['device']}: {report['gpus']} processes, ZeRO-{report['zero_stage']}, {report['model']} "
+    check = report["coefficient_check"]
+    device = report["device"] or check.get("device")
+    gpus = report["gpus"] or check.get("processes")
+    zero = report["zero_stage"] if report["zero_stage"] is not None else check.get("zero_stage")
+    print(f"\n{device}: {gpus} processes, ZeRO-{zero}, {report['model']} "
           f"{report['dtype']}, per-device {report['per_device_train_batch_size']}, G {report['num_generations']}, "
           f"spg {report['steps_per_generation']}, accumulation {report['gradient_accumulation_steps']}, completions "
           f"{lo}-{hi} tokens; {report['rounds']} rounds, off-policy optimizer steps")
@@ -717,10 +766,12 @@ def print_table(report: dict[str, Any]) -> None:
               f"[{fmt(interval[0], '.3f')}, {fmt(interval[1], '.3f')}]".ljust(61)
               + f"{fmt(e['ratio_to_gspo'], '6.3f')}  [{fmt(ratio_interval[0], '.3f')}, {fmt(ratio_interval[1], '.3f')}]"
               + (f"  error: {e['error'][:80]}" if e.get("error") else ""))
-    check = report["coefficient_check"]
     per_layout = "; ".join(
         f"{k}: {v.get('rows_checked', 0)}/{v.get('rows_expected', '?')} rows"
         + (f", error {v['error'][:60]}" if v.get("error") else "") for k, v in check.get("layouts", {}).items())
+    if check.get("skipped"):
+        print(f"coefficients_match_reference: not checked ({check['skipped']})")
+        return
     print(f"coefficients_match_reference: {report['coefficients_match_reference']} (max |diff| "
           f"{fmt(check.get('max_abs_diff'), '.2e')}, tolerance {check.get('tolerance')}; {per_layout})")
 
@@ -827,6 +878,8 @@ def phase_all(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--phase", default="all", choices=("all", "reference", "check", "time", "report"))
+    p.add_argument("--merge", nargs="+", default=None, metavar="LAYOUTS_JSON",
+                   help="instead of a phase: merge the layouts.json of separate runs into --out-dir/layouts.json")
     p.add_argument("--work-dir", default="/tmp/dfpo-layouts")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -841,7 +894,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--processes", type=int, default=4)
     p.add_argument("--per-device", type=int, default=1)
     p.add_argument("--num-generations", type=int, default=4)
-    p.add_argument("--steps-per-generation", type=int, default=8)
+    p.add_argument("--steps-per-generation", type=int, default=16)
     p.add_argument("--gradient-accumulation-steps", type=int, default=4)
     p.add_argument("--prompt-length", type=int, default=32)
     p.add_argument("--completion-length", type=int, default=384)
@@ -881,6 +934,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.merge:
+        merge_reports(args)
+        return
     if args.phase in ("check", "time"):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != args.processes:
