@@ -13,6 +13,8 @@ from .cancellation import BALANCING_TRANSFORMS, CANCELLATION_TARGETS, ONE_SIDED_
 from .transforms import GROUP_TRANSFORMS
 
 TRANSFORM_GRADIENTS = ("ratio", "score")
+# docs/layouts.md: what group_layout may force ("auto": the cheapest exact layout for the batch sizes).
+GROUP_LAYOUTS = ("auto", "redistributed", "pre_pass")
 # TRL loss types whose policy term is TRL's clipped surrogate -min(r A, clip(r) A); DFPO rewrites only those.
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 TOKEN_WEIGHTINGS = ("none", "delta")
@@ -98,10 +100,25 @@ class DFPOConfig(GRPOConfig):
             with every DFPO option off the run is then TRL's own, bit for bit (same micro-batch order, same RNG
             stream). `True`: always, e.g. to log the group mechanism metrics of a baseline (GSPO through
             `DFPOTrainer`) on every micro-batch; this changes the micro-batch order against `GRPOTrainer`'s.
-            `False`: never; transforms then use the pre-pass or cross-process layouts, and
+            `False`: never; transforms then use the cross-process, redistributed or pre-pass layouts, and
             `transform_stop_gradient=False` (which needs whole groups) is refused. The group shuffle draws from
             DFPO's own generator, seeded per rollout from (`seed`, process, optimizer step), never from
             torch's global RNG. Source: issue #11 (a drop-in for `GRPOTrainer`).
+        group_layout (`str`, *optional*, defaults to `"auto"`):
+            How a transform gets every member's post-clip weight when a micro-batch does not hold whole groups
+            (docs/layouts.md). `"auto"`: the cheapest exact layout for the batch sizes, i.e. `"redistributed"`
+            when `per_device_train_batch_size × num_processes` is a multiple of `num_generations`, with several
+            processes and `steps_per_generation > 1`, else `"pre_pass"` (or the cross-process gather when
+            `steps_per_generation` is 1). `"redistributed"`: each rollout is moved once between processes (one
+            all-to-all of the rollout tensors) so that every micro-step holds whole groups across processes; the
+            coefficients then cost one all-gather of a few floats a row and no extra forward. `"pre_pass"`: one
+            extra no-grad forward over the step's groups at every off-policy optimizer step. Forcing a layout the
+            batch sizes cannot make exact is refused at start-up. Not used when micro-batches hold whole groups
+            (group-granular) or no DFPO option is on. Source: issue #12 (the paper's layout at full speed).
+        prepass_batch_size (`int` or `None`, *optional*, defaults to `None`):
+            Rows per forward chunk of the pre-pass (no gradient, so no activations kept for a backward).
+            `None`: 4 × `per_device_train_batch_size`. Under ZeRO-3 every chunk gathers the partitioned weights
+            again, so fewer, larger chunks cost less; lower it if the pre-pass runs out of memory. Source: issue #12.
         log_mechanism_metrics (`bool`, *optional*, defaults to `True`):
             Log `asym/before`, `asym/after` (eq. 23), `transform/orth_residual`, `transform/phi_min|mean` and
             `cancellation/shared_prefix_residual` (docs/metrics.md) every step. O(batch) scalar work. The group
@@ -207,8 +224,21 @@ class DFPOConfig(GRPOConfig):
             "help": "Shuffle whole groups instead of TRL's per-sample shuffle, so every micro-batch holds whole "
             "groups. None = automatic (only when a DFPO transform needs it; DFPO off = TRL's run bit for bit); "
             "True = always (e.g. mechanism metrics of a GSPO baseline; changes the micro-batch order vs TRL); "
-            "False = never (transforms use the pre-pass or cross-process layouts)."
+            "False = never (transforms use the cross-process, redistributed or pre-pass layouts)."
         },
+    )
+    group_layout: str = field(
+        default="auto",
+        metadata={
+            "help": "Layout when micro-batches do not hold whole groups: 'auto' (cheapest exact one), "
+            "'redistributed' (one all-to-all per rollout so every micro-step holds whole groups across "
+            "processes; needs per_device_train_batch_size x num_processes a multiple of num_generations) or "
+            "'pre_pass' (an extra no-grad forward at every off-policy optimizer step)."
+        },
+    )
+    prepass_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Rows per no-grad forward chunk of the pre-pass; None = 4 x per_device_train_batch_size."},
     )
     log_mechanism_metrics: bool = field(
         default=True,
@@ -295,6 +325,19 @@ class DFPOConfig(GRPOConfig):
                 "transform_stop_gradient=False differentiates the transform through every member's s̄, so whole "
                 "groups must be in one micro-batch, but group_granular_batches=False. Set "
                 "group_granular_batches=None (automatic) or True."
+            )
+        if self.group_layout not in GROUP_LAYOUTS:
+            raise ValueError(
+                f"group_layout={self.group_layout!r} is not valid; use one of "
+                f"{', '.join(repr(n) for n in GROUP_LAYOUTS)}."
+            )
+        if self.prepass_batch_size is not None and (
+            isinstance(self.prepass_batch_size, bool) or not isinstance(self.prepass_batch_size, int)
+            or self.prepass_batch_size < 1
+        ):
+            raise ValueError(
+                f"prepass_batch_size={self.prepass_batch_size!r} must be a positive integer (rows per no-grad "
+                "forward chunk of the pre-pass), or None for 4 x per_device_train_batch_size."
             )
         if self.transform_scale <= 0:
             raise ValueError(f"transform_scale must be > 0, got {self.transform_scale}.")

@@ -143,3 +143,54 @@ def permute_sequence_dict(batch: dict[str, Any], order: torch.Tensor) -> dict[st
         else:
             out[key] = [value[i] for i in order.tolist()]
     return out
+
+
+def redistribution_plan(
+    row_ids: torch.Tensor,
+    group_ids: torch.Tensor,
+    group_size: int,
+    per_device: int,
+    num_processes: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where every row of a generation batch goes so that each micro-step holds whole groups *across* processes
+    (the ``redistributed`` layout, docs/layouts.md).
+
+    ``row_ids`` and ``group_ids`` list every row of the global generation batch (any order, row ids unique).
+    Groups are put in a random order (``generator``: the same draw on every process) and laid out group by group,
+    members in row-id order; the k-th row of that sequence goes to micro-step ``k // (per_device·P)``, process
+    ``(k mod per_device·P) // per_device``. So a micro-step's ``per_device·P`` rows across the P processes are
+    exactly ``per_device·P / G`` whole groups; with ``per_device = 1`` and ``G = P``, micro-step k on process p
+    holds member p of group k. Returns, aligned with the inputs, the destination process and the row's index in
+    that process's local batch (micro-step · per_device + position), both int64 on the CPU.
+
+    Raises a ``ValueError`` naming the fix when a group does not have exactly ``group_size`` rows or
+    ``per_device · P`` is not a multiple of ``group_size``.
+    """
+    rows_per_step = per_device * num_processes
+    if rows_per_step % group_size:
+        raise ValueError(
+            f"The redistributed layout needs per_device_train_batch_size × num_processes = {per_device} × "
+            f"{num_processes} = {rows_per_step} to be a multiple of num_generations={group_size}, so that every "
+            "micro-step holds whole groups across processes; change the per-device batch or the process count."
+        )
+    row_ids, group_ids = row_ids.cpu().to(torch.int64), group_ids.cpu().to(torch.int64)
+    n = row_ids.numel()
+    if n % rows_per_step:
+        raise ValueError(
+            f"The generation batch has {n} rows, not a whole number of micro-steps of {rows_per_step} rows."
+        )
+    unique_groups, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    if bool((counts != group_size).any()):
+        raise ValueError(
+            f"Every group must have exactly num_generations={group_size} rows in the generation batch, but group "
+            f"sizes {sorted(set(counts.tolist()) - {group_size})} occur; the redistributed layout cannot place them."
+        )
+    slot_of_group = torch.empty(unique_groups.numel(), dtype=torch.int64)
+    slot_of_group[torch.randperm(unique_groups.numel(), generator=generator)] = torch.arange(unique_groups.numel())
+    # Sequence position k: groups in slot order, members by row id (row ids < n·(something) fit the key).
+    key = slot_of_group[inverse] * (int(row_ids.max()) + 1) + row_ids
+    position = torch.empty(n, dtype=torch.int64)
+    position[torch.argsort(key)] = torch.arange(n)
+    step, within = position // rows_per_step, position % rows_per_step
+    return within // per_device, step * per_device + within % per_device

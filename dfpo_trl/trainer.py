@@ -56,6 +56,7 @@ from .layout import (
     holds_whole_groups,
     permute_sequence_dict,
     positions_of,
+    redistribution_plan,
     rollout_generator,
     scatter_from_groups,
 )
@@ -68,6 +69,7 @@ from .loss_inputs import (
     sequence_level_inputs,
 )
 from .metric_store import MetricStore
+from .redistribute import exchange_plan, exchange_rows, pad_to_widths, per_row_keys, trim_padding
 from .step_reward import StepRewardMixin
 from .trl_compat import (
     MULTIMODAL_KEYS,
@@ -86,6 +88,7 @@ logger = logging.getLogger(__name__)
 # Group layouts of docs/layouts.md, cheapest first. The trainer picks one at start-up and logs it.
 LAYOUT_GROUP_GRANULAR = "group_granular"  # whole groups in every micro-batch: free
 LAYOUT_CROSS_PROCESS = "cross_process"  # groups spread over processes in one micro-step: all-gather scalars
+LAYOUT_REDISTRIBUTED = "redistributed"  # rollout moved once so micro-steps hold whole groups across processes
 LAYOUT_PRE_PASS = "pre_pass"  # groups spread over micro-steps: no-grad pre-pass at each optimizer step
 LAYOUT_PER_SAMPLE = "per_sample"  # no transform: TRL's per-sample shuffle, group metrics off
 # Keys the pre-pass attaches to each micro-batch of the optimizer step: s̄ and s̃ at the step's θ.
@@ -95,6 +98,7 @@ PRE_PASS_SURVIVES = "dfpo_survives"
 PRE_PASS_TWO_SIDED = "dfpo_two_sided"
 PRE_PASS_KEYS = (PRE_PASS_S_BAR, PRE_PASS_S_TILDE, PRE_PASS_SURVIVES, PRE_PASS_TWO_SIDED)
 GROUP_SHUFFLE_STREAM = 1  # DelTA's random-λ control is stream 0
+REDISTRIBUTION_STREAM = 2  # the redistributed layout's group order: one draw shared by every process
 
 
 def default_config(model: Any) -> DFPOConfig:
@@ -167,6 +171,9 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
             # rows, a multiple of G, so a group-granular split keeps every group inside one micro-batch.
             return LAYOUT_GROUP_GRANULAR
         if not args.sequence_rewrite_active:
+            if args.group_layout != "auto":
+                logger.warning("group_layout=%r has no effect: no DFPO option needs in-group coefficients.",
+                               args.group_layout)
             return LAYOUT_PER_SAMPLE
         if not args.transform_stop_gradient:
             raise ValueError(
@@ -175,10 +182,21 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
                 f"{per_device} is not a multiple of num_generations={group_size}. Set "
                 f"per_device_train_batch_size to a multiple of {group_size}."
             )
-        if args.steps_per_generation == 1:
+        processes = self.accelerator.num_processes
+        redistributable = processes > 1 and (per_device * processes) % group_size == 0
+        if args.group_layout == LAYOUT_REDISTRIBUTED and not redistributable:
+            raise ValueError(
+                f"group_layout='redistributed' needs per_device_train_batch_size × num_processes = {per_device} × "
+                f"{processes} to be a multiple of num_generations={group_size} (every micro-step then holds whole "
+                "groups across processes). Change the per-device batch or the process count, or use "
+                "group_layout='auto'."
+            )
+        if args.steps_per_generation == 1 and args.group_layout == "auto":
             # Each micro-step trains on the whole global generation batch: groups may straddle processes but
             # are whole across them, so gathering (group id, s̄, Â) in the micro-step is exact.
             return LAYOUT_CROSS_PROCESS
+        if redistributable and args.group_layout in ("auto", LAYOUT_REDISTRIBUTED):
+            return LAYOUT_REDISTRIBUTED
         if args.steps_per_generation % args.gradient_accumulation_steps != 0:
             raise ValueError(
                 f"group_transform={args.group_transform!r} with groups spread over micro-steps "
@@ -192,7 +210,7 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
     def _regroups_batches(self) -> bool:
         """Whether this layout concatenates, permutes or re-forwards TRL's buffered rollout (group shuffle,
         pre-pass): code that treats every tensor as one row per sample."""
-        return self.group_layout in (LAYOUT_GROUP_GRANULAR, LAYOUT_PRE_PASS)
+        return self.group_layout in (LAYOUT_GROUP_GRANULAR, LAYOUT_PRE_PASS, LAYOUT_REDISTRIBUTED)
 
     def _model_is_multimodal(self) -> bool:
         model = self.accelerator.unwrap_model(self.model)
@@ -243,6 +261,8 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
                 full = concat_sequence_dicts(self._buffered_inputs)
                 order = group_granular_order(full[GROUP_IDS_KEY], self._group_shuffle_generator())
                 self._buffered_inputs = split_tensor_dict(permute_sequence_dict(full, order), spg)
+            elif self.group_layout == LAYOUT_REDISTRIBUTED:
+                self._buffered_inputs = split_tensor_dict(self._redistribute(self._buffered_inputs), spg)
             self._mark_whole_groups()
         if self.group_layout == LAYOUT_PRE_PASS and self._step % self.args.gradient_accumulation_steps == 0:
             self._pre_pass()
@@ -255,7 +275,9 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
             return
         for micro in self._buffered_inputs:
             group_ids = micro[GROUP_IDS_KEY]
-            if self.group_layout == LAYOUT_GROUP_GRANULAR:
+            if self.group_layout == LAYOUT_REDISTRIBUTED:
+                micro[WHOLE_GROUPS_KEY] = False  # whole across processes by construction, not locally
+            elif self.group_layout == LAYOUT_GROUP_GRANULAR:
                 group_index(group_ids, self.num_generations)  # raises with the fix if a group is cut apart
                 micro[WHOLE_GROUPS_KEY] = True
             else:
@@ -267,6 +289,29 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
         return rollout_generator(
             self.args.seed, self.accelerator.process_index, self.state.global_step, stream=GROUP_SHUFFLE_STREAM
         )
+
+    # ------------------------------------------------------------------------------ redistributed (layout 2b)
+    def _redistribute(self, buffered: list[dict[str, Any]]) -> dict[str, Any]:
+        """Move this rollout between processes once so that micro-step k of every process holds whole groups
+        across processes (docs/layouts.md): gather every row's (row id, group id) and the batch widths (one
+        small all-gather and host read per rollout), plan with one group order shared by all processes, pad to
+        common widths, one all-to-all per rollout tensor, trim. Returns the local batch in micro-step order."""
+        full = concat_sequence_dicts(buffered)
+        rows = full["advantages"].size(0)
+        keys = per_row_keys(full, rows)
+        device = full["advantages"].device
+        widths = torch.tensor([[full["prompt_ids"].size(1), full["completion_mask"].size(1)]], device=device)
+        ids = torch.stack([full[ROW_IDS_KEY], full[GROUP_IDS_KEY]], dim=1)
+        all_ids = self.accelerator.gather(ids).cpu()
+        all_widths = self.accelerator.gather(widths).cpu()
+        generator = rollout_generator(self.args.seed, 0, self.state.global_step, stream=REDISTRIBUTION_STREAM)
+        destination, index = redistribution_plan(
+            all_ids[:, 0], all_ids[:, 1], self.num_generations, self.args.per_device_train_batch_size,
+            self.accelerator.num_processes, generator,
+        )
+        plan = exchange_plan(destination, index, self.accelerator.process_index, self.accelerator.num_processes)
+        padded = pad_to_widths(full, keys, int(all_widths[:, 0].max()), int(all_widths[:, 1].max()))
+        return trim_padding(exchange_rows(padded, keys, plan), keys)
 
     # ------------------------------------------------------------------------------------ pre-pass (layout 3)
     def _policy_unchanged_since_rollout(self) -> bool:
@@ -339,7 +384,7 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """s̄ of the selected rows at the current θ. Every process runs the same number of forward chunks (a
         ZeRO-3 forward is collective), padding with a repeat of one row where it has fewer."""
-        chunk = self.args.per_device_train_batch_size
+        chunk = self.args.prepass_batch_size or 4 * self.args.per_device_train_batch_size
         local_chunks = math.ceil(rows.numel() / chunk)
         counts = self._gather_rows(torch.tensor([[float(local_chunks)]], device=rows.device))
         total_chunks = int(counts.max().item())
@@ -382,17 +427,23 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
 
     def _transform_across_processes(
         self, row_ids: torch.Tensor, group_ids: torch.Tensor, s_bar: torch.Tensor, advantages: torch.Tensor,
-        survives: torch.Tensor, factor: torch.Tensor, mode: str,
+        survives: torch.Tensor, factor: torch.Tensor, mode: str, equal_rows: bool = False,
     ) -> tuple[torch.Tensor, RowWeights]:
         """Gather (row id, group id, s̄, Â, U, c) from all processes (6 floats a row), transform the complete
-        groups, log the metrics. Returns every gathered row's id and weights (the same on every process)."""
+        groups, log the metrics. Returns every gathered row's id and weights (the same on every process).
+        ``equal_rows``: every process holds the same number of rows, whose groups are whole across processes by
+        construction (the redistributed layout): one plain all-gather, no size exchange or group check, so no
+        host read in the loss."""
         packed = torch.stack(
             [row_ids.double(), group_ids.double(), s_bar.double(), advantages.double(), survives.double(),
              factor.double()], 1,
         )
-        gathered = self._gather_rows(packed)
+        if equal_rows and self.accelerator.num_processes > 1:
+            gathered = self.accelerator.gather(packed)
+        else:
+            gathered = self._gather_rows(packed)
         group_size = self._group_size(mode)
-        index = group_index(gathered[:, 1].to(torch.int64), group_size)
+        index = group_index(gathered[:, 1].to(torch.int64), group_size, validate=not equal_rows)
         weights = self._transform_groups(
             gathered[:, 2].float(), gathered[:, 3].float(), gathered[:, 4] > 0.5, gathered[:, 5], index, mode
         )
@@ -580,7 +631,8 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
             offset = self.accelerator.process_index * rows
             row_ids = torch.arange(offset, offset + rows, device=s_bar.device)
         all_ids, gathered = self._transform_across_processes(
-            row_ids, self._group_ids(inputs, mode), s_bar, advantages, survives, factor, mode
+            row_ids, self._group_ids(inputs, mode), s_bar, advantages, survives, factor, mode,
+            equal_rows=self.group_layout == LAYOUT_REDISTRIBUTED and self.model.training,
         )
         position = positions_of(row_ids, all_ids)
         return RowWeights(

@@ -39,6 +39,8 @@ def test_defaults_are_trl_defaults_plus_dfpo_fields():
         (dict(symmetric_clip=True, loss_type="luspo"), r"cannot be combined with loss_type=.luspo."),
         (dict(symmetric_clip=True, beta=0.1), r"beta != 0 and use_bias_correction_kl=True"),
         (dict(**SEQ, transform_gradient="score", off_policy_mask_threshold=0.5), r"off_policy_mask_threshold"),
+        (dict(group_layout="redistribute"), r"group_layout='redistribute' is not valid; use one of 'auto'"),
+        (dict(prepass_batch_size=0), r"prepass_batch_size=0 must be a positive integer"),
     ],
 )
 def test_bad_input_is_refused_with_a_named_field(overrides, message):
@@ -129,3 +131,19 @@ def test_every_registered_transform_is_validated_and_documented():
         DFPOConfig(output_dir="/tmp/x", use_cpu=True, group_transform=name, importance_sampling_level="sequence")
     with pytest.raises(ValueError, match="is not a DFPO transform"):
         DFPOConfig(output_dir="/tmp/x", use_cpu=True, group_transform="not_registered")
+
+
+def test_forcing_a_layout_the_sizes_cannot_make_exact_is_refused():
+    """group_layout='redistributed' on one process (or per-device batch × processes not a multiple of G) cannot
+    give every micro-step whole groups: refused at construction, naming the fields; 'pre_pass' can be forced."""
+    from tiny import make_trainer
+
+    from dfpo_trl import DFPOTrainer
+
+    sizes = dict(**SEQ, group_transform="min_replace", per_device_train_batch_size=2, num_generations=4,
+                 steps_per_generation=4, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"group_layout='redistributed' needs per_device_train_batch_size × "
+                                         r"num_processes = 2 × 1 to be a multiple of num_generations=4"):
+        make_trainer(DFPOTrainer, DFPOConfig, **sizes, group_layout="redistributed")
+    assert make_trainer(DFPOTrainer, DFPOConfig, **sizes, group_layout="pre_pass").group_layout == "pre_pass"
+    assert make_trainer(DFPOTrainer, DFPOConfig, **sizes).group_layout == "pre_pass"  # auto, one process

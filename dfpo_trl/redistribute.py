@@ -1,0 +1,157 @@
+"""The ``redistributed`` layout's data movement: one all-to-all per rollout (docs/layouts.md).
+
+When ``per_device_train_batch_size × num_processes`` is a multiple of G but the per-device batch is not, TRL's
+micro-batches cut groups across micro-steps, and exact in-group coefficients would need an extra forward (the
+pre-pass). Moving each rollout once between processes, so that every micro-step holds whole groups *across*
+processes (:func:`dfpo_trl.layout.redistribution_plan`), makes them cost one all-gather of a few floats a row.
+
+Every per-row tensor of TRL's rollout moves with its row: ids, masks, advantages, old / reference / sampling
+log-probs, the vLLM importance-sampling ratio, the tool mask, DFPO's group and row ids, and anything else with
+one row per sample. Rows of different processes have different widths, so before the exchange the prompt side
+is left-padded and the completion side right-padded to the widest process, and after it each process trims
+the columns that are padding in all of its rows (TRL pads a rollout to its own longest row the same way).
+Scalars (``num_items_in_batch``, a global token count) stay as they are. Entries that are not one tensor row
+per sample (multimodal inputs, lists) cannot move and are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PROMPT_SIDE_KEYS = ("prompt_ids", "prompt_mask")
+COMPLETION_MASK_KEY = "completion_mask"
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """One process's part of a redistribution: which local rows go to which process, and where the received
+    rows belong. All host tensors (int64), computed once per rollout from the global plan."""
+
+    send_order: torch.Tensor  # local rows in the order they are sent (grouped by destination process)
+    send_counts: list[int]  # rows sent to each process
+    receive_counts: list[int]  # rows received from each process
+    receive_order: torch.Tensor  # received row k goes to local index receive_order[k]
+
+
+def exchange_plan(
+    destination_process: torch.Tensor, destination_index: torch.Tensor, process_index: int, num_processes: int
+) -> ExchangePlan:
+    """This process's exchange from the global plan (:func:`~dfpo_trl.layout.redistribution_plan`), whose
+    entries are the generation batch's rows in process-major order (process p's local row i at ``p·L + i``)."""
+    total = destination_process.numel()
+    if total % num_processes:
+        raise ValueError(f"{total} rows do not split evenly over {num_processes} processes.")
+    local = total // num_processes
+    source = torch.arange(total) // local
+    mine = slice(process_index * local, (process_index + 1) * local)
+    # Sort this process's rows by (destination, local index there): each destination receives them in order.
+    key = destination_process[mine] * local + destination_index[mine]
+    send_order = torch.argsort(key)
+    send_counts = torch.bincount(destination_process[mine], minlength=num_processes).tolist()
+    incoming = destination_process == process_index
+    receive_counts = torch.bincount(source[incoming], minlength=num_processes).tolist()
+    # All-to-all delivers source by source, each source's rows in the order it sent them.
+    incoming_key = source[incoming] * local + destination_index[incoming]
+    receive_order = destination_index[incoming][torch.argsort(incoming_key)]
+    if receive_order.numel() != local or not torch.equal(torch.sort(receive_order).values, torch.arange(local)):
+        raise ValueError("The redistribution plan does not give every process exactly one row per local slot.")
+    return ExchangePlan(send_order, send_counts, receive_counts, receive_order)
+
+
+def per_row_keys(batch: dict[str, Any], rows: int) -> list[str]:
+    """Keys of ``batch`` that hold one tensor row per sample; refuses per-sample entries that are not tensors."""
+    keys = []
+    for key, value in batch.items():
+        if value is None or isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+            continue
+        if not isinstance(value, torch.Tensor) or value.size(0) != rows:
+            raise ValueError(
+                f"The redistributed layout moves every rollout entry with its row, but {key!r} "
+                f"({type(value).__name__}) is not a tensor with one row per sample ({rows} rows). Multimodal "
+                "inputs and list-valued entries cannot move: use group_layout='pre_pass' or a text-only model."
+            )
+        keys.append(key)
+    return keys
+
+
+def pad_to_widths(
+    batch: dict[str, Any], keys: list[str], prompt_width: int, completion_width: int
+) -> dict[str, Any]:
+    """Left-pad the prompt side to ``prompt_width`` and right-pad per-token tensors (those as wide as
+    ``completion_mask``) to ``completion_width``, with zeros: the masks are 0 there, so a padded position never
+    counts (and the columns padded in every row of a process are trimmed again after the exchange)."""
+    local_completion = batch[COMPLETION_MASK_KEY].size(1)
+    out = dict(batch)
+    for key in keys:
+        value = batch[key]
+        if value.dim() < 2:
+            continue
+        if key in PROMPT_SIDE_KEYS:
+            missing = prompt_width - value.size(1)
+            if missing:
+                pad = value.new_zeros((value.size(0), missing, *value.shape[2:]))
+                out[key] = torch.cat([pad, value], dim=1)
+        elif value.size(1) == local_completion:
+            missing = completion_width - value.size(1)
+            if missing:
+                pad = value.new_zeros((value.size(0), missing, *value.shape[2:]))
+                out[key] = torch.cat([value, pad], dim=1)
+    return out
+
+
+def trim_padding(batch: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """Drop the leading prompt columns and trailing completion columns that are padding in every row (one host
+    read of two numbers), as TRL pads a rollout to its own longest row."""
+    prompt_mask, completion_mask = batch["prompt_mask"], batch[COMPLETION_MASK_KEY]
+    prompt_used = prompt_mask.ne(0).any(dim=0)
+    completion_used = completion_mask.ne(0).any(dim=0)
+    widths = torch.stack([
+        prompt_used.int().cumsum(0).eq(0).sum(),  # leading all-padding prompt columns
+        completion_used.int().flip(0).cumsum(0).eq(0).sum(),  # trailing all-padding completion columns
+    ]).tolist()
+    drop_prompt, drop_completion = widths
+    if not drop_prompt and not drop_completion:
+        return batch
+    completion_width = completion_mask.size(1)
+    out = dict(batch)
+    for key in keys:
+        value = batch[key]
+        if value.dim() < 2:
+            continue
+        if key in PROMPT_SIDE_KEYS:
+            out[key] = value[:, drop_prompt:]
+        elif value.size(1) == completion_width:
+            out[key] = value[:, : completion_width - drop_completion]
+    return out
+
+
+AllToAll = Callable[[torch.Tensor, torch.Tensor, list[int], list[int]], None]
+
+
+def _all_to_all(output: torch.Tensor, send: torch.Tensor, receive_counts: list[int], send_counts: list[int]) -> None:
+    dist.all_to_all_single(output, send, receive_counts, send_counts)
+
+
+def exchange_rows(
+    batch: dict[str, Any], keys: list[str], plan: ExchangePlan, all_to_all: AllToAll = _all_to_all
+) -> dict[str, Any]:
+    """Every per-row tensor of ``batch`` (same widths on every process) sent by ``plan``: returns this process's
+    new local batch, rows in local-index order. One all-to-all per key; booleans travel as uint8 (NCCL has no
+    bool)."""
+    out = dict(batch)
+    rows = plan.receive_order.numel()
+    for key in keys:
+        value = batch[key]
+        is_bool = value.dtype == torch.bool
+        send = (value.to(torch.uint8) if is_bool else value)[plan.send_order.to(value.device)].contiguous()
+        received = send.new_empty((rows, *send.shape[1:]))
+        all_to_all(received, send, plan.receive_counts, plan.send_counts)
+        placed = torch.empty_like(received)
+        placed[plan.receive_order.to(value.device)] = received
+        out[key] = placed.bool() if is_bool else placed
+    return out
