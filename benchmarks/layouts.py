@@ -180,9 +180,8 @@ class FixedRollout(GRPOTrainer):
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, ids, mask, batch["completion_ids"].size(1),
-                batch_size=self.args.per_device_train_batch_size,
+            logps, _, _ = self._get_per_token_logps_and_entropies(  # one forward (an untimed step)
+                self.model, ids, mask, batch["completion_ids"].size(1), batch_size=local,
             )
         shift = shift_of({k: self.fixed_batch[k][rows] for k in ("row_shift", "token_shift")}, self.shift)
         batch["old_per_token_logps"] = (logps.float() - shift.to(device)).detach()
@@ -362,6 +361,8 @@ def phase_reference(args: argparse.Namespace) -> None:
         del model
         print(f"reference: saved a random {args.random_config} init to {path} ({time.time() - started:.0f} s)",
               flush=True)
+    if args.init_only:
+        return
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     logps = []
     with torch.no_grad():
@@ -849,12 +850,14 @@ def phase_all(args: argparse.Namespace) -> None:
     with log_path.open("w") as log:
         # (phase, share of the time left it may take): the reference and the check are bounded so that the
         # timing always gets most of the budget; the timing stops starting rounds before its own end.
-        for phase, share in (("reference", 0.25), ("check", 0.45), ("time", 1.0)):
-            if (phase == "check" and args.no_check) or (phase == "time" and args.no_time):
-                continue
+        phases = [("reference", 0.25), ("check", 0.45), ("time", 1.0)]
+        phases = [(phase, share) for phase, share in phases
+                  if not (phase == "check" and args.no_check) and not (phase == "time" and args.no_time)]
+        for index, (phase, share) in enumerate(phases):
+            share = 1.0 if index == len(phases) - 1 else share  # the last stage may use all that is left
             left = deadline - time.time() - args.report_margin_s
             if phase == "reference":
-                command = [sys.executable, *phase_args(args, "reference")]
+                command = [sys.executable, *phase_args(args, "reference", *(["--init-only"] if args.no_check else []))]
             elif phase == "check":
                 command = [*launcher(args), *phase_args(args, "check")]
             else:
@@ -915,6 +918,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="phase all: skip the coefficient check")
     p.add_argument("--no-time", action="store_true", help="phase all: skip the timing")
+    p.add_argument("--init-only", action="store_true", help="phase reference: only save the random init")
     p.add_argument("--deadline-s", type=float, default=510.0, help="phase all: everything ends within this")
     p.add_argument("--stop-at", type=float, default=None, help="phase time: no round starts after this epoch time")
     p.add_argument("--report-margin-s", type=float, default=15.0)
