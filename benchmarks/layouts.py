@@ -172,10 +172,14 @@ class FixedRollout(GRPOTrainer):
         start = self.accelerator.process_index * local
         rows = slice(start, start + local)
         device = self.accelerator.device
+        # TRL pads a process's completions to its own longest one: trim this slice's all-padding columns.
+        width = int(self.fixed_batch["completion_mask"][rows].sum(1).max())
         batch = {key: self.fixed_batch[key][rows].to(device) for key in ROLLOUT_KEYS}
+        for key in ("completion_ids", "completion_mask"):
+            batch[key] = batch[key][:, :width]
         batch["num_items_in_batch"] = self.fixed_batch["completion_mask"].sum().to(device)
         if self.fixed_old_logps is not None:
-            batch["old_per_token_logps"] = self.fixed_old_logps[rows].to(device)
+            batch["old_per_token_logps"] = self.fixed_old_logps[rows, :width].to(device)
             return batch
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
@@ -183,7 +187,7 @@ class FixedRollout(GRPOTrainer):
             logps, _, _ = self._get_per_token_logps_and_entropies(  # one forward (an untimed step)
                 self.model, ids, mask, batch["completion_ids"].size(1), batch_size=local,
             )
-        shift = shift_of({k: self.fixed_batch[k][rows] for k in ("row_shift", "token_shift")}, self.shift)
+        shift = shift_of({k: self.fixed_batch[k][rows] for k in ("row_shift", "token_shift")}, self.shift)[:, :width]
         batch["old_per_token_logps"] = (logps.float() - shift.to(device)).detach()
         return batch
 
