@@ -728,11 +728,29 @@ def phase_report(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def merge_reports(args: argparse.Namespace) -> dict[str, Any]:
-    """One ``layouts.json`` from the JSONs of separate runs (e.g. ``--no-check`` and ``--no-time`` on two
-    machines): the timing from the run with the most rounds, the coefficient check from a run that made one."""
+    """One ``layouts.json`` from the JSONs of separate runs (e.g. ``--no-check`` and ``--no-time``): the coefficient
+    check from a run that made one; the timing from the one timing run, or, with several of one setting on one
+    machine, their rounds pooled (ratios to GSPO taken within each round, then bootstrapped over all rounds)."""
     reports = [(path, json.loads(pathlib.Path(path).read_text())) for path in args.merge]
     timed_path, merged = max(reports, key=lambda item: item[1].get("rounds") or 0)
     merged = dict(merged)
+    timed = [(path, r) for path, r in reports if r.get("rounds")]
+    if len(timed) > 1:  # several timing runs of one shape on one machine: pool their rounds
+        shape = ("device", "gpus", "model", "per_device_train_batch_size", "num_generations", "steps_per_generation",
+                 "gradient_accumulation_steps", "completion_length_range")
+        if any(r[key] != timed[0][1][key] for _, r in timed for key in shape):
+            raise SystemExit("--merge: the timing runs differ in device or shape; pool only runs of one setting")
+        timed_path = ", ".join(path for path, _ in timed)
+        rounds = {name: [t for _, r in timed for t in r[name]["round_median_s"]] for name in METHODS}
+        merged["rounds"] = len(rounds["gspo"])
+        for name in METHODS:
+            ratios = [t / b for t, b in zip(rounds[name], rounds["gspo"], strict=True)]
+            merged[name] = {
+                **merged[name], "rounds": len(rounds[name]), "round_median_s": rounds[name],
+                "median_step_s": statistics.median(rounds[name]), "interval_95": bootstrap_median(rounds[name]),
+                "ratio_to_gspo": statistics.median(ratios), "ratio_interval_95": bootstrap_median(ratios),
+                "round_ratio_to_gspo": ratios,
+            }
     checked = [(path, r) for path, r in reports if r.get("coefficient_check", {}).get("layouts")]
     if checked:
         check_path, check = checked[0]
@@ -744,8 +762,41 @@ def merge_reports(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("stages", "wall_s", "command"):
         merged[key] = {path: r.get(key) for path, r in reports}
     common.write_json(pathlib.Path(args.out_dir) / "layouts.json", merged)
+    if args.plot:
+        plot_ratios(merged, pathlib.Path(args.plot))
     print_table(merged)
     return merged
+
+
+def plot_ratios(report: dict[str, Any], path: pathlib.Path) -> None:
+    """Each round's step time over GSPO's in the same round, per layout, with the median and its 95% interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    names = [name for name in METHODS if name != "gspo"]
+    for x, name in enumerate(names):
+        entry = report[name]
+        rounds = [t / b for t, b in zip(entry["round_median_s"], report["gspo"]["round_median_s"], strict=True)]
+        ax.scatter([x] * len(rounds), rounds, color="0.5", s=14, zorder=2, label="rounds" if x == 0 else None)
+        low, high = entry["ratio_interval_95"]
+        ax.errorbar([x + 0.12], [entry["ratio_to_gspo"]], yerr=[[entry["ratio_to_gspo"] - low],
+                    [high - entry["ratio_to_gspo"]]], fmt="o", color="C0", capsize=4, zorder=3,
+                    label="median, 95% interval" if x == 0 else None)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.05, color="C3", lw=0.8, ls="--", label="1.05 x GSPO")
+    ax.set_xticks(range(len(names)), [f"Min-Replace\n{name}" for name in names])
+    ax.set_xlim(-0.5, len(names) - 0.5)
+    ax.set_ylabel("step time / TRL GSPO (same round)")
+    ax.set_title(f"{report['gpus']} x {report['device']}, ZeRO-{report['zero_stage']}, {report['model']}, "
+                 f"{report['rounds']} rounds", fontsize=8)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -887,6 +938,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phase", default="all", choices=("all", "reference", "check", "time", "report"))
     p.add_argument("--merge", nargs="+", default=None, metavar="LAYOUTS_JSON",
                    help="instead of a phase: merge the layouts.json of separate runs into --out-dir/layouts.json")
+    p.add_argument("--plot", default=None, help="--merge: also draw the per-round ratios to this PNG")
     p.add_argument("--work-dir", default="/tmp/dfpo-layouts")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))

@@ -129,8 +129,9 @@ def phase_zero3(args: argparse.Namespace) -> None:
     reference = torch.load(args.out_dir / "zero3_reference.pt")
     task = get_task("arithmetic")
     dataset = task.build_dataset("train", 256, 0)
-    # 1. exactness: one optimizer step (two micro-steps) on the fixed batch, learning rate 0.
-    config = base_config(args, **SIZES, learning_rate=0.0, max_steps=1)
+    # 1. exactness: one optimizer step (two micro-steps) on the fixed batch. DFPOConfig refuses a learning rate of
+    # 0 (issue #13's range checks); at 1e-30 every update rounds off, so θ stays the initial θ as at 0.
+    config = base_config(args, **SIZES, learning_rate=1e-30, max_steps=1)
     trainer = Recorder(model=args.model, reward_funcs=task.reward_funcs, args=config, train_dataset=dataset)
     trainer.records = []
     rank = trainer.accelerator.process_index

@@ -92,7 +92,8 @@ def test_cpu_recipe_is_the_embedded_default() -> None:
 
 @pytest.mark.parametrize(
     ("name", "processes", "machines"),
-    [("zero3_2gpu.yaml", 2, 1), ("zero3_8gpu.yaml", 8, 1), ("zero3_4x8.yaml", 32, 4)],
+    [("zero3_2gpu.yaml", 2, 1), ("zero3_4gpu.yaml", 4, 1), ("zero3_8gpu.yaml", 8, 1), ("zero3_4x8.yaml", 32, 4),
+     ("zero3_2x2_rank0.yaml", 4, 2), ("zero3_2x2_rank1.yaml", 4, 2)],
 )
 def test_accelerate_configs_load(name: str, processes: int, machines: int) -> None:
     from accelerate.commands.config.config_args import load_config_from_file
