@@ -290,7 +290,7 @@ class DFPOTrainer(StepRewardMixin, DeltaMixin, GRPOTrainer):
             self.args.seed, self.accelerator.process_index, self.state.global_step, stream=GROUP_SHUFFLE_STREAM
         )
 
-    # ------------------------------------------------------------------------------ redistributed (layout 2b)
+    # ------------------------------------------------------------------------ redistributed (docs/layouts.md)
     def _redistribute(self, buffered: list[dict[str, Any]]) -> dict[str, Any]:
         """Move this rollout between processes once so that micro-step k of every process holds whole groups
         across processes (docs/layouts.md): gather every row's (row id, group id) and the batch widths (one

@@ -147,3 +147,38 @@ def test_forcing_a_layout_the_sizes_cannot_make_exact_is_refused():
         make_trainer(DFPOTrainer, DFPOConfig, **sizes, group_layout="redistributed")
     assert make_trainer(DFPOTrainer, DFPOConfig, **sizes, group_layout="pre_pass").group_layout == "pre_pass"
     assert make_trainer(DFPOTrainer, DFPOConfig, **sizes).group_layout == "pre_pass"  # auto, one process
+
+
+@pytest.mark.parametrize(("prepass_batch_size", "chunks"), [(None, [8]), (3, [3, 3, 2])])
+def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, chunks):
+    """The pre-pass's no-grad forward runs in chunks of prepass_batch_size rows (default 4 × the per-device batch:
+    no activations are kept, and under ZeRO-3 every chunk gathers the weights again); s̄ does not depend on it."""
+    import torch
+    from tiny import hand_batch, make_trainer
+
+    from dfpo_trl import DFPOTrainer
+
+    trainer = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace", per_device_train_batch_size=2,
+                           num_generations=4, steps_per_generation=4, gradient_accumulation_steps=2,
+                           prepass_batch_size=prepass_batch_size)
+    assert trainer.group_layout == "pre_pass"
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 20, (8, 5), generator=g)
+    batch = hand_batch(ids, torch.ones(8, 5, dtype=torch.long), torch.randn(8, generator=g),
+                       -1.0 - 0.1 * torch.rand(8, 5, generator=g))
+    seen: list[int] = []
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def recording(model, input_ids, *args, **kwargs):  # noqa: ANN001, ANN202
+        seen.append(input_ids.size(0))
+        return forward(model, input_ids, *args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = recording
+    s_bar, _ = trainer._post_clip_weights_no_grad(batch, torch.arange(8))
+    assert seen == chunks
+    trainer._get_per_token_logps_and_entropies = forward
+    one_by_one = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace",
+                              per_device_train_batch_size=2, num_generations=4, steps_per_generation=4,
+                              gradient_accumulation_steps=2, prepass_batch_size=1)
+    reference, _ = one_by_one._post_clip_weights_no_grad(batch, torch.arange(8))
+    assert torch.allclose(s_bar, reference, atol=1e-6)
