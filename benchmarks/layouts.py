@@ -83,7 +83,6 @@ import os
 import pathlib
 import random
 import shlex
-import signal
 import socket
 import statistics
 import subprocess
@@ -97,6 +96,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import torch  # noqa: E402
+from processes import stop_process_group  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
@@ -878,12 +878,7 @@ def run_logged(command: list[str], log: Any, timeout: float, env: dict[str, str]
     try:
         return proc.wait(timeout=max(timeout, 1.0))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc)
         log.write(f"[killed after {timeout:.0f} s]\n")
         return -9
 

@@ -50,11 +50,14 @@ import os
 import pathlib
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from processes import stop_process_group  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -188,12 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             deadline = min(deadline, time.time() + 30)
     for i, (proc, handle) in enumerate(procs):
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_process_group(proc)
             codes[i] = None
             result.setdefault("killed", []).append(i)
         else:

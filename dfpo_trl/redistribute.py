@@ -79,29 +79,39 @@ def per_row_keys(batch: dict[str, Any], rows: int) -> list[str]:
     return keys
 
 
-def pad_to_widths(
-    batch: dict[str, Any], keys: list[str], prompt_width: int, completion_width: int
+def _map_sides(
+    batch: dict[str, Any], keys: list[str], completion_width: int,
+    prompt_side: Callable[[torch.Tensor], torch.Tensor], completion_side: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[str, Any]:
-    """Left-pad the prompt side to ``prompt_width`` and right-pad per-token tensors (those as wide as
-    ``completion_mask``) to ``completion_width``, with zeros: the masks are 0 there, so a padded position never
-    counts (and the columns padded in every row of a process are trimmed again after the exchange)."""
-    local_completion = batch[COMPLETION_MASK_KEY].size(1)
+    """``prompt_side`` applied to the prompt tensors, ``completion_side`` to the per-token tensors (those
+    ``completion_width`` wide); 1-D entries and the rest unchanged."""
     out = dict(batch)
     for key in keys:
         value = batch[key]
         if value.dim() < 2:
             continue
         if key in PROMPT_SIDE_KEYS:
-            missing = prompt_width - value.size(1)
-            if missing:
-                pad = value.new_zeros((value.size(0), missing, *value.shape[2:]))
-                out[key] = torch.cat([pad, value], dim=1)
-        elif value.size(1) == local_completion:
-            missing = completion_width - value.size(1)
-            if missing:
-                pad = value.new_zeros((value.size(0), missing, *value.shape[2:]))
-                out[key] = torch.cat([value, pad], dim=1)
+            out[key] = prompt_side(value)
+        elif value.size(1) == completion_width:
+            out[key] = completion_side(value)
     return out
+
+
+def _zeros(value: torch.Tensor, columns: int) -> torch.Tensor:
+    return value.new_zeros((value.size(0), max(columns, 0), *value.shape[2:]))
+
+
+def pad_to_widths(
+    batch: dict[str, Any], keys: list[str], prompt_width: int, completion_width: int
+) -> dict[str, Any]:
+    """Left-pad the prompt side to ``prompt_width`` and right-pad per-token tensors (those as wide as
+    ``completion_mask``) to ``completion_width``, with zeros: the masks are 0 there, so a padded position never
+    counts (and the columns padded in every row of a process are trimmed again after the exchange)."""
+    return _map_sides(
+        batch, keys, batch[COMPLETION_MASK_KEY].size(1),
+        lambda v: torch.cat([_zeros(v, prompt_width - v.size(1)), v], dim=1),
+        lambda v: torch.cat([v, _zeros(v, completion_width - v.size(1))], dim=1),
+    )
 
 
 def trim_padding(batch: dict[str, Any], keys: list[str]) -> dict[str, Any]:
@@ -110,24 +120,14 @@ def trim_padding(batch: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     prompt_mask, completion_mask = batch["prompt_mask"], batch[COMPLETION_MASK_KEY]
     prompt_used = prompt_mask.ne(0).any(dim=0)
     completion_used = completion_mask.ne(0).any(dim=0)
-    widths = torch.stack([
+    drop_prompt, drop_completion = torch.stack([
         prompt_used.int().cumsum(0).eq(0).sum(),  # leading all-padding prompt columns
         completion_used.int().flip(0).cumsum(0).eq(0).sum(),  # trailing all-padding completion columns
     ]).tolist()
-    drop_prompt, drop_completion = widths
     if not drop_prompt and not drop_completion:
         return batch
-    completion_width = completion_mask.size(1)
-    out = dict(batch)
-    for key in keys:
-        value = batch[key]
-        if value.dim() < 2:
-            continue
-        if key in PROMPT_SIDE_KEYS:
-            out[key] = value[:, drop_prompt:]
-        elif value.size(1) == completion_width:
-            out[key] = value[:, : completion_width - drop_completion]
-    return out
+    width = completion_mask.size(1)
+    return _map_sides(batch, keys, width, lambda v: v[:, drop_prompt:], lambda v: v[:, : width - drop_completion])
 
 
 AllToAll = Callable[[torch.Tensor, torch.Tensor, list[int], list[int]], None]
