@@ -113,6 +113,12 @@ def rollout_generator(
     return generator
 
 
+def is_batch_scalar(value: Any) -> bool:
+    """Whether a batch-dict entry is shared by all rows (``None``, a flag, a 0-dim tensor such as
+    ``num_items_in_batch``) rather than one entry per row: regrouping, splitting and moving rows leave it as is."""
+    return value is None or isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() == 0)
+
+
 def concat_sequence_dicts(chunks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Join micro-batch dicts (as TRL's ``split_tensor_dict`` makes them) back into one batch dict.
 
@@ -121,7 +127,7 @@ def concat_sequence_dicts(chunks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for key, first in chunks[0].items():
-        if first is None or isinstance(first, bool) or (isinstance(first, torch.Tensor) and first.dim() == 0):
+        if is_batch_scalar(first):
             out[key] = first
         elif isinstance(first, torch.Tensor):
             out[key] = torch.cat([chunk[key] for chunk in chunks], dim=0)
@@ -136,7 +142,7 @@ def permute_sequence_dict(batch: dict[str, Any], order: torch.Tensor) -> dict[st
     """Reorder every per-row entry of a batch dict by ``order``; 0-dim tensors and ``None`` stay as they are."""
     out: dict[str, Any] = {}
     for key, value in batch.items():
-        if value is None or isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        if is_batch_scalar(value):
             out[key] = value
         elif isinstance(value, torch.Tensor):
             out[key] = value[order.to(value.device)]
@@ -188,7 +194,7 @@ def redistribution_plan(
         )
     slot_of_group = torch.empty(unique_groups.numel(), dtype=torch.int64)
     slot_of_group[torch.randperm(unique_groups.numel(), generator=generator)] = torch.arange(unique_groups.numel())
-    # Sequence position k: groups in slot order, members by row id (row ids < n·(something) fit the key).
+    # Sequence position k: groups in slot order, members by row id (the key is unique: row id < max + 1).
     key = slot_of_group[inverse] * (int(row_ids.max()) + 1) + row_ids
     position = torch.empty(n, dtype=torch.int64)
     position[torch.argsort(key)] = torch.arange(n)

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .layout import is_batch_scalar
+
 PROMPT_SIDE_KEYS = ("prompt_ids", "prompt_mask")
 COMPLETION_MASK_KEY = "completion_mask"
 
@@ -67,7 +69,7 @@ def per_row_keys(batch: dict[str, Any], rows: int) -> list[str]:
     """Keys of ``batch`` that hold one tensor row per sample; refuses per-sample entries that are not tensors."""
     keys = []
     for key, value in batch.items():
-        if value is None or isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        if is_batch_scalar(value):
             continue
         if not isinstance(value, torch.Tensor) or value.size(0) != rows:
             raise ValueError(
@@ -130,16 +132,7 @@ def trim_padding(batch: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     return _map_sides(batch, keys, width, lambda v: v[:, drop_prompt:], lambda v: v[:, : width - drop_completion])
 
 
-AllToAll = Callable[[torch.Tensor, torch.Tensor, list[int], list[int]], None]
-
-
-def _all_to_all(output: torch.Tensor, send: torch.Tensor, receive_counts: list[int], send_counts: list[int]) -> None:
-    dist.all_to_all_single(output, send, receive_counts, send_counts)
-
-
-def exchange_rows(
-    batch: dict[str, Any], keys: list[str], plan: ExchangePlan, all_to_all: AllToAll = _all_to_all
-) -> dict[str, Any]:
+def exchange_rows(batch: dict[str, Any], keys: list[str], plan: ExchangePlan) -> dict[str, Any]:
     """Every per-row tensor of ``batch`` (same widths on every process) sent by ``plan``: returns this process's
     new local batch, rows in local-index order. One all-to-all per key; booleans travel as uint8 (NCCL has no
     bool)."""
@@ -150,7 +143,7 @@ def exchange_rows(
         is_bool = value.dtype == torch.bool
         send = (value.to(torch.uint8) if is_bool else value)[plan.send_order.to(value.device)].contiguous()
         received = send.new_empty((rows, *send.shape[1:]))
-        all_to_all(received, send, plan.receive_counts, plan.send_counts)
+        dist.all_to_all_single(received, send, plan.receive_counts, plan.send_counts)
         placed = torch.empty_like(received)
         placed[plan.receive_order.to(value.device)] = received
         out[key] = placed.bool() if is_bool else placed
