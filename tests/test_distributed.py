@@ -8,20 +8,27 @@ on the whole generation batch.
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from tiny import WORDS, base_args, free_port, hand_batch, last_digit_reward, spawn_ranks, tiny_model, tiny_tokenizer
+from tiny import (
+    WORDS,
+    base_args,
+    end_rank,
+    free_port,
+    hand_batch,
+    last_digit_reward,
+    spawn_ranks,
+    tiny_model,
+    tiny_tokenizer,
+)
 from trl import GRPOConfig, GRPOTrainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.cancellation import aggregation_factor, balance_group_weights, clip_survivors, gradient_coefficients
-from dfpo_trl.cli import default_process_group
 from dfpo_trl.layout import consecutive_group_ids
 from dfpo_trl.transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
 
@@ -98,15 +105,9 @@ def worker(rank: int, port: int, sizes: dict[str, Any], batch_path: str, out_dir
                             s_bar=weights["s_bar"].clone(), s_tilde=weights["s_tilde"].clone(), inputs=micro))
         trainer._step += 1
     torch.save(records, Path(out_dir) / f"rank{rank}.pt")
-    # End gloo as `dfpo-train` does (cli.run): left to interpreter exit, a rank can abort ("terminate called without
-    # an active exception", seen once in CI); the group's Python handle outlives the trainer so that torch joins
-    # gloo's threads with the GIL released.
-    group_handle = default_process_group()
-    trainer.accelerator.wait_for_everyone()
-    dist.destroy_process_group()
+    trainers = [trainer]
     del trainer
-    gc.collect()
-    del group_handle
+    end_rank(trainers)
 
 
 def reference_loss(inputs: dict[str, Any], phi: torch.Tensor, sizes: dict[str, int]) -> torch.Tensor:
@@ -220,12 +221,9 @@ def metric_worker(rank: int, port: int, batch_path: str, out_dir: str) -> None:
     size = METRIC_SIZES["per_device_train_batch_size"]
     logged = logged_group_metrics(trainer, split_rows(batch, rank * local, (rank + 1) * local, size))
     torch.save(logged, Path(out_dir) / f"metrics{rank}.pt")
-    group_handle = default_process_group()
-    trainer.accelerator.wait_for_everyone()
-    dist.destroy_process_group()
+    trainers = [trainer]
     del trainer
-    gc.collect()
-    del group_handle
+    end_rank(trainers)
 
 
 def test_group_metrics_mean_the_same_at_one_and_two_processes(tmp_path):

@@ -10,20 +10,26 @@ with the reference coefficients.
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_distributed import GSPO, TRANSFORM, global_batch, reference_weights
-from tiny import addition_dataset, base_args, free_port, last_digit_reward, spawn_ranks, tiny_model, tiny_tokenizer
+from tiny import (
+    addition_dataset,
+    base_args,
+    end_rank,
+    free_port,
+    last_digit_reward,
+    spawn_ranks,
+    tiny_model,
+    tiny_tokenizer,
+)
 from trl import GRPOConfig, GRPOTrainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.cli import default_process_group
 from dfpo_trl.layout import consecutive_group_ids, redistribution_plan
 from dfpo_trl.redistribute import exchange_plan, pad_to_widths, per_row_keys, trim_padding
 
@@ -89,12 +95,9 @@ def worker(rank: int, port: int, sizes: dict[str, Any], batch_path: str, out_dir
                             grads=grads))
         trainer._step += 1
     torch.save(records, Path(out_dir) / f"rank{rank}.pt")
-    group_handle = default_process_group()
-    trainer.accelerator.wait_for_everyone()
-    dist.destroy_process_group()
+    trainers = [trainer]
     del trainer
-    gc.collect()
-    del group_handle
+    end_rank(trainers)
 
 
 def reference_loss_and_grads(
