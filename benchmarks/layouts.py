@@ -53,9 +53,12 @@ Phases:
   included, runs as in training) returns this process's slice of one hand-built generation batch, with old
   log-probs computed by the model at the rollout (TRL's forward) minus a small per-row shift. Interleaving: each
   trainer's ``train()`` runs in its own thread, and only one thread runs at a time: the threads hand a baton
-  over at rollout boundaries (``on_step_end``), in an order drawn per round from a seeded generator, identical on
-  every rank, so every rank issues the same collectives in the same order. A round gives every method one turn
-  of ``--rollouts-per-turn`` rollouts; one untimed warm-up turn per method comes first.
+  over at optimizer-step boundaries (``on_step_end``), in an order drawn per round from a seeded generator,
+  identical on every rank, so every rank issues the same collectives in the same order. A round gives every
+  method one turn of ``--steps-per-turn`` optimizer steps (default 1: the methods' steps alternate, so a round's
+  ratio compares steps a few seconds apart and drift between rounds cancels); one untimed warm-up turn of
+  ``--warmup-rollouts`` rollouts per method comes first, so every method is at the same step of its rollout in
+  every round.
 * ``report``: ``layouts.json`` and the table.
 
 Why threads: a ``Trainer.train()`` call creates its DeepSpeed engine on entry, so calling ``train()`` again per
@@ -66,12 +69,16 @@ interleaved step by step in one process. The accelerate state is a process-wide 
 DeepSpeed config is the same for all.
 
 Timed: an optimizer step from ``on_step_begin`` to ``on_step_end`` (every micro-step's forward and backward, the
-pre-pass where there is one, the optimizer step; CUDA synchronised at both ends), for the *off-policy* steps only:
+pre-pass where there is one, the optimizer step), every rank aligned at both ends (a one-float all-reduce, then a
+CUDA synchronise: the time from all ranks starting to the slowest finishing), for the *off-policy* steps only:
 every optimizer step but the first of each rollout. The first step holds the rollout (here: slicing the fixed batch,
 TRL's old-log-prob forward, and the redistributed layout's one all-to-all per rollout) and the pre-pass skips its
 forward there, so it is reported apart (``first_step_median_s``). Per round and method the median of its timed
 steps; ``median_step_s`` is the median over rounds with a 95% percentile-bootstrap interval over rounds;
-``ratio_to_gspo`` the median over rounds of the within-round ratio to GSPO, bootstrapped the same way.
+``ratio_to_gspo`` the median over rounds of the within-round ratio to GSPO, bootstrapped the same way. Garbage
+collection (``--gc between-turns``, the default): after the warm-up the long-lived heap is frozen, and between turns
+the collector runs untimed, as ``timeit`` keeps it out of what it times; collections a step triggers itself stay in
+its time and are recorded (``gc_s`` per step). Every timed step is kept in the report (``steps``).
 """
 
 from __future__ import annotations
@@ -481,18 +488,21 @@ def compare_check(args: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ phase: time
 class Turns:
-    """The baton: which trainer thread may run. Only one runs at a time; the main thread hands out turns."""
+    """The baton: which trainer thread may run, and for how many optimizer steps. Only one runs at a time; the
+    main thread hands out turns."""
 
     def __init__(self, names: list[str]) -> None:
         self.go = {name: threading.Event() for name in names}
         self.back = threading.Event()
         self.stop = False
+        self.steps = 1
         self.label: dict[str, Any] = {}
         self.errors: dict[str, str] = {}
         self.finished: set[str] = set()
 
-    def give(self, name: str, timeout: float) -> bool:
-        """Let ``name`` run its turn; False if it did not hand back in ``timeout`` seconds."""
+    def give(self, name: str, steps: int, timeout: float) -> bool:
+        """Let ``name`` run ``steps`` optimizer steps; False if it did not hand back in ``timeout`` seconds."""
+        self.steps = steps
         self.back.clear()
         self.go[name].set()
         return self.back.wait(timeout)
@@ -503,25 +513,56 @@ class Turns:
         self.go[name].wait()
 
 
-class TurnCallback(TrainerCallback):
-    """Times every optimizer step and hands the baton back at the end of each turn (a rollout boundary)."""
+class GCClock:
+    """Seconds the garbage collector ran in this process (all generations), via ``gc.callbacks``."""
 
-    def __init__(self, name: str, turns: Turns, steps_per_turn: int, per_rollout: int) -> None:
-        self.name, self.turns, self.steps_per_turn, self.per_rollout = name, turns, steps_per_turn, per_rollout
-        self.records: list[dict[str, Any]] = []
+    def __init__(self) -> None:
+        self.total = 0.0
         self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._start
+
+
+def align() -> None:
+    """Every rank at the same point with its GPU idle: a one-float all-reduce, then a CUDA synchronise. A step's
+    time then runs from all ranks starting to the slowest rank finishing it, what the job as a whole sees."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        dist.all_reduce(torch.zeros(1, device=device))
+    synchronize()
+
+
+class TurnCallback(TrainerCallback):
+    """Times every optimizer step (all ranks aligned at both ends) and hands the baton back when the turn's steps
+    are done."""
+
+    def __init__(self, name: str, turns: Turns, per_rollout: int, gc_clock: GCClock) -> None:
+        self.name, self.turns, self.per_rollout, self.gc_clock = name, turns, per_rollout, gc_clock
+        self.records: list[dict[str, Any]] = []
+        self._start = self._gc_start = 0.0
+        self._in_turn = 0
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        synchronize()
+        align()
+        self._gc_start = self.gc_clock.total
         self._start = time.perf_counter()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        synchronize()
+        align()
         seconds = time.perf_counter() - self._start
         step = state.global_step - 1
         self.records.append({**self.turns.label, "step": step, "step_in_rollout": step % self.per_rollout,
-                             "seconds": seconds})
-        if state.global_step % self.steps_per_turn == 0:
+                             "seconds": seconds, "gc_s": round(self.gc_clock.total - self._gc_start, 6)})
+        self._in_turn += 1
+        if self._in_turn >= self.turns.steps:
+            self._in_turn = 0
             self.turns.hand_back_and_wait(self.name)
             if self.turns.stop:
                 control.should_training_stop = True
@@ -534,10 +575,12 @@ def phase_time(args: argparse.Namespace) -> None:
     stop_at = args.stop_at or (time.time() + args.deadline_s)
     tokenizer, batch = tokenizer_and_batch(args)
     per_rollout = args.steps_per_generation // args.gradient_accumulation_steps
-    steps_per_turn = per_rollout * args.rollouts_per_turn
-    max_steps = steps_per_turn * (args.warmup_turns + args.rounds + 1)
+    steps_per_turn = args.steps_per_turn
+    warmup_steps = per_rollout * args.warmup_rollouts
+    max_steps = warmup_steps + steps_per_turn * args.rounds + per_rollout
     methods = list(args.methods)
     turns = Turns(methods)
+    gc_clock = GCClock()
     trainers: dict[str, Any] = {}
     callbacks: dict[str, TurnCallback] = {}
     errors: dict[str, str] = {}
@@ -552,7 +595,7 @@ def phase_time(args: argparse.Namespace) -> None:
             )
             trainer.fixed_batch = batch
             trainer.shift = args.shift
-            callbacks[name] = TurnCallback(name, turns, steps_per_turn, per_rollout)
+            callbacks[name] = TurnCallback(name, turns, per_rollout, gc_clock)
             trainer.add_callback(callbacks[name])
             trainers[name] = trainer
         except Exception as exc:  # noqa: BLE001 - that method is dropped, the others run
@@ -591,15 +634,18 @@ def phase_time(args: argparse.Namespace) -> None:
         "versions": common.versions(), "processes": int(os.environ.get("WORLD_SIZE", "1")),
         "zero_stage": plugin.zero_stage if plugin is not None else 0, "dtype": args.dtype,
         "random_config": args.random_config, "steps_per_turn": steps_per_turn, "per_rollout": per_rollout,
+        "warmup_steps": warmup_steps, "gc": args.gc,
         "layouts": {name: getattr(trainers[name], "group_layout", "trl") for name in alive},
         "build_s": build_s, "errors": errors, "rounds_done": 0, "complete": False,
     }
 
-    def turn(name: str, label: dict[str, Any]) -> None:
+    def turn(name: str, label: dict[str, Any], steps: int) -> None:
         turns.label = label
         if name in turns.finished:
             return
-        if not turns.give(name, args.turn_timeout_s):
+        if args.gc == "between-turns":
+            gc.collect()  # untimed: the collection of this turn's garbage does not land in the next method's step
+        if not turns.give(name, steps, args.turn_timeout_s):
             save_timing(work, result, callbacks, f"{name} did not hand back within {args.turn_timeout_s} s")
             print(f"time: {name} hung in its turn; results so far saved, exiting", flush=True)
             os._exit(3)
@@ -613,9 +659,11 @@ def phase_time(args: argparse.Namespace) -> None:
 
     started = time.time()
     for name in list(alive):  # warm-up: engine creation, first rollouts, allocator
-        for w in range(args.warmup_turns):
-            turn(name, {"round": -1 - w, "method": name})
+        turn(name, {"round": -1, "method": name}, warmup_steps)
     drop_failed()
+    if args.gc == "between-turns":  # the long-lived heap (models, engines, trainers) out of every later collection
+        gc.collect()
+        gc.freeze()
     result["engines"] = {name: type(trainers[name].model_wrapped).__name__ for name in alive}
     say(f"time: warm-up done ({time.time() - started:.0f} s); layouts {result['layouts']}, engines "
         f"{result['engines']}")
@@ -628,7 +676,7 @@ def phase_time(args: argparse.Namespace) -> None:
         order = list(alive)
         random.Random(args.seed * 100_003 + r).shuffle(order)
         for name in order:
-            turn(name, {"round": r, "method": name})
+            turn(name, {"round": r, "method": name}, steps_per_turn)
         drop_failed()
         round_seconds.append(time.time() - round_start)
         result["rounds_done"] = r + 1
@@ -640,7 +688,7 @@ def phase_time(args: argparse.Namespace) -> None:
     turns.stop = True
     for name in methods:  # every thread ends its train() (collective teardown), one at a time
         if name in threads and name not in turns.finished:
-            turn(name, {"round": None, "method": name})
+            turn(name, {"round": None, "method": name}, 1)
     for name, trainer in trainers.items():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         result.setdefault("loss_finite", {})[name] = bool(losses) and all(
@@ -696,6 +744,7 @@ def phase_report(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_length": args.prompt_length, "model": f"random-{args.random_config}", "dtype": args.dtype,
         "timed": "off-policy optimizer steps only (every optimizer step but the first of each rollout), from "
                  "on_step_begin to on_step_end, CUDA synchronised; per round the median of a method's timed steps",
+        "steps_per_turn": timing.get("steps_per_turn"), "gc": timing.get("gc"),
         "rounds": timing.get("rounds_done", 0), "complete": timing.get("complete", False),
         "layouts": timing.get("layouts", {}), "engines": timing.get("engines"),
         "loss_finite": timing.get("loss_finite", {}),
@@ -721,6 +770,9 @@ def phase_report(args: argparse.Namespace) -> dict[str, Any]:
                 entry.update(ratio_to_gspo=statistics.median(ratios), ratio_interval_95=bootstrap_median(ratios))
         if first:
             entry["first_step_median_s"] = statistics.median(first.values())
+        timed = [s for s in steps.get(name, []) if s.get("round") is not None and s["round"] >= 0]
+        entry["gc_s_in_timed_steps"] = round(sum(s.get("gc_s", 0.0) for s in timed), 3)
+        entry["steps"] = [{k: s[k] for k in ("round", "step_in_rollout", "seconds", "gc_s") if k in s} for s in timed]
         report[name] = entry
     common.write_json(pathlib.Path(args.out_dir) / "layouts.json", report)
     print_table(report)
@@ -737,9 +789,10 @@ def merge_reports(args: argparse.Namespace) -> dict[str, Any]:
     timed = [(path, r) for path, r in reports if r.get("rounds")]
     if len(timed) > 1:  # several timing runs of one shape on one machine: pool their rounds
         shape = ("device", "gpus", "model", "per_device_train_batch_size", "num_generations", "steps_per_generation",
-                 "gradient_accumulation_steps", "completion_length_range")
-        if any(r[key] != timed[0][1][key] for _, r in timed for key in shape):
-            raise SystemExit("--merge: the timing runs differ in device or shape; pool only runs of one setting")
+                 "gradient_accumulation_steps", "completion_length_range", "steps_per_turn", "gc")
+        if any(r.get(key) != timed[0][1].get(key) for _, r in timed for key in shape):
+            raise SystemExit("--merge: the timing runs differ in device, shape or turn design; pool only runs of one "
+                             "setting")
         timed_path = ", ".join(path for path, _ in timed)
         rounds = {name: [t for _, r in timed for t in r[name]["round_median_s"]] for name in METHODS}
         merged["rounds"] = len(rounds["gspo"])
@@ -848,7 +901,8 @@ def phase_args(args: argparse.Namespace, phase: str, *extra: str) -> list[str]:
            "--gradient-accumulation-steps", str(args.gradient_accumulation_steps),
            "--prompt-length", str(args.prompt_length), "--completion-length", str(args.completion_length),
            "--min-completion-length", str(args.min_completion_length), "--rounds", str(args.rounds),
-           "--rollouts-per-turn", str(args.rollouts_per_turn), "--warmup-turns", str(args.warmup_turns),
+           "--steps-per-turn", str(args.steps_per_turn), "--warmup-rollouts", str(args.warmup_rollouts),
+           "--gc", args.gc,
            "--learning-rate", str(args.learning_rate), "--shift", str(args.shift),
            "--check-shift", str(args.check_shift), "--check-epsilon", *map(str, args.check_epsilon),
            "--check-learning-rate", str(args.check_learning_rate),
@@ -953,9 +1007,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-length", type=int, default=32)
     p.add_argument("--completion-length", type=int, default=384)
     p.add_argument("--min-completion-length", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=40, help="at most; the deadline may stop earlier")
-    p.add_argument("--rollouts-per-turn", type=int, default=1)
-    p.add_argument("--warmup-turns", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=400, help="at most; the deadline may stop earlier")
+    p.add_argument("--steps-per-turn", type=int, default=1,
+                   help="optimizer steps a method runs per turn (a round is one turn of each method)")
+    p.add_argument("--warmup-rollouts", type=int, default=1, help="untimed rollouts per method before round 0")
+    p.add_argument("--gc", default="between-turns", choices=("between-turns", "as-is"),
+                   help="between-turns: freeze the heap after the warm-up and collect between turns (untimed), as "
+                        "timeit keeps the collector out of what it times; as-is: Python's collector untouched")
     p.add_argument("--learning-rate", type=float, default=1e-6)
     p.add_argument("--shift", type=float, default=3e-4, help="timing: std of the per-row old-log-prob offset")
     p.add_argument("--prepass-batch-size", type=int, default=None, help="DFPOConfig.prepass_batch_size (default: None)")
