@@ -798,12 +798,19 @@ def merge_reports(args: argparse.Namespace) -> dict[str, Any]:
         merged["rounds"] = len(rounds["gspo"])
         for name in METHODS:
             ratios = [t / b for t, b in zip(rounds[name], rounds["gspo"], strict=True)]
+            firsts = [r[name]["first_step_median_s"] for _, r in timed if r[name].get("first_step_median_s")]
             merged[name] = {
-                **merged[name], "rounds": len(rounds[name]), "round_median_s": rounds[name],
+                **{k: v for k, v in merged[name].items() if k not in ("steps", "first_step_median_s")},
+                "rounds": len(rounds[name]), "round_median_s": rounds[name],
                 "median_step_s": statistics.median(rounds[name]), "interval_95": bootstrap_median(rounds[name]),
                 "ratio_to_gspo": statistics.median(ratios), "ratio_interval_95": bootstrap_median(ratios),
                 "round_ratio_to_gspo": ratios,
+                "gc_s_in_timed_steps": round(sum(r[name].get("gc_s_in_timed_steps", 0.0) for _, r in timed), 3),
+                "first_step_median_s_per_run": firsts,
+                "runs": [{key: r[name].get(key) for key in ("rounds", "median_step_s", "ratio_to_gspo",
+                                                            "ratio_interval_95")} for _, r in timed],
             }
+        merged["steps_in_run_files"] = "every timed step: the 'steps' of each run's file in merged_from.timing"
     checked = [(path, r) for path, r in reports if r.get("coefficient_check", {}).get("layouts")]
     if checked:
         check_path, check = checked[0]
