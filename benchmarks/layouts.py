@@ -743,7 +743,8 @@ def phase_report(args: argparse.Namespace) -> dict[str, Any]:
         "completion_length_range": [args.min_completion_length, args.completion_length],
         "prompt_length": args.prompt_length, "model": f"random-{args.random_config}", "dtype": args.dtype,
         "timed": "off-policy optimizer steps only (every optimizer step but the first of each rollout), from "
-                 "on_step_begin to on_step_end, CUDA synchronised; per round the median of a method's timed steps",
+                 "on_step_begin to on_step_end, every rank aligned (all-reduce, CUDA synchronise) at both ends; "
+                 "per round the median of a method's timed steps",
         "steps_per_turn": timing.get("steps_per_turn"), "gc": timing.get("gc"),
         "rounds": timing.get("rounds_done", 0), "complete": timing.get("complete", False),
         "layouts": timing.get("layouts", {}), "engines": timing.get("engines"),
