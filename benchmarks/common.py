@@ -13,6 +13,8 @@ import json
 import os
 import pathlib
 import platform
+import random
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -318,6 +320,13 @@ def versions() -> dict[str, str]:
     import transformers
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}
+
+
+def bootstrap_median(values: list[float], draws: int = 4000, seed: int = 0) -> list[float]:
+    """95% percentile-bootstrap interval of the median of ``values`` (resampling rounds)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return [medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]]
 
 
 def write_json(path: str | os.PathLike[str], data: Any) -> None:

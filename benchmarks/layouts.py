@@ -709,13 +709,6 @@ def save_timing(work: pathlib.Path, result: dict[str, Any], callbacks: dict[str,
 
 
 # ------------------------------------------------------------------------------------------ phase: report
-def bootstrap_median(values: list[float], draws: int = 4000, seed: int = 0) -> list[float]:
-    """95% percentile-bootstrap interval of the median of ``values`` (resampling rounds)."""
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
-    return [medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]]
-
-
 def per_round(steps: list[dict[str, Any]], off_policy: bool) -> dict[int, float]:
     """Median step time per timed round (off-policy steps, or the first step of each rollout)."""
     by_round: dict[int, list[float]] = {}
@@ -763,12 +756,12 @@ def phase_report(args: argparse.Namespace) -> dict[str, Any]:
             entry["error"] = timing["errors"][name]
         if rounds:
             values = [rounds[r] for r in sorted(rounds)]
-            entry.update(median_step_s=statistics.median(values), interval_95=bootstrap_median(values),
+            entry.update(median_step_s=statistics.median(values), interval_95=common.bootstrap_median(values),
                          round_median_s=values)
             shared = sorted(set(rounds) & set(base))
             if shared:
                 ratios = [rounds[r] / base[r] for r in shared]
-                entry.update(ratio_to_gspo=statistics.median(ratios), ratio_interval_95=bootstrap_median(ratios))
+                entry.update(ratio_to_gspo=statistics.median(ratios), ratio_interval_95=common.bootstrap_median(ratios))
         if first:
             entry["first_step_median_s"] = statistics.median(first.values())
         timed = [s for s in steps.get(name, []) if s.get("round") is not None and s["round"] >= 0]
@@ -803,8 +796,8 @@ def merge_reports(args: argparse.Namespace) -> dict[str, Any]:
             merged[name] = {
                 **{k: v for k, v in merged[name].items() if k not in ("steps", "first_step_median_s")},
                 "rounds": len(rounds[name]), "round_median_s": rounds[name],
-                "median_step_s": statistics.median(rounds[name]), "interval_95": bootstrap_median(rounds[name]),
-                "ratio_to_gspo": statistics.median(ratios), "ratio_interval_95": bootstrap_median(ratios),
+                "median_step_s": statistics.median(rounds[name]), "interval_95": common.bootstrap_median(rounds[name]),
+                "ratio_to_gspo": statistics.median(ratios), "ratio_interval_95": common.bootstrap_median(ratios),
                 "round_ratio_to_gspo": ratios,
                 "gc_s_in_timed_steps": round(sum(r[name].get("gc_s_in_timed_steps", 0.0) for _, r in timed), 3),
                 "first_step_median_s_per_run": firsts,

@@ -95,13 +95,6 @@ def build_trainer(name: str, model: Any, tokenizer: Any, args: argparse.Namespac
     return trainer
 
 
-def bootstrap_median(values: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of the median of ``values`` (resampling rounds)."""
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
-    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="pretrained checkpoint (default: --random-config)")
@@ -183,7 +176,7 @@ def main() -> None:
                                  "loss": losses[name]}
         if base is not None and name != BASELINE:
             ratios = [t / b for t, b in zip(times[name], base, strict=True)]
-            low, high = bootstrap_median(ratios)
+            low, high = common.bootstrap_median(ratios)
             entry.update(ratio_to_trl=statistics.median(ratios), ratio_interval_95=[low, high])
         result["methods"][name] = entry
     if "dfpo_none" in losses and BASELINE in losses:
