@@ -1,7 +1,9 @@
-"""Trainer callbacks of the main job: held-out accuracy, reward-curve metrics, a progress bar with the reward.
+"""Trainer callbacks of the main job: held-out accuracy, reward-curve metrics, a progress bar with the reward, and
+the equivalent-solution drift meter.
 
-All three work with any ``transformers.Trainer`` (so with ``DFPOTrainer`` and TRL's ``GRPOTrainer``) and only
-read what the trainer already logs; ``report_to`` backends are untouched.
+All work with any ``transformers.Trainer`` (so with ``DFPOTrainer`` and TRL's ``GRPOTrainer``); ``report_to``
+backends are untouched. The drift meter and the periodic held-out accuracy also log through a metric store
+(``DFPOTrainer.dfpo_metrics``) when given one.
 """
 
 from __future__ import annotations
@@ -10,17 +12,21 @@ import logging
 import time
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from . import metrics
+from .drift import completion_log_probs, summarise_equivalent_sets
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CurveMetricsCallback",
     "DFPOProgressCallback",
+    "DriftMeterCallback",
+    "FormShareReward",
     "HeldoutAccuracyCallback",
     "use_dfpo_progress_bar",
 ]
@@ -38,11 +44,14 @@ POSTFIX_KEYS = (
 
 
 class HeldoutAccuracyCallback(TrainerCallback):
-    """Greedy accuracy on a fixed held-out set at the start and at the end of ``train()``.
+    """Greedy accuracy on a fixed held-out set at the start and at the end of ``train()``, and every ``every``
+    optimizer steps when ``every`` > 0.
 
     Runs on every process with the same problems (greedy decoding is deterministic, and under DeepSpeed ZeRO-3
     every rank must take part in ``generate``); only the main process prints. Results are in ``self.results``:
-    ``{"n", "before", "after", "before_seconds", "after_seconds"}``.
+    ``{"n", "before", "after", "before_seconds", "after_seconds", "curve"}``, ``curve`` a list of ``[step,
+    accuracy]`` (step 0 = before training). With a metric store (``metrics``), the periodic values are logged as
+    ``heldout/accuracy`` at their step.
     """
 
     def __init__(
@@ -52,15 +61,21 @@ class HeldoutAccuracyCallback(TrainerCallback):
         max_new_tokens: int = 32,
         batch_size: int = 32,
         chat_template_kwargs: dict[str, Any] | None = None,
+        every: int = 0,
+        metrics: Any = None,
     ) -> None:
+        if every < 0:
+            raise ValueError(f"every must be >= 0 (0: before and after training only), got {every}")
         self.task = task
         self.problems = problems
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.chat_template_kwargs = chat_template_kwargs
-        self.results: dict[str, Any] = {"n": len(problems), "before": None, "after": None}
+        self.every = every
+        self.metrics = metrics
+        self.results: dict[str, Any] = {"n": len(problems), "before": None, "after": None, "curve": []}
 
-    def _measure(self, when: str, state: Any, model: Any, processing_class: Any) -> None:
+    def _accuracy(self, model: Any, processing_class: Any) -> tuple[float, float]:
         from .tasks import greedy_accuracy
 
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
@@ -74,9 +89,20 @@ class HeldoutAccuracyCallback(TrainerCallback):
             batch_size=self.batch_size,
             chat_template_kwargs=self.chat_template_kwargs,
         )
-        seconds = time.monotonic() - start
+        return accuracy, time.monotonic() - start
+
+    def _record(self, step: int, accuracy: float) -> None:
+        curve = self.results["curve"]
+        if curve and curve[-1][0] == step:
+            curve[-1][1] = accuracy
+        else:
+            curve.append([step, accuracy])
+
+    def _measure(self, when: str, state: Any, model: Any, processing_class: Any) -> None:
+        accuracy, seconds = self._accuracy(model, processing_class)
         self.results[when] = accuracy
         self.results[f"{when}_seconds"] = round(seconds, 1)
+        self._record(state.global_step if when == "after" else 0, accuracy)
         if state.is_world_process_zero:
             # tqdm.write: printed above an open progress bar instead of glued to its end.
             tqdm.write(
@@ -87,8 +113,124 @@ class HeldoutAccuracyCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._measure("before", state, kwargs["model"], kwargs.get("processing_class"))
 
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.every or state.global_step % self.every != 0 or state.global_step >= state.max_steps:
+            return  # the last step is measured by on_train_end
+        accuracy, seconds = self._accuracy(kwargs["model"], kwargs.get("processing_class"))
+        self.results["periodic_seconds"] = round(self.results.get("periodic_seconds", 0.0) + seconds, 1)
+        self._record(state.global_step, accuracy)
+        if self.metrics is not None:
+            self.metrics.add_mean("train", "heldout/accuracy", torch.tensor(float(accuracy), dtype=torch.float64), 1.0)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._measure("after", state, kwargs["model"], kwargs.get("processing_class"))
+
+
+class FormShareReward:
+    """A task's correctness reward, returned unchanged, that also logs which equivalent form each fully correct
+    completion is: ``drift/form_share/<form>`` (and ``drift/form_share/other`` for full-credit completions of no
+    listed form), one 0/1 value per such completion through TRL's ``log_metric`` reward argument, so TRL's
+    pooling (sum over processes / count) gives each form's exact share among the step's correct completions.
+
+    ``task`` is an :class:`~dfpo_trl.tasks.EquivalentFormsTask`; ``full_credit`` the reward of a fully correct
+    completion. Keeps the wrapped function's ``__name__`` (TRL logs rewards under it); picklable when it is.
+    """
+
+    def __init__(self, reward: Any, task: Any, full_credit: float = 1.0) -> None:
+        self.reward = reward
+        self.task = task
+        self.full_credit = full_credit
+        self.__name__ = getattr(reward, "__name__", type(reward).__name__)
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+        rewards = self.reward(prompts=prompts, completions=completions, **kwargs)
+        log_metric = kwargs.get("log_metric")
+        if log_metric is None:
+            return rewards
+        n = len(completions)
+        columns = {k: v for k, v in kwargs.items() if isinstance(v, (list, tuple)) and len(v) == n}
+        names = [*self.task.form_names, "other"]
+        for i, (completion, reward) in enumerate(zip(completions, rewards, strict=True)):
+            if reward is None or reward < self.full_credit:
+                continue
+            form = self.task.form_of(completion, {k: v[i] for k, v in columns.items()})
+            chosen = len(names) - 1 if form is None else form
+            for k, name in enumerate(names):
+                log_metric(f"drift/form_share/{name}", 1.0 if k == chosen else 0.0)
+        return rewards
+
+    def __repr__(self) -> str:
+        return f"FormShareReward({self.__name__})"
+
+
+class DriftMeterCallback(TrainerCallback):
+    """Equivalent-solution drift (dfpo_trl.drift, docs/metrics.md): every ``every`` optimizer steps (and before
+    training), the current policy's log-probabilities of each held-out prompt's equivalent canonical completions
+    (``task.equivalent_forms``), summarised as D1–D4 over the prompts.
+
+    Logged through ``metrics`` (a metric store, e.g. ``DFPOTrainer.dfpo_metrics``) at the step measured, as
+    ``drift/log_odds_abs_mean``, ``drift/log_odds_abs_std``, ``drift/log_odds_mean``, ``drift/set_entropy``,
+    ``drift/set_entropy_normalised`` and ``drift/set_logp_mean``; every measurement, step 0 included, is kept in
+    ``self.results["curve"]`` (``{"step", **summary}`` per measurement; ``"seconds"``: their total time).
+    Log-probabilities are taken at ``temperature`` (TRL's: logits / the sampling temperature). Runs on every
+    process (a ZeRO-3 forward is collective); every process computes the same numbers.
+    """
+
+    def __init__(
+        self,
+        task: Any,
+        problems: Any,
+        every: int,
+        temperature: float = 1.0,
+        batch_size: int = 32,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        metrics: Any = None,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1 optimizer steps, got {every}")
+        rows = [dict(row) for row in problems]
+        if not rows:
+            raise ValueError("the drift meter needs at least one held-out problem")
+        self.task = task
+        self.every = every
+        self.temperature = temperature
+        self.batch_size = batch_size
+        self.chat_template_kwargs = chat_template_kwargs
+        self.metrics = metrics
+        forms = [task.equivalent_forms(row) for row in rows]
+        self.num_forms = len(task.form_names)
+        if any(len(f) != self.num_forms for f in forms) or self.num_forms < 2:
+            raise ValueError(f"task {task.name!r} must give {len(task.form_names)} >= 2 forms for every problem")
+        self.prompts = [row["prompt"] for row in rows for _ in range(self.num_forms)]
+        self.completions = [text for per_row in forms for text in per_row]
+        self.results: dict[str, Any] = {
+            "every": every, "n": len(rows), "forms": list(task.form_names), "temperature": temperature, "curve": [],
+        }
+        self._last_step: int | None = None
+
+    def _measure(self, step: int, model: Any, processing_class: Any) -> dict[str, float]:
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        start = time.monotonic()
+        logps = completion_log_probs(
+            model, tokenizer, self.prompts, self.completions, temperature=self.temperature,
+            batch_size=self.batch_size, chat_template_kwargs=self.chat_template_kwargs,
+        ).view(-1, self.num_forms)
+        summary = summarise_equivalent_sets(logps)
+        self.results["curve"].append({"step": step, **summary})
+        self.results["seconds"] = round(self.results.get("seconds", 0.0) + time.monotonic() - start, 2)
+        self._last_step = step
+        return summary
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._measure(state.global_step, kwargs["model"], kwargs.get("processing_class"))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % self.every != 0 and state.global_step < state.max_steps:
+            return
+        summary = self._measure(state.global_step, kwargs["model"], kwargs.get("processing_class"))
+        if self.metrics is not None:
+            for name, value in summary.items():
+                self.metrics.add_mean("train", f"drift/{name}", torch.tensor(float(value), dtype=torch.float64), 1.0)
 
 
 class CurveMetricsCallback(TrainerCallback):

@@ -109,8 +109,32 @@ class DFPOScriptArguments:
             "of the mean training reward reaches it (eq. 19)."
         },
     )
+    eval_every: int = field(
+        default=0,
+        metadata={
+            "help": "Also measure the held-out greedy accuracy every this many optimizer steps (0: before and after "
+            "training only); logged as heldout/accuracy, kept in the summary's heldout.curve."
+        },
+    )
+    drift_every: int = field(
+        default=0,
+        metadata={
+            "help": "Equivalent-solution drift meter (docs/metrics.md): every this many optimizer steps, score "
+            "drift_size held-out prompts' equally rewarded answer forms with the current policy and log drift/* (the "
+            "log-odds between forms, the entropy over them, each form's share of the sampled correct completions). "
+            "0: off. Needs a task with equivalent forms: two_forms, sum_sentence."
+        },
+    )
+    drift_size: int = field(default=32, metadata={"help": "Held-out problems the drift meter scores."})
     save_model: bool = field(default=True, metadata={"help": "Save the trained model to output_dir."})
     plot: bool = field(default=True, metadata={"help": f"Write {PLOT_FILE} (needs matplotlib) to output_dir."})
+
+    def __post_init__(self) -> None:
+        for name in ("eval_every", "drift_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 optimizer steps (0: off), got {getattr(self, name)}")
+        if self.drift_size < 1:
+            raise ValueError(f"drift_size must be >= 1 held-out problems, got {self.drift_size}")
 
 
 class RecipeError(ValueError):
@@ -534,7 +558,14 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     """Train as described, write the summary (and the PNG) to ``output_dir``; returns the summary."""
     from trl import get_peft_config
 
-    from .callbacks import CurveMetricsCallback, HeldoutAccuracyCallback, use_dfpo_progress_bar
+    from .callbacks import (
+        CurveMetricsCallback,
+        DriftMeterCallback,
+        FormShareReward,
+        HeldoutAccuracyCallback,
+        use_dfpo_progress_bar,
+    )
+    from .tasks import EquivalentFormsTask
     from .trainer import DFPOTrainer
 
     start = time.monotonic()
@@ -548,6 +579,17 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
         raise
     except ValueError as exc:  # the task's own checks (missing column or split, no dataset): the recipe's fault
         raise RecipeError(str(exc)) from exc
+    drift_problems = None
+    if script_args.drift_every:
+        if not isinstance(task, EquivalentFormsTask):
+            raise RecipeError(
+                f"drift_every={script_args.drift_every} needs a task whose correct answer comes in equivalent forms "
+                f"(two_forms, sum_sentence, or a task with form_names, equivalent_forms and form_of); task "
+                f"{script_args.task!r} has none. Set drift_every: 0 or change the task."
+            )
+        drift_problems = task.build_dataset("test", script_args.drift_size, training_args.seed)
+        # The correctness reward also logs which form each fully correct sampled completion takes.
+        reward_funcs[0] = FormShareReward(reward_funcs[0], task)
     if script_args.max_prompt_length is not None:
         from transformers import AutoTokenizer
 
@@ -565,6 +607,7 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
             max_new_tokens=script_args.eval_max_new_tokens,
             batch_size=script_args.eval_batch_size,
             chat_template_kwargs=training_args.chat_template_kwargs,
+            every=script_args.eval_every,
         )
         callbacks.insert(0, heldout_cb)
     trainer = DFPOTrainer(
@@ -575,6 +618,20 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
         peft_config=get_peft_config(model_args),
         callbacks=callbacks,
     )
+    if heldout_cb is not None:
+        heldout_cb.metrics = trainer.dfpo_metrics
+    drift_cb = None
+    if drift_problems is not None:
+        drift_cb = DriftMeterCallback(
+            task,
+            drift_problems,
+            every=script_args.drift_every,
+            temperature=training_args.temperature,
+            batch_size=script_args.eval_batch_size,
+            chat_template_kwargs=training_args.chat_template_kwargs,
+            metrics=trainer.dfpo_metrics,
+        )
+        trainer.add_callback(drift_cb)
     use_dfpo_progress_bar(trainer)
     train_start = time.monotonic()
     setup_seconds = train_start - start - model_seconds
@@ -594,7 +651,9 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     summary: dict[str, Any] = {}
     if trainer.accelerator.is_main_process:
         times = {"model": model_seconds, "setup": setup_seconds, "train_call": train_seconds}
-        summary = _write_outputs(trainer, script_args, training_args, model_label, heldout_cb, curves, times, start)
+        summary = _write_outputs(
+            trainer, script_args, training_args, model_label, heldout_cb, curves, times, start, drift_cb
+        )
     # Ending a multi-process launch: the trainer's DDP reducer must not be the last holder of the process group.
     # `trainer.end()` (Transformers) destroys the group; if the reducer then drops the last reference, torch joins
     # gloo's worker threads while holding the GIL, and a worker that needs the GIL to release a finished
@@ -628,6 +687,7 @@ def _write_outputs(
     curves: Any,
     times: dict[str, float],
     start: float,
+    drift_cb: Any = None,
 ) -> dict[str, Any]:
     out = Path(training_args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -671,12 +731,14 @@ def _write_outputs(
         "steps": trainer.state.global_step,
         "learning_rate": training_args.learning_rate,
         "heldout": heldout_cb.results if heldout_cb is not None else None,
+        "drift": drift_cb.results if drift_cb is not None else None,
         **curves.results,
         "train_seconds": round(times["train_call"], 1),
         "total_seconds": time_split["total"],
         "time_split": time_split,
         "plot": plot_path,
         "output_dir": str(out),
+        "log_history": trainer.state.log_history,  # every logged step, as TRL's trainer_state.json keeps it
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary), flush=True)

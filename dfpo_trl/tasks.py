@@ -33,6 +33,7 @@ __all__ = [
     "TRAIN_SPLIT",
     "ArithmeticReward",
     "ArithmeticTask",
+    "EquivalentFormsTask",
     "MathTask",
     "MathVerifyReward",
     "RewardFunc",
@@ -40,6 +41,8 @@ __all__ = [
     "SumSentenceReward",
     "SumSentenceTask",
     "Task",
+    "TwoFormsReward",
+    "TwoFormsTask",
     "completion_text",
     "get_task",
     "greedy_accuracy",
@@ -66,6 +69,20 @@ class Task(Protocol):
     def build_dataset(self, split: str, n: int | None, seed: int) -> Dataset:
         """``split`` is ``"train"`` or ``"test"`` (held-out); ``n`` rows (``None``: the task's default)."""
         ...
+
+
+@runtime_checkable
+class EquivalentFormsTask(Task, Protocol):
+    """A task whose fully correct answer can be written in several surface forms that its reward scores alike: what
+    the equivalent-solution drift meter (dfpo_trl.drift, ``drift_every``) measures. ``equivalent_forms(row)`` gives
+    one canonical completion per form (in ``form_names`` order) for a dataset row; ``form_of(completion, row)`` says
+    which form a completion is, or None."""
+
+    form_names: tuple[str, ...]
+
+    def equivalent_forms(self, row: Mapping[str, Any]) -> list[str]: ...
+
+    def form_of(self, completion: Any, row: Mapping[str, Any]) -> int | None: ...
 
 
 def _check_split(split: str) -> None:
@@ -356,6 +373,86 @@ class SumSentenceTask(ArithmeticTask):
     name: str = "sum_sentence"
     reward_funcs: list[RewardFunc] = field(default_factory=lambda: [safe_reward(SumSentenceReward())])
     prompt_template: str = SUM_SENTENCE_PROMPT
+    form_names: tuple[str, ...] = ("period", "no_period")
+
+    def equivalent_forms(self, row: Mapping[str, Any]) -> list[str]:
+        """The completions the reward scores alike at full credit and that differ only in surface form (the
+        drift meter's equivalent set, dfpo_trl.drift): the required sentence with the sum, with and without its
+        final period."""
+        sentence = f"{SUM_SENTENCE_LEAD.format(a=row['a'], b=row['b'])} {row['answer']}"
+        return [sentence + ".", sentence]
+
+    def form_of(self, completion: Any, row: Mapping[str, Any]) -> int | None:
+        """Index of the equivalent form ``completion`` is (blanks and the reward's allowed opening characters
+        stripped), or None."""
+        text = completion_text(completion).lstrip(_OPENING).rstrip()
+        forms = self.equivalent_forms(row)
+        return forms.index(text) if text in forms else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Two forms: one answer, two equally rewarded sentences (equivalent-solution drift)
+
+
+TWO_FORMS = ("The sum is {s}.", "The answer is {s}.")
+TWO_FORMS_PROMPT = 'Compute {a} + {b}. Reply with "The sum is <number>." or "The answer is <number>."'
+
+
+class TwoFormsReward:
+    """1.0 when the whole completion (blanks stripped) is one of ``TWO_FORMS`` with the sum ``a + b``, either form
+    alike; ``unformatted`` (0.5) when it is not but its last number is the sum; else 0.0."""
+
+    __name__ = "two_forms_correct"
+
+    def __init__(self, unformatted: float = 0.5) -> None:
+        self.unformatted = unformatted
+
+    def __call__(
+        self, prompts: list[Any], completions: list[Any], answer: list[int], **kwargs: Any
+    ) -> list[float | None]:
+        if len(answer) != len(completions):
+            raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")
+        rewards: list[float | None] = []
+        for completion, target in zip(completions, answer, strict=True):
+            text = completion_text(completion).strip()
+            if text in [form.format(s=target) for form in TWO_FORMS]:
+                rewards.append(1.0)
+            else:
+                value = last_number(text)
+                rewards.append(self.unformatted if value is not None and value == float(target) else 0.0)
+        return rewards
+
+
+@dataclass
+class TwoFormsTask(ArithmeticTask):
+    """The arithmetic task's problems, answered in either of two sentences the reward treats alike:
+
+        Compute 3 + 5. Reply with "The sum is <number>." or "The answer is <number>."
+
+    Full reward for "The sum is 8." and for "The answer is 8." (the whole completion), 0.5 for the right sum in any
+    other wording (:class:`TwoFormsReward`). The two forms are an equivalent set in the sense of the DFPO paper's
+    Corollary 3.2: equal reward, equal advantage in a group, different surface form, so any drift of their
+    log-odds during training is reward-irrelevant (the drift meter, dfpo_trl.drift and docs/metrics.md). They were
+    chosen because the untrained SmolLM2-135M-Instruct gives them similar probability under this prompt (mean
+    log-odds "sum" against "answer" −0.8, standard deviation 0.8 over 16 problems; the pair in the prompt's order
+    "Answer: <number>" / "The answer is <number>." was −4.6), so the equivalent set starts mixed and a collapse
+    onto one form is visible. Splits: exactly :class:`ArithmeticTask`'s.
+    """
+
+    name: str = "two_forms"
+    reward_funcs: list[RewardFunc] = field(default_factory=lambda: [safe_reward(TwoFormsReward())])
+    prompt_template: str = TWO_FORMS_PROMPT
+    form_names: tuple[str, ...] = ("sum", "answer")
+
+    def equivalent_forms(self, row: Mapping[str, Any]) -> list[str]:
+        """The full-credit completions of ``row``'s problem, one per form (the drift meter's equivalent set)."""
+        return [form.format(s=row["answer"]) for form in TWO_FORMS]
+
+    def form_of(self, completion: Any, row: Mapping[str, Any]) -> int | None:
+        """Index of the form ``completion`` is (blanks stripped), or None."""
+        text = completion_text(completion).strip()
+        forms = self.equivalent_forms(row)
+        return forms.index(text) if text in forms else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -502,7 +599,7 @@ class MathTask:
 
 
 TASKS: dict[str, Callable[..., Task]] = {
-    "arithmetic": ArithmeticTask, "math": MathTask, "sum_sentence": SumSentenceTask,
+    "arithmetic": ArithmeticTask, "math": MathTask, "sum_sentence": SumSentenceTask, "two_forms": TwoFormsTask,
 }
 
 

@@ -1,0 +1,131 @@
+"""Equivalent-solution drift: how the policy splits probability among answers the reward treats alike.
+
+The DFPO paper's Corollary 3.2 (and its Appendix A.3 toy) predicts that a sequence-coupled group objective moves the
+log-odds between two equally rewarded completions y_a, y_b of one prompt by η c (κ(y_a) − κ(y_b)) per update
+(its eq. 5 and 41): a difference in their sequence weights, not in their reward, so it accumulates until one surface
+form takes the equivalent set's mass (entropy collapse on that set). This module measures that on fixed prompts
+whose correct answer can be written in K ≥ 2 equivalent forms (a task's ``equivalent_forms``; docs/metrics.md,
+"Equivalent-solution drift", defines D1–D4):
+
+* D1, log-odds:   o(x) = log π(y_1 | x) − log π(y_2 | x)                       (the quantity of eq. 5 / 41)
+* D2, spread:     Δ(x) = max_f log π(y_f | x) − min_f log π(y_f | x)           (= |o(x)| for K = 2)
+* D3, set entropy: H(x) = −Σ_f q_f log q_f,  q_f = π(y_f | x) / Σ_g π(y_g | x)  (h(p_k) of the proof for K = 2)
+* D4, set mass:   M(x) = log Σ_f π(y_f | x)                                     (whether the set itself gains mass)
+
+Everything here is a pure function of tensors except :func:`completion_log_probs`, which runs one no-grad forward of
+a causal LM over (prompt, completion) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["completion_log_probs", "equivalent_set_stats", "summarise_equivalent_sets"]
+
+
+def equivalent_set_stats(logps: Tensor) -> dict[str, Tensor]:
+    """Per-prompt D1–D4 from ``logps`` (P, K), K ≥ 2: log π(y_f | x_p) of each prompt's K equivalent completions.
+
+    Returns ``log_odds`` (P,) (D1, form 0 against form 1), ``spread`` (P,) (D2), ``entropy`` (P,) (D3, nats, at most
+    log K) and ``set_logp`` (P,) (D4). Computed in float64 from log-probabilities, so completions far below float
+    resolution (log π of −200) still give exact odds.
+    """
+    if logps.dim() != 2 or logps.size(1) < 2:
+        raise ValueError(f"logps must have shape (prompts, forms) with at least 2 forms, got {tuple(logps.shape)}")
+    if not torch.isfinite(logps).all():
+        raise ValueError("logps must be finite: a completion the model cannot produce has no defined odds")
+    values = logps.double()
+    log_q = torch.log_softmax(values, dim=1)
+    return {
+        "log_odds": values[:, 0] - values[:, 1],
+        "spread": values.max(dim=1).values - values.min(dim=1).values,
+        "entropy": -(log_q.exp() * log_q).sum(dim=1),
+        "set_logp": torch.logsumexp(values, dim=1),
+    }
+
+
+def summarise_equivalent_sets(logps: Tensor) -> dict[str, float]:
+    """The logged drift metrics of one measurement: D1–D4 pooled over prompts.
+
+    ``log_odds_abs_mean`` / ``log_odds_abs_std`` are the mean and (population) standard deviation over prompts of
+    the spread D2 (|o| for two forms), ``log_odds_mean`` the signed mean of D1 (which form is winning),
+    ``set_entropy`` the mean of D3 and ``set_entropy_normalised`` that over log K (1 = the forms equally likely, 0 =
+    one form has all of the set's mass), ``set_logp_mean`` the mean of D4."""
+    stats = equivalent_set_stats(logps)
+    spread = stats["spread"]
+    forms = logps.size(1)
+    return {
+        "log_odds_abs_mean": spread.mean().item(),
+        "log_odds_abs_std": spread.std(unbiased=False).item(),
+        "log_odds_mean": stats["log_odds"].mean().item(),
+        "set_entropy": stats["entropy"].mean().item(),
+        "set_entropy_normalised": stats["entropy"].mean().item() / math.log(forms),
+        "set_logp_mean": stats["set_logp"].mean().item(),
+    }
+
+
+@torch.no_grad()
+def completion_log_probs(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    completions: Sequence[str],
+    *,
+    temperature: float = 1.0,
+    batch_size: int = 32,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> Tensor:
+    """log π(completion | prompt) of each pair, summed over the completion's tokens and its end-of-sequence token.
+
+    ``prompts`` are conversational (a list of messages, rendered with the chat template and its generation prompt, as
+    TRL renders them) or plain strings; each completion is tokenized on its own and followed by the tokenizer's EOS
+    token, the token that ends a sampled completion. Logits are divided by ``temperature`` before the softmax, as
+    TRL's loss computes the policy's log-probabilities. Runs in eval mode and restores the model's mode. Returns a
+    float64 tensor (len(prompts),) on the CPU.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos_token_id: a completion's end cannot be scored")
+    rendered = [
+        prompt
+        if isinstance(prompt, str)
+        else tokenizer.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True, **dict(chat_template_kwargs or {})
+        )
+        for prompt in prompts
+    ]
+    prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
+    completion_ids = [
+        tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in completions
+    ]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: list[Tensor] = []
+    try:
+        for start in range(0, len(prompt_ids), batch_size):
+            rows = [p + c for p, c in zip(prompt_ids[start : start + batch_size],
+                                          completion_ids[start : start + batch_size], strict=True)]
+            width = max(len(r) for r in rows)
+            ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+            attention = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, row in enumerate(rows):  # right padding: positions stay those of an unpadded forward
+                ids[i, : len(row)] = torch.tensor(row)
+                attention[i, : len(row)] = 1
+            logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits.float()
+            log_probs = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
+            token_logps = log_probs.gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)
+            for i in range(len(rows)):
+                first = len(prompt_ids[start + i]) - 1  # the logit at position t predicts token t + 1
+                last = first + len(completion_ids[start + i])
+                out.append(token_logps[i, first:last].double().sum().cpu())
+    finally:
+        model.train(was_training)
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
