@@ -89,10 +89,15 @@ PREDICTIONS = (
 
 
 # ------------------------------------------------------------------------------------------------ one run
-def run_flags(args: argparse.Namespace, task: str, method: str, seed: int, output_dir: pathlib.Path) -> list[str]:
+def run_flags(
+    args: argparse.Namespace, task: str, method: str, seed: int, output_dir: pathlib.Path, port: int = 29600
+) -> list[str]:
     """The `dfpo-train` command line of one run."""
     flags, _, _ = METHODS[method]
-    command = [sys.executable, "-m", "dfpo_trl", str(args.recipe), "--task", task, "--seed", str(seed),
+    launcher = [sys.executable, "-m", "dfpo_trl"]
+    if args.via_accelerate:
+        launcher = ["accelerate", "launch", "--num_processes", "1", "--main_process_port", str(port), "-m", "dfpo_trl"]
+    command = [*launcher, str(args.recipe), "--task", task, "--seed", str(seed),
                "--output_dir", str(output_dir), "--max_steps", str(args.steps), "--save_model", "false",
                "--plot", "false", "--disable_tqdm", "true", *flags]
     if args.model:
@@ -183,14 +188,15 @@ def start(run: Run, args: argparse.Namespace, index: int) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     run.log = work / "logs" / f"{run.name}.a{run.attempts}.log"
     run.log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MASTER_PORT=str(29600 + index % 300), TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    port = 29600 + index % 300
+    env = dict(os.environ, MASTER_PORT=str(port), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
     if args.gpus:
         env["CUDA_VISIBLE_DEVICES"] = str(args.gpus[index % len(args.gpus)])
     run.attempts += 1
     run.started = time.time()
     with open(run.log, "w") as log:
-        run.process = subprocess.Popen(run_flags(args, run.task, run.method, run.seed, output_dir), cwd=ROOT,
+        run.process = subprocess.Popen(run_flags(args, run.task, run.method, run.seed, output_dir, port), cwd=ROOT,
                                        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -456,6 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parallel", type=int, default=10)
     p.add_argument("--gpus", nargs="*", type=int, default=[], help="CUDA device indices, round-robin (default: all)")
     p.add_argument("--vllm-memory", type=float, default=0.05, help="vllm_gpu_memory_utilization of each run")
+    p.add_argument("--via-accelerate", action="store_true", help="start each run with `accelerate launch`")
     p.add_argument("--start-timeout", type=float, default=240.0, help="s before the next run starts anyway")
     p.add_argument("--deadline-s", type=float, default=None, help="start no run that would end after this")
     p.add_argument("--expected-run-s", type=float, default=300.0, help="a run's wall time before one has finished")

@@ -218,7 +218,10 @@ def versions() -> dict[str, str]:
 
 
 def run_child(args: argparse.Namespace, kind: str, out: pathlib.Path, extra_env: dict[str, str]) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", kind, "--child-out", str(out), "--recipe", str(args.recipe),
+    launcher = [sys.executable, __file__]
+    if args.via_accelerate:
+        launcher = ["accelerate", "launch", "--num_processes", "1", __file__]
+    command = [*launcher, "--child", kind, "--child-out", str(out), "--recipe", str(args.recipe),
                "--work", str(out.parent / f"work_{kind}"), "--parity-steps", str(args.parity_steps),
                "--parity-overrides", args.parity_overrides]
     if args.model:
@@ -247,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="also run the parity pair with CUBLAS_WORKSPACE_CONFIG and torch's deterministic algorithms")
     p.add_argument("--smoke", action="store_true", help="CPU check: tiny model, no vLLM")
+    p.add_argument("--via-accelerate", action="store_true", help="start each run with `accelerate launch`")
     p.add_argument("--child", choices=["recipe", "trl", "dfpo_off"], help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     p.add_argument("--work", default="/tmp/vllm_e2e_work", help=argparse.SUPPRESS)
