@@ -10,6 +10,7 @@ from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from .cancellation import BALANCING_TRANSFORMS, CANCELLATION_TARGETS, ONE_SIDED_POLICIES
+from .delta import GAMMA_RULES, GAMMA_UPDATES, SCOPES, ZERO_ADVANTAGE_RULES
 from .transforms import GROUP_TRANSFORMS
 
 TRANSFORM_GRADIENTS = ("ratio", "score")
@@ -141,11 +142,13 @@ class DFPOConfig(GRPOConfig):
             gradients are unchanged. `1` is refused (a single bucket's share is always 1).
         token_weighting (`str`, *optional*, defaults to `"none"`):
             `"delta"`: DelTA token weights (docs/delta.md): per rollout batch, with the
-            rollout-time model, λ_{i,t} from the LM-head-row proxy (1 − p) h (centroids global over processes),
-            self-normalised over the loss's normalisation domain (per sequence for `loss_type="grpo"`, per
-            micro-batch for `"bnpo"`, over the global rollout batch for `"dapo"`/`"dr_grpo"`), held fixed across
-            `num_iterations` and applied as stop-gradient per-token multipliers on TRL's clipped surrogate (not
-            on the KL term). Costs no extra forward when TRL computes old log-probs (off-policy), one otherwise.
+            rollout-time model, λ_{i,t} from the LM-head-row proxy (1 − p) h (statistics over all processes, or
+            per process with `delta_scope="process"`), self-normalised over the loss's normalisation domain (per
+            sequence for `loss_type="grpo"`, per micro-batch for `"bnpo"`, over the rollout batch for
+            `"dapo"`/`"dr_grpo"`), held fixed across `num_iterations` and applied as stop-gradient per-token
+            multipliers on TRL's clipped surrogate (not on the KL term). The defaults of the `delta_*` rules are the
+            authors' released code; each earlier rule of ours is one option away (docs/delta.md). Costs no extra
+            forward when TRL computes old log-probs (off-policy), one otherwise.
             Token-level only: with `importance_sampling_level="sequence"` a per-token multiplier on the broadcast
             sequence-level loss only rescales each sequence, so it is refused. Works with `symmetric_clip`.
         delta_lambda_min (`float`, *optional*, defaults to `0.8`):
@@ -153,9 +156,28 @@ class DFPOConfig(GRPOConfig):
         delta_lambda_max (`float`, *optional*, defaults to `1.2`):
             λ_max; must be >= `delta_lambda_min`.
         delta_refine_steps (`int`, *optional*, defaults to `1`):
-            K, the number of centroid refinements (the paper uses 1; 0 is the "w/o refinement" ablation).
-        delta_gamma (`float` or `None`, *optional*, defaults to `None`):
-            `None`: adaptive γ_side = mean |margin| of the side; a number fixes γ (the "w/o adaptive γ" ablation).
+            K, the number of centroid refinements (the paper and its released recipe use 1; 0 is the
+            "w/o refinement" ablation).
+        delta_gamma (`str` or `float`, *optional*, defaults to `"std"`):
+            γ_side of α = σ(margin / γ_side); the paper calls it adaptive without defining it (docs/delta.md).
+            `"std"`: the population standard deviation of the side's margins over its tokens, variance floored
+            at 1e-8 (the authors' released code). `"mean_abs"`: the mean |margin| of the side (our earlier rule).
+            A number fixes γ for both sides (the "w/o adaptive γ" ablation); a numeric string (command line) is
+            read as a number. `None` (the earlier spelling of the adaptive γ) is refused with the two names.
+        delta_gamma_update (`str`, *optional*, defaults to `"lagged"`):
+            Which margins γ comes from during refinement. `"lagged"` (released code): refinement step k scores with
+            μ^(k) and γ^(k) and takes γ^(k+1) from the margins at μ^(k), before the update, so with K = 1 the final
+            scores use the refined centroids with the initial γ. `"current"` (our earlier rule): γ^(k) from the
+            margins at μ^(k).
+        delta_zero_advantage (`str`, *optional*, defaults to `"lambda_min"`):
+            Tokens outside the between-side contrast. `"lambda_min"` (released code): tokens of Â = 0 completions
+            get λ = λ_min and count in the normaliser N/Z; a batch with one side empty goes on with the zero
+            centroid for that side. `"one"` (our earlier rule): those tokens get λ = 1, and a batch with one side
+            empty gets λ = 1 everywhere.
+        delta_scope (`str`, *optional*, defaults to `"global"`):
+            Where the centroids, γ and N/Z are computed. `"global"`: over every process's rollout (all-reduced), the
+            same weights at any world size. `"process"`: on each data-parallel process's shard alone, as the
+            released code computes them. No effect on one process.
         delta_assignment (`str`, *optional*, defaults to `"soft"`):
             `"soft"`: α = σ(margin / γ); `"hard"`: α = 1[margin > 0] (the "w/o h(α)" ablation).
         delta_contrast (`str`, *optional*, defaults to `"opposite"`):
@@ -269,9 +291,34 @@ class DFPOConfig(GRPOConfig):
     delta_refine_steps: int = field(
         default=1, metadata={"help": "DelTA centroid refinement steps K (paper: 1; 0 = 'w/o refinement')."}
     )
-    delta_gamma: float | None = field(
-        default=None,
-        metadata={"help": "DelTA gamma: None = adaptive (mean |margin| per side); a number = fixed (ablation)."},
+    # A str field so that the command line accepts the names; a number (or a numeric string) is a fixed gamma.
+    delta_gamma: str = field(
+        default="std",
+        metadata={
+            "help": "DelTA gamma per side: 'std' (std of the side's margins, variance floored at 1e-8; the authors' "
+            "released code), 'mean_abs' (mean |margin|; our earlier rule) or a number (fixed gamma, ablation)."
+        },
+    )
+    delta_gamma_update: str = field(
+        default="lagged",
+        metadata={
+            "help": "DelTA gamma during refinement: 'lagged' (from the margins before each centroid update; released "
+            "code) or 'current' (from the margins at the current centroids; our earlier rule)."
+        },
+    )
+    delta_zero_advantage: str = field(
+        default="lambda_min",
+        metadata={
+            "help": "DelTA tokens outside the contrast: 'lambda_min' (zero-advantage tokens get lambda_min, an empty "
+            "side has the zero centroid; released code) or 'one' (lambda = 1; our earlier rule)."
+        },
+    )
+    delta_scope: str = field(
+        default="global",
+        metadata={
+            "help": "DelTA statistics: 'global' (over all processes) or 'process' (each process's shard alone, as "
+            "the released code)."
+        },
     )
     delta_assignment: str = field(
         default="soft", metadata={"help": "DelTA alpha: 'soft' = sigmoid(margin / gamma); 'hard' = 1[margin > 0]."}
@@ -492,16 +539,16 @@ class DFPOConfig(GRPOConfig):
             raise ValueError(
                 f"token_weighting={self.token_weighting!r} is not valid; use 'none' or 'delta' (DelTA)."
             )
-        if not 0 < self.delta_lambda_min <= self.delta_lambda_max:
-            raise ValueError(
-                f"delta_lambda_min={self.delta_lambda_min} and delta_lambda_max={self.delta_lambda_max} must satisfy "
-                "0 < delta_lambda_min <= delta_lambda_max (the weights multiply advantages and must stay positive); "
-                "the paper uses 0.8 and 1.2."
-            )
-        if self.delta_refine_steps < 0:
-            raise ValueError(f"delta_refine_steps must be >= 0, got {self.delta_refine_steps}.")
-        if self.delta_gamma is not None and not self.delta_gamma > 0:
-            raise ValueError(f"delta_gamma must be > 0, or None for the adaptive gamma; got {self.delta_gamma}.")
+        # The numeric fields (delta_lambda_min/max, delta_refine_steps, delta_gamma) are checked in _validate_ranges.
+        for name, allowed in (
+            ("delta_gamma_update", GAMMA_UPDATES),
+            ("delta_zero_advantage", ZERO_ADVANTAGE_RULES),
+            ("delta_scope", SCOPES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not valid; use {' or '.join(repr(a) for a in allowed)}."
+                )
         if self.delta_assignment not in ("soft", "hard"):
             raise ValueError(f"delta_assignment={self.delta_assignment!r} is not valid; use 'soft' or 'hard'.")
         if self.delta_contrast not in ("opposite", "within"):
@@ -598,17 +645,44 @@ class DFPOConfig(GRPOConfig):
         )
         for name in ("delta_lambda_min", "delta_lambda_max"):
             require(name, finite(getattr(self, name)), "must be a finite number", "the paper uses 0.8 and 1.2")
-        if self.delta_gamma is not None:
+        if finite(self.delta_lambda_min) and finite(self.delta_lambda_max):
             require(
-                "delta_gamma", finite(self.delta_gamma) and self.delta_gamma > 0,
-                "must be a finite number > 0", "or None for the adaptive gamma",
+                "delta_lambda_min", 0 < self.delta_lambda_min <= self.delta_lambda_max,
+                f"with delta_lambda_max={self.delta_lambda_max!r} must satisfy 0 < delta_lambda_min <= "
+                "delta_lambda_max (the weights multiply advantages and must stay positive)",
+                "the paper uses 0.8 and 1.2",
+            )
+        self._read_delta_gamma()
+        if self.delta_gamma is None:
+            require(
+                "delta_gamma", False, "is no longer accepted (it meant the adaptive mean-|margin| gamma)",
+                "use 'std' (the authors' released code, the default) or 'mean_abs' (the former rule)",
+            )
+        elif not (self.delta_gamma in GAMMA_RULES or finite(self.delta_gamma) and self.delta_gamma > 0):
+            require(
+                "delta_gamma", False,
+                "is not valid: it must be 'std', 'mean_abs' or a finite number > 0 (a fixed gamma)",
+                "the default 'std' is the authors' released code",
             )
         require(
-            "delta_refine_steps", isinstance(self.delta_refine_steps, int) and self.delta_refine_steps >= 0,
+            "delta_refine_steps",
+            isinstance(self.delta_refine_steps, int) and not isinstance(self.delta_refine_steps, bool)
+            and self.delta_refine_steps >= 0,
             "must be an integer >= 0", "the paper uses 1",
         )
         if problems:
             raise ValueError("out-of-range value(s): " + " | ".join(problems) + ".")
+
+    def _read_delta_gamma(self) -> None:
+        """A fixed delta_gamma given as a numeric string (the command line) or an int becomes a float."""
+        gamma = self.delta_gamma
+        if isinstance(gamma, str) and gamma not in GAMMA_RULES:
+            try:
+                self.delta_gamma = float(gamma)
+            except ValueError:
+                pass
+        elif isinstance(gamma, int) and not isinstance(gamma, bool):
+            self.delta_gamma = float(gamma)
 
     def _resolve_checkpointing_alias(self) -> None:
         """Accept either checkpointing name without transformers' deprecation warning (TRL set the old name by

@@ -11,9 +11,11 @@
   That forward also gives p = exp(log p) of every sampled token at the rollout-time parameters.
 * Alignment: TRL scores the last ``logits_to_keep`` = T positions of ``log_probs``, whose position j is
   predicted from hidden position j; so completion token t uses ``last_hidden_state[:, -(T+1) + t]``.
-* λ = ``token_weights_from_hidden`` (v = (1 − p) h, centroids all-reduced over processes), then
-  self-normalised over the loss's normalisation domain (:func:`normalisation_domain`), stored per row in
-  ``output["delta_weights"]`` (B, T). TRL's buffering, shuffling and splitting carry it with its row, so the
+* λ and λ̄ = ``dfpo_trl.delta.delta_weights`` (v = (1 − p) h, the rules of the config's ``delta_*`` fields;
+  statistics all-reduced over processes unless ``delta_scope="process"``), λ̄ self-normalised over the loss's
+  normalisation domain (:func:`normalisation_domain`) and 0 outside the loss mask, stored per row in
+  ``output["delta_weights"]`` (B, T). On one process with ``loss_type="dapo"`` this is exactly
+  ``dfpo_trl.delta.delta_token_weights``. TRL's buffering, shuffling and splitting carry it with its row, so the
   weights stay fixed across ``num_iterations``.
 * In the loss, ``apply_delta_weights`` turns TRL's advantages into Â_i λ̄_{i,t} (shape (B, T), which TRL's
   ``_compute_loss`` accepts). Since λ̄ > 0, -min(r Â λ̄, clip(r) Â λ̄) = -λ̄ min(r Â, clip(r) Â): a stop-gradient
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .delta import self_normalise, token_weights_from_hidden
+from .delta import delta_weights, self_normalise
 from .layout import rollout_generator
 from .lm_head import HiddenCapture, capture_log_prob_forward
 from .loss_inputs import loss_mask
@@ -69,42 +71,35 @@ def sum_over_processes(t: Tensor) -> Tensor:
     return t
 
 
-def delta_options(args: Any) -> dict[str, Any]:
-    """``token_weights_from_hidden`` keyword arguments from a ``DFPOConfig``."""
-    return dict(
-        lambda_min=args.delta_lambda_min,
-        lambda_max=args.delta_lambda_max,
-        refine_steps=args.delta_refine_steps,
-        gamma=args.delta_gamma,
-        assignment=args.delta_assignment,
-        contrast=args.delta_contrast,
-        random_weights=args.delta_random,
-    )
+def weight_reducer(args: Any, num_processes: int) -> Reducer | None:
+    """The ``all_reduce`` of the weights' statistics: over every process for ``delta_scope="global"``, none (each
+    process's shard alone, the released code's scope) for ``"process"`` or a single process."""
+    if num_processes > 1 and args.delta_scope == "global":
+        return sum_over_processes
+    return None
 
 
 def rollout_weights(
     hidden: Tensor,
-    token_probs: Tensor,
+    logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    loss_type: str,
+    args: Any,
     *,
     all_reduce: Reducer | None = None,
     generator: torch.Generator | None = None,
-    **options: Any,
 ) -> tuple[Tensor, Tensor]:
-    """λ (B, T) of one rollout batch and λ̄, λ self-normalised over the rollout-time domain of ``loss_type``.
+    """λ (B, T) of one rollout batch and λ̄, λ self-normalised over the rollout-time domain of ``args.loss_type``.
 
     Per sequence for ``grpo``; over the whole rollout batch (all processes through ``all_reduce``) for
     ``dapo``, ``dr_grpo`` and ``bnpo`` (whose micro-batch normalisation is redone at loss time by
-    :func:`apply_delta_weights`). ``options`` are ``token_weights_from_hidden``'s (:func:`delta_options`).
+    :func:`apply_delta_weights`). ``args`` is the ``DFPOConfig`` whose ``delta_*`` fields choose the rules.
     """
-    raw = token_weights_from_hidden(
-        hidden, token_probs, advantages, mask, all_reduce=all_reduce, generator=generator, **options
+    per_sequence = normalisation_domain(args.loss_type) == DOMAIN_SEQUENCE
+    return delta_weights(
+        hidden, logprobs, advantages, mask, args, per_sequence=per_sequence, all_reduce=all_reduce,
+        generator=generator,
     )
-    if normalisation_domain(loss_type) == DOMAIN_SEQUENCE:
-        return raw, self_normalise(raw, mask, dim=-1)
-    return raw, self_normalise(raw, mask, all_reduce=all_reduce)
 
 
 def apply_delta_weights(inputs: dict[str, Any], mask: Tensor, loss_type: str) -> None:
@@ -200,6 +195,7 @@ class DeltaMixin:
         return getattr(self.args, "token_weighting", "none") == "delta" and self.model.training
 
     def _delta_all_reduce(self) -> Reducer | None:
+        """The metrics' reduction: logged means are over every process, whatever ``delta_scope``."""
         return sum_over_processes if self.accelerator.num_processes > 1 else None
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -249,16 +245,16 @@ class DeltaMixin:
         assert capture.hidden is not None and capture.logps is not None
         mask = loss_mask(output)
         advantages = output["advantages"]
-        hidden, probs = capture.hidden, capture.logps.float().exp()
+        hidden = capture.hidden
         capture.hidden = None  # the (B, T, d) copy lives only until the weights exist
-        all_reduce = self._delta_all_reduce()
         raw, weights = rollout_weights(
-            hidden, probs, advantages, mask, self.args.loss_type,
-            all_reduce=all_reduce, generator=self._delta_rng(hidden.device), **delta_options(self.args),
+            hidden, capture.logps.float(), advantages, mask, self.args,
+            all_reduce=weight_reducer(self.args, self.accelerator.num_processes),
+            generator=self._delta_rng(hidden.device),
         )
         del hidden
         output[DELTA_WEIGHTS_KEY] = weights.to(advantages.device)
-        self._delta_log(raw, weights, advantages, mask, output["completion_ids"], all_reduce)
+        self._delta_log(raw, weights, advantages, mask, output["completion_ids"], self._delta_all_reduce())
 
     def _delta_rng(self, device: torch.device) -> torch.Generator | None:
         """The random-λ control's generator, seeded per rollout from (seed, process, optimizer step): it holds

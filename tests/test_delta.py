@@ -11,6 +11,8 @@ import torch
 from dfpo_trl.delta import self_normalise, token_weights, token_weights_from_hidden
 
 LMIN, LMAX = 0.8, 1.2
+# Our earlier rules, each one option away from the released code's defaults (docs/delta.md).
+OLD_RULES = dict(gamma="mean_abs", gamma_update="current", zero_advantage="one")
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -30,8 +32,13 @@ def make_batch(b=6, t=9, d=5, seed=0, dtype=torch.float64, zero_rows=(2,)):
     return vectors, adv, mask
 
 
-def naive_weights(v, adv, mask, refine_steps=1, gamma=None, assignment="soft", contrast="opposite"):
-    """Direct transcription of DelTA's equations (docs/delta.md) (explicit distances, float64)."""
+def naive_weights(
+    v, adv, mask, refine_steps=1, gamma="std", assignment="soft", contrast="opposite", gamma_update="lagged",
+    zero_advantage="lambda_min",
+):
+    """Direct transcription of DelTA's equations (docs/delta.md) with explicit distances in float64, for batches
+    with both sides. γ: "std" (population std of the side's margins, variance floored at 1e-8), "mean_abs" or a
+    number; "lagged" takes the γ of refinement step k + 1 from the margins at step k's centroids."""
     v, adv = v.double(), adv.double()
     active = (mask != 0) & (adv[:, None] != 0)
     pos = active & (adv[:, None] > 0)
@@ -42,25 +49,40 @@ def naive_weights(v, adv, mask, refine_steps=1, gamma=None, assignment="soft", c
     def centroid(sel, w):
         return (w[sel][:, None] * v[sel]).sum(0) / w[sel].sum()
 
-    mus = [centroid(s, a) for s in sides]
-    alpha = torch.zeros(mask.shape, dtype=torch.float64)
-    for step in range(refine_steps + 1):
-        alpha = torch.zeros(mask.shape, dtype=torch.float64)
+    def margins(mus):
+        out = []
         for k, sel in enumerate(sides):
             own, opp = mus[k], mus[1 - k]
             d_own = ((v - own) ** 2).sum(-1)
-            if contrast == "opposite":
-                m = ((v - opp) ** 2).sum(-1) - d_own
-            else:
-                m = d_own[sel].mean() - d_own
-            if assignment == "hard":
-                alpha[sel] = (m[sel] > 0).double()
-            else:
-                g = m[sel].abs().mean() if gamma is None else torch.tensor(gamma, dtype=torch.float64)
-                alpha[sel] = torch.sigmoid(m[sel] / g)
-        if step < refine_steps:
-            mus = [centroid(s, a * alpha) for s in sides]
+            out.append(((v - opp) ** 2).sum(-1) - d_own if contrast == "opposite" else d_own[sel].mean() - d_own)
+        return out
+
+    def gammas(ms):
+        if not isinstance(gamma, str):
+            return [torch.tensor(float(gamma), dtype=torch.float64)] * 2
+        if gamma == "mean_abs":
+            return [m[sel].abs().mean() for m, sel in zip(ms, sides, strict=True)]
+        return [m[sel].var(unbiased=False).clamp_min(1e-8).sqrt() for m, sel in zip(ms, sides, strict=True)]
+
+    def scores(ms, gs):
+        alpha = torch.zeros(mask.shape, dtype=torch.float64)
+        for m, g, sel in zip(ms, gs, sides, strict=True):
+            alpha[sel] = (m[sel] > 0).double() if assignment == "hard" else torch.sigmoid(m[sel] / g)
+        return alpha
+
+    mus = [centroid(s, a) for s in sides]
+    ms = margins(mus)
+    gs = gammas(ms)
+    for _ in range(refine_steps):
+        alpha = scores(ms, gs)
+        mus = [centroid(s, a * alpha) for s in sides]
+        previous = gs if _ == 0 else gammas(ms)
+        ms = margins(mus)
+        gs = previous if gamma_update == "lagged" else gammas(ms)
+    alpha = scores(ms, gs)
     lam = torch.ones(mask.shape, dtype=torch.float64)
+    if zero_advantage == "lambda_min":
+        lam[(mask != 0) & (adv[:, None] == 0)] = LMIN
     lam[active] = LMIN + (LMAX - LMIN) * alpha[active]
     return lam
 
@@ -127,22 +149,24 @@ def structured_batch(seed=0, d=12, t=40):
 @pytest.mark.parametrize("refine_steps", [0, 1, 2])
 @pytest.mark.parametrize("contrast", ["opposite", "within"])
 @pytest.mark.parametrize("assignment", ["soft", "hard"])
-def test_matches_naive_transcription(refine_steps, contrast, assignment):
+@pytest.mark.parametrize("rules", [{}, OLD_RULES, dict(gamma_update="current"), dict(gamma="mean_abs")])
+def test_matches_naive_transcription(refine_steps, contrast, assignment, rules):
     v, adv, mask = make_batch(seed=refine_steps)
-    got = token_weights(v, adv, mask, LMIN, LMAX, refine_steps, assignment=assignment, contrast=contrast)
-    want = naive_weights(v, adv, mask, refine_steps, assignment=assignment, contrast=contrast)
+    got = token_weights(v, adv, mask, LMIN, LMAX, refine_steps, assignment=assignment, contrast=contrast, **rules)
+    want = naive_weights(v, adv, mask, refine_steps, assignment=assignment, contrast=contrast, **rules)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
-def test_bounds_zero_advantage_and_padding_exactly_one():
+def test_bounds_zero_advantage_and_padding():
     v, adv, mask = make_batch(dtype=torch.float32)
-    lam = token_weights(v, adv, mask)
-    assert lam.dtype == torch.float32 and torch.isfinite(lam).all()
-    act = scored(lam, adv, mask)
-    assert (lam[act] >= LMIN).all() and (lam[act] <= LMAX).all()
-    assert (lam[2] == 1.0).all()  # zero-advantage row
-    assert (lam[mask == 0] == 1.0).all()
-    assert lam[act].std() > 0
+    for rules, zero_row in (({}, LMIN), (OLD_RULES, 1.0)):
+        lam = token_weights(v, adv, mask, **rules)
+        assert lam.dtype == torch.float32 and torch.isfinite(lam).all()
+        act = scored(lam, adv, mask)
+        assert (lam[act] >= LMIN).all() and (lam[act] <= LMAX).all()
+        assert (lam[2][mask[2] != 0] == zero_row).all()  # zero-advantage row
+        assert (lam[mask == 0] == 1.0).all()
+        assert lam[act].std() > 0
 
 
 def test_padding_blindness():
@@ -164,9 +188,14 @@ def test_padding_blindness():
 
 def test_scale_invariance_with_adaptive_gamma():
     v, adv, mask = make_batch(dtype=torch.float32)
-    lam = token_weights(v, adv, mask)
-    for s in (1e-3, 7.3, 250.0):
-        torch.testing.assert_close(token_weights(s * v, adv, mask), lam, rtol=1e-5, atol=1e-5)
+    for gamma, scales in (("std", (0.1, 7.3, 250.0)), ("mean_abs", (1e-3, 7.3, 250.0))):
+        lam = token_weights(v, adv, mask, gamma=gamma)
+        for s in scales:
+            torch.testing.assert_close(token_weights(s * v, adv, mask, gamma=gamma), lam, rtol=1e-5, atol=1e-5)
+    # "std" floors the margins' variance at 1e-8 (the released code): far below it every α tends to 1/2
+    tiny = token_weights(1e-4 * v, adv, mask)
+    act = scored(tiny, adv, mask)
+    assert (tiny[act] - 1.0).abs().max() < 1e-3 and (token_weights(v, adv, mask)[act] - 1.0).abs().max() > 0.1
     # a fixed gamma is not scale invariant (documented)
     assert not torch.allclose(
         token_weights(7.3 * v, adv, mask, gamma=1.0), token_weights(v, adv, mask, gamma=1.0)
@@ -267,7 +296,8 @@ def test_fake_all_reduce_one_sided_and_empty_ranks():
     )
     torch.testing.assert_close(torch.cat(outs), full)
     assert len(set(group.calls)) == 1
-    assert (outs[2] == 1.0).all()
+    only_zero_rows = torch.ones(3, 6, dtype=torch.float64).masked_fill(mask[6:] != 0, LMIN)
+    assert torch.equal(outs[2], only_zero_rows)  # rank 2 holds only zero-advantage rows: λ_min, padding 1
 
     hparts = [(v[a:b], hidden_p[a:b], adv[a:b], mask[a:b]) for a, b in ((0, 3), (3, 6), (6, 9))]
     outs_h, _ = run_split(
@@ -296,7 +326,7 @@ def test_ablations_run_in_bounds_and_differ_from_default():
     for name, lam in variants.items():
         assert torch.isfinite(lam).all(), name
         assert (lam[act] >= LMIN).all() and (lam[act] <= LMAX).all(), name
-        assert (lam[~act] == 1.0).all(), name
+        assert torch.equal(lam[~act], default[~act]), name  # zero-advantage rows λ_min, padding 1
         assert not torch.allclose(lam, default), name
     hard = variants["hard"][act]
     assert ((hard == LMIN) | (hard == LMAX)).all()
@@ -334,13 +364,31 @@ def test_fixed_gamma_is_used():
 @pytest.mark.parametrize(
     "kwargs", [{}, {"contrast": "within"}, {"assignment": "hard"}, {"random_weights": True}]
 )
-def test_empty_side_gives_all_ones(kwargs):
+def test_empty_side_gives_all_ones_under_the_old_rule(kwargs):
     v, adv, mask = make_batch(dtype=torch.float32)
     for a in (adv.abs(), -adv.abs(), torch.zeros_like(adv)):
-        lam = token_weights(v, a, mask, **kwargs)
+        lam = token_weights(v, a, mask, zero_advantage="one", **kwargs)
         assert torch.equal(lam, torch.ones_like(lam))
-        lam_h = token_weights_from_hidden(v, torch.rand(mask.shape), a, mask, **kwargs)
+        lam_h = token_weights_from_hidden(v, torch.rand(mask.shape), a, mask, zero_advantage="one", **kwargs)
         assert torch.equal(lam_h, torch.ones_like(lam_h))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"contrast": "within"}, {"assignment": "hard"}, {"refine_steps": 3}])
+def test_empty_side_goes_on_with_a_zero_centroid(kwargs):
+    """The released code: the missing side's centroid is 0; the other side is scored against it."""
+    v, adv, mask = make_batch(dtype=torch.float64, seed=3)
+    one_sided = adv.abs()
+    lam = token_weights(v, one_sided, mask, **kwargs)
+    act = scored(lam, one_sided, mask)
+    assert torch.isfinite(lam).all() and lam[act].std() > 0
+    assert (lam[(mask != 0) & (one_sided == 0)[:, None]] == LMIN).all()
+    # a far-away, weightless negative side: the same as the zero centroid
+    with_zero_neg = torch.cat([v, torch.zeros_like(v[:1])])
+    adv_neg = torch.cat([one_sided, torch.tensor([-1e-30], dtype=torch.float64)])
+    mask_neg = torch.cat([mask, torch.ones_like(mask[:1])])
+    torch.testing.assert_close(token_weights(with_zero_neg, adv_neg, mask_neg, **kwargs)[:-1], lam)
+    everything_zero = token_weights(v, torch.zeros_like(adv), mask)
+    assert torch.equal(everything_zero, torch.ones(mask.shape, dtype=torch.float64).masked_fill(mask != 0, LMIN))
 
 
 def test_degenerate_inputs_never_nan():
@@ -369,6 +417,11 @@ def test_option_validation():
         {"assignment": "fuzzy"},
         {"contrast": "both"},
         {"gamma": 0.0},
+        {"gamma": None},
+        {"gamma": "median"},
+        {"gamma": float("inf")},
+        {"gamma_update": "eager"},
+        {"zero_advantage": "zero"},
         {"refine_steps": -1},
         {"lambda_min": 1.3},
         {"chunk_tokens": 0},

@@ -23,7 +23,7 @@ from tiny import (
 )
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.delta import self_normalise, token_weights_from_hidden
+from dfpo_trl.delta import coefficient_options, self_normalise, token_weights_from_hidden
 from dfpo_trl.delta_trainer import (
     DELTA_WEIGHTS_KEY,
     rollout_weights,
@@ -82,10 +82,10 @@ def manual_hidden_and_probs(trainer, batch: dict[str, Any]) -> tuple[torch.Tenso
 def expected_weights(trainer, batch: dict[str, Any]) -> torch.Tensor:
     hidden, probs = manual_hidden_and_probs(trainer, batch)
     mask = loss_mask(batch)
-    raw = token_weights_from_hidden(hidden, probs, batch["advantages"], mask)
+    raw = token_weights_from_hidden(hidden, probs, batch["advantages"], mask, **coefficient_options(trainer.args))
     if trainer.args.loss_type == "grpo":
-        return self_normalise(raw, mask, dim=-1)
-    return self_normalise(raw, mask)
+        return self_normalise(raw, mask, dim=-1) * mask
+    return self_normalise(raw, mask) * mask
 
 
 class CountingTrainer(DFPOTrainer):
@@ -109,9 +109,10 @@ def config(**overrides):
     [
         (dict(token_weighting="delta_ta"), r"token_weighting='delta_ta' is not valid"),
         (dict(**DELTA, delta_lambda_min=0.0), r"0 < delta_lambda_min <= delta_lambda_max"),
-        (dict(**DELTA, delta_lambda_min=1.3), r"delta_lambda_min=1.3 and delta_lambda_max=1.2"),
-        (dict(**DELTA, delta_refine_steps=-1), r"delta_refine_steps must be >= 0"),
-        (dict(**DELTA, delta_gamma=0.0), r"delta_gamma must be > 0"),
+        (dict(**DELTA, delta_lambda_min=1.3), r"delta_lambda_min=1.3 with delta_lambda_max=1.2"),
+        (dict(**DELTA, delta_refine_steps=-1), r"delta_refine_steps=-1 must be an integer >= 0"),
+        (dict(**DELTA, delta_gamma=0.0), r"delta_gamma=0.0 is not valid: it must be 'std', 'mean_abs' or a finite"),
+        (dict(**DELTA, delta_gamma=None), r"delta_gamma=None is no longer accepted"),
         (dict(**DELTA, delta_assignment="argmax"), r"delta_assignment='argmax' is not valid"),
         (dict(**DELTA, delta_contrast="both"), r"delta_contrast='both' is not valid"),
         (dict(token_weighting="delta", importance_sampling_level="sequence", loss_type="grpo"),
@@ -121,6 +122,7 @@ def config(**overrides):
         (dict(token_weighting="delta", loss_type="vespo"), r"loss_type='vespo'"),
         (dict(token_weighting="delta", loss_type="luspo"), r"loss_type='luspo'"),
         (dict(delta_random=True), r"delta_random: DelTA options have no effect unless token_weighting='delta'"),
+        (dict(delta_gamma="mean_abs"), r"delta_gamma: DelTA options have no effect unless token_weighting='delta'"),
     ],
 )
 def test_delta_config_refusals_name_the_field(overrides, message):
@@ -283,10 +285,7 @@ class RecordingTrainer(DFPOTrainer):
         fresh = HiddenCapture()
         self._delta_policy_forward(inputs, fresh)  # λ̄ recomputed at the current θ, for comparison
         mask = loss_mask(inputs)
-        _, recomputed = rollout_weights(
-            fresh.hidden, fresh.logps.exp(), inputs["advantages"], mask, self.args.loss_type,
-            lambda_min=0.8, lambda_max=1.2, refine_steps=1,
-        )
+        _, recomputed = rollout_weights(fresh.hidden, fresh.logps, inputs["advantages"], mask, self.args)
         self.records.append(
             {"ids": inputs["completion_ids"].clone(), "stored": inputs[DELTA_WEIGHTS_KEY].clone(),
              "recomputed": recomputed}
@@ -336,20 +335,22 @@ def test_token_table_ranks_token_ids_by_mean_weight():
 
 
 # ------------------------------------------------------------------------------------------- processes
-def _distributed_worker(rank: int, world: int, port: int, data: dict[str, torch.Tensor], out: Any) -> None:
+def _distributed_worker(
+    rank: int, world: int, port: int, data: dict[str, torch.Tensor], configs: dict[str, DFPOConfig], out: Any
+) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         rows = slice(rank * data["adv"].numel() // world, (rank + 1) * data["adv"].numel() // world)
-        for loss_type in ("dapo", "grpo"):
+        for loss_type, cfg in configs.items():
             _, weights = rollout_weights(
-                data["hidden"][rows], data["probs"][rows], data["adv"][rows], data["mask"][rows], loss_type,
-                all_reduce=sum_over_processes, lambda_min=0.8, lambda_max=1.2, refine_steps=1,
+                data["hidden"][rows], data["probs"][rows].log(), data["adv"][rows], data["mask"][rows], cfg,
+                all_reduce=sum_over_processes,
             )
-            out.put((rank, loss_type, weights))
+            out.put((rank, loss_type, weights.numpy()))  # by value (see below)
         means = side_means(data["probs"][rows], data["adv"][rows], data["mask"][rows], sum_over_processes)
-        out.put((rank, "side_means", means))
+        out.put((rank, "side_means", means.numpy()))
     finally:
         dist.destroy_process_group()
 
@@ -365,22 +366,22 @@ def test_distributed_weights_equal_the_single_process_computation():
         "mask": (torch.rand(rows, length, generator=g) > 0.2).long(),
     }
     data["mask"][4:, 5:] = 0  # the second process has fewer tokens
+    configs = {loss_type: config(**{**DELTA, "loss_type": loss_type}) for loss_type in ("dapo", "grpo")}
     port = free_port()
     ctx = mp.get_context("fork")  # the children inherit the imports: well under the 30 s budget
     out = ctx.Queue()
-    procs = [ctx.Process(target=_distributed_worker, args=(r, 2, port, data, out)) for r in range(2)]
+    procs = [ctx.Process(target=_distributed_worker, args=(r, 2, port, data, configs, out)) for r in range(2)]
     for p in procs:
         p.start()
+    # The ranks send numpy copies: a tensor would travel as a shared-memory handle that cannot be opened once
+    # its rank has exited (EOFError or FileNotFoundError here, intermittently).
     results = [out.get(timeout=120) for _ in range(6)]  # a rank that dies or hangs fails here, not CI
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    got = {(rank, key): value for rank, key, value in results}
-    for loss_type in ("dapo", "grpo"):
-        _, single = rollout_weights(
-            data["hidden"], data["probs"], data["adv"], data["mask"], loss_type,
-            lambda_min=0.8, lambda_max=1.2, refine_steps=1,
-        )
+    got = {(rank, key): torch.from_numpy(value) for rank, key, value in results}
+    for loss_type, cfg in configs.items():
+        _, single = rollout_weights(data["hidden"], data["probs"].log(), data["adv"], data["mask"], cfg)
         both = torch.cat([got[(0, loss_type)], got[(1, loss_type)]])
         assert torch.allclose(both, single, atol=1e-5), loss_type
         assert both.std() > 1e-3
