@@ -12,6 +12,7 @@ line flags beat the recipe. With no ``model_name_or_path`` the embedded SmolLM2-
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import gc
 import importlib
@@ -53,11 +54,9 @@ class DFPOScriptArguments:
 
     task: str = field(
         default="arithmetic",
-        metadata={
-            "help": "Task: 'arithmetic' (built-in single-digit addition, offline), 'math' (any `datasets` dataset "
-            "graded by math-verify; set dataset), a name registered with dfpo_trl.tasks.register_task, or an "
-            "import path 'package.module:factory' returning a dfpo_trl.tasks.Task."
-        },
+        # The registered tasks are listed from dfpo_trl.tasks.TASKS when the parser is built (make_parser).
+        metadata={"help": "Task: a registered name or an import path 'package.module:factory' returning a "
+                  "dfpo_trl.tasks.Task."},
     )
     dataset: str | None = field(
         default=None,
@@ -125,7 +124,38 @@ class ModelUnavailableError(RuntimeError):
 
 
 class DFPOParser(TrlParser):
-    """``TrlParser`` whose unknown keys and flags are reported with the nearest field name."""
+    """``TrlParser`` whose unknown keys and flags are reported with the nearest field name, whose ``--no_*`` flags
+    show the default of the field they turn off, and whose bad values raise :class:`RecipeError` (one line) instead
+    of printing argparse's usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._align_negated_flags()
+
+    def _align_negated_flags(self) -> None:
+        """``HfArgumentParser`` adds ``--no_X`` (store False) for every bool field X whose default is True, with
+        X's help and ``default=False``; ``--help-all`` then printed "(default: False)" under X's own help, and any
+        reader of the last action per field (the short help did) showed False. The twin only ever stores False
+        when given, and the field's value when absent comes from X's own flag, so its default is X's."""
+        for action in self._actions:
+            primary = self.primary_action(action.dest)
+            if action is not primary and isinstance(action, argparse._StoreFalseAction):
+                action.default = primary.default
+                action.help = (
+                    f"Set {action.dest} to False (same as --{action.dest} false); {action.dest}'s default: "
+                    "%(default)s."
+                )
+
+    def primary_action(self, dest: str) -> argparse.Action:
+        """The action of ``--dest`` itself (not its ``--no_dest`` twin): the first one added for that field."""
+        return next(a for a in self._actions if a.dest == dest)
+
+    def negated_flag(self, dest: str) -> str | None:
+        """``--no_dest`` when the parser has that twin, else None."""
+        for action in self._actions:
+            if action.dest == dest and isinstance(action, argparse._StoreFalseAction):
+                return action.option_strings[0]
+        return None
 
     def field_names(self) -> list[str]:
         """Every field a recipe or flag may set."""
@@ -156,6 +186,33 @@ class DFPOParser(TrlParser):
         return super().set_defaults_with_config(**kwargs)
 
 
+# One line per built-in task in `--help`; a task registered without an entry here is described by the first
+# sentence of its factory's docstring.
+TASK_SUMMARIES = {
+    "arithmetic": "single-digit addition, reward on the last number of the completion; offline",
+    "sum_sentence": "the same problems answered in one required sentence: a group's completions share a long "
+    "prefix, where shared-token cancellation acts; offline",
+    "math": "any `datasets` dataset graded by math-verify; set dataset, problem_column and answer_column",
+}
+
+
+def task_help() -> str:
+    """The ``task`` field's help, listing every task registered in :data:`dfpo_trl.tasks.TASKS`."""
+    from .tasks import TASKS
+
+    def summary(name: str) -> str:
+        if name in TASK_SUMMARIES:
+            return TASK_SUMMARIES[name]
+        doc = " ".join((getattr(TASKS[name], "__doc__", None) or "").split())
+        return doc.split(". ")[0].rstrip(".") or "registered with dfpo_trl.tasks.register_task"
+
+    listed = "; ".join(f"'{name}' ({summary(name)})" for name in TASKS)
+    return (
+        f"Task: {listed}; a name registered with dfpo_trl.tasks.register_task; or an import path "
+        "'package.module:factory' returning a dfpo_trl.tasks.Task."
+    )
+
+
 def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
     """The CLI's parser over (DFPOScriptArguments, DFPOConfig, ModelConfig)."""
     parser = DFPOParser(
@@ -167,6 +224,7 @@ def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
         "here. DFPO's own fields: group_transform, transform_*, symmetric_clip, log_mechanism_metrics, "
         "log_energy_buckets, token_weighting, delta_*.",
     )
+    parser.primary_action("task").help = task_help()
     return parser
 
 
@@ -190,17 +248,19 @@ def dfpo_field_names() -> list[str]:
 
 
 def short_help(parser: DFPOParser, width: int = 100) -> str:
-    """``dfpo-train --help``: usage, the script arguments and DFPO's fields, each with its default and help; the
-    thousand-odd TRL/transformers fields only by name (``--help-all`` prints them all)."""
+    """``dfpo-train --help``: usage, DFPO's fields and then the script arguments, each with its default and help;
+    the thousand-odd TRL/transformers fields only by name (``--help-all`` prints them all)."""
     import textwrap
     from dataclasses import fields
 
-    actions = {a.dest: a for a in parser._actions}
-
     def entry(name: str) -> str:
-        action = actions[name]
+        action = parser.primary_action(name)
         default = action.default
-        head = f"  --{name} (default: {default!r})" if default is not None else f"  --{name}"
+        head = f"  --{name}"
+        if default is not None:
+            head += f" (default: {default!r}"
+            negated = parser.negated_flag(name)
+            head += f"; {negated} turns it off)" if negated and default is True else ")"
         body = textwrap.fill(
             " ".join((action.help or "").replace("%%", "%").split()),
             width=width,
@@ -216,11 +276,12 @@ def short_help(parser: DFPOParser, width: int = 100) -> str:
         "Train with DFPO objectives (a TRL GRPOTrainer subclass) from a flat YAML recipe; any field can be set in the",
         "recipe or as a flag, and flags beat the recipe. Example: dfpo-train recipes/smollm2_cpu.yaml --max_steps 10",
         "",
+        "DFPO fields of DFPOConfig: the in-group transform that lets shared tokens' gradients cancel, GRPO-fix's",
+        "symmetric clip, DelTA's token weights, the mechanism metrics (docs/design.md, delta.md, metrics.md):",
+        *(entry(name) for name in dfpo_field_names()),
+        "",
         "script arguments (task, data, held-out evaluation, outputs):",
         *(entry(f.name) for f in fields(DFPOScriptArguments)),
-        "",
-        "DFPO fields of DFPOConfig (docs/design.md, docs/delta.md, docs/metrics.md):",
-        *(entry(name) for name in dfpo_field_names()),
         "",
         "common TRL fields (help: --help-all):",
         textwrap.fill(", ".join(COMMON_TRL_FIELDS), width=width, initial_indent="  ", subsequent_indent="  "),

@@ -120,6 +120,77 @@ def test_help_lists_dfpo_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(out.splitlines()) < 150
 
 
+def _help_text(capsys: pytest.CaptureFixture[str], flag: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([flag])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def _dataclass_default(cls: type, name: str) -> object:
+    import dataclasses
+
+    spec = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+
+
+def test_short_help_shows_every_default_the_dataclasses_have(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every `--field (default: X)` of `dfpo-train --help` is the dataclass's default; a field shown without one
+    defaults to None. The bool fields that default to True (save_model, plot, transform_stop_gradient,
+    log_mechanism_metrics) were shown as False: the short help read their `--no_*` twin's default."""
+    import re
+
+    from dfpo_trl.cli import dfpo_field_names
+    from dfpo_trl.tasks import TASKS
+
+    out = _help_text(capsys, "--help")
+    entries = re.findall(r"^  --(\w+)(?: \(default: (.*?)[;)].*)?$", out, flags=re.MULTILINE)
+    shown = dict(entries)
+    owner = {name: DFPOConfig for name in dfpo_field_names()}
+    owner.update({name: DFPOScriptArguments for name in DFPOScriptArguments.__dataclass_fields__})
+    assert set(shown) == set(owner)
+    for name, text in shown.items():
+        default = _dataclass_default(owner[name], name)
+        assert text == ("" if default is None else repr(default)), name
+    for name in ("save_model", "plot", "transform_stop_gradient", "log_mechanism_metrics"):
+        assert shown[name] == "True" and f"--no_{name} turns it off" in out
+    # DFPO's fields lead; the script arguments follow.
+    assert out.index("--group_transform") < out.index("--delta_random") < out.index("--task") < out.index("--plot")
+    task_help = " ".join(out[out.index("  --task") : out.index("  --dataset")].split())
+    assert all(f"'{name}'" in task_help for name in TASKS)  # sum_sentence was missing
+
+
+def test_help_all_shows_the_default_each_flag_leaves(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--help-all` (argparse's own help, transformers' `ArgumentDefaultsHelpFormatter`): every "(default: X)" is
+    the value the field gets when the flag is absent, `--no_*` twins included (they said False for fields that
+    default to True)."""
+    import re
+
+    from dfpo_trl.cli import make_parser
+
+    parser = make_parser()
+    absent = vars(parser.parse_args([]))
+    out = _help_text(capsys, "--help-all")
+    blocks = re.split(r"\n(?=  -)", out[out.index("options:") :])
+    checked = 0
+    for block in blocks:
+        flag = re.match(r"\s*(--[\w-]+)", block)
+        text = " ".join(block.split())
+        default = re.search(r".*\(default: (.*)\)$", text)
+        if flag is None or default is None:
+            continue
+        action = parser._option_string_actions[flag.group(1)]
+        value, shown = absent[action.dest], default.group(1)
+        # argparse converts a string default with the flag's type only when it is used ("no" -> False)
+        as_parsed = action.type(shown) if isinstance(action.default, str) and action.type else shown
+        assert shown == str(value) or as_parsed == value, (flag.group(1), shown, value)
+        checked += 1
+    assert checked > 200
+    for name in ("save_model", "plot", "transform_stop_gradient", "log_mechanism_metrics"):
+        assert absent[name] is True
+        assert f"Set {name} to False" in " ".join(out.split())
+
+
 def test_help_all_lists_every_trl_field(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["recipes/smollm2_cpu.yaml", "--help-all"])
