@@ -131,6 +131,8 @@ class DFPOParser(TrlParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._align_negated_flags()
+        # The dataclasses' defaults, before a recipe replaces them (set_defaults_with_config): for error messages.
+        self.field_defaults = {a.dest: a.default for a in self._actions if self.primary_action(a.dest) is a}
 
     def _align_negated_flags(self) -> None:
         """``HfArgumentParser`` adds ``--no_X`` (store False) for every bool field X whose default is True, with
@@ -156,6 +158,10 @@ class DFPOParser(TrlParser):
             if action.dest == dest and isinstance(action, argparse._StoreFalseAction):
                 return action.option_strings[0]
         return None
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        """argparse's errors without its usage block (hundreds of lines here): one line, raised as RecipeError."""
+        raise RecipeError(message)
 
     def field_names(self) -> list[str]:
         """Every field a recipe or flag may set."""
@@ -183,6 +189,13 @@ class DFPOParser(TrlParser):
         unknown = [k for k in kwargs if k not in known]
         if unknown:
             raise RecipeError(self.unknown_message(unknown, "the recipe"))
+        # YAML types the recipe's scalars itself (`max_steps: 2.5` is a float), and argparse type-checks only
+        # string defaults, so an int field took 2.5 and failed minutes later inside train(). As text, each scalar
+        # goes through its flag's type like a command-line value (bad ones: a one-line error naming the line).
+        for name, value in kwargs.items():
+            action = self.primary_action(name)
+            if isinstance(value, (bool, int, float)) and action.type is not None and action.nargs != "+":
+                kwargs[name] = str(value)
         return super().set_defaults_with_config(**kwargs)
 
 
@@ -219,6 +232,7 @@ def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
         (DFPOScriptArguments, DFPOConfig, ModelConfig),
         prog=prog,
         allow_abbrev=False,  # a misspelt flag is an error with a suggestion, never a silent prefix match
+        exit_on_error=False,  # a bad value raises ArgumentError, which names the flag: see parse_args
         description="Train with DFPO objectives (TRL GRPOTrainer subclass) from a YAML recipe. Usage: "
         "dfpo-train RECIPE.yaml [--field value ...]; every field below can be set in the recipe or overridden "
         "here. DFPO's own fields: group_transform, transform_*, symmetric_clip, log_mechanism_metrics, "
@@ -311,16 +325,97 @@ def _recipe_argv(argv: Sequence[str]) -> list[str]:
     return args
 
 
+def field_origin(parser: DFPOParser, name: str, args: Sequence[str], recipe: str | None) -> str:
+    """Where a field's value came from, for an error message: the command line, the recipe's line, or its default."""
+    flags = [o for a in parser._actions if a.dest == name for o in a.option_strings]
+    if any(arg in flags or arg.split("=", 1)[0] in flags for arg in args):
+        return f"--{name} on the command line"
+    if recipe is not None:
+        for number, line in enumerate(Path(recipe).read_text().splitlines(), start=1):
+            if line.split(":", 1)[0].strip() == name and ":" in line:
+                return f"{name} in {recipe}, line {number}"
+    return f"{name} (its default)"
+
+
+def _yaml_error(recipe: str, exc: Any) -> RecipeError:
+    """A recipe that is not YAML: the file, line and column, the offending line and what to change."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    if problem == "could not find expected ':'" and getattr(exc, "context_mark", None) is not None:
+        mark = exc.context_mark  # a line without 'field: value' is reported where the next one starts
+    where = ""
+    if mark is not None:
+        lines = Path(recipe).read_text().splitlines()
+        text = lines[mark.line].strip() if mark.line < len(lines) else "end of file"
+        where = f" at line {mark.line + 1}, column {mark.column + 1} ({text!r})"
+    hints = {
+        "mapping values are not allowed here": "quote a value that holds ': ' and start every field at column 1",
+        "found character '\\t' that cannot start any token": "indent with spaces, not tabs (a recipe is flat)",
+        "could not find expected ':'": "write every line as 'field: value'",
+        "found unexpected end of stream": "close the quote opened there",
+    }
+    fix = hints.get(problem, "one 'field: value' per line, quote values holding ': ' or '#', close quotes and brackets")
+    return RecipeError(f"recipe {recipe!r} is not valid YAML{where}: {problem}; {fix}.")
+
+
+def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence[str], recipe: str | None) -> str:
+    """argparse's bad value ("argument --learning_rate/--learning-rate: invalid float value: 'abc'") as one line
+    naming where the value was set (flag or recipe line) and what the field takes."""
+    action = next((a for a in parser._actions if "/".join(a.option_strings) == exc.argument_name), None)
+    if action is None:
+        return str(exc)
+    name = action.dest
+    default = parser.field_defaults.get(name)
+    example = "" if default is None else f", e.g. {default!r} (its default)"
+    if action.choices:
+        takes = f"one of {', '.join(repr(c) for c in action.choices)}"
+    elif action.type in (float, int):
+        takes = f"{'a number' if action.type is float else 'an integer'}{example}"
+    elif isinstance(default, bool):
+        takes = "true or false"
+    else:
+        takes = f"a value{example}"
+    return f"{field_origin(parser, name, args, recipe)}: {exc.message.rstrip('.')}; {name} takes {takes}."
+
+
+def check_output_dir(path: str, origin: str) -> None:
+    """``output_dir`` must be a directory this process can create or write: checked before any model loads."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise RecipeError(
+            f"{origin}: output_dir {path!r} is an existing file, not a directory; name a directory (created if "
+            f"missing), e.g. --output_dir {path}.d"
+        )
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RecipeError(f"{origin}: output_dir {path!r} cannot be created: {str(existing)!r} is a file; name "
+                          "a directory elsewhere.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(f"{origin}: output_dir {path!r} is not writable (no write permission on "
+                          f"{str(existing)!r}); name a directory you can write.")
+
+
 def parse_args(
     argv: Sequence[str] | None = None, parser: DFPOParser | None = None
 ) -> tuple[DFPOScriptArguments, DFPOConfig, ModelConfig]:
-    """Recipe + flags → (script arguments, DFPOConfig, ModelConfig); unknown names raise :class:`RecipeError`."""
+    """Recipe + flags → (script arguments, DFPOConfig, ModelConfig); unknown names, values of the wrong type, a
+    recipe that is not YAML and an unusable ``output_dir`` raise :class:`RecipeError` (before any model loads)."""
+    import yaml
+
     parser = parser or make_parser()
     args = _recipe_argv(sys.argv[1:] if argv is None else argv)
+    recipe = args[args.index("--config") + 1] if "--config" in args else None
+    flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
     try:
         *parsed, rest = parser.parse_args_and_config(args, return_remaining_strings=True)
     except RecipeError:
         raise
+    except yaml.YAMLError as exc:
+        raise _yaml_error(str(recipe), exc) from None
+    except argparse.ArgumentError as exc:
+        raise RecipeError(_value_error(parser, exc, flags, recipe)) from None
     except ValueError as exc:  # a field's own validation (DFPOConfig, GRPOConfig, TrainingArguments)
         raise RecipeError(str(exc)) from exc
     if rest:
@@ -328,6 +423,7 @@ def parse_args(
         names = [f[2:].split("=", 1)[0].replace("-", "_") for f in flags] or list(rest)
         raise RecipeError(parser.unknown_message(names, "the command line"))
     script_args, training_args, model_args = parsed
+    check_output_dir(training_args.output_dir, field_origin(parser, "output_dir", flags, recipe))
     return script_args, training_args, model_args
 
 
@@ -591,6 +687,48 @@ def _method_label(args: DFPOConfig) -> str:
     return method
 
 
+class _DropLayoutRecord(logging.Filter):
+    """Drops the trainer's "DFPO group layout: NAME" record while :func:`describe_layout` prints a fuller one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("DFPO group layout:")
+
+
+def describe_layout(layout: str, args: DFPOConfig, processes: int) -> str:
+    """One start-up line: the group layout the trainer chose (docs/layouts.md), why, and what it costs."""
+    from .trainer import LAYOUT_CROSS_PROCESS, LAYOUT_GROUP_GRANULAR, LAYOUT_PRE_PASS, LAYOUT_REDISTRIBUTED
+
+    b, G = args.per_device_train_batch_size, args.num_generations
+    A, S = args.gradient_accumulation_steps, args.steps_per_generation
+    head = f"DFPO group layout: {layout}"
+    if layout == LAYOUT_GROUP_GRANULAR:
+        return f"{head} (per_device_train_batch_size {b} holds whole groups of num_generations {G}): no extra cost"
+    if layout == LAYOUT_CROSS_PROCESS:
+        return (f"{head} (groups straddle the {processes} processes; steps_per_generation 1): one all-gather of 6 "
+                "floats per sequence per micro-step, no extra forward")
+    if layout == LAYOUT_REDISTRIBUTED:
+        return (f"{head} (groups straddle micro-steps; {b} rows x {processes} processes is a multiple of G = {G}): "
+                "one all-to-all of the rollout per rollout and an all-gather of 6 floats per sequence per "
+                "micro-step, no extra forward")
+    if layout == LAYOUT_PRE_PASS:
+        why = f"per_device_train_batch_size {b} is not a multiple of num_generations {G}"
+        fix = f"a per_device_train_batch_size that is a multiple of {G} makes the layout free (group_granular)"
+        steps = S // A  # optimizer steps per rollout; the first of each runs at θ_old and needs no pre-pass
+        if steps <= 1:
+            return f"{head} ({why}): no extra forward, every optimizer step is the first of its rollout; {fix}"
+        trained = A * b  # rows an optimizer step trains on, per process
+        forwarded = min(b * S, trained * G)  # at most: every local member of every group the step touches
+        low, high = 100 / 3, 100 * forwarded / (3 * trained)  # a no-grad forward ~ 1/3 of forward + backward
+        gather = " and an all-gather of 6 floats per sequence" if processes > 1 else ""
+        return (
+            f"{head} ({why}): {steps - 1} of every {steps} optimizer steps add a no-grad forward over {trained}"
+            f"-{forwarded} rows per process{gather}, about +{low:.0f}% to +{high:.0f}% of their compute "
+            f"(docs/layouts.md, the pre-pass and its cost); {fix}"
+        )
+    return (f"{head} (no in-group transform active: TRL's batch order): no extra cost; group metrics only on "
+            "micro-batches that hold whole groups (group_granular_batches: true gives them every step)")
+
+
 def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args: ModelConfig) -> dict[str, Any]:
     """Train as described, write the summary (and the PNG) to ``output_dir``; returns the summary."""
     from trl import get_peft_config
@@ -628,14 +766,22 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
             chat_template_kwargs=training_args.chat_template_kwargs,
         )
         callbacks.insert(0, heldout_cb)
-    trainer = DFPOTrainer(
-        model=model_path,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train,
-        peft_config=get_peft_config(model_args),
-        callbacks=callbacks,
-    )
+    # The trainer logs its layout's name; the line below says why it was chosen and what it costs instead.
+    layout_name_only = _DropLayoutRecord()
+    logging.getLogger("dfpo_trl.trainer").addFilter(layout_name_only)
+    try:
+        trainer = DFPOTrainer(
+            model=model_path,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train,
+            peft_config=get_peft_config(model_args),
+            callbacks=callbacks,
+        )
+    finally:
+        logging.getLogger("dfpo_trl.trainer").removeFilter(layout_name_only)
+    if trainer.accelerator.is_main_process:
+        logger.info(describe_layout(trainer.group_layout, training_args, trainer.accelerator.num_processes))
     use_dfpo_progress_bar(trainer)
     train_start = time.monotonic()
     setup_seconds = train_start - start - model_seconds

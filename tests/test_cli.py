@@ -223,6 +223,79 @@ def test_main_reports_recipe_errors_without_traceback(tmp_path: Path, capsys: py
     assert "did you mean 'num_generations'" in capsys.readouterr().err
 
 
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dfpo-train: error: "), err
+    return lines[0]
+
+
+def test_recipe_that_is_not_yaml_is_one_line_with_its_position(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_model(monkeypatch)
+    recipe = write_recipe(tmp_path, "use_cpu: true\nlearning_rate: 3.0e-5\ninstruction: Answer: a number\n")
+    assert main([recipe]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"recipe {recipe!r} is not valid YAML at line 3, column 20" in line
+    assert "'instruction: Answer: a number'" in line and "quote a value that holds ': '" in line
+    recipe = write_recipe(tmp_path, "use_cpu: true\nmax_steps 4\nseed: 0\n")
+    assert main([recipe]) == 2
+    assert "at line 2, column 1 ('max_steps 4')" in _one_error_line(capsys.readouterr().err)
+
+
+def _no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make loading a model fail the test: the errors under test must come first."""
+    import dfpo_trl.cli as cli
+
+    def no_model(*args: object) -> None:
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(cli, "resolve_model", no_model)
+
+
+def test_bad_value_names_flag_or_recipe_line_and_what_the_field_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value of the wrong type, on the command line or in the recipe (where YAML had already typed `2.5` as a
+    float, which argparse never checked: an int field took it and train() failed minutes later)."""
+    _no_model(monkeypatch)
+    recipe = write_recipe(tmp_path, "use_cpu: true\nlearning_rate: 3.0e-5\n")
+    assert main([recipe, "--learning_rate", "abc"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line == (
+        "dfpo-train: error: --learning_rate on the command line: invalid float value: 'abc'; learning_rate takes a "
+        "number, e.g. 1e-06 (its default)."
+    )
+    recipe = write_recipe(tmp_path, "use_cpu: true\nmax_steps: 2.5\n")
+    assert main([recipe]) == 2
+    assert f"max_steps in {recipe}, line 2: invalid int value: '2.5'; max_steps takes an integer" in _one_error_line(
+        capsys.readouterr().err
+    )
+    assert main([recipe, "--max_steps", "2", "--save_model", "maybe"]) == 2
+    assert "--save_model on the command line" in _one_error_line(capsys.readouterr().err)
+    # typed YAML scalars that fit their field still parse as before
+    recipe = write_recipe(tmp_path, "use_cpu: true\nmax_steps: 3\nlearning_rate: 1\nskip_eval: true\nbeta: 0\n")
+    script_args, args, _ = parse_args([recipe])
+    assert (args.max_steps, args.learning_rate, args.beta, script_args.skip_eval) == (3, 1.0, 0.0, True)
+    assert isinstance(args.learning_rate, float) and isinstance(args.max_steps, int)
+
+
+def test_output_dir_that_is_a_file_is_refused_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_model(monkeypatch)
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("not a directory")
+    recipe = write_recipe(tmp_path, f"use_cpu: true\noutput_dir: {a_file}\n")
+    assert main([recipe]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"output_dir in {recipe}, line 2: output_dir {str(a_file)!r} is an existing file" in line
+    assert "name a directory" in line
+    assert main([recipe, "--output_dir", str(a_file / "run1")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"--output_dir on the command line: output_dir {str(a_file / 'run1')!r} cannot be created" in line
+
+
 def test_command_line_beats_recipe(tmp_path: Path) -> None:
     recipe = write_recipe(
         tmp_path,
@@ -407,6 +480,52 @@ def test_tiny_end_to_end_writes_summary_and_plot(
     printed = capsys.readouterr().out
     assert "held-out greedy accuracy" in printed and "DFPO run summary" in printed
     assert "eval before" in printed and "training reward, EMA 0.3" in printed
+
+
+def test_layout_and_its_cost_are_said_at_start_up(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """3 rows per process and G = 4: groups straddle micro-steps on one process, so the trainer takes the pre-pass;
+    the CLI says so in one line with its cost (3 of every 4 steps re-forward 3 to 12 rows: +33% to +133%)."""
+    import logging
+
+    recipe = write_recipe(tmp_path, TINY_RUN + "skip_eval: true\nplot: false\n")
+    argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"),
+            "--per_device_train_batch_size", "3", "--steps_per_generation", "4", "--max_steps", "1"]
+    with caplog.at_level(logging.INFO, logger="dfpo_trl"):
+        assert main(argv) == 0
+    layout = [r.getMessage() for r in caplog.records if "group layout" in r.getMessage()]
+    assert layout == [
+        "DFPO group layout: pre_pass (per_device_train_batch_size 3 is not a multiple of num_generations 4): 3 of "
+        "every 4 optimizer steps add a no-grad forward over 3-12 rows per process, about +33% to +133% of their "
+        "compute (docs/layouts.md, the pre-pass and its cost); a per_device_train_batch_size that is a multiple of 4 "
+        "makes the layout free (group_granular)"
+    ]
+
+
+def test_every_layout_has_a_start_up_line() -> None:
+    from dfpo_trl.cli import describe_layout
+    from dfpo_trl.trainer import (
+        LAYOUT_CROSS_PROCESS,
+        LAYOUT_GROUP_GRANULAR,
+        LAYOUT_PER_SAMPLE,
+        LAYOUT_PRE_PASS,
+        LAYOUT_REDISTRIBUTED,
+    )  # fmt: skip
+
+    args = DFPOConfig(output_dir="unused", use_cpu=True, num_generations=4, per_device_train_batch_size=1,
+                      steps_per_generation=8, gradient_accumulation_steps=2)  # fmt: skip
+    lines = {
+        layout: describe_layout(layout, args, processes=4)
+        for layout in (LAYOUT_GROUP_GRANULAR, LAYOUT_CROSS_PROCESS, LAYOUT_REDISTRIBUTED, LAYOUT_PRE_PASS,
+                       LAYOUT_PER_SAMPLE)
+    }  # fmt: skip
+    for layout, line in lines.items():
+        assert line.startswith(f"DFPO group layout: {layout} (") and "\n" not in line
+    # b = 1, A = 2, S = 8: 3 of 4 steps re-forward the step's 2 rows up to the process's 8 (2 x G = 8): +33..133%
+    assert "3 of every 4 optimizer steps" in lines[LAYOUT_PRE_PASS] and "over 2-8 rows" in lines[LAYOUT_PRE_PASS]
+    assert "+33% to +133%" in lines[LAYOUT_PRE_PASS] and "all-gather" in lines[LAYOUT_PRE_PASS]
+    assert "no extra forward" in lines[LAYOUT_REDISTRIBUTED] and "no extra cost" in lines[LAYOUT_GROUP_GRANULAR]
 
 
 def test_failing_reward_names_function_and_completion(
