@@ -13,7 +13,7 @@ from typing import Any
 
 from .metrics import ema
 
-__all__ = ["DEFAULT_PANELS", "EMA_ALPHA", "READING_GUIDE", "RESIDUAL_FLOOR", "curve", "plot_metrics"]
+__all__ = ["DEFAULT_PANELS", "EMA_ALPHA", "READING_GUIDE", "RESIDUAL_FLOOR", "curve", "plot_metrics", "reading_guide"]
 
 # One panel per entry: title and the logged keys drawn in it (a panel with no logged key is left out). In a
 # panel whose keys are alternatives (REWARD_KEYS) only the first one a run logged is drawn.
@@ -33,12 +33,27 @@ EMA_ALPHA = 0.3  # the EMA of eq. 19, as in the run summary
 RESIDUAL_FLOOR = 1e-6
 LOG_FLOOR_KEYS = ("transform/orth_residual",)
 UNIT_RANGE_KEYS = ("cancellation/shared_prefix_residual",)
-READING_GUIDE = (
-    "How to read: the transform acts in the off-policy steps of each rollout (not its first). Balanced groups show "
-    f"phi < 1 and an orthogonality residual below {RESIDUAL_FLOOR:g} (float rounding: said in its panel, not drawn); "
-    "the shared-prefix residual is the learning tax on shared tokens (0 = they cancel; dots: the steps where it "
-    "was measured); Asym after < before = weights evened out."
-)
+# The caption: one sentence per kind of panel, each kept only when that panel is drawn.
+GUIDE_PARTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("transform/phi_min", "asym/before", "transform/orth_residual"),
+     "the transform acts in the off-policy steps of each rollout (not its first)."),
+    (("transform/phi_min",), "phi < 1: the transform lowered a weight."),
+    (("transform/orth_residual",),
+     f"Orthogonality residual below {RESIDUAL_FLOOR:g}: float rounding, the weights balance the advantages (said in "
+     "its panel, not drawn)."),
+    (("cancellation/shared_prefix_residual",),
+     "Shared-prefix residual: the learning tax on shared tokens (0 = they cancel; dots: the steps where it was "
+     "measured)."),
+    (("asym/before",), "Asym after < before: the weights evened out."),
+)  # fmt: skip
+READING_GUIDE = "How to read: " + " ".join(text for _, text in GUIDE_PARTS)  # every panel drawn
+
+
+def reading_guide(drawn: set[str]) -> str:
+    """The caption for a figure whose panels show the logged keys ``drawn``: only sentences about what is there."""
+    parts = [text for keys, text in GUIDE_PARTS if drawn.intersection(keys)]
+    return "How to read: " + " ".join(parts) if parts else ""
+
 
 History = Sequence[Mapping[str, Any]]
 
@@ -124,7 +139,9 @@ def plot_metrics(
     if title:
         fig.suptitle(title, fontsize=12)
     fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
-    fig.text(0.5, 0.005, READING_GUIDE, ha="center", va="bottom", fontsize=7, wrap=True)
+    guide = reading_guide({k for _, keys in used for k in keys})
+    if guide:
+        fig.text(0.5, 0.005, guide, ha="center", va="bottom", fontsize=7, wrap=True)
     if path is None:
         return fig
     target = Path(path)
@@ -146,6 +163,8 @@ def _is_sparse(steps: Sequence[float], run_steps: Sequence[float]) -> bool:
 
 
 def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, History], styles: Sequence[str]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     floored = any(k in LOG_FLOOR_KEYS for k in keys)
     below_floor: list[str] = []  # runs whose every value is float rounding: said, not drawn
     drawn = False
@@ -202,5 +221,6 @@ def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, His
         ax.set_ylim(-0.02, 1.02)
     if all_steps:
         ax.set_xlim(all_steps[0] - 0.5, all_steps[-1] + 0.5)  # every panel spans the run: gaps show as gaps
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also in a 4-step run
     ax.set_title(name, fontsize=10)
     ax.set_xlabel("optimizer step", fontsize=8)

@@ -53,7 +53,14 @@ def test_figure_shows_accuracy_reward_ema_and_readable_residuals() -> None:
     assert shared.get_xlim() == pytest.approx((0.5, 12.5)) == orth.get_xlim()  # every panel spans the run
     entropy = axes["entropy"]
     assert entropy.get_lines()[0].get_linestyle() == "-"  # logged every step: a line
-    assert any(text.get_text() == READING_GUIDE for text in fig.texts)
+    # the caption speaks only of panels the figure has: no phi, no Asym here
+    (caption,) = [t.get_text() for t in fig.texts if t.get_text().startswith("How to read")]
+    assert "Shared-prefix residual" in caption and "Orthogonality residual" in caption
+    assert "phi" not in caption and "Asym" not in caption
+    full = history()
+    for row in full:
+        row.update({"asym/before": 0.5, "asym/after": 0.4, "transform/phi_min": 0.9})
+    assert READING_GUIDE in [t.get_text() for t in plot_metrics(full).texts]
 
 
 def test_residual_above_the_floor_is_drawn_beside_a_run_at_the_floor() -> None:
