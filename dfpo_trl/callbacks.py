@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import TrainerCallback
+from transformers import LogitsProcessor, LogitsProcessorList, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from . import metrics
@@ -27,6 +28,7 @@ __all__ = [
     "DFPOProgressCallback",
     "DriftMeterCallback",
     "FormShareReward",
+    "GenerationProgress",
     "HeldoutAccuracyCallback",
     "use_dfpo_progress_bar",
 ]
@@ -276,16 +278,105 @@ class CurveMetricsCallback(TrainerCallback):
         self.results["steps_to_threshold"] = None if index is None else int(rows[index].get("step", index + 1))
 
 
+class GenerationProgress(LogitsProcessor):
+    """Counts one ``generate`` call's decoding steps and finished completions, and reports them each step.
+
+    A logits processor is the one hook ``generate`` calls at every new token, whatever calls ``generate`` (TRL's
+    rollout included); it returns the scores unchanged, so sampling is untouched. ``report(done, total, token,
+    max_new_tokens)``: completions that have emitted an end-of-sequence token, completions in the call, the token
+    being generated (1-based) and the most the call generates. Counting the finished ones reads the device once
+    per token, as ``generate``'s own stopping check already does.
+    """
+
+    def __init__(
+        self,
+        report: Callable[[int, int, int, int], None],
+        prompt_length: int,
+        max_new_tokens: int,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.report = report
+        self.prompt_length = prompt_length
+        self.max_new_tokens = max_new_tokens
+        self.eos_token_ids = eos_token_ids
+        self.token = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.token += 1
+        generated = input_ids[:, self.prompt_length :]
+        done = 0
+        if self.eos_token_ids and generated.numel():
+            eos = torch.tensor(self.eos_token_ids, device=generated.device)
+            done = int(torch.isin(generated, eos).any(dim=1).sum())
+        self.report(done, input_ids.size(0), self.token, self.max_new_tokens)
+        return scores
+
+
 class DFPOProgressCallback(ProgressCallback):
-    """transformers' progress bar (steps, elapsed, ETA) with the latest reward and entropy in its postfix.
+    """transformers' progress bar (steps, elapsed, ETA) with the latest reward and entropy in its postfix, and the
+    rollout's generation progress in its description while the policy generates.
 
     Unlike the stock bar it does not print every log dictionary: the metrics are in ``trainer.state.log_history``,
-    the ``report_to`` backends and the PNG.
+    the ``report_to`` backends and the PNG. Generation (TRL's rollout with transformers' ``generate``; vLLM's
+    generation runs elsewhere and is not followed) is seen through the model's ``generate``, wrapped for the
+    duration of ``train()`` to add a :class:`GenerationProgress`: on a CPU the first rollout takes minutes before
+    the first step, and the bar then says ``generating: token 9/16, 23/64 completions done``.
     """
+
+    refresh_seconds = 0.2  # the least time between two redraws of the generation progress
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         super().on_train_begin(args, state, control, **kwargs)
         self.postfix: dict[str, str] = {}
+        self._last_draw = 0.0
+        self._generating_model = None
+        model = kwargs.get("model")
+        if state.is_world_process_zero and model is not None and callable(getattr(model, "generate", None)):
+            self._follow_generation(model)
+
+    def _follow_generation(self, model: Any) -> None:
+        """Wrap ``model.generate`` (an instance attribute over the class's method, removed at train end) so that
+        each call made while the bar is open reports its progress."""
+        original = model.generate
+
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            if self.training_bar is None or not isinstance(input_ids, torch.Tensor):
+                return original(*args, **kwargs)
+            config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+            prompt_length = input_ids.size(-1)
+            max_new = getattr(config, "max_new_tokens", None)
+            if max_new is None:
+                max_new = max(int(getattr(config, "max_length", 0) or 0) - prompt_length, 0)
+            eos = getattr(config, "eos_token_id", None)
+            eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+            counter = GenerationProgress(self.show_generation, prompt_length, max_new, eos_ids)
+            processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
+            processors.append(counter)
+            try:
+                return original(*args, logits_processor=processors, **kwargs)
+            finally:
+                if self.training_bar is not None:
+                    self.training_bar.set_description_str("", refresh=True)
+
+        model.generate = generate
+        self._generating_model = model
+
+    def show_generation(self, done: int, total: int, token: int, max_new_tokens: int) -> None:
+        """Put the generation's progress in the bar's description (redrawn at most every ``refresh_seconds``)."""
+        if self.training_bar is None:
+            return
+        now = time.monotonic()
+        if token > 1 and now - self._last_draw < self.refresh_seconds:
+            return
+        self._last_draw = now
+        text = f"generating: token {token}/{max_new_tokens}, {done}/{total} completions done"
+        self.training_bar.set_description_str(text, refresh=True)
+
+    def _stop_following_generation(self) -> None:
+        model, self._generating_model = getattr(self, "_generating_model", None), None
+        if model is not None and "generate" in vars(model):
+            del model.generate  # the class's own method again
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         super().on_step_end(args, state, control, **kwargs)
@@ -295,6 +386,7 @@ class DFPOProgressCallback(ProgressCallback):
             self.training_bar = None
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._stop_following_generation()
         if self.training_bar is not None:
             super().on_train_end(args, state, control, **kwargs)
 

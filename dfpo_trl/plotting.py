@@ -13,7 +13,7 @@ from typing import Any
 
 from .metrics import ema
 
-__all__ = ["DEFAULT_PANELS", "EMA_ALPHA", "READING_GUIDE", "RESIDUAL_FLOOR", "curve", "plot_metrics"]
+__all__ = ["DEFAULT_PANELS", "EMA_ALPHA", "READING_GUIDE", "RESIDUAL_FLOOR", "curve", "plot_metrics", "reading_guide"]
 
 # One panel per entry: title and the logged keys drawn in it (a panel with no logged key is left out). In a
 # panel whose keys are alternatives (REWARD_KEYS) only the first one a run logged is drawn.
@@ -33,11 +33,27 @@ EMA_ALPHA = 0.3  # the EMA of eq. 19, as in the run summary
 RESIDUAL_FLOOR = 1e-6
 LOG_FLOOR_KEYS = ("transform/orth_residual",)
 UNIT_RANGE_KEYS = ("cancellation/shared_prefix_residual",)
-READING_GUIDE = (
-    "How to read: the transform acts in the off-policy steps of each rollout (not its first). Balanced groups show "
-    f"phi < 1 and an orthogonality residual at the {RESIDUAL_FLOOR:g} floor (float rounding); the shared-prefix "
-    "residual is the learning tax on shared tokens (0 = they cancel); Asym after < before = weights evened out."
-)
+# The caption: one sentence per kind of panel, each kept only when that panel is drawn.
+GUIDE_PARTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("transform/phi_min", "asym/before", "transform/orth_residual"),
+     "the transform acts in the off-policy steps of each rollout (not its first)."),
+    (("transform/phi_min",), "phi < 1: the transform lowered a weight."),
+    (("transform/orth_residual",),
+     f"Orthogonality residual below {RESIDUAL_FLOOR:g}: float rounding, the weights balance the advantages (said in "
+     "its panel, not drawn)."),
+    (("cancellation/shared_prefix_residual",),
+     "Shared-prefix residual: the learning tax on shared tokens (0 = they cancel; dots: the steps where it was "
+     "measured)."),
+    (("asym/before",), "Asym after < before: the weights evened out."),
+)  # fmt: skip
+READING_GUIDE = "How to read: " + " ".join(text for _, text in GUIDE_PARTS)  # every panel drawn
+
+
+def reading_guide(drawn: set[str]) -> str:
+    """The caption for a figure whose panels show the logged keys ``drawn``: only sentences about what is there."""
+    parts = [text for keys, text in GUIDE_PARTS if drawn.intersection(keys)]
+    return "How to read: " + " ".join(parts) if parts else ""
+
 
 History = Sequence[Mapping[str, Any]]
 
@@ -87,7 +103,9 @@ def plot_metrics(
     ``heldout`` adds a first panel with held-out accuracy before/after: one run's ``{"before", "after", "n"}``
     (the main job's ``HeldoutAccuracyCallback.results``) or ``{run name: that}``. The reward is drawn per logged
     point with its EMA (α = 0.3, eq. 19); the orthogonality residual on a log axis floored at
-    :data:`RESIDUAL_FLOOR`; the shared-prefix residual on its [0, 1] range; a caption says how to read them.
+    :data:`RESIDUAL_FLOOR` (a run whose every value is below it is said in the panel, not drawn as a flat line);
+    the shared-prefix residual on its [0, 1] range; a metric logged at only some of the run's steps as dots at
+    those steps, never joined; every panel spans the run's steps; a caption says how to read them.
     Writes a PNG to ``path`` when given and returns the path; otherwise returns the matplotlib ``Figure``.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -121,7 +139,9 @@ def plot_metrics(
     if title:
         fig.suptitle(title, fontsize=12)
     fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
-    fig.text(0.5, 0.005, READING_GUIDE, ha="center", va="bottom", fontsize=7, wrap=True)
+    guide = reading_guide({k for _, keys in used for k in keys})
+    if guide:
+        fig.text(0.5, 0.005, guide, ha="center", va="bottom", fontsize=7, wrap=True)
     if path is None:
         return fig
     target = Path(path)
@@ -130,9 +150,27 @@ def plot_metrics(
     return target
 
 
+def _run_steps(history: History) -> list[float]:
+    """Every optimizer step at which the run logged anything."""
+    return sorted({float(row.get("step", i + 1)) for i, row in enumerate(history) if isinstance(row, Mapping)})
+
+
+def _is_sparse(steps: Sequence[float], run_steps: Sequence[float]) -> bool:
+    """Whether a metric skipped logged steps between its first and last point: a line through its points would
+    draw values that were never measured, so it gets markers only."""
+    inside = [s for s in run_steps if steps[0] <= s <= steps[-1]]
+    return len(steps) < len(inside)
+
+
 def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, History], styles: Sequence[str]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     floored = any(k in LOG_FLOOR_KEYS for k in keys)
+    below_floor: list[str] = []  # runs whose every value is float rounding: said, not drawn
+    drawn = False
+    all_steps = sorted({s for history in runs.values() for s in _run_steps(history)})
     for run_index, (run, history) in enumerate(runs.items()):
+        run_steps = _run_steps(history)
         for key_index, key in enumerate(_keys_to_draw(history, keys)):
             steps, values = curve(history, key)
             if not steps:
@@ -143,25 +181,46 @@ def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, His
                 ax.plot(steps, values, linestyle="none", marker="o", markersize=2.5, color=color, alpha=0.45)
                 ax.plot(steps, ema(values, alpha=EMA_ALPHA), color=color, label=f"{run} EMA {EMA_ALPHA}".strip())
                 continue
+            if floored and max(values) <= RESIDUAL_FLOOR:
+                # A flat line on the floor says nothing a sentence cannot: the condition holds at every step.
+                below_floor.append(f"{label + ': ' if label else ''}all {len(values)} logged steps <= "
+                                   f"{RESIDUAL_FLOOR:g} (max {max(values):.1g}): float rounding")
+                continue
             if floored:
                 values = [max(v, RESIDUAL_FLOOR) for v in values]
+            drawn = True
+            sparse = _is_sparse(steps, run_steps)
+            if sparse:
+                label = f"{label + ', ' if label else ''}{len(steps)} of {len(run_steps)} steps"
             ax.plot(
                 steps,
                 values,
-                linestyle=styles[key_index % len(styles)],
+                linestyle="none" if sparse else styles[key_index % len(styles)],
                 color=color,
-                marker="o" if len(steps) < 30 else None,
-                markersize=3,
+                marker="o" if sparse or len(steps) < 30 else None,
+                markersize=4 if sparse else 3,
                 label=label or None,
             )
     if floored:
+        if not drawn:  # limits first: a log axis holding only the floor line has no range to scale
+            ax.set_ylim(RESIDUAL_FLOOR / 2, RESIDUAL_FLOOR * 100)
         ax.set_yscale("log")
         ax.axhline(RESIDUAL_FLOOR, color="0.5", linewidth=0.8, linestyle=":")
-        ax.set_ylim(bottom=RESIDUAL_FLOOR / 2)
+        if drawn:
+            ax.set_ylim(bottom=RESIDUAL_FLOOR / 2)
+        if below_floor and drawn:  # beside other runs' curves: a legend entry, placed where no curve is
+            for text in below_floor:
+                ax.plot([], [], linestyle="none", label=text)
+        elif below_floor:
+            ax.text(0.5, 0.55, "\n".join(below_floor), transform=ax.transAxes, ha="center", va="center",
+                    fontsize=8, color="0.2", wrap=True)  # fmt: skip
         ax.annotate(
             f"<= {RESIDUAL_FLOOR:g}: float rounding", (0.01, 0.02), xycoords="axes fraction", fontsize=7, color="0.4"
         )
     if any(k in UNIT_RANGE_KEYS for k in keys):
         ax.set_ylim(-0.02, 1.02)
+    if all_steps:
+        ax.set_xlim(all_steps[0] - 0.5, all_steps[-1] + 0.5)  # every panel spans the run: gaps show as gaps
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also in a 4-step run
     ax.set_title(name, fontsize=10)
     ax.set_xlabel("optimizer step", fontsize=8)

@@ -120,6 +120,77 @@ def test_help_lists_dfpo_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(out.splitlines()) < 150
 
 
+def _help_text(capsys: pytest.CaptureFixture[str], flag: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([flag])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def _dataclass_default(cls: type, name: str) -> object:
+    import dataclasses
+
+    spec = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+
+
+def test_short_help_shows_every_default_the_dataclasses_have(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every `--field (default: X)` of `dfpo-train --help` is the dataclass's default; a field shown without one
+    defaults to None. The bool fields that default to True (save_model, plot, transform_stop_gradient,
+    log_mechanism_metrics) were shown as False: the short help read their `--no_*` twin's default."""
+    import re
+
+    from dfpo_trl.cli import dfpo_field_names
+    from dfpo_trl.tasks import TASKS
+
+    out = _help_text(capsys, "--help")
+    entries = re.findall(r"^  --(\w+)(?: \(default: (.*?)[;)].*)?$", out, flags=re.MULTILINE)
+    shown = dict(entries)
+    owner = {name: DFPOConfig for name in dfpo_field_names()}
+    owner.update({name: DFPOScriptArguments for name in DFPOScriptArguments.__dataclass_fields__})
+    assert set(shown) == set(owner)
+    for name, text in shown.items():
+        default = _dataclass_default(owner[name], name)
+        assert text == ("" if default is None else repr(default)), name
+    for name in ("save_model", "plot", "transform_stop_gradient", "log_mechanism_metrics"):
+        assert shown[name] == "True" and f"--no_{name} turns it off" in out
+    # DFPO's fields lead; the script arguments follow.
+    assert out.index("--group_transform") < out.index("--delta_random") < out.index("--task") < out.index("--plot")
+    task_help = " ".join(out[out.index("  --task") : out.index("  --dataset")].split())
+    assert all(f"'{name}'" in task_help for name in TASKS)  # sum_sentence was missing
+
+
+def test_help_all_shows_the_default_each_flag_leaves(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--help-all` (argparse's own help, transformers' `ArgumentDefaultsHelpFormatter`): every "(default: X)" is
+    the value the field gets when the flag is absent, `--no_*` twins included (they said False for fields that
+    default to True)."""
+    import re
+
+    from dfpo_trl.cli import make_parser
+
+    parser = make_parser()
+    absent = vars(parser.parse_args([]))
+    out = _help_text(capsys, "--help-all")
+    blocks = re.split(r"\n(?=  -)", out[out.index("options:") :])
+    checked = 0
+    for block in blocks:
+        flag = re.match(r"\s*(--[\w-]+)", block)
+        text = " ".join(block.split())
+        default = re.search(r".*\(default: (.*)\)$", text)
+        if flag is None or default is None:
+            continue
+        action = parser._option_string_actions[flag.group(1)]
+        value, shown = absent[action.dest], default.group(1)
+        # argparse converts a string default with the flag's type only when it is used ("no" -> False)
+        as_parsed = action.type(shown) if isinstance(action.default, str) and action.type else shown
+        assert shown == str(value) or as_parsed == value, (flag.group(1), shown, value)
+        checked += 1
+    assert checked > 200
+    for name in ("save_model", "plot", "transform_stop_gradient", "log_mechanism_metrics"):
+        assert absent[name] is True
+        assert f"Set {name} to False" in " ".join(out.split())
+
+
 def test_help_all_lists_every_trl_field(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["recipes/smollm2_cpu.yaml", "--help-all"])
@@ -150,6 +221,79 @@ def test_main_reports_recipe_errors_without_traceback(tmp_path: Path, capsys: py
     recipe = write_recipe(tmp_path, "num_generaitons: 4\nuse_cpu: true\n")
     assert main([recipe]) == 2
     assert "did you mean 'num_generations'" in capsys.readouterr().err
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dfpo-train: error: "), err
+    return lines[0]
+
+
+def test_recipe_that_is_not_yaml_is_one_line_with_its_position(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_model(monkeypatch)
+    recipe = write_recipe(tmp_path, "use_cpu: true\nlearning_rate: 3.0e-5\ninstruction: Answer: a number\n")
+    assert main([recipe]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"recipe {recipe!r} is not valid YAML at line 3, column 20" in line
+    assert "'instruction: Answer: a number'" in line and "quote a value that holds ': '" in line
+    recipe = write_recipe(tmp_path, "use_cpu: true\nmax_steps 4\nseed: 0\n")
+    assert main([recipe]) == 2
+    assert "at line 2, column 1 ('max_steps 4')" in _one_error_line(capsys.readouterr().err)
+
+
+def _no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make loading a model fail the test: the errors under test must come first."""
+    import dfpo_trl.cli as cli
+
+    def no_model(*args: object) -> None:
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(cli, "resolve_model", no_model)
+
+
+def test_bad_value_names_flag_or_recipe_line_and_what_the_field_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value of the wrong type, on the command line or in the recipe (where YAML had already typed `2.5` as a
+    float, which argparse never checked: an int field took it and train() failed minutes later)."""
+    _no_model(monkeypatch)
+    recipe = write_recipe(tmp_path, "use_cpu: true\nlearning_rate: 3.0e-5\n")
+    assert main([recipe, "--learning_rate", "abc"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line == (
+        "dfpo-train: error: --learning_rate on the command line: invalid float value: 'abc'; learning_rate takes a "
+        "number, e.g. 1e-06 (its default)."
+    )
+    recipe = write_recipe(tmp_path, "use_cpu: true\nmax_steps: 2.5\n")
+    assert main([recipe]) == 2
+    assert f"max_steps in {recipe}, line 2: invalid int value: '2.5'; max_steps takes an integer" in _one_error_line(
+        capsys.readouterr().err
+    )
+    assert main([recipe, "--max_steps", "2", "--save_model", "maybe"]) == 2
+    assert "--save_model on the command line" in _one_error_line(capsys.readouterr().err)
+    # typed YAML scalars that fit their field still parse as before
+    recipe = write_recipe(tmp_path, "use_cpu: true\nmax_steps: 3\nlearning_rate: 1\nskip_eval: true\nbeta: 0\n")
+    script_args, args, _ = parse_args([recipe])
+    assert (args.max_steps, args.learning_rate, args.beta, script_args.skip_eval) == (3, 1.0, 0.0, True)
+    assert isinstance(args.learning_rate, float) and isinstance(args.max_steps, int)
+
+
+def test_output_dir_that_is_a_file_is_refused_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_model(monkeypatch)
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("not a directory")
+    recipe = write_recipe(tmp_path, f"use_cpu: true\noutput_dir: {a_file}\n")
+    assert main([recipe]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"output_dir in {recipe}, line 2: output_dir {str(a_file)!r} is an existing file" in line
+    assert "name a directory" in line
+    assert main([recipe, "--output_dir", str(a_file / "run1")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"--output_dir on the command line: output_dir {str(a_file / 'run1')!r} cannot be created" in line
 
 
 def test_command_line_beats_recipe(tmp_path: Path) -> None:
@@ -336,6 +480,116 @@ def test_tiny_end_to_end_writes_summary_and_plot(
     printed = capsys.readouterr().out
     assert "held-out greedy accuracy" in printed and "DFPO run summary" in printed
     assert "eval before" in printed and "training reward, EMA 0.3" in printed
+
+
+def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A completed run saves its model; the next run is interrupted (KeyboardInterrupt, as Ctrl-C raises it) when
+    its third step begins. It exits 130 with one line, its summary says interrupted after 2 of 4 steps with the
+    reward curve so far and a fresh figure, and the earlier run's summary and model are in previous_run/, not
+    beside it."""
+    pytest.importorskip("matplotlib")
+    import dfpo_trl.callbacks as callbacks
+
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path, TINY_RUN + "eval_size: 2\n")
+    argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]
+    assert main([*argv, "--max_steps", "1", "--save_model", "true"]) == 0
+    first = json.loads((out / "dfpo_summary.json").read_text())
+    assert first["interrupted"] is False and first["steps"] == 1
+    assert {"model.safetensors", "config.json", "dfpo_metrics.png", "dfpo_summary.json"} <= set(first["files"])
+    capsys.readouterr()
+
+    class CtrlCAtStep3(callbacks.CurveMetricsCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if state.global_step == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(callbacks, "CurveMetricsCallback", CtrlCAtStep3)
+    code = main([*argv, "--max_steps", "4", "--disable_tqdm", "false"])
+    captured = capsys.readouterr()
+    assert code == 130
+    assert "Traceback" not in captured.err and "DFPO run summary" not in captured.out
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert lines[-1] == f"dfpo-train: interrupted at step 2 of 4; partial results in {out}"
+    summary = json.loads((out / "dfpo_summary.json").read_text())
+    assert summary["interrupted"] is True and (summary["steps"], summary["max_steps"]) == (2, 4)
+    assert summary["reward_curve"] == "step_reward" and summary["reward_ema_last"] is not None
+    assert summary["heldout"]["before"] is not None and summary["heldout"]["after"] is None
+    assert summary["files"] == ["dfpo_metrics.png", "dfpo_summary.json"]
+    assert (out / "dfpo_metrics.png").stat().st_mtime >= (out / "dfpo_summary.json").stat().st_mtime - 60
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    previous = out / "previous_run"
+    assert json.loads((previous / "dfpo_summary.json").read_text())["steps"] == 1
+    assert (previous / "model.safetensors").is_file() and (previous / "dfpo_metrics.png").is_file()
+
+
+def test_previous_outputs_are_set_aside_and_only_those(tmp_path: Path) -> None:
+    """The files a summary lists (or, for a summary older than that list, what save_model writes) move to
+    previous_run/, which replaces the one before; checkpoints and other files stay."""
+    from dfpo_trl.cli import set_aside_previous_outputs
+
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "notes.txt", "dfpo_metrics.png", "checkpoint-2/model.safetensors"):
+        (out / name).write_text(name)
+    (out / "dfpo_summary.json").write_text(json.dumps({"steps": 3}))  # no "files": an older summary
+    assert set_aside_previous_outputs(str(out)) == [
+        "config.json", "dfpo_metrics.png", "dfpo_summary.json", "model.safetensors"
+    ]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "notes.txt", "previous_run"]
+    (out / "dfpo_summary.json").write_text(json.dumps({"files": ["dfpo_summary.json", "../notes.txt", "x.bin"]}))
+    (out / "x.bin").write_text("x")
+    assert set_aside_previous_outputs(str(out)) == ["dfpo_summary.json", "x.bin"]
+    assert sorted(p.name for p in (out / "previous_run").iterdir()) == ["dfpo_summary.json", "x.bin"]
+    assert (out / "notes.txt").is_file() and set_aside_previous_outputs(str(out)) == []
+
+
+def test_layout_and_its_cost_are_said_at_start_up(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """3 rows per process and G = 4: groups straddle micro-steps on one process, so the trainer takes the pre-pass;
+    the CLI says so in one line with its cost (3 of every 4 steps re-forward 3 to 12 rows: +33% to +133%)."""
+    import logging
+
+    recipe = write_recipe(tmp_path, TINY_RUN + "skip_eval: true\nplot: false\n")
+    argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"),
+            "--per_device_train_batch_size", "3", "--steps_per_generation", "4", "--max_steps", "1"]
+    with caplog.at_level(logging.INFO, logger="dfpo_trl"):
+        assert main(argv) == 0
+    layout = [r.getMessage() for r in caplog.records if "group layout" in r.getMessage()]
+    assert layout == [
+        "DFPO group layout: pre_pass (per_device_train_batch_size 3 is not a multiple of num_generations 4): 3 of "
+        "every 4 optimizer steps add a no-grad forward over 3-12 rows per process, about +33% to +133% of their "
+        "compute (docs/layouts.md, the pre-pass and its cost); a per_device_train_batch_size that is a multiple of 4 "
+        "makes the layout free (group_granular)"
+    ]
+
+
+def test_every_layout_has_a_start_up_line() -> None:
+    from dfpo_trl.cli import describe_layout
+    from dfpo_trl.trainer import (
+        LAYOUT_CROSS_PROCESS,
+        LAYOUT_GROUP_GRANULAR,
+        LAYOUT_PER_SAMPLE,
+        LAYOUT_PRE_PASS,
+        LAYOUT_REDISTRIBUTED,
+    )  # fmt: skip
+
+    args = DFPOConfig(output_dir="unused", use_cpu=True, num_generations=4, per_device_train_batch_size=1,
+                      steps_per_generation=8, gradient_accumulation_steps=2)  # fmt: skip
+    lines = {
+        layout: describe_layout(layout, args, processes=4)
+        for layout in (LAYOUT_GROUP_GRANULAR, LAYOUT_CROSS_PROCESS, LAYOUT_REDISTRIBUTED, LAYOUT_PRE_PASS,
+                       LAYOUT_PER_SAMPLE)
+    }  # fmt: skip
+    for layout, line in lines.items():
+        assert line.startswith(f"DFPO group layout: {layout} (") and "\n" not in line
+    # b = 1, A = 2, S = 8: 3 of 4 steps re-forward the step's 2 rows up to the process's 8 (2 x G = 8): +33..133%
+    assert "3 of every 4 optimizer steps" in lines[LAYOUT_PRE_PASS] and "over 2-8 rows" in lines[LAYOUT_PRE_PASS]
+    assert "+33% to +133%" in lines[LAYOUT_PRE_PASS] and "all-gather" in lines[LAYOUT_PRE_PASS]
+    assert "no extra forward" in lines[LAYOUT_REDISTRIBUTED] and "no extra cost" in lines[LAYOUT_GROUP_GRANULAR]
 
 
 def test_failing_reward_names_function_and_completion(

@@ -9,12 +9,16 @@ pytest.importorskip("matplotlib")
 from dfpo_trl.metrics import ema  # noqa: E402
 from dfpo_trl.plotting import READING_GUIDE, RESIDUAL_FLOOR, plot_metrics  # noqa: E402
 
+SHARED_STEPS = (3, 7, 10)  # the shared-prefix residual is measured at some steps only
 
-def history(steps: int = 12) -> list[dict[str, float]]:
+
+def history(steps: int = 12, orth_scale: float = 3e-8) -> list[dict[str, float]]:
     rows = []
     for step in range(1, steps + 1):
-        row = {"step": step, "step_reward": (step % 3) / 2, "transform/orth_residual": 3e-8 * step,
-               "cancellation/shared_prefix_residual": 0.02 * step, "entropy": 1.0}  # fmt: skip
+        row = {"step": step, "step_reward": (step % 3) / 2, "transform/orth_residual": orth_scale * (step % 4),
+               "entropy": 1.0}  # fmt: skip
+        if step in SHARED_STEPS:
+            row["cancellation/shared_prefix_residual"] = 0.02 * step
         if step % 4 == 1:
             row["reward"] = 0.5  # TRL's once-per-rollout mean: not drawn when step_reward is there
         rows.append(row)
@@ -35,11 +39,40 @@ def test_figure_shows_accuracy_reward_ema_and_readable_residuals() -> None:
     points, line = reward.get_lines()
     assert list(points.get_ydata()) == [r["step_reward"] for r in rows]  # one point per step, not per rollout
     assert list(line.get_ydata()) == pytest.approx(ema([r["step_reward"] for r in rows], alpha=0.3))
+    # Min-Replace: every residual is float rounding (<= 1e-6): said in the panel, not drawn as a flat line
     orth = next(ax for title, ax in axes.items() if title.startswith("orthogonality residual"))
-    assert orth.get_yscale() == "log" and min(orth.get_lines()[0].get_ydata()) == RESIDUAL_FLOOR
+    assert orth.get_yscale() == "log"
+    assert [list(line.get_ydata()) for line in orth.get_lines()] == [[RESIDUAL_FLOOR, RESIDUAL_FLOOR]]  # the floor
+    assert any("all 12 logged steps <= 1e-06 (max 9e-08)" in t.get_text() for t in orth.texts)
+    # measured at 3 of the 12 steps: dots at those steps, not a line through values never measured
     shared = next(ax for title, ax in axes.items() if title.startswith("shared-prefix residual"))
     assert shared.get_ylim() == pytest.approx((-0.02, 1.02))
-    assert any(text.get_text() == READING_GUIDE for text in fig.texts)
+    (dots,) = shared.get_lines()
+    assert dots.get_linestyle() == "None" and dots.get_marker() == "o"
+    assert list(dots.get_xdata()) == list(SHARED_STEPS) and dots.get_label() == "3 of 12 steps"
+    assert shared.get_xlim() == pytest.approx((0.5, 12.5)) == orth.get_xlim()  # every panel spans the run
+    entropy = axes["entropy"]
+    assert entropy.get_lines()[0].get_linestyle() == "-"  # logged every step: a line
+    # the caption speaks only of panels the figure has: no phi, no Asym here
+    (caption,) = [t.get_text() for t in fig.texts if t.get_text().startswith("How to read")]
+    assert "Shared-prefix residual" in caption and "Orthogonality residual" in caption
+    assert "phi" not in caption and "Asym" not in caption
+    full = history()
+    for row in full:
+        row.update({"asym/before": 0.5, "asym/after": 0.4, "transform/phi_min": 0.9})
+    assert READING_GUIDE in [t.get_text() for t in plot_metrics(full).texts]
+
+
+def test_residual_above_the_floor_is_drawn_beside_a_run_at_the_floor() -> None:
+    """GSPO's orthogonality residual grows off-policy (drawn, its zeros at the floor); DFPO's stays float rounding
+    (a legend entry saying so)."""
+    fig = plot_metrics({"GSPO": history(orth_scale=1e-3), "DFPO": history()})
+    orth = next(ax for ax in fig.axes if ax.get_title().startswith("orthogonality residual"))
+    gspo = orth.get_lines()[0]
+    assert gspo.get_label() == "GSPO" and gspo.get_linestyle() == "-"
+    assert list(gspo.get_ydata()) == pytest.approx([max(1e-3 * (s % 4), RESIDUAL_FLOOR) for s in range(1, 13)])
+    labels = orth.get_legend_handles_labels()[1]
+    assert labels == ["GSPO", "DFPO: all 12 logged steps <= 1e-06 (max 9e-08): float rounding"]
 
 
 def test_several_runs_and_no_heldout() -> None:

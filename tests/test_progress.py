@@ -1,0 +1,100 @@
+"""The CLI's progress bar follows the rollout's generation token by token (on a CPU the first rollout takes minutes
+before the first optimizer step), without changing what is generated."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+
+from dfpo_trl.callbacks import DFPOProgressCallback, GenerationProgress
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_generation_progress_counts_tokens_and_finished_completions_and_leaves_sampling_alone() -> None:
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    prompt = tokenizer(["Compute 3 + 4 ="] * 6, return_tensors="pt")
+    eos = tokenizer.eos_token_id
+    kwargs = dict(**prompt, max_new_tokens=8, do_sample=True, temperature=3.0, pad_token_id=0, eos_token_id=eos)
+    torch.manual_seed(1)
+    plain = model.generate(**kwargs)
+    reports: list[tuple[int, int, int, int]] = []
+    counter = GenerationProgress(lambda *r: reports.append(r), prompt["input_ids"].size(1), 8, [eos])
+    torch.manual_seed(1)
+    followed = model.generate(**kwargs, logits_processor=[counter])
+    assert torch.equal(plain, followed)  # the processor returns the scores unchanged
+    generated = plain[:, prompt["input_ids"].size(1) :]
+    assert [r[2] for r in reports] == list(range(1, generated.size(1) + 1))  # one report per new token
+    assert all(total == 6 and max_new == 8 for _, total, _, max_new in reports)
+    for done, _, token, _ in reports:  # finished = an end-of-sequence among the tokens generated before this one
+        assert done == int((generated[:, : token - 1] == eos).any(dim=1).sum())
+    assert [r[0] for r in reports] == sorted(r[0] for r in reports)
+
+
+RUN = """
+use_cpu: true
+bf16: false
+report_to: none
+save_strategy: "no"
+save_model: false
+plot: false
+seed: 0
+train_size: 16
+eval_size: 4
+eval_max_new_tokens: 4
+eval_batch_size: 4
+num_generations: 4
+per_device_train_batch_size: 4
+steps_per_generation: 2
+max_completion_length: 4
+max_steps: 2
+logging_steps: 1
+learning_rate: 1.0e-3
+temperature: 1.5
+importance_sampling_level: sequence
+loss_type: grpo
+epsilon: 3.0e-4
+epsilon_high: 4.0e-4
+group_transform: min_replace
+disable_tqdm: false
+"""
+
+
+def test_cli_bar_shows_the_rollouts_generation_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One rollout of 2 prompts x G = 4 = 8 completions of at most 4 tokens feeds the 2 steps: the bar reports its
+    tokens 1, 2, ... of 4 for 8 completions; the held-out evaluations (4 problems, before the bar opens and after
+    it closes) report nothing; the description is cleared when generation ends."""
+    from dfpo_trl.cli import main
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    model = tiny_model()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(textwrap.dedent(RUN))
+
+    shown: list[tuple[int, int, int, int]] = []
+    show = DFPOProgressCallback.show_generation
+
+    def record(self: DFPOProgressCallback, *report: int) -> None:
+        shown.append(report)
+        show(self, *report)
+
+    monkeypatch.setattr(DFPOProgressCallback, "show_generation", record)
+    argv = [str(recipe), "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    tokens = [token for _, _, token, _ in shown]
+    assert tokens == list(range(1, len(tokens) + 1)) and 1 <= len(tokens) <= 4
+    assert {(total, max_new) for _, total, _, max_new in shown} == {(8, 4)}
+    assert "generating: token 1/4, 0/8 completions done" in err
+    last_frame = err.split("\r")[-1]
+    assert "generating" not in last_frame
