@@ -28,6 +28,7 @@ once the last one's engine is up (its trainer logged the group layout), and retr
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -316,7 +317,7 @@ def run_metrics(record: dict[str, Any], steps: int, checkpoints: tuple[int, ...]
         out[tag] = {
             "heldout": value_at(heldout, c) if c is not None else (record.get("heldout") or {}).get("after"),
             "entropy": window_mean(s.get("entropy", []), c),
-            "energy_bucket0": window_mean(s.get("energy/freq_bucket_0", []), c, 10**9),
+            "energy_bucket0": window_mean(s.get("energy/freq_bucket_0", []), c),
             "clip_fraction": window_mean(s.get("clip_ratio/region_mean", []), c),
             "shared_residual": window_mean(s.get("cancellation/shared_prefix_residual", []), c),
             "drift_abs": next((d["log_odds_abs_mean"] for d in drift if d["step"] == c), None)
@@ -356,8 +357,14 @@ def verdict(interval: dict[str, Any] | None, direction: int) -> str:
     return "not resolved"
 
 
+def read_record(path: str) -> dict[str, Any]:
+    """A run record, plain or gzip-compressed (``.json.gz``: how the repository keeps them)."""
+    raw = pathlib.Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
+
+
 def aggregate(paths: list[str], out: str, checkpoints: tuple[int, ...] = CHECKPOINTS) -> dict[str, Any]:
-    records = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    records = [read_record(p) for p in paths]
     complete = [r for r in records if r.get("complete")]
     steps = min((r["steps"] for r in complete), default=0)
     checkpoints = tuple(c for c in checkpoints if c <= steps)
@@ -409,7 +416,7 @@ def aggregate(paths: list[str], out: str, checkpoints: tuple[int, ...] = CHECKPO
                 }
         study["tasks"][task] = per_method
     pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(out).write_text(json.dumps(study, indent=1) + "\n")
+    pathlib.Path(out).write_text(json.dumps(study) + "\n")
     return study
 
 

@@ -1090,6 +1090,15 @@ def notes_section(path: pathlib.Path, number: int | None = None) -> list[str]:
     return [*lines, ""]
 
 
+def hand_section(path: pathlib.Path, number: int) -> list[str]:
+    """A section written by hand from a benchmark's own files (its heading's number set to ``number``)."""
+    if not path.exists():
+        return []
+    lines = path.read_text().rstrip().splitlines()
+    lines[0] = re.sub(r"^## \d+\.", f"## {number}.", lines[0])
+    return lines
+
+
 def make_figures(curves: dict[str, Any] | None, specs: list[tuple[str, str, str, dict[str, Any]]],
                  fig_dir: pathlib.Path, out: pathlib.Path) -> list[str]:
     """Draw each (file name, curve key, y label, plot_curves options) that has data; paths relative to ``out``."""
@@ -1130,6 +1139,7 @@ def main(argv: list[str] | None = None) -> None:
     zero3, notes = load(results / "zero3.json"), results / "NOTES.md"
     study = load(results / "cancellation.json")
     study_figures = cancellation_figures(study, fig_dir, out)
+    e2e, long_run = load(results / "vllm_e2e.json"), load(results / "long_run.json")
     number = 3 + bool(dapo) + bool(zero3) + bool(study)
     dapo_lines = dapo_section(dapo, summary, dapo_figures, 3, notes=number if notes.exists() else None)
     zero3_lines = zero3_section(zero3, 3 + bool(dapo_lines))
@@ -1138,6 +1148,14 @@ def main(argv: list[str] | None = None) -> None:
         loss = (dapo.get("settings") or {}).get("sequence_loss_type") or "grpo"
         energy_elsewhere = (f"§3, a rerun of {', '.join(label(m) for m in dapo['methods'])} with "
                             f"`loss_type=\"{loss}\"` and the metric on")
+    import report_long_run  # noqa: PLC0415 - it imports this module's helpers
+
+    long_run_figures = report_long_run.plot_long_run(long_run, fig_dir, out) if long_run else {}
+    # After the notes: the hand-written layout section (its measurements are in results/layouts/), then vLLM's.
+    layouts_lines = hand_section(results / "layouts" / "section.md", number + notes.exists())
+    vllm_number = number + notes.exists() + bool(layouts_lines)
+    e2e_lines = report_long_run.e2e_section(e2e, vllm_number)
+    long_run_lines = report_long_run.long_run_section(long_run, long_run_figures, vllm_number + bool(e2e_lines))
     lines = [
         "# Benchmark results (issue #5)",
         "",
@@ -1152,10 +1170,13 @@ def main(argv: list[str] | None = None) -> None:
         *zero3_lines,
         *cancellation_section(study, study_figures, 3 + bool(dapo_lines) + bool(zero3_lines)),
         *notes_section(notes, number),
+        *layouts_lines,
+        *e2e_lines,
+        *long_run_lines,
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines).rstrip() + "\n")
-    n = len(figures) + len(dapo_figures) + sum(len(f) for f in study_figures.values())
+    n = len(figures) + len(dapo_figures) + sum(len(f) for f in study_figures.values()) + len(long_run_figures)
     print(f"wrote {out}" + (f" and {n} figures in {fig_dir}" if n else ""))
 
 
