@@ -155,6 +155,7 @@ def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, c
     no activations are kept, and under ZeRO-3 every chunk gathers the weights again); s̄ does not depend on it."""
     import torch
     from tiny import hand_batch, make_trainer
+    from tolerance import assert_close_to_rounding
 
     from dfpo_trl import DFPOTrainer
 
@@ -181,4 +182,4 @@ def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, c
                               per_device_train_batch_size=2, num_generations=4, steps_per_generation=4,
                               gradient_accumulation_steps=2, prepass_batch_size=1)
     reference, _ = one_by_one._post_clip_weights_no_grad(batch, torch.arange(8))
-    assert torch.allclose(s_bar, reference, atol=1e-6)
+    assert_close_to_rounding(s_bar, reference)  # forwards of other batch sizes: equal up to float32 rounding
