@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
-from typing import Any
 
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
-from .cancellation import BALANCING_TRANSFORMS, CANCELLATION_TARGETS, ONE_SIDED_POLICIES
-from .delta import GAMMA_RULES, GAMMA_UPDATES, SCOPES, ZERO_ADVANTAGE_RULES
-from .transforms import GROUP_TRANSFORMS
+from .config_checks import read_delta_gamma, validate
 
-TRANSFORM_GRADIENTS = ("ratio", "score")
-# docs/layouts.md: what group_layout may force ("auto": the cheapest exact layout for the batch sizes).
-GROUP_LAYOUTS = ("auto", "redistributed", "pre_pass")
-# TRL loss types whose policy term is TRL's clipped surrogate -min(r A, clip(r) A); DFPO rewrites only those.
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-TOKEN_WEIGHTINGS = ("none", "delta")
-# Token-level clipped loss types DelTA weights, each with a known normalisation domain (delta_trainer).
-DELTA_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 # transformers >= 5.24 renamed gradient_checkpointing to activation_checkpointing and warns whenever the old name
 # is set, which TRL's config does by default (True), so every run warned. Older 5.x releases know only the old name.
 HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
@@ -333,7 +321,8 @@ class DFPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         self._resolve_checkpointing_alias()
-        self._validate_dfpo_fields()
+        self.delta_gamma = read_delta_gamma(self.delta_gamma)
+        validate(self)
         super().__post_init__()
 
     @property
@@ -345,152 +334,6 @@ class DFPOConfig(GRPOConfig):
             or not self.transform_stop_gradient
         )
 
-    def _validate_dfpo_fields(self) -> None:
-        """Refuse bad values and conflicting TRL settings with a message naming the fields and the fix."""
-        if self.group_transform not in GROUP_TRANSFORMS:
-            raise ValueError(
-                f"group_transform={self.group_transform!r} is not a DFPO transform; use one of "
-                f"{', '.join(repr(n) for n in GROUP_TRANSFORMS)}."
-            )
-        if self.transform_gradient not in TRANSFORM_GRADIENTS:
-            raise ValueError(
-                f"transform_gradient={self.transform_gradient!r} is not valid; use 'ratio' or 'score'."
-            )
-        if self.num_generations is not None and self.num_generations < 2:
-            raise ValueError(
-                f"num_generations={self.num_generations}: a group needs at least 2 completions per prompt for "
-                "group-relative advantages and in-group transforms; set num_generations >= 2."
-            )
-        self._validate_cancellation_fields()
-        if self.group_granular_batches not in (None, True, False):
-            raise ValueError(
-                f"group_granular_batches={self.group_granular_batches!r} is not valid; use None (automatic), True "
-                "or False."
-            )
-        if self.group_granular_batches is False and not self.transform_stop_gradient:
-            raise ValueError(
-                "transform_stop_gradient=False differentiates the transform through every member's s̄, so whole "
-                "groups must be in one micro-batch, but group_granular_batches=False. Set "
-                "group_granular_batches=None (automatic) or True."
-            )
-        if self.group_layout not in GROUP_LAYOUTS:
-            raise ValueError(
-                f"group_layout={self.group_layout!r} is not valid; use one of "
-                f"{', '.join(repr(n) for n in GROUP_LAYOUTS)}."
-            )
-        if self.prepass_batch_size is not None and (
-            isinstance(self.prepass_batch_size, bool) or not isinstance(self.prepass_batch_size, int)
-            or self.prepass_batch_size < 1
-        ):
-            raise ValueError(
-                f"prepass_batch_size={self.prepass_batch_size!r} must be a positive integer (rows per no-grad "
-                "forward chunk of the pre-pass), or None for 4 x per_device_train_batch_size."
-            )
-        if self.transform_scale <= 0:
-            raise ValueError(f"transform_scale must be > 0, got {self.transform_scale}.")
-        if self.transform_truncate_floor <= 0:
-            raise ValueError(f"transform_truncate_floor must be > 0, got {self.transform_truncate_floor}.")
-        buckets = self.log_energy_buckets
-        if not isinstance(buckets, int) or isinstance(buckets, bool) or buckets < 0 or buckets == 1:
-            raise ValueError(
-                f"log_energy_buckets={self.log_energy_buckets!r} is not valid: use 0 to turn the gradient-energy "
-                "metric (eq. 24) off, or the number of frequency buckets k >= 2 (e.g. 3) to log "
-                "energy/freq_bucket_0..k-1 (a single bucket's share is always 1)."
-            )
-        if self.sequence_rewrite_active:
-            what = self._describe_sequence_options()
-            if self.importance_sampling_level != "sequence":
-                raise ValueError(
-                    f"{what} acts on sequence weights and needs importance_sampling_level='sequence' (GSPO), but "
-                    f"importance_sampling_level={self.importance_sampling_level!r}. Set "
-                    "importance_sampling_level='sequence', or use symmetric_clip=True for the token-level fix."
-                )
-            self._require_clipped_loss_type(what)
-            if not self.transform_stop_gradient and self.transform_gradient == "score":
-                raise ValueError(
-                    "transform_stop_gradient=False is the ablation of the ratio form; it does not apply to "
-                    "transform_gradient='score' (whose weight is sg(s~) by definition). Use "
-                    "transform_gradient='ratio'."
-                )
-        if self.symmetric_clip:
-            if self.importance_sampling_level != "token":
-                raise ValueError(
-                    "symmetric_clip=True (GRPO-fix, Appendix H) is a token-level objective, but "
-                    f"importance_sampling_level={self.importance_sampling_level!r}. Set "
-                    "importance_sampling_level='token', or use group_transform for sequence-level DFPO."
-                )
-            if self.sequence_rewrite_active:
-                raise ValueError(
-                    "symmetric_clip=True cannot be combined with group_transform/transform_gradient/"
-                    "transform_stop_gradient options, which are sequence-level; choose one of the two."
-                )
-            self._require_clipped_loss_type("symmetric_clip=True")
-            if self.loss_type == "luspo":
-                raise ValueError(
-                    "symmetric_clip=True cannot be combined with loss_type='luspo' (a sequence-level loss); use "
-                    "loss_type 'dapo', 'grpo', 'bnpo' or 'dr_grpo'."
-                )
-        # Orth-Proj under the gradient target hands TRL the score representation for rows whose weight flips sign.
-        flips_to_score = self.cancellation_target == "gradient" and self.group_transform == "orth_proj"
-        rewrites_old_logps = self.symmetric_clip or self.transform_gradient == "score" or flips_to_score
-        if rewrites_old_logps:
-            what = (
-                "symmetric_clip=True" if self.symmetric_clip
-                else "transform_gradient='score'" if self.transform_gradient == "score"
-                else "group_transform='orth_proj' with cancellation_target='gradient'"
-            )
-            if self.use_bias_correction_kl and self.beta != 0.0:
-                raise ValueError(
-                    f"{what} cannot be combined with beta != 0 and use_bias_correction_kl=True: the KL term "
-                    "would be weighted by the rewritten importance ratio. Set use_bias_correction_kl=False."
-                )
-            if self.off_policy_mask_threshold is not None:
-                raise ValueError(
-                    f"{what} cannot be combined with off_policy_mask_threshold: the off-policy mask would read "
-                    "the rewritten old log-probabilities. Set off_policy_mask_threshold=None."
-                )
-        self._validate_delta_fields()
-        self._validate_ranges()
-
-    def _validate_cancellation_fields(self) -> None:
-        """cancellation_target / cancellation_one_sided (docs/cancellation.md): valid values and combinations."""
-        if self.cancellation_target not in CANCELLATION_TARGETS:
-            raise ValueError(
-                f"cancellation_target={self.cancellation_target!r} is not valid; use 'weights' (the paper) or "
-                "'gradient' (balance the gradients that survive the clip)."
-            )
-        if self.cancellation_one_sided not in ONE_SIDED_POLICIES:
-            raise ValueError(
-                f"cancellation_one_sided={self.cancellation_one_sided!r} is not valid; use 'keep' or 'zero'."
-            )
-        if self.cancellation_target == "weights":
-            if self.cancellation_one_sided != "keep":
-                raise ValueError(
-                    f"cancellation_one_sided={self.cancellation_one_sided!r} applies only with "
-                    "cancellation_target='gradient' (with 'weights' no group is one-sided); set "
-                    "cancellation_target='gradient' or leave cancellation_one_sided='keep'."
-                )
-            return
-        if self.group_transform not in BALANCING_TRANSFORMS:
-            raise ValueError(
-                f"cancellation_target='gradient' retargets a transform's balance condition, but group_transform="
-                f"{self.group_transform!r} has none. Set group_transform to one of "
-                f"{', '.join(repr(n) for n in BALANCING_TRANSFORMS)}."
-            )
-        if not self.transform_stop_gradient:
-            raise ValueError(
-                "cancellation_target='gradient' balances stop-gradient weights; transform_stop_gradient=False "
-                "differentiates the transform, whose gradient is then not a_i s~_i. Set transform_stop_gradient=True "
-                "or cancellation_target='weights'."
-            )
-        if self.top_entropy_quantile < 1.0:
-            raise ValueError(
-                f"cancellation_target='gradient' cannot be combined with top_entropy_quantile="
-                f"{self.top_entropy_quantile}: TRL's entropy mask is chosen per micro-batch after the weights are "
-                "fixed, so it changes which tokens carry gradient. Set top_entropy_quantile=1.0 or "
-                "cancellation_target='weights'."
-            )
-
     @property
     def dfpo_options_active(self) -> bool:
         """Whether any DFPO option changes the loss or needs the loss's policy forward (the trainer refuses to
@@ -499,7 +342,7 @@ class DFPOConfig(GRPOConfig):
 
     def describe_active_options(self) -> str:
         """The DFPO options that are on, as they are set (empty when DFPO is off)."""
-        parts = [self._describe_sequence_options()] if self.sequence_rewrite_active else []
+        parts = [self.describe_sequence_options()] if self.sequence_rewrite_active else []
         if self.symmetric_clip:
             parts.append("symmetric_clip=True")
         if self.token_weighting != "none":
@@ -516,7 +359,8 @@ class DFPOConfig(GRPOConfig):
             return self.sequence_rewrite_active
         return bool(self.group_granular_batches)
 
-    def _describe_sequence_options(self) -> str:
+    def describe_sequence_options(self) -> str:
+        """The options that rewrite the sequence-level loss, as they are set (for messages)."""
         parts = []
         if self.group_transform != "none":
             parts.append(f"group_transform={self.group_transform!r}")
@@ -525,164 +369,6 @@ class DFPOConfig(GRPOConfig):
         if not self.transform_stop_gradient:
             parts.append("transform_stop_gradient=False")
         return " with ".join(parts)
-
-    def _require_clipped_loss_type(self, what: str) -> None:
-        if self.loss_type not in CLIPPED_LOSS_TYPES:
-            raise ValueError(
-                f"{what} rewrites TRL's clipped surrogate, which loss_type={self.loss_type!r} does not use. Set "
-                f"loss_type to one of {', '.join(repr(t) for t in CLIPPED_LOSS_TYPES)}."
-            )
-
-    def _validate_delta_fields(self) -> None:
-        """DelTA (docs/delta.md): valid options, token-level clipped loss types only."""
-        if self.token_weighting not in TOKEN_WEIGHTINGS:
-            raise ValueError(
-                f"token_weighting={self.token_weighting!r} is not valid; use 'none' or 'delta' (DelTA)."
-            )
-        # The numeric fields (delta_lambda_min/max, delta_refine_steps, delta_gamma) are checked in _validate_ranges.
-        for name, allowed in (
-            ("delta_gamma_update", GAMMA_UPDATES),
-            ("delta_zero_advantage", ZERO_ADVANTAGE_RULES),
-            ("delta_scope", SCOPES),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not valid; use {' or '.join(repr(a) for a in allowed)}."
-                )
-        if self.delta_assignment not in ("soft", "hard"):
-            raise ValueError(f"delta_assignment={self.delta_assignment!r} is not valid; use 'soft' or 'hard'.")
-        if self.delta_contrast not in ("opposite", "within"):
-            raise ValueError(f"delta_contrast={self.delta_contrast!r} is not valid; use 'opposite' or 'within'.")
-        if self.token_weighting != "delta":
-            changed = [
-                f.name for f in fields(self) if f.name.startswith("delta_") and getattr(self, f.name) != f.default
-            ]
-            if changed:
-                raise ValueError(
-                    f"{', '.join(changed)}: DelTA options have no effect unless token_weighting='delta', but "
-                    f"token_weighting={self.token_weighting!r}. Set token_weighting='delta' or leave them at their "
-                    "defaults."
-                )
-            return
-        if self.importance_sampling_level != "token":
-            raise ValueError(
-                "token_weighting='delta' weights tokens, but importance_sampling_level="
-                f"{self.importance_sampling_level!r}: TRL's sequence-level loss is one term per sequence broadcast "
-                "over its tokens, so a per-token multiplier would only rescale each sequence by its mean weight. "
-                "Set importance_sampling_level='token'."
-            )
-        if self.loss_type not in DELTA_LOSS_TYPES:
-            raise ValueError(
-                f"token_weighting='delta' multiplies TRL's per-token clipped surrogate and keeps the normaliser of "
-                f"loss_type, but loss_type={self.loss_type!r} is not a token-level clipped loss. Set loss_type to "
-                f"one of {', '.join(repr(t) for t in DELTA_LOSS_TYPES)}."
-            )
-
-    def _validate_ranges(self) -> None:
-        """Refuse out-of-range numbers of every field DFPO relies on, at start-up, naming the field and the fix.
-
-        TRL and transformers accept most of these silently (a negative clip range, a zero temperature, a
-        negative learning rate) and fail, if at all, minutes later inside a rollout or the loss.
-        """
-        problems: list[str] = []
-
-        def require(name: str, ok: bool, rule: str, fix: str) -> None:
-            if not ok:
-                problems.append(f"{name}={getattr(self, name)!r} {rule}; {fix}")
-
-        def finite(x: Any) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-        require(
-            "epsilon", finite(self.epsilon) and 0 < self.epsilon <= 1,
-            "is out of range: the clip range [1 - epsilon, 1 + epsilon_high] needs 0 < epsilon <= 1",
-            "GSPO and DFPO use 3e-4, token-level GRPO 0.2",
-        )
-        if self.epsilon_high is not None:
-            require(
-                "epsilon_high", finite(self.epsilon_high) and self.epsilon_high > 0,
-                "is out of range: the upper clip bound 1 + epsilon_high needs epsilon_high > 0",
-                "GSPO and DFPO use 4e-4, DAPO 0.28, or leave it unset (= epsilon)",
-            )
-        if self.delta is not None:
-            require(
-                "delta", finite(self.delta) and self.delta > 1,
-                "is out of range: the two-sided clip bound on the ratio must exceed 1 (at 1 or below it clips "
-                "on-policy tokens)", "TRL recommends more than 1 + epsilon_high, or leave it unset (None)",
-            )
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations"):
-            value = getattr(self, name)
-            require(name, isinstance(value, int) and value >= 1, "must be an integer >= 1", f"set {name} >= 1")
-        if self.steps_per_generation is not None:
-            require(
-                "steps_per_generation", isinstance(self.steps_per_generation, int) and self.steps_per_generation >= 1,
-                "must be an integer >= 1", "set it >= 1, or leave it unset (= gradient_accumulation_steps)",
-            )
-        if self.max_completion_length is not None:
-            require(
-                "max_completion_length",
-                isinstance(self.max_completion_length, int) and self.max_completion_length >= 1,
-                "must be an integer >= 1 (tokens per completion)", "e.g. 16 for the arithmetic task",
-            )
-        require(
-            "temperature", finite(self.temperature) and self.temperature > 0,
-            "must be > 0 (sampling divides the logits by it; the log-probs use it too)", "use 1.0 or e.g. 0.6",
-        )
-        require("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]", "use 1.0 to keep all tokens")
-        require("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be >= 0", "use 0 to disable top-k")
-        require("beta", finite(self.beta) and self.beta >= 0, "must be >= 0 (KL coefficient)", "use 0.0 for no KL")
-        require(
-            "learning_rate", finite(self.learning_rate) and self.learning_rate > 0,
-            "must be > 0", "e.g. 5e-5 for the CPU main job, 1e-6 for large models",
-        )
-        require(
-            "transform_scale", finite(self.transform_scale) and self.transform_scale > 0,
-            "must be a finite number > 0 (the factor of the 'scale' ablation)", "the paper uses 0.5",
-        )
-        require(
-            "transform_truncate_floor", finite(self.transform_truncate_floor) and 0 < self.transform_truncate_floor < 1,
-            "must be in (0, 1) (a floor far below the weights, which are near 1)", "the default is 1e-6",
-        )
-        for name in ("delta_lambda_min", "delta_lambda_max"):
-            require(name, finite(getattr(self, name)), "must be a finite number", "the paper uses 0.8 and 1.2")
-        if finite(self.delta_lambda_min) and finite(self.delta_lambda_max):
-            require(
-                "delta_lambda_min", 0 < self.delta_lambda_min <= self.delta_lambda_max,
-                f"with delta_lambda_max={self.delta_lambda_max!r} must satisfy 0 < delta_lambda_min <= "
-                "delta_lambda_max (the weights multiply advantages and must stay positive)",
-                "the paper uses 0.8 and 1.2",
-            )
-        self._read_delta_gamma()
-        if self.delta_gamma is None:
-            require(
-                "delta_gamma", False, "is no longer accepted (it meant the adaptive mean-|margin| gamma)",
-                "use 'std' (the authors' released code, the default) or 'mean_abs' (the former rule)",
-            )
-        elif not (self.delta_gamma in GAMMA_RULES or finite(self.delta_gamma) and self.delta_gamma > 0):
-            require(
-                "delta_gamma", False,
-                "is not valid: it must be 'std', 'mean_abs' or a finite number > 0 (a fixed gamma)",
-                "the default 'std' is the authors' released code",
-            )
-        require(
-            "delta_refine_steps",
-            isinstance(self.delta_refine_steps, int) and not isinstance(self.delta_refine_steps, bool)
-            and self.delta_refine_steps >= 0,
-            "must be an integer >= 0", "the paper uses 1",
-        )
-        if problems:
-            raise ValueError("out-of-range value(s): " + " | ".join(problems) + ".")
-
-    def _read_delta_gamma(self) -> None:
-        """A fixed delta_gamma given as a numeric string (the command line) or an int becomes a float."""
-        gamma = self.delta_gamma
-        if isinstance(gamma, str) and gamma not in GAMMA_RULES:
-            try:
-                self.delta_gamma = float(gamma)
-            except ValueError:
-                pass
-        elif isinstance(gamma, int) and not isinstance(gamma, bool):
-            self.delta_gamma = float(gamma)
 
     def _resolve_checkpointing_alias(self) -> None:
         """Accept either checkpointing name without transformers' deprecation warning (TRL set the old name by
