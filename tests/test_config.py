@@ -126,7 +126,7 @@ def test_every_registered_transform_is_validated_and_documented():
     row = next(line for line in readme.splitlines() if line.startswith("| `group_transform` |"))
     docstring = DFPOConfig.__doc__.split("group_transform (")[1].split("transform_scale (")[0]
     for name in TRANSFORMS:
-        assert f"`{name}`" in row, name
+        assert f'`"{name}"`' in row, name
         assert f'`"{name}"`' in docstring, name
         DFPOConfig(output_dir="/tmp/x", use_cpu=True, group_transform=name, importance_sampling_level="sequence")
     with pytest.raises(ValueError, match="is not a DFPO transform"):
@@ -221,14 +221,13 @@ def test_truncate_floor_must_stay_below_the_on_policy_weight():
 def test_each_field_has_one_rule_and_its_message_names_the_field_rule_and_fix():
     from dataclasses import fields
 
-    from trl import GRPOConfig
-
+    from dfpo_trl.config import dfpo_fields
     from dfpo_trl.config_checks import FIELD_RULES
 
     names = [rule.field for rule in FIELD_RULES]
     assert len(names) == len(set(names))
     assert set(names) <= {f.name for f in fields(DFPOConfig)}
-    unchecked = {f.name for f in fields(DFPOConfig)} - {f.name for f in fields(GRPOConfig)} - set(names)
+    unchecked = {f.name for f in dfpo_fields()} - set(names)
     assert unchecked == {"transform_stop_gradient", "symmetric_clip", "log_mechanism_metrics", "delta_random"}
     cfg = config()
     for rule in FIELD_RULES:
@@ -240,3 +239,42 @@ def test_each_field_has_one_rule_and_its_message_names_the_field_rule_and_fix():
         assert message.startswith(f"{rule.field}=<object object at ") and message.count("; ") == 1, message
         assert all(len(part) > 10 for part in message.split("; ")), message  # "field=value rule" and the fix
 
+
+# ------------------------------------------------------------------------------------ one source of docs
+def test_each_dfpo_field_is_documented_once_in_its_help_with_a_source():
+    import re
+    from pathlib import Path
+
+    from dfpo_trl.config import dfpo_fields, split_help
+
+    root = Path(__file__).resolve().parents[1]
+    for spec in dfpo_fields():
+        meaning, source = split_help(spec)
+        assert meaning and source and "Source:" not in meaning, spec.name
+        assert not re.search(r"issue\s*#\d", spec.metadata["help"]), spec.name
+        for page in re.findall(r"docs/[\w.-]+\.md", spec.metadata["help"]):
+            assert (root / page).is_file(), (spec.name, page)
+
+
+def test_class_docstring_is_generated_from_the_help():
+    from dfpo_trl.config import dfpo_fields, parameters_section
+
+    assert DFPOConfig.__doc__.endswith(parameters_section())
+    flat = " ".join(DFPOConfig.__doc__.split())
+    for spec in dfpo_fields():
+        assert f"{spec.name} (`" in flat and " ".join(spec.metadata["help"].split()) in flat, spec.name
+    assert 'delta_gamma (`str`, *optional*, defaults to `"std"`):' in flat
+    assert "group_granular_batches (`bool` or `None`, *optional*, defaults to `None`):" in flat
+
+
+def test_readme_field_table_is_the_fields_help():
+    """README.md's "DFPO fields of DFPOConfig" table is what `python -m dfpo_trl.config_docs` writes; after a help
+    changes, this fails until the table is written again."""
+    from dfpo_trl import config_docs
+    from dfpo_trl.config import dfpo_fields
+
+    readme = config_docs.README.read_text(encoding="utf-8")
+    assert config_docs.readme_with_table(readme) == readme
+    table = config_docs.readme_table()
+    assert table in readme and table.count("\n") == 1 + len(dfpo_fields())
+    assert config_docs.main(["--check"]) == 0
