@@ -65,7 +65,8 @@ def parameters_section() -> str:
     """The docstring's ``Parameters:`` section, TRL's layout, one entry per DFPO field from its metadata."""
     lines = ["", "    Parameters:"]
     for spec in dfpo_fields():
-        kind = " or ".join(f"`{t}`" for t in str(spec.type).split(" | "))
+        # The annotation as written: transformers' argument parser rewrites spec.type (int | None becomes int).
+        kind = " or ".join(f"`{t}`" for t in DFPOConfig.__annotations__[spec.name].split(" | "))
         lines.append(f"        {spec.name} ({kind}, *optional*, defaults to `{render_default(spec.default)}`):")
         lines.append(textwrap.fill(spec.metadata["help"], width=120, initial_indent=" " * 12,
                                    subsequent_indent=" " * 12, break_on_hyphens=False))
