@@ -29,9 +29,9 @@ def test_defaults_are_trl_defaults_plus_dfpo_fields():
         (dict(**SEQ, num_generations=1, per_device_train_batch_size=1), r"num_generations=1.*num_generations >= 2"),
         (dict(importance_sampling_level="sequence", loss_type="cispo", group_transform="orth_proj"),
          r"loss_type='cispo' does not use.*'dapo'"),
-        (dict(**SEQ, group_transform="scale", transform_scale=0.0), r"transform_scale must be > 0"),
+        (dict(**SEQ, group_transform="scale", transform_scale=0.0), r"transform_scale=0.0 must be a finite number > 0"),
         (dict(**SEQ, group_transform="truncate_rebalance", transform_truncate_floor=-1.0),
-         r"transform_truncate_floor must be > 0"),
+         r"transform_truncate_floor=-1.0 must be in \(0, 1\)"),
         (dict(**SEQ, transform_gradient="score", transform_stop_gradient=False),
          r"transform_stop_gradient=False .* does not apply to transform_gradient='score'"),
         (dict(**SEQ, symmetric_clip=True), r"symmetric_clip=True .* token-level.*importance_sampling_level='token'"),
@@ -89,7 +89,7 @@ def test_trainer_refuses_a_plain_grpo_config():
     ],
 )
 def test_out_of_range_values_are_refused_naming_the_field(overrides, field):
-    with pytest.raises(ValueError, match=rf"out-of-range value\(s\): {field}="):
+    with pytest.raises(ValueError, match=rf"invalid value\(s\): {field}="):
         config(**overrides)
 
 
@@ -126,7 +126,7 @@ def test_every_registered_transform_is_validated_and_documented():
     row = next(line for line in readme.splitlines() if line.startswith("| `group_transform` |"))
     docstring = DFPOConfig.__doc__.split("group_transform (")[1].split("transform_scale (")[0]
     for name in TRANSFORMS:
-        assert f"`{name}`" in row, name
+        assert f'`"{name}"`' in row, name
         assert f'`"{name}"`' in docstring, name
         DFPOConfig(output_dir="/tmp/x", use_cpu=True, group_transform=name, importance_sampling_level="sequence")
     with pytest.raises(ValueError, match="is not a DFPO transform"):
@@ -183,3 +183,102 @@ def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, c
                               gradient_accumulation_steps=2, prepass_batch_size=1)
     reference, _ = one_by_one._post_clip_weights_no_grad(batch, torch.arange(8))
     assert_close_to_rounding(s_bar, reference)  # forwards of other batch sizes: equal up to float32 rounding
+
+
+# ------------------------------------------------------------------------------------ one rule per field
+@pytest.mark.parametrize(
+    ("name", "refused", "accepted"),
+    [
+        # Was checked twice: > 0 in one place, finite and in (0, 1) in another; now one rule, (0, 1).
+        ("transform_truncate_floor", [0.0, -1.0, 1.0, 2.0, float("nan"), float("inf")], [1e-6, 0.5]),
+        # Was checked twice: > 0 in one place, finite and > 0 in another; now one rule, finite and > 0.
+        ("transform_scale", [0.0, -0.5, float("inf"), float("nan")], [0.5, 2.0]),
+    ],
+)
+def test_formerly_doubled_fields_have_one_rule(name, refused, accepted):
+    for value in refused:
+        with pytest.raises(ValueError, match=rf"invalid value\(s\): {name}={value!r} must be") as info:
+            config(**{name: value})
+        assert str(info.value).count(name) == 1, info.value  # one message, not two rules' worth
+    for value in accepted:
+        assert getattr(config(**{name: value}), name) == value
+
+
+def test_truncate_floor_must_stay_below_the_on_policy_weight():
+    """Why transform_truncate_floor < 1: weights of s̄ near 1 (on-policy exactly 1) pass the floor ϵ untouched
+    only while ϵ < 1; a floor at or above 1 replaces weights that need no underflow guard (eq. 52)."""
+    import torch
+
+    from dfpo_trl.transforms import truncate_rebalance
+
+    w = torch.tensor([[0.97, 1.0, 1.02, 0.99]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5]], dtype=torch.float64)
+    unguarded = truncate_rebalance(w, advantages, floor=0.0)
+    assert torch.equal(truncate_rebalance(w, advantages, floor=1e-6), unguarded)
+    assert torch.equal(truncate_rebalance(w, advantages, floor=0.5), unguarded)
+    assert not torch.equal(truncate_rebalance(w, advantages, floor=1.0), unguarded)
+
+
+def test_each_field_has_one_rule_and_its_message_names_the_field_rule_and_fix():
+    from dataclasses import fields
+
+    from dfpo_trl.config import dfpo_fields
+    from dfpo_trl.config_checks import FIELD_RULES
+
+    names = [rule.field for rule in FIELD_RULES]
+    assert len(names) == len(set(names))
+    assert set(names) <= {f.name for f in fields(DFPOConfig)}
+    unchecked = {f.name for f in dfpo_fields()} - set(names)
+    assert unchecked == {"transform_stop_gradient", "symmetric_clip", "log_mechanism_metrics", "delta_random"}
+    cfg = config()
+    for rule in FIELD_RULES:
+        assert rule.problem(cfg) is None, rule.field
+        good = getattr(cfg, rule.field)
+        setattr(cfg, rule.field, object())  # no rule accepts this
+        message = rule.problem(cfg)
+        setattr(cfg, rule.field, good)
+        assert message.startswith(f"{rule.field}=<object object at ") and message.count("; ") == 1, message
+        assert all(len(part) > 10 for part in message.split("; ")), message  # "field=value rule" and the fix
+
+
+# ------------------------------------------------------------------------------------ one source of docs
+def test_each_dfpo_field_is_documented_once_in_its_help_with_a_source():
+    import re
+    from pathlib import Path
+
+    from dfpo_trl.config import dfpo_fields, split_help
+
+    root = Path(__file__).resolve().parents[1]
+    for spec in dfpo_fields():
+        meaning, source = split_help(spec)
+        assert meaning and source and "Source:" not in meaning, spec.name
+        assert not re.search(r"issue\s*#\d", spec.metadata["help"]), spec.name
+        for page in re.findall(r"docs/[\w.-]+\.md", spec.metadata["help"]):
+            assert (root / page).is_file(), (spec.name, page)
+
+
+def test_class_docstring_is_generated_from_the_help():
+    from trl import TrlParser
+
+    from dfpo_trl.config import dfpo_fields, parameters_section
+
+    TrlParser((DFPOConfig,))  # rewrites each Field.type (int | None becomes int); the docstring must not follow
+    assert DFPOConfig.__doc__.endswith(parameters_section())
+    flat = " ".join(DFPOConfig.__doc__.split())
+    for spec in dfpo_fields():
+        assert f"{spec.name} (`" in flat and " ".join(spec.metadata["help"].split()) in flat, spec.name
+    assert 'delta_gamma (`str`, *optional*, defaults to `"std"`):' in flat
+    assert "group_granular_batches (`bool` or `None`, *optional*, defaults to `None`):" in flat
+
+
+def test_readme_field_table_is_the_fields_help():
+    """README.md's "DFPO fields of DFPOConfig" table is what `python -m dfpo_trl.config_docs` writes; after a help
+    changes, this fails until the table is written again."""
+    from dfpo_trl import config_docs
+    from dfpo_trl.config import dfpo_fields
+
+    readme = config_docs.README.read_text(encoding="utf-8")
+    assert config_docs.readme_with_table(readme) == readme
+    table = config_docs.readme_table()
+    assert table in readme and table.count("\n") == 1 + len(dfpo_fields())
+    assert config_docs.main(["--check"]) == 0
