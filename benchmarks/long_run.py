@@ -225,10 +225,9 @@ def launch(args: argparse.Namespace) -> None:
     done_dir = pathlib.Path(args.out_dir) / "runs"
     skip = set()
     for directory in [done_dir, *map(pathlib.Path, args.skip_done)]:
-        for path in directory.glob("*.json"):
-            record = json.loads(path.read_text())
-            if record.get("complete"):
-                skip.add(path.stem)
+        for path in [*directory.glob("*.json"), *directory.glob("*.json.gz")]:
+            if read_record(str(path)).get("complete"):
+                skip.add(path.name.split(".json")[0])
     queue = [Run(t, m, s) for s in args.seeds for t in args.tasks for m in args.methods]
     queue = [r for r in queue if r.name not in skip]
     began, index, running, starting = time.time(), 0, [], None
