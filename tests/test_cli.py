@@ -93,15 +93,41 @@ def test_cpu_recipe_is_the_embedded_default() -> None:
 @pytest.mark.parametrize(
     ("name", "processes", "machines"),
     [("zero3_2gpu.yaml", 2, 1), ("zero3_4gpu.yaml", 4, 1), ("zero3_8gpu.yaml", 8, 1), ("zero3_4x8.yaml", 32, 4),
-     ("zero3_2x2_rank0.yaml", 4, 2), ("zero3_2x2_rank1.yaml", 4, 2)],
+     ("zero3_2x2_rank0.yaml", 4, 2), ("zero3_2x2_rank1.yaml", 4, 2), ("fsdp2_2gpu.yaml", 2, 1)],
 )
 def test_accelerate_configs_load(name: str, processes: int, machines: int) -> None:
     from accelerate.commands.config.config_args import load_config_from_file
 
     config = load_config_from_file(str(ACCELERATE / name))
+    assert (config.num_processes, config.num_machines) == (processes, machines)
+    if name.startswith("fsdp2"):
+        assert str(getattr(config.distributed_type, "value", config.distributed_type)) == "FSDP"
+        assert config.mixed_precision == "bf16"
+        return
     assert str(getattr(config.distributed_type, "value", config.distributed_type)) == "DEEPSPEED"
     assert int(config.deepspeed_config["zero_stage"]) == 3
-    assert (config.num_processes, config.num_machines) == (processes, machines)
+
+
+def test_fsdp2_config_launches_fully_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `accelerate launch --config_file recipes/accelerate/fsdp2_2gpu.yaml` hands each process: the
+    environment accelerate's launcher derives from the file, and the FSDP plugin an Accelerator builds from it
+    (as Trainer's does when TrainingArguments set no fsdp): FSDP2, full shard, one unit per transformer block, bf16."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    argv = ["--config_file", str(ACCELERATE / "fsdp2_2gpu.yaml"), "-m", "dfpo_trl", "recipe.yaml"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    assert args.use_fsdp and args.num_processes == 2 and args.module and args.training_script == "dfpo_trl"
+    env = prepare_multi_gpu_env(args)
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy"
+    assert not plugin.activation_checkpointing and not isinstance(plugin.cpu_offload, CPUOffloadPolicy)
 
 
 # ------------------------------------------------------------------------------------------------ parser
