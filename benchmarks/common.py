@@ -171,7 +171,7 @@ def default_tokenizer_path() -> str:
     """The GPU kit's checkpoint if present, else the embedded SmolLM2 (converted once, offline)."""
     if os.path.isdir(GPU_MODEL_PATH):
         return GPU_MODEL_PATH
-    from dfpo_trl.embedded import embedded_model_path
+    from dfpo_trl.app.embedded import embedded_model_path
 
     return str(embedded_model_path())
 

@@ -70,7 +70,7 @@ def run_one(args: argparse.Namespace) -> None:
     import torch
     from transformers import PrinterCallback, TrainerCallback
 
-    from dfpo_trl.tasks import greedy_accuracy
+    from dfpo_trl.app.evaluation import greedy_accuracy
 
     started = time.time()
     torch.manual_seed(args.seed)
