@@ -40,6 +40,19 @@ def last_number(text: str) -> float | None:
     return float(matches[-1]) if matches else None
 
 
+def _ends_with_sum(text: str, target: int) -> bool:
+    """Whether the last number in ``text`` is ``target``."""
+    value = last_number(text)
+    return value is not None and value == float(target)
+
+
+def _texts(completions: list[Any], answer: list[int]) -> list[tuple[str, int]]:
+    """(text, gold sum) per completion, the ``answer`` column checked to have one entry per completion."""
+    if len(answer) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")
+    return [(completion_text(c), target) for c, target in zip(completions, answer, strict=True)]
+
+
 class ArithmeticReward:
     """1.0 when the last number in the completion equals ``a + b`` (from the ``answer`` column), else 0.0.
 
@@ -52,13 +65,7 @@ class ArithmeticReward:
     def __call__(
         self, prompts: list[Any], completions: list[Any], answer: list[int], **kwargs: Any
     ) -> list[float | None]:
-        if len(answer) != len(completions):
-            raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")
-        rewards: list[float | None] = []
-        for completion, target in zip(completions, answer, strict=True):
-            value = last_number(completion_text(completion))
-            rewards.append(1.0 if value is not None and value == float(target) else 0.0)
-        return rewards
+        return [1.0 if _ends_with_sum(text, target) else 0.0 for text, target in _texts(completions, answer)]
 
 
 def _arithmetic_pairs(split: str, n: int, seed: int) -> list[tuple[int, int]]:
@@ -225,16 +232,12 @@ class TwoFormsReward:
     def __call__(
         self, prompts: list[Any], completions: list[Any], answer: list[int], **kwargs: Any
     ) -> list[float | None]:
-        if len(answer) != len(completions):
-            raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")
         rewards: list[float | None] = []
-        for completion, target in zip(completions, answer, strict=True):
-            text = completion_text(completion).strip()
-            if text in [form.format(s=target) for form in TWO_FORMS]:
+        for text, target in _texts(completions, answer):
+            if text.strip() in [form.format(s=target) for form in TWO_FORMS]:
                 rewards.append(1.0)
             else:
-                value = last_number(text)
-                rewards.append(self.unformatted if value is not None and value == float(target) else 0.0)
+                rewards.append(self.unformatted if _ends_with_sum(text, target) else 0.0)
         return rewards
 
 
