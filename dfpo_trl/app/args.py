@@ -1,5 +1,7 @@
-"""What a recipe asks of a run besides DFPOConfig and ModelConfig: the task, its data, the held-out evaluation and
-the outputs (``DFPOScriptArguments``), and the error of a recipe that does not describe a run (``RecipeError``)."""
+"""The script arguments: what a recipe sets besides DFPOConfig and ModelConfig (task, data, evaluation, outputs).
+
+Also :class:`RecipeError`, the error of a recipe or command line that does not describe a run.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""What a run measures while it trains, besides the held-out accuracy: the training-reward curve's metrics, the
-equivalent-solution drift meter, and the reward wrapper that logs which equivalent form each correct completion takes.
+"""What a run measures while it trains, besides held-out accuracy: reward-curve metrics, drift, form shares.
 
+The training-reward curve's EMA, Jitter₂ and steps to threshold; the equivalent-solution drift meter; the reward
+wrapper that logs which equivalent form each fully correct completion takes.
 All work with any ``transformers.Trainer`` (so with ``DFPOTrainer`` and TRL's ``GRPOTrainer``); ``report_to``
 backends are untouched. The drift meter also logs through a metric store (``DFPOTrainer.dfpo_metrics``) when given
 one.

@@ -1,5 +1,7 @@
-"""What a run trains and measures on: the task, its reward functions, the training prompts, the held-out and the
-drift problems, built from the script arguments; a mistake in them is a RecipeError."""
+"""What a run trains and measures on: task, rewards, training prompts, held-out and drift problems, from the recipe.
+
+A mistake in them (an unknown name, a missing column, a filter that drops every prompt) is a RecipeError.
+"""
 
 from __future__ import annotations
 

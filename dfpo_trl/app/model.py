@@ -1,5 +1,8 @@
-"""Which model a run loads: the embedded default when none is named, a local checkpoint, or a hub id checked up
-front so that a machine without network gets a clear error before anything else loads."""
+"""Which model a run loads: the embedded default, a local checkpoint, or a hub id checked before anything loads.
+
+A hub id is checked up front so that a machine without network gets a clear error in seconds, not after the hub
+client's retries.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""What a run writes to ``output_dir``: the summary (JSON and the printed one), the figure and the saved model, after
-setting an earlier run's results aside in ``previous_run/`` (docs/cli.md)."""
+"""What a run writes to ``output_dir``: the summary (JSON and printed), the figure and the saved model (docs/cli.md).
+
+An earlier run's results are first set aside in ``previous_run/``.
+"""
 
 from __future__ import annotations
 

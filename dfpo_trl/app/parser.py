@@ -1,5 +1,6 @@
-"""Recipe and flags into (DFPOScriptArguments, DFPOConfig, ModelConfig); every bad input a one-line RecipeError
-naming the field, where it was set and what it takes, before any model loads.
+"""Recipe and flags into (DFPOScriptArguments, DFPOConfig, ModelConfig); each bad input one line, before any load.
+
+A bad input is a one-line RecipeError naming the field, where it was set and what it takes.
 
 A recipe is a flat YAML mapping read by TRL's ``TrlParser``; an ``env:`` mapping sets environment variables;
 command-line flags beat the recipe.

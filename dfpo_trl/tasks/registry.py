@@ -1,5 +1,7 @@
-"""The two registries, one style: tasks by name (``register_task``/``get_task``), rewards by name
-(``register_reward``/``get_reward``), and an import path ``package.module:name`` wherever a name is accepted.
+"""The task and reward registries, one style: register by name, get by name or by import path ``module:name``.
+
+Tasks: ``register_task``/``get_task``; rewards: ``register_reward``/``get_reward``; an import path
+``package.module:name`` is accepted wherever a name is.
 
 A task is registered as a factory ``factory(**options) -> Task``; a reward as a factory ``factory() -> reward
 function``, so that a reward whose library is slow to import (TRL's) is imported only when a run asks for it. A
