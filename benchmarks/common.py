@@ -73,7 +73,8 @@ METHODS: dict[str, Method] = {
         Method("delta", True, {**DAPO, "token_weighting": "delta"}, "grpo", "DelTA", "token"),
         # Diagnostic: GSPO through DFPOTrainer (group-granular batches, mechanism metrics), no transform.
         Method("dfpo_none", True, dict(GSPO), "gspo", "GSPO via DFPOTrainer"),
-        # Issue #10: the transform balances the surviving gradients' shared-token coefficients, not the weights.
+        # Gradient-exact cancellation (docs/cancellation.md): the transform balances the surviving gradients'
+        # shared-token coefficients, not the weights.
         Method(
             "min_replace_grad", True, {**GSPO, "group_transform": "min_replace", "cancellation_target": "gradient"},
             "gspo", "Min-Replace (gradient)",
@@ -92,7 +93,8 @@ METHODS: dict[str, Method] = {
     ]
 }
 
-# Issue #10's study: the gradient-target variants against GSPO, Min-Replace on the weights and the score form.
+# The cancellation study (docs/cancellation.md): the gradient-target variants against GSPO, Min-Replace on the
+# weights and the score form.
 CANCELLATION_METHODS = [
     "gspo", "min_replace", "min_replace_grad", "positive_orth_proj_grad", "min_replace_grad_zero", "none_score",
 ]
@@ -104,7 +106,7 @@ def delta_available() -> bool:
 
 
 def gradient_target_available() -> bool:
-    """The issue-#10 methods run only when this dfpo_trl has ``DFPOConfig.cancellation_target``."""
+    """The gradient-target methods run only when this dfpo_trl has ``DFPOConfig.cancellation_target``."""
     return "cancellation_target" in DFPOConfig.__dataclass_fields__
 
 
@@ -130,8 +132,9 @@ LEARNING_METHODS = _with_delta(
 
 
 def check_methods(names: list[str], allow_missing: bool = False) -> list[str]:
-    """Refuse unknown names, and methods whose config fields this dfpo_trl lacks (DelTA, issue #10's
-    ``cancellation_*``), with the fix. ``allow_missing``: run the latter without those fields (smoke tests)."""
+    """Refuse unknown names, and methods whose config fields this dfpo_trl lacks (DelTA, the gradient-exact
+    cancellation's ``cancellation_*``), with the fix. ``allow_missing``: run the latter without those fields (smoke
+    tests)."""
     for name in names:
         if name not in METHODS:
             raise SystemExit(f"unknown method {name!r}; known: {', '.join(METHODS)}")
@@ -141,7 +144,7 @@ def check_methods(names: list[str], allow_missing: bool = False) -> list[str]:
         if missing and not allow_missing:
             raise SystemExit(
                 f"method {name!r} needs DFPOConfig field(s) {', '.join(missing)}, which this dfpo_trl lacks "
-                "(issue #10); --allow-missing-fields runs it without them (CPU smoke only)"
+                "(docs/cancellation.md); --allow-missing-fields runs it without them (CPU smoke only)"
             )
     return names
 
@@ -171,7 +174,7 @@ def default_tokenizer_path() -> str:
     """The GPU kit's checkpoint if present, else the embedded SmolLM2 (converted once, offline)."""
     if os.path.isdir(GPU_MODEL_PATH):
         return GPU_MODEL_PATH
-    from dfpo_trl.embedded import embedded_model_path
+    from dfpo_trl.app.embedded import embedded_model_path
 
     return str(embedded_model_path())
 

@@ -1,4 +1,4 @@
-"""Learning dynamics of every method on a task, several seeds, runs in parallel (issue #5 part 2, issue #10).
+"""Learning dynamics of every method on a task, several seeds, runs in parallel; also the cancellation study.
 
     # on the GPU machine: every (method, seed) run as its own process, N at a time, all on cuda:0
     python benchmarks/learning.py --launch --model /root/models/smollm2-135m-instruct --seeds 0 --out-dir $OUT
@@ -7,7 +7,7 @@
     # CPU check of the whole pipeline (tiny random model, 2 generations, 2 methods x 1 seed)
     python benchmarks/learning.py --launch --smoke --out-dir /tmp/learning-smoke
 
-    # issue #10's study: 6 methods x 5 seeds on a task (``--tasks arithmetic sum_sentence``: both), runs spread
+    # the cancellation study: 6 methods x 5 seeds on a task (``--tasks arithmetic sum_sentence``: both), runs spread
     # over every visible GPU; then cancellation.json from the parts (benchmarks/README.md has the sizes)
     python benchmarks/learning.py --launch --study cancellation --model /root/models/smollm2-135m-instruct \
         --task sum_sentence --seeds 0 1 2 3 4 --parallel 30 --generations 36 --deadline-s 560 --out-dir $OUT
@@ -57,8 +57,8 @@ STEP_KEYS = (
 )
 STEP_PREFIXES = ("asym/", "cancellation/", "transform/", "delta/", "grpo_fix/", "energy/")
 RESIDUAL = "cancellation/shared_prefix_residual"
-RESIDUAL_TWO_SIDED = "cancellation/shared_prefix_residual_two_sided"  # issue #10
-ONE_SIDED = "cancellation/one_sided_groups"  # issue #10
+RESIDUAL_TWO_SIDED = "cancellation/shared_prefix_residual_two_sided"  # docs/cancellation.md
+ONE_SIDED = "cancellation/one_sided_groups"  # docs/cancellation.md
 CLIP_REGION = "clip_ratio/region_mean"
 EVAL_MARGIN_S = 45.0  # time a run keeps for its held-out evaluation and the final write
 
@@ -70,7 +70,7 @@ def run_one(args: argparse.Namespace) -> None:
     import torch
     from transformers import PrinterCallback, TrainerCallback
 
-    from dfpo_trl.tasks import greedy_accuracy
+    from dfpo_trl.app.evaluation import greedy_accuracy
 
     started = time.time()
     torch.manual_seed(args.seed)
@@ -240,7 +240,8 @@ def run_summary(run: dict[str, Any], threshold: float, alpha: float) -> dict[str
         "asym_reduction": paired_mean(run["log"].get("asym/before", []), run["log"].get("asym/after", [])),
         # Eq. 24: share of the LM-head gradient norm on the most frequent tokens (bucket 0), mean over steps.
         "energy_frequent": mean_of("energy/freq_bucket_0"),
-        # Issue #10: the clip and the cancellation on the off-policy steps (where the clip acts), and on-policy.
+        # The cancellation study: the clip and the cancellation on the off-policy steps (where the clip acts), and
+        # on-policy.
         "clip_fraction_off_policy": step_mean(run, CLIP_REGION, "off_policy"),
         "residual_off_policy": step_mean(run, RESIDUAL, "off_policy"),
         "residual_two_sided_off_policy": step_mean(run, RESIDUAL_TWO_SIDED, "off_policy"),
@@ -322,7 +323,7 @@ def load_runs(paths: list[str]) -> list[dict[str, Any]]:
     return list(found.values())
 
 
-# ------------------------------------------------------------------------------------ issue #10 study
+# ------------------------------------------------------------------------------ the cancellation study
 # (key of run_summary, what it is); every one gets per-seed values, a mean with a 95% t-interval over seeds and
 # Welch intervals of its difference to GSPO and to Min-Replace on the weights.
 CANCELLATION_METRICS = {
@@ -578,7 +579,7 @@ def run_file(work: pathlib.Path, task: str, method: str, seed: int) -> pathlib.P
 
 
 def write_summary(runs: list[dict[str, Any]], args: argparse.Namespace, out_dir: pathlib.Path, tag: str) -> None:
-    """The launcher's summary file: ``cancellation_<tag>.json`` for the issue-#10 study, else
+    """The launcher's summary file: ``cancellation_<tag>.json`` for the cancellation study, else
     ``learning_<tag>.json`` (one task's runs)."""
     if args.study == "cancellation":
         common.write_json(out_dir / f"cancellation_{tag}.json", cancellation_summary(runs, args.threshold, args.ema))
@@ -627,7 +628,8 @@ def child_flags(args: argparse.Namespace) -> list[str]:
 
 
 def table(summary: dict[str, Any], study: bool = False) -> str:
-    """Short per-method table: mean over seeds (None-aware); ``study``: issue #10's off-policy columns too."""
+    """Short per-method table: mean over seeds (None-aware); ``study``: the cancellation study's off-policy columns
+    too."""
 
     def mean(values: list[Any]) -> str:
         v = [x for x in values if x is not None]
@@ -664,7 +666,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--random-config", choices=common.RANDOM_CONFIGS)
     p.add_argument("--tokenizer")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="default: the issue-5 methods, or with --study cancellation issue #10's six")
+                   help="default: the learning methods, or with --study cancellation the study's six")
     p.add_argument("--task", choices=common.BENCHMARK_TASKS, default="arithmetic",
                    help="training reward and held-out accuracy (dfpo_trl.tasks)")
     p.add_argument("--reward", choices=["task", "id_parity"], default="task",
@@ -673,7 +675,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", nargs="+", choices=common.BENCHMARK_TASKS,
                    help="launcher: several tasks in one launch (default: --task)")
     p.add_argument("--study", choices=["learning", "cancellation"], default="learning",
-                   help="cancellation: issue #10's methods by default and cancellation_<tag>.json / cancellation.json")
+                   help="cancellation: the study's methods by default and cancellation_<tag>.json / cancellation.json")
     p.add_argument("--allow-missing-fields", action="store_true",
                    help="run methods whose DFPOConfig fields this dfpo_trl lacks without them (CPU smoke only; "
                    "every run records what it went without)")

@@ -10,7 +10,7 @@ Three runs, one after another, each in its own process (each builds its own vLLM
 * ``parity_trl`` and ``parity_dfpo_off``: TRL's ``GRPOTrainer`` and ``DFPOTrainer`` with every DFPO option off, built
   from the same keyword arguments (the recipe's GRPOConfig fields, ``--parity-steps`` optimizer steps, same seed);
   their per-step loss, rewards, entropy and gradient norm side by side, and where they first differ;
-* ``recipe``: ``recipes/smollm2_gpu_vllm.yaml`` as ``dfpo-train`` runs it (``dfpo_trl.cli.run``), with TRL's vLLM
+* ``recipe``: ``recipes/smollm2_gpu_vllm.yaml`` as ``dfpo-train`` runs it (``dfpo_trl.app.main.run``), with TRL's vLLM
   wrapper timed from outside (start-up, every ``generate``, every weight sync), the sampled-vs-trainer log-prob gap
   and the importance-sampling ratio TRL logs per rollout, and the held-out accuracy before and after.
 
@@ -94,14 +94,15 @@ def per_step(log_history: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[s
 # ------------------------------------------------------------------------------------------------ children
 def child_recipe(args: argparse.Namespace) -> dict[str, Any]:
     """The recipe through the CLI's own run, timed."""
-    from dfpo_trl import cli
+    from dfpo_trl.app.main import run
+    from dfpo_trl.app.parser import parse_args
 
     timer = Timer()
     vllm = instrument_vllm(timer)
     flags = [str(args.recipe), "--output_dir", args.work, *args.model_flags, *args.extra]
-    script_args, training_args, model_args = cli.parse_args(flags)
+    script_args, training_args, model_args = parse_args(flags)
     start = time.perf_counter()
-    summary = cli.run(script_args, training_args, model_args)
+    summary = run(script_args, training_args, model_args)
     total = time.perf_counter() - start
     heldout = summary.get("heldout") or {}
     drift = summary.get("drift") or {}

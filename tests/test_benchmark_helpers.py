@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from dfpo_trl.cli import parse_args
+from dfpo_trl.app.parser import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from dfpo_trl import DFPOConfig
-from dfpo_trl.cli import DFPOScriptArguments, ModelUnavailableError, RecipeError, main, parse_args, resolve_model
+from dfpo_trl.app.args import DFPOScriptArguments, RecipeError
+from dfpo_trl.app.main import main
+from dfpo_trl.app.model import ModelUnavailableError, resolve_model
+from dfpo_trl.app.parser import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -166,7 +169,7 @@ def test_short_help_shows_every_default_the_dataclasses_have(capsys: pytest.Capt
     log_mechanism_metrics) were shown as False: the short help read their `--no_*` twin's default."""
     import re
 
-    from dfpo_trl.cli import dfpo_field_names
+    from dfpo_trl.app.help import dfpo_field_names
     from dfpo_trl.tasks import TASKS
 
     out = _help_text(capsys, "--help")
@@ -192,7 +195,7 @@ def test_help_all_shows_the_default_each_flag_leaves(capsys: pytest.CaptureFixtu
     default to True)."""
     import re
 
-    from dfpo_trl.cli import make_parser
+    from dfpo_trl.app.parser import make_parser
 
     parser = make_parser()
     absent = vars(parser.parse_args([]))
@@ -271,12 +274,12 @@ def test_recipe_that_is_not_yaml_is_one_line_with_its_position(
 
 def _no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make loading a model fail the test: the errors under test must come first."""
-    import dfpo_trl.cli as cli
+    import dfpo_trl.app.main as app_main
 
     def no_model(*args: object) -> None:
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(cli, "resolve_model", no_model)
+    monkeypatch.setattr(app_main, "resolve_model", no_model)
 
 
 def test_bad_value_names_flag_or_recipe_line_and_what_the_field_takes(
@@ -427,7 +430,7 @@ def test_max_prompt_length_drops_long_prompts(tiny_model_dir: Path) -> None:
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from dfpo_trl.cli import filter_long_prompts
+    from dfpo_trl.app.data import filter_long_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [[{"role": "user", "content": " ".join(["1"] * n)}] for n in (2, 4, 8)]
@@ -438,14 +441,14 @@ def test_max_prompt_length_drops_long_prompts(tiny_model_dir: Path) -> None:
 
 
 def test_dataset_with_non_math_task_is_refused(tmp_path: Path) -> None:
-    from dfpo_trl.cli import build_task
+    from dfpo_trl.app.data import build_task
 
     with pytest.raises(RecipeError, match="task: math"):
         build_task(DFPOScriptArguments(task="arithmetic", dataset="gsm8k"))
 
 
 def test_unknown_task_and_reward_suggest_names() -> None:
-    from dfpo_trl.cli import build_rewards, build_task
+    from dfpo_trl.app.data import build_rewards, build_task
 
     with pytest.raises(RecipeError, match="Did you mean 'arithmetic'"):
         build_task(DFPOScriptArguments(task="arithmetik"))
@@ -516,7 +519,8 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     reward curve so far and a fresh figure, and the earlier run's summary and model are in previous_run/, not
     beside it."""
     pytest.importorskip("matplotlib")
-    import dfpo_trl.callbacks as callbacks
+    import dfpo_trl.app.main as app_main
+    from dfpo_trl.app.callbacks import CurveMetricsCallback
 
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path, TINY_RUN + "eval_size: 2\n")
@@ -527,12 +531,12 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     assert {"model.safetensors", "config.json", "dfpo_metrics.png", "dfpo_summary.json"} <= set(first["files"])
     capsys.readouterr()
 
-    class CtrlCAtStep3(callbacks.CurveMetricsCallback):
+    class CtrlCAtStep3(CurveMetricsCallback):
         def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
             if state.global_step == 2:
                 raise KeyboardInterrupt
 
-    monkeypatch.setattr(callbacks, "CurveMetricsCallback", CtrlCAtStep3)
+    monkeypatch.setattr(app_main, "CurveMetricsCallback", CtrlCAtStep3)
     code = main([*argv, "--max_steps", "4", "--disable_tqdm", "false"])
     captured = capsys.readouterr()
     assert code == 130
@@ -554,7 +558,7 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
 def test_previous_outputs_are_set_aside_and_only_those(tmp_path: Path) -> None:
     """The files a summary lists (or, for a summary older than that list, what save_model writes) move to
     previous_run/, which replaces the one before; checkpoints and other files stay."""
-    from dfpo_trl.cli import set_aside_previous_outputs
+    from dfpo_trl.app.outputs import set_aside_previous_outputs
 
     out = tmp_path / "out"
     (out / "checkpoint-2").mkdir(parents=True)
@@ -594,7 +598,7 @@ def test_layout_and_its_cost_are_said_at_start_up(
 
 
 def test_every_layout_has_a_start_up_line() -> None:
-    from dfpo_trl.cli import describe_layout
+    from dfpo_trl.app.layout_line import describe_layout
     from dfpo_trl.trainer import (
         LAYOUT_CROSS_PROCESS,
         LAYOUT_GROUP_GRANULAR,
@@ -674,12 +678,12 @@ def test_unreachable_hub_fails_in_seconds_without_retries(monkeypatch: pytest.Mo
     from huggingface_hub import constants
     from trl import ModelConfig
 
-    import dfpo_trl.cli as cli
+    from dfpo_trl.app.model import hub_reachable
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "https://127.0.0.1:9")  # nothing listens on the discard port
-    assert not cli.hub_reachable(timeout=1.0)
+    assert not hub_reachable(timeout=1.0)
     start = time.monotonic()
     with pytest.raises(ModelUnavailableError, match=r"no network access.*local path.*omit model_name_or_path"):
         resolve_model(ModelConfig(model_name_or_path="no-such-org/no-such-model-dfpo"))

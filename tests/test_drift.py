@@ -15,7 +15,7 @@ import pytest
 import torch
 from tiny import WORDS, tiny_tokenizer
 
-from dfpo_trl.callbacks import DriftMeterCallback, FormShareReward
+from dfpo_trl.app.callbacks import DriftMeterCallback, FormShareReward
 from dfpo_trl.drift import completion_log_probs, equivalent_set_stats, summarise_equivalent_sets
 from dfpo_trl.metric_store import MetricStore
 from dfpo_trl.tasks import EquivalentFormsTask, get_task
@@ -255,7 +255,7 @@ group_transform: min_replace
 
 
 def test_cli_drift_meter_and_periodic_heldout_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from dfpo_trl.cli import main
+    from dfpo_trl.app.main import main
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RUN + "task: two_forms\ndrift_every: 2\ndrift_size: 3\neval_every: 2\n")
@@ -275,7 +275,7 @@ def test_cli_drift_meter_and_periodic_heldout_end_to_end(tmp_path: Path, tiny_mo
 def test_cli_refuses_drift_on_a_task_without_equivalent_forms(
     tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dfpo_trl.cli import main
+    from dfpo_trl.app.main import main
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RUN + "task: arithmetic\ndrift_every: 2\n")

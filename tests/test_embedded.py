@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dfpo_trl import embedded
-from dfpo_trl.embedded import EMBEDDED_GGUF, embedded_model_path, find_embedded_gguf
+from dfpo_trl.app import embedded
+from dfpo_trl.app.embedded import EMBEDDED_GGUF, embedded_model_path, find_embedded_gguf
 
 # -- fast: no conversion -------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ def test_cpu_recipe_runs_on_the_embedded_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], embedded_gguf: None
 ) -> None:
     pytest.importorskip("matplotlib")
-    from dfpo_trl.cli import main
+    from dfpo_trl.app.main import main
 
     out = tmp_path / "out"
     code = main(

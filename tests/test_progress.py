@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
 
-from dfpo_trl.callbacks import DFPOProgressCallback, GenerationProgress
+from dfpo_trl.app.progress import DFPOProgressCallback, GenerationProgress
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,7 +70,7 @@ def test_cli_bar_shows_the_rollouts_generation_only(
     """One rollout of 2 prompts x G = 4 = 8 completions of at most 4 tokens feeds the 2 steps: the bar reports its
     tokens 1, 2, ... of 4 for 8 completions; the held-out evaluations (4 problems, before the bar opens and after
     it closes) report nothing; the description is cleared when generation ends."""
-    from dfpo_trl.cli import main
+    from dfpo_trl.app.main import main
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"

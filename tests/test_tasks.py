@@ -5,23 +5,28 @@ from __future__ import annotations
 import asyncio
 import pickle
 import re
+from pathlib import Path
 
 import pytest
 from datasets import Dataset, DatasetDict
 
+from dfpo_trl.app.evaluation import greedy_accuracy
 from dfpo_trl.tasks import (
+    REWARDS,
     SUM_SENTENCE_LEAD,
     TASKS,
     ArithmeticReward,
     ArithmeticTask,
     MathTask,
+    SafeReward,
     SumSentenceReward,
     SumSentenceTask,
     Task,
     completion_text,
+    get_reward,
     get_task,
-    greedy_accuracy,
     last_number,
+    register_reward,
     register_task,
     safe_reward,
 )
@@ -270,6 +275,57 @@ def test_register_task_and_protocol() -> None:
         assert isinstance(get_task("arith_copy"), ArithmeticTask)
     finally:
         TASKS.pop("arith_copy")
+
+
+def test_registries_accept_import_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tasks and rewards are found the same way: a registered name, or an import path 'module:name' (a task factory
+    is called with the options, a task object is taken as it is; a reward function is wrapped by safe_reward)."""
+    (tmp_path / "my_plugin.py").write_text(
+        "from dfpo_trl.tasks import ArithmeticTask\n"
+        "def make_task(**options):\n"
+        "    return ArithmeticTask(name='plugin', **options)\n"
+        "READY = ArithmeticTask(name='ready')\n"
+        "def half(prompts, completions, **kwargs):\n"
+        "    return [0.5] * len(completions)\n"
+        "NOT_CALLABLE = 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = get_task("my_plugin:make_task", default_train_size=7)
+    assert task.name == "plugin" and len(task.build_dataset("train")) == 7
+    assert get_task("my_plugin:READY").name == "ready"
+    reward = get_reward("my_plugin:half")
+    assert isinstance(reward, SafeReward) and reward.__name__ == "half"
+    assert reward(prompts=["p", "p"], completions=["a", "b"]) == [0.5, 0.5]
+    with pytest.raises(ValueError, match=r"reward function 'my_plugin:NOT_CALLABLE' is not callable"):
+        get_reward("my_plugin:NOT_CALLABLE")
+    with pytest.raises(ValueError, match=r"module 'my_plugin' has no 'nope' \(from 'my_plugin:nope'\)"):
+        get_task("my_plugin:nope")
+    with pytest.raises(ValueError, match=r"cannot import 'no_such_plugin' for 'no_such_plugin:f'"):
+        get_reward("no_such_plugin:f")
+
+
+def test_register_reward_and_the_named_rewards() -> None:
+    """Our rewards and TRL's named ones (trl.rewards, imported on first use) sit in one registry; a registered
+    reward is logged under its registered name; an unknown name lists the known ones and the closest."""
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    assert {"arithmetic_correct", "math_verify_correct", "accuracy_reward", "reasoning_accuracy_reward",
+            "think_format_reward"} <= set(REWARDS)  # fmt: skip
+    assert get_reward("accuracy_reward").func is accuracy_reward
+    assert get_reward("think_format_reward").func is think_format_reward
+    arithmetic = get_reward("arithmetic_correct")
+    assert isinstance(arithmetic.func, ArithmeticReward) and arithmetic.__name__ == "arithmetic_correct"
+    register_reward("always_one", lambda: lambda prompts, completions, **kw: [1.0] * len(completions))
+    try:
+        reward = get_reward("always_one")
+        assert reward.__name__ == "always_one" and reward(prompts=["p"], completions=["c"]) == [1.0]
+    finally:
+        REWARDS.pop("always_one")
+    with pytest.raises(ValueError, match=r"unknown reward function 'acuracy_reward'; known: \[.*\], or an import "
+                       r"path 'module:function'\. Did you mean 'accuracy_reward'\?"):
+        get_reward("acuracy_reward")
+    with pytest.raises(ValueError, match=r"Did you mean 'arithmetic'\?"):
+        get_task("arithmetik")
 
 
 # -- math task ------------------------------------------------------------------------------------

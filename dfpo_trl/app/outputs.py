@@ -1,0 +1,235 @@
+"""What a run writes to ``output_dir``: the summary (JSON and printed), the figure and the saved model (docs/cli.md).
+
+An earlier run's results are first set aside in ``previous_run/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..config import DFPOConfig
+from . import logger
+from .plotting import plot_metrics
+
+if TYPE_CHECKING:
+    from .args import DFPOScriptArguments
+
+__all__ = [
+    "PLOT_FILE", "PREVIOUS_RUN_DIR", "SUMMARY_FILE", "format_summary", "method_label", "save_model",
+    "set_aside_previous_outputs", "write_outputs",
+]  # fmt: skip
+
+SUMMARY_FILE = "dfpo_summary.json"
+PLOT_FILE = "dfpo_metrics.png"
+# Where a run moves the results an earlier run left in its output_dir (docs/cli.md); the one before is deleted.
+PREVIOUS_RUN_DIR = "previous_run"
+# What `save_model` writes, for summaries written before they listed their files ("files").
+SAVED_MODEL_PATTERNS = (
+    "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+    "model.safetensors.index.json", "pytorch_model*.bin", "adapter_config.json", "adapter_model.safetensors",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "chat_template.jinja",
+    "vocab.json", "merges.txt", "added_tokens.json", "training_args.bin",
+)  # fmt: skip
+
+
+def method_label(args: DFPOConfig) -> str:
+    """The method a config trains with, as the summary and the figure name it (e.g. "DFPO min_replace")."""
+    if args.symmetric_clip:
+        method = "GRPO-fix (symmetric clip)"
+    elif args.importance_sampling_level == "sequence":
+        method = "GSPO" if args.group_transform == "none" else f"DFPO {args.group_transform}"
+        if args.transform_gradient == "score":
+            method += " (score form)"
+    else:
+        method = f"GRPO (loss_type={args.loss_type})"
+    if args.token_weighting == "delta":
+        method += " + DelTA"
+    return method
+
+
+def set_aside_previous_outputs(output_dir: str) -> list[str]:
+    """Move what an earlier run wrote to ``output_dir`` (its summary, figure and saved model: the files its summary
+    lists) into ``output_dir/previous_run/``, replacing an older ``previous_run/``, so that nothing there can be
+    taken for this run's results (docs/cli.md). Checkpoints (``checkpoint-*/``) and other files stay. Returns the
+    names moved."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    names = {PLOT_FILE}
+    summary = out / SUMMARY_FILE
+    if summary.is_file():
+        names.add(SUMMARY_FILE)
+        try:
+            listed = json.loads(summary.read_text()).get("files")
+        except (ValueError, OSError, AttributeError):
+            listed = None
+        if isinstance(listed, list):
+            names.update(str(n) for n in listed if Path(str(n)).name == str(n) and str(n) not in ("", ".", ".."))
+        else:  # a summary from before the files were listed
+            names.update(p.name for pattern in SAVED_MODEL_PATTERNS for p in out.glob(pattern))
+    present = sorted(n for n in names if (out / n).is_file())
+    if not present:
+        return []
+    target = out / PREVIOUS_RUN_DIR
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    elif target.exists() or target.is_symlink():
+        target.unlink()
+    target.mkdir()
+    for name in present:
+        (out / name).rename(target / name)
+    return present
+
+
+def _file_stamps(directory: str) -> dict[str, tuple[int, int]]:
+    """(modification time, size) of each file directly in ``directory``: what a save wrote is what changed."""
+    path = Path(directory)
+    if not path.is_dir():
+        return {}
+    return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in path.iterdir() if p.is_file()}
+
+
+def save_model(trainer: Any, output_dir: str) -> list[str]:
+    """Save the trained model to ``output_dir`` (without transformers' one-shard progress bar); returns the names of
+    the files the save wrote."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar says nothing
+    before = _file_stamps(output_dir)
+    try:
+        trainer.save_model(output_dir)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return sorted(n for n, stamp in _file_stamps(output_dir).items() if before.get(n) != stamp)
+
+
+def write_outputs(
+    trainer: Any,
+    script_args: DFPOScriptArguments,
+    training_args: DFPOConfig,
+    model_label: str,
+    heldout_cb: Any,
+    curves: Any,
+    times: dict[str, float],
+    start: float,
+    interrupted: bool = False,
+    saved: Sequence[str] = (),
+    drift_cb: Any = None,
+) -> dict[str, Any]:
+    """Write the summary (and the figure) to ``output_dir``; print the summary unless the run was interrupted."""
+    out = Path(training_args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_path = None
+    if script_args.plot:
+        try:
+            plot_path = str(
+                plot_metrics(
+                    trainer.state.log_history,
+                    out / PLOT_FILE,
+                    title=method_label(training_args),
+                    heldout=heldout_cb.results if heldout_cb is not None else None,
+                )
+            )
+        except ImportError as exc:
+            logger.warning("no %s: %s (pip install matplotlib)", PLOT_FILE, exc)
+    heldout = heldout_cb.results if heldout_cb is not None else {}
+    eval_before = float(heldout.get("before_seconds") or 0.0)
+    eval_after = float(heldout.get("after_seconds") or 0.0)
+    total = time.monotonic() - start
+    time_split = {  # seconds; the held-out evaluations run inside train(), so training excludes them
+        "model_conversion": round(times["model"], 1),
+        "setup": round(times["setup"], 1),
+        "eval_before": round(eval_before, 1),
+        "training": round(times["train_call"] - eval_before - eval_after, 1),
+        "eval_after": round(eval_after, 1),
+        "save_and_plot": round(total - times["model"] - times["setup"] - times["train_call"], 1),
+        "total": round(total, 1),
+    }
+    summary = {
+        "model": model_label,
+        "task": script_args.task,
+        "method": method_label(training_args),
+        "group_transform": training_args.group_transform,
+        "importance_sampling_level": training_args.importance_sampling_level,
+        "loss_type": training_args.loss_type,
+        "transform_gradient": training_args.transform_gradient,
+        "num_generations": training_args.num_generations,
+        "interrupted": interrupted,
+        "steps": trainer.state.global_step,
+        "max_steps": trainer.state.max_steps,
+        "learning_rate": training_args.learning_rate,
+        "heldout": heldout_cb.results if heldout_cb is not None else None,
+        "drift": drift_cb.results if drift_cb is not None else None,
+        **curves.results,
+        "train_seconds": round(times["train_call"], 1),
+        "total_seconds": time_split["total"],
+        "time_split": time_split,
+        "plot": plot_path,
+        "output_dir": str(out),
+        # every file this run wrote to output_dir: what the next run moves to previous_run/ (docs/cli.md)
+        "files": sorted({SUMMARY_FILE, *([PLOT_FILE] if plot_path else []), *saved}),
+        "log_history": trainer.state.log_history,  # every logged step, as TRL's trainer_state.json keeps it
+    }
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    if not interrupted:
+        print(format_summary(summary), flush=True)
+    return summary
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec) if isinstance(value, (int, float)) else str(value)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The human-readable final summary printed at the end of a run."""
+    lines = ["", "=" * 72, f"DFPO run summary: {summary['method']} on task {summary['task']!r}", "-" * 72]
+    lines.append(f"model                      {summary['model']}")
+    lines.append(f"optimizer steps            {summary['steps']}  (G = {summary['num_generations']})")
+    heldout = summary.get("heldout")
+    if heldout:
+        before, after = heldout.get("before"), heldout.get("after")
+        delta = after - before if before is not None and after is not None else None
+        lines.append(
+            f"held-out greedy accuracy   {_fmt(before)} -> {_fmt(after)}  ({_fmt(delta, '+.3f')}, "
+            f"{heldout['n']} fixed problems)"
+        )
+    per = "step" if summary.get("reward_curve") == "step_reward" else "rollout"
+    lines.append(
+        f"training reward, EMA {_fmt(summary.get('reward_ema_alpha'), 'g'):<5}{_fmt(summary.get('reward_ema_first'))} "
+        f"-> {_fmt(summary.get('reward_ema_last'))}  (peak {_fmt(summary.get('reward_ema_peak'))}; one point per {per})"
+    )
+    threshold = summary.get("reward_threshold")
+    reached = summary.get("steps_to_threshold")
+    lines.append(
+        f"steps to reward >= {_fmt(threshold, 'g'):<8}{'never' if reached is None else reached}  "
+        "(EMA 0.3 of the training reward, eq. 19)"
+    )
+    lines.append(f"Jitter2 of reward curve    {_fmt(summary.get('reward_jitter2'), '.4f')}  (eq. 20)")
+    split = summary.get("time_split")
+    if split:
+        parts = [
+            ("model_conversion", "model/conversion"), ("setup", "setup"), ("eval_before", "eval before"),
+            ("training", "training"), ("eval_after", "eval after"), ("save_and_plot", "save+plot"),
+        ]  # fmt: skip
+        lines.append(
+            f"wall time                  {_fmt(split['total'], '.0f')} s: "
+            + ", ".join(f"{label} {_fmt(split[key], '.0f')}" for key, label in parts)
+        )
+    else:
+        lines.append(f"wall time                  {_fmt(summary['total_seconds'], '.0f')} s in all")
+    if summary.get("plot"):
+        lines.append(f"metrics plot               {summary['plot']}")
+    lines.append(f"summary                    {Path(summary['output_dir']) / SUMMARY_FILE}")
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
