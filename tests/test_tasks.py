@@ -285,6 +285,8 @@ def test_registries_accept_import_paths(tmp_path: Path, monkeypatch: pytest.Monk
         "def make_task(**options):\n"
         "    return ArithmeticTask(name='plugin', **options)\n"
         "READY = ArithmeticTask(name='ready')\n"
+        "class MyTask(ArithmeticTask):\n"
+        "    pass\n"
         "def half(prompts, completions, **kwargs):\n"
         "    return [0.5] * len(completions)\n"
         "NOT_CALLABLE = 3\n"
@@ -293,6 +295,8 @@ def test_registries_accept_import_paths(tmp_path: Path, monkeypatch: pytest.Monk
     task = get_task("my_plugin:make_task", default_train_size=7)
     assert task.name == "plugin" and len(task.build_dataset("train")) == 7
     assert get_task("my_plugin:READY").name == "ready"
+    built = get_task("my_plugin:MyTask", default_train_size=5)  # a task class is a factory: called, not returned
+    assert not isinstance(built, type) and len(built.build_dataset("train")) == 5
     reward = get_reward("my_plugin:half")
     assert isinstance(reward, SafeReward) and reward.__name__ == "half"
     assert reward(prompts=["p", "p"], completions=["a", "b"]) == [0.5, 0.5]

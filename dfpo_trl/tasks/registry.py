@@ -45,7 +45,9 @@ def get_task(name: str, **options: Any) -> Task:
         return TASKS[name](**options)
     if is_import_path(name):
         factory = import_object(name)
-        return factory(**options) if callable(factory) and not hasattr(factory, "build_dataset") else factory
+        # A task class also has build_dataset: it is a factory; an instance with build_dataset is the task itself.
+        ready = hasattr(factory, "build_dataset") and not isinstance(factory, type)
+        return factory if ready or not callable(factory) else factory(**options)
     raise ValueError(_unknown(f"unknown task {name!r}; known tasks", name, TASKS, "module:factory"))
 
 
