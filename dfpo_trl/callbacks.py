@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from . import metrics
-from .drift import completion_log_probs, summarise_equivalent_sets
+from .metrics import curves as metrics
+from .metrics.drift import completion_log_probs, summarise_equivalent_sets
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from typing import Any
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
-from .cancellation import BALANCING_TRANSFORMS, CANCELLATION_TARGETS, ONE_SIDED_POLICIES
 from .delta import GAMMA_RULES, GAMMA_UPDATES, SCOPES, ZERO_ADVANTAGE_RULES
-from .transforms import GROUP_TRANSFORMS
+from .objectives.cancellation import BALANCING_TRANSFORMS, CANCELLATION_TARGETS, ONE_SIDED_POLICIES
+from .objectives.transforms import GROUP_TRANSFORMS
 
 TRANSFORM_GRADIENTS = ("ratio", "score")
 # docs/layouts.md: what group_layout may force ("auto": the cheapest exact layout for the batch sizes).

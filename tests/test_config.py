@@ -116,11 +116,11 @@ def test_checkpointing_default_on_and_either_name_without_a_deprecation_warning(
 
 
 def test_every_registered_transform_is_validated_and_documented():
-    """One registry (dfpo_trl.transforms.TRANSFORMS) feeds config validation, the trainer and the docs: every
+    """One registry (dfpo_trl.objectives.transforms.TRANSFORMS) feeds config validation, the trainer and the docs: every
     registered name is accepted by DFPOConfig and listed in its docstring and in the README's field table."""
     from pathlib import Path
 
-    from dfpo_trl.transforms import TRANSFORMS
+    from dfpo_trl.objectives.transforms import TRANSFORMS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `group_transform` |"))
@@ -174,11 +174,11 @@ def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, c
         return forward(model, input_ids, *args, **kwargs)
 
     trainer._get_per_token_logps_and_entropies = recording
-    s_bar, _ = trainer._post_clip_weights_no_grad(batch, torch.arange(8))
+    s_bar, _ = trainer.layout.pre_pass.post_clip_weights(batch, torch.arange(8))
     assert seen == chunks
     trainer._get_per_token_logps_and_entropies = forward
     one_by_one = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace",
                               per_device_train_batch_size=2, num_generations=4, steps_per_generation=4,
                               gradient_accumulation_steps=2, prepass_batch_size=1)
-    reference, _ = one_by_one._post_clip_weights_no_grad(batch, torch.arange(8))
+    reference, _ = one_by_one.layout.pre_pass.post_clip_weights(batch, torch.arange(8))
     assert torch.allclose(s_bar, reference, atol=1e-6)
