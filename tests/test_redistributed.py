@@ -2,7 +2,7 @@
 
 Each process gets its slice of one hand-built generation batch exactly as TRL slices a rollout (trimmed to its own
 widest row, so the processes' widths differ and the exchange must pad), then runs the micro-steps of one
-optimizer step. Required (issue #12): every micro-step holds whole groups across the processes, every row is
+optimizer step. Required (docs/layouts.md): every micro-step holds whole groups across the processes, every row is
 trained exactly once, the s̄ and s̃ each process used equal a single-process computation on the whole generation
 batch, and each micro-step's loss and parameter gradients equal TRL's own loss (``GRPOTrainer``) on the same rows
 with the reference coefficients.

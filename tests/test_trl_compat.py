@@ -1,4 +1,4 @@
-"""A TRL that moves under DFPO stops it loudly (issue #11, item 3).
+"""A TRL that moves under DFPO stops it loudly.
 
 Each test simulates a TRL change in a fresh interpreter that patches ``trl.GRPOTrainer`` *before* importing
 ``dfpo_trl``, as an upgraded TRL would present itself, and checks what DFPO does: a renamed hook or parameter

@@ -1,11 +1,12 @@
-"""DelTA at rollout time, as pure functions: λ̄ of one rollout under a config, in its loss's normalisation domain;
-side means and the token table (docs/delta.md).
+"""DelTA at rollout time, as pure functions: λ̄ of a rollout in its loss's domain, and what DelTA logs of it.
+
+The steps are those of docs/delta.md:
 
 * :func:`delta_weights` / :func:`delta_token_weights`: λ and λ̄ of one batch under a ``DFPOConfig``'s ``delta_*``
   fields (:func:`coefficient_options`), λ̄ self-normalised over the batch or per sequence;
 * :func:`normalisation_domain`: where λ̄ must average 1 so that the loss's own normaliser is kept;
-* :func:`rollout_weights`: λ and λ̄ of one rollout batch (``dfpo_trl.delta.delta_weights`` with that domain;
-  on one process with ``loss_type="dapo"`` exactly ``dfpo_trl.delta.delta_token_weights``);
+* :func:`rollout_weights`: λ and λ̄ of one rollout batch (:func:`delta_weights` with that domain; on one process
+  with ``loss_type="dapo"`` exactly :func:`delta_token_weights`);
 * :func:`sum_over_processes` / :func:`weight_reducer`: the ``all_reduce`` of the weights' statistics;
 * :func:`side_means` and :func:`token_table`: what DelTA logs.
 

@@ -1,2 +1,6 @@
-"""How a transform gets whole groups: group ids, rollout regrouping, the layout policy and its runners
-(docs/layouts.md)."""
+"""How a transform gets whole groups (docs/layouts.md).
+
+``ids`` (group and row ids, the (groups, G) index), ``batches`` (rollout dicts joined and reordered), ``policy``
+(which layout, why, at what cost), ``layout`` (the chosen layout at run time), ``redistribute``, ``prepass`` and
+``gather`` (the layouts' data movement).
+"""

@@ -1,2 +1,5 @@
-"""The few places DFPO touches TRL's GRPOTrainer: the declared touch points, the fused LM head's hidden states, and
-the per-step reward carried with each rollout row."""
+"""The few places DFPO touches TRL's ``GRPOTrainer``.
+
+``compat`` (every touch point, declared and checked at import), ``lm_head`` (what TRL's fused LM head hides) and
+``step_reward`` (each completion's reward carried with its row).
+"""
