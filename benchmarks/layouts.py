@@ -1,4 +1,4 @@
-"""Group layouts under ZeRO-3 (issue #12): DFPO Min-Replace in the ``pre_pass`` and ``redistributed`` layouts
+"""Group layouts under ZeRO-3: DFPO Min-Replace in the ``pre_pass`` and ``redistributed`` layouts
 against TRL's own GSPO, at the paper's shape scaled down, and the in-group coefficients of both layouts against
 a single-process reference.
 
@@ -35,12 +35,12 @@ Phases:
 
 * ``reference`` (one process, no DeepSpeed, float32): saves a random init of ``--random-config`` (Qwen3-1.7B's
   shape, no pad id in the config: common.random_config) and computes s̄ (eq. 47) and s̃ (Min-Replace per group,
-  ``dfpo_trl.transforms``) of every row of one fixed generation batch at those weights, as zero3.py does.
+  ``dfpo_trl.objectives.transforms``) of every row of one fixed generation batch at those weights, as zero3.py does.
 * ``check`` (``accelerate launch``, ZeRO-3, float32): the ``pre_pass`` and ``redistributed`` trainers, one after the
   other, train one rollout (``steps_per_generation / gradient_accumulation_steps`` optimizer steps) on that batch
   at learning rate 1e-30 (DFPOConfig refuses 0; every float32 update of that size rounds off, so θ stays the
-  initial θ bit for bit), and record the s̄ / s̃ their losses used (``trainer.last_sequence_weights``, by
-  ``row_ids``) in the first off-policy optimizer step (the second of the rollout: in the first, θ = θ_old and the
+  initial θ bit for bit), and record the s̄ / s̃ their losses used (what ``trainer.layout.row_weights`` returns,
+  by ``row_ids``) in the first off-policy optimizer step (the second of the rollout: in the first, θ = θ_old and the
   pre-pass skips its forward, every s = 1). That step's θ is the initial θ, so it must match the reference. The
   check uses ε = 0.2 / 0.28 and old log-probs shifted by N(0, 0.15) per row (as zero3.py), so s̄ spans the whole
   clip range and a wrong or stale member would show as an O(0.1) difference; float32 against float32, tolerance
@@ -173,7 +173,7 @@ class FixedRollout(GRPOTrainer):
     shift: float = 0.0
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
-        from dfpo_trl.trl_compat import disable_gradient_checkpointing
+        from dfpo_trl.trl_hooks.compat import disable_gradient_checkpointing
 
         local = self.args.per_device_train_batch_size * self.args.steps_per_generation
         start = self.accelerator.process_index * local
@@ -204,20 +204,27 @@ class DFPOFixed(DFPOTrainer, FixedRollout):
 
 
 class DFPORecorder(DFPOFixed):
-    """Also keeps the s̄, s̃ each micro-step's loss used, with the optimizer step they belong to."""
+    """Also keeps the s̄, s̃ each micro-step's loss used (what its group layout's public ``row_weights`` returns),
+    with the optimizer step they belong to."""
 
     records: list[dict[str, Any]]
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.used: list[Any] = []  # every RowWeights the layout returned, in order
+        row_weights = self.layout.row_weights
+        self.layout.row_weights = lambda *call, **kw: self.used.append(row_weights(*call, **kw)) or self.used[-1]
+
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        self.last_sequence_weights = None
+        before = len(self.used)
         loss = super()._compute_loss(model, inputs)
-        weights = self.last_sequence_weights
-        if weights is not None and self.model.training:
+        if len(self.used) > before and self.model.training:
+            weights = self.used[-1]
             step = self._step // self.args.gradient_accumulation_steps  # micro-step counter, before its increment
             self.records.append({
                 "optimizer_step": step, "step_in_rollout": step % steps_per_rollout(self.args),
-                "row_ids": weights["row_ids"].detach().cpu(), "s_bar": weights["s_bar"].detach().float().cpu(),
-                "s_tilde": weights["s_tilde"].detach().float().cpu(), "loss": float(loss.detach()),
+                "row_ids": inputs["row_ids"].detach().cpu(), "s_bar": weights.s_bar.detach().float().cpu(),
+                "s_tilde": weights.s_tilde.detach().float().cpu(), "loss": float(loss.detach()),
             })
         return loss
 
@@ -355,7 +362,8 @@ def phase_reference(args: argparse.Namespace) -> None:
     single-process float32 s̄ / s̃ of every row of the fixed batch at those weights."""
     from transformers import AutoModelForCausalLM
 
-    from dfpo_trl.transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
+    from dfpo_trl.objectives.transforms import apply_group_transform
+    from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
 
     work = pathlib.Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ Two phases, one command each (see benchmarks/README.md):
   groups cut across processes and micro-steps (layout ``pre_pass``); every process records the s̄, s̃ its loss
   used and the loss. Then, with real generation, a few steps of the pre-pass layout against the co-located
   one (same generation batch, whole groups per micro-batch) for the step-time comparison.
-* ``--phase compare``: writes ``zero3.json`` with the schema of issue #6.
+* ``--phase compare``: writes ``zero3.json`` (its fields: ``phase_compare`` below).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.layout import consecutive_group_ids
+from dfpo_trl.groups.ids import consecutive_group_ids
+from dfpo_trl.objectives.transforms import apply_group_transform
+from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
 from dfpo_trl.tasks import get_task
-from dfpo_trl.transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
 
 TRANSFORM = "min_replace"
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -81,16 +82,23 @@ def phase_reference(args: argparse.Namespace) -> None:
 
 
 class Recorder(DFPOTrainer):
-    """Keeps the s̄, s̃ and loss of every micro-step (the coefficients are set inside `_compute_loss`)."""
+    """Keeps the s̄, s̃ and loss of every micro-step: the sequence weights its group layout's public
+    ``row_weights`` returns inside ``_compute_loss``."""
 
     records: list[dict[str, Any]]
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.used: list[Any] = []  # every RowWeights the layout returned, in order
+        row_weights = self.layout.row_weights
+        self.layout.row_weights = lambda *call, **kw: self.used.append(row_weights(*call, **kw)) or self.used[-1]
+
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         loss = super()._compute_loss(model, inputs)
-        w = self.last_sequence_weights
+        w = self.used[-1]
         self.records.append(
-            {"row_ids": w["row_ids"].cpu(), "s_bar": w["s_bar"].float().cpu(), "s_tilde": w["s_tilde"].float().cpu(),
-             "loss": float(loss.detach()), "layout": self.group_layout}
+            {"row_ids": inputs["row_ids"].cpu(), "s_bar": w.s_bar.detach().float().cpu(),
+             "s_tilde": w.s_tilde.detach().float().cpu(), "loss": float(loss.detach()), "layout": self.group_layout}
         )
         return loss
 
@@ -130,7 +138,7 @@ def phase_zero3(args: argparse.Namespace) -> None:
     task = get_task("arithmetic")
     dataset = task.build_dataset("train", 256, 0)
     # 1. exactness: one optimizer step (two micro-steps) on the fixed batch. DFPOConfig refuses a learning rate of
-    # 0 (issue #13's range checks); at 1e-30 every update rounds off, so θ stays the initial θ as at 0.
+    # 0 (its range checks); at 1e-30 every update rounds off, so θ stays the initial θ as at 0.
     config = base_config(args, **SIZES, learning_rate=1e-30, max_steps=1)
     trainer = Recorder(model=args.model, reward_funcs=task.reward_funcs, args=config, train_dataset=dataset)
     trainer.records = []
@@ -144,7 +152,7 @@ def phase_zero3(args: argparse.Namespace) -> None:
     local_batch["group_ids"] = consecutive_group_ids(local, group_size, offset=rank * local, device=device)
     local_batch["row_ids"] = torch.arange(rank * local, (rank + 1) * local, device=device)
     trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
-    trainer._policy_unchanged_since_rollout = lambda: False  # the fixed batch's old log-probs are not θ's
+    trainer.layout.pre_pass.policy_unchanged = lambda _step: False  # the fixed batch's old log-probs are not θ's
     trainer.train()
     torch.save(trainer.records, args.out_dir / f"zero3_rank{rank}.pt")
     # 2. step time: the pre-pass layout against whole groups per micro-batch, same generation batch.

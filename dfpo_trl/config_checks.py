@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from .cancellation import BALANCING_TRANSFORMS, CANCELLATION_TARGETS, ONE_SIDED_POLICIES
 from .delta import GAMMA_RULES, GAMMA_UPDATES, SCOPES, ZERO_ADVANTAGE_RULES
-from .transforms import GROUP_TRANSFORMS
+from .objectives.cancellation import BALANCING_TRANSFORMS, CANCELLATION_TARGETS, ONE_SIDED_POLICIES
+from .objectives.transforms import GROUP_TRANSFORMS
 
 if TYPE_CHECKING:
     from .config import DFPOConfig

@@ -6,22 +6,22 @@ import itertools
 
 import pytest
 import torch
-from tiny import capturing, loss_and_grads, make_trainer, random_batch, with_old_logps
+from tiny import capturing, loss_and_grads, make_trainer, random_batch, record_row_weights, with_old_logps
 from tolerance import assert_close_to_rounding
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.cancellation import (
+from dfpo_trl.metrics.mechanism import shared_prefix_residual
+from dfpo_trl.objectives.cancellation import (
     BALANCING_TRANSFORMS,
     aggregation_factor,
     balance_group_weights,
-    clip_survivors,
     gradient_coefficients,
     group_sides,
     min_replace_on_subset,
     transform_group_weights,
 )
-from dfpo_trl.metrics import shared_prefix_residual
-from dfpo_trl.transforms import apply_group_transform
+from dfpo_trl.objectives.transforms import apply_group_transform
+from dfpo_trl.objectives.weights import clip_survivors
 
 GSPO = dict(importance_sampling_level="sequence", epsilon=0.2, epsilon_high=0.28, steps_per_generation=2)
 
@@ -272,8 +272,9 @@ def test_gradient_equals_weights_when_nothing_is_clipped_and_c_is_constant(trans
         trainer = make_trainer(DFPOTrainer, DFPOConfig, **{**GSPO, "epsilon": 0.5, "epsilon_high": 0.5},
                                loss_type="dapo", group_transform=transform, cancellation_target=target)
         batch = with_old_logps(trainer, ids, mask, adv, log_ratio)
+        used = record_row_weights(trainer)
         results.append(loss_and_grads(trainer, batch))
-        assert trainer.last_sequence_weights["survives"].all()
+        assert used[-1].survives.all()
     (loss_w, grads_w), (loss_g, grads_g) = results
     # the same s̃ reached by two code paths: equal up to float32 rounding, scaled by the size of what is summed (the
     # loss: a mean of terms Â_i s̃_i of either sign; a gradient: its largest entry)

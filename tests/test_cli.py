@@ -598,13 +598,13 @@ def test_layout_and_its_cost_are_said_at_start_up(
 
 
 def test_every_layout_has_a_start_up_line() -> None:
-    from dfpo_trl.app.layout_line import describe_layout
-    from dfpo_trl.trainer import (
+    from dfpo_trl.groups.policy import (
         LAYOUT_CROSS_PROCESS,
         LAYOUT_GROUP_GRANULAR,
         LAYOUT_PER_SAMPLE,
         LAYOUT_PRE_PASS,
         LAYOUT_REDISTRIBUTED,
+        describe_layout,
     )  # fmt: skip
 
     args = DFPOConfig(output_dir="unused", use_cpu=True, num_generations=4, per_device_train_batch_size=1,

@@ -116,11 +116,11 @@ def test_checkpointing_default_on_and_either_name_without_a_deprecation_warning(
 
 
 def test_every_registered_transform_is_validated_and_documented():
-    """One registry (dfpo_trl.transforms.TRANSFORMS) feeds config validation, the trainer and the docs: every
+    """One registry (dfpo_trl.objectives.transforms.TRANSFORMS) feeds config validation, the trainer and the docs: every
     registered name is accepted by DFPOConfig and listed in its docstring and in the README's field table."""
     from pathlib import Path
 
-    from dfpo_trl.transforms import TRANSFORMS
+    from dfpo_trl.objectives.transforms import TRANSFORMS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `group_transform` |"))
@@ -175,13 +175,13 @@ def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, c
         return forward(model, input_ids, *args, **kwargs)
 
     trainer._get_per_token_logps_and_entropies = recording
-    s_bar, _ = trainer._post_clip_weights_no_grad(batch, torch.arange(8))
+    s_bar, _ = trainer.layout.pre_pass.post_clip_weights(batch, torch.arange(8))
     assert seen == chunks
     trainer._get_per_token_logps_and_entropies = forward
     one_by_one = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace",
                               per_device_train_batch_size=2, num_generations=4, steps_per_generation=4,
                               gradient_accumulation_steps=2, prepass_batch_size=1)
-    reference, _ = one_by_one._post_clip_weights_no_grad(batch, torch.arange(8))
+    reference, _ = one_by_one.layout.pre_pass.post_clip_weights(batch, torch.arange(8))
     assert_close_to_rounding(s_bar, reference)  # forwards of other batch sizes: equal up to float32 rounding
 
 
@@ -209,7 +209,7 @@ def test_truncate_floor_must_stay_below_the_on_policy_weight():
     only while ϵ < 1; a floor at or above 1 replaces weights that need no underflow guard (eq. 52)."""
     import torch
 
-    from dfpo_trl.transforms import truncate_rebalance
+    from dfpo_trl.objectives.transforms import truncate_rebalance
 
     w = torch.tensor([[0.97, 1.0, 1.02, 0.99]], dtype=torch.float64)
     advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5]], dtype=torch.float64)

@@ -23,7 +23,7 @@ from tiny import base_args, free_port
 
 from dfpo_trl import DFPOConfig
 from dfpo_trl.delta import delta_token_weights, self_normalise, token_weights_from_hidden
-from dfpo_trl.delta_trainer import rollout_weights, sum_over_processes, weight_reducer
+from dfpo_trl.delta.rollout import rollout_weights, sum_over_processes, weight_reducer
 
 LMIN, LMAX = 0.8, 1.2
 HALF = math.log(0.5)  # p = 1/2: v = h / 2

@@ -25,14 +25,13 @@ from tolerance import assert_close_to_rounding
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.delta import coefficient_options, self_normalise, token_weights_from_hidden
-from dfpo_trl.delta_trainer import (
+from dfpo_trl.delta.rollout import (
     DELTA_WEIGHTS_KEY,
     rollout_weights,
     side_means,
     sum_over_processes,
     token_table,
 )
-from dfpo_trl.lm_head import HiddenCapture
 
 DELTA = dict(token_weighting="delta", loss_type="dapo")
 
@@ -152,12 +151,15 @@ def test_captured_hidden_is_the_final_norm_output_before_each_completion_token()
 
     norm_out = []
     handle = model.model.norm.register_forward_hook(lambda m, a, o: norm_out.append(o.detach()))
-    capture = HiddenCapture()
-    trainer._delta_armed = capture
-    with torch.no_grad():
-        trainer._get_per_token_logps_and_entropies(model, ids, attention, 5, batch_size=2)  # two chunks
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                 completion_mask=completion_mask)
+    capture = trainer.capture_hidden_states(batch, batch_size=2)  # two chunks
     handle.remove()
-    assert trainer._delta_armed is None and capture.hidden.shape == (3, 5, model.config.hidden_size)
+    assert capture.hidden.shape == (3, 5, model.config.hidden_size)
+    hidden = capture.hidden
+    with torch.no_grad():  # the capture was for that forward only: a later one leaves it alone
+        trainer._get_per_token_logps_and_entropies(model, ids, attention, 5, batch_size=2)
+    assert capture.hidden is hidden
     norm_full = torch.cat(norm_out)  # (3, 4 + 5, d)
     for t in range(5):  # completion token t (absolute position 4 + t) is predicted from position 4 + t - 1
         assert torch.equal(capture.hidden[:, t], norm_full[:, 4 + t - 1])
@@ -198,6 +200,7 @@ def test_rollout_weights_equal_the_function_with_at_most_one_extra_forward(
         assert torch.allclose((weights * mask).sum(1), mask.sum(1).float(), atol=1e-5)
     else:
         assert_close_to_rounding((weights * mask).sum(), mask.sum().float())  # λ̄ averages 1 over the batch
+    trainer.flush_dfpo_metrics("train")  # DelTA's metrics reach TRL's log through the metric store
     log = trainer._metrics["train"]
     assert 0.8 <= log["delta/lambda_pos_mean"][-1] <= 1.2 and 0.8 <= log["delta/lambda_neg_mean"][-1] <= 1.2
 
@@ -283,8 +286,7 @@ class RecordingTrainer(DFPOTrainer):
     records: list[dict[str, torch.Tensor]]
 
     def _compute_loss(self, model, inputs):
-        fresh = HiddenCapture()
-        self._delta_policy_forward(inputs, fresh)  # λ̄ recomputed at the current θ, for comparison
+        fresh = self.capture_hidden_states(inputs)  # λ̄ recomputed at the current θ, for comparison
         mask = loss_mask(inputs)
         _, recomputed = rollout_weights(fresh.hidden, fresh.logps, inputs["advantages"], mask, self.args)
         self.records.append(
@@ -307,7 +309,7 @@ def test_weights_are_computed_once_per_rollout_and_held_across_iterations():
 
 # ----------------------------------------------------------------------------------------------- logging
 def test_training_with_grpo_fix_logs_delta_metrics_and_a_token_table(caplog):
-    caplog.set_level(logging.INFO, logger="dfpo_trl.delta_trainer")
+    caplog.set_level(logging.INFO, logger="dfpo_trl.delta.weighting")
     trainer = make(symmetric_clip=True, max_steps=2, steps_per_generation=2)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "delta/lambda_pos_mean" in h]

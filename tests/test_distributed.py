@@ -21,6 +21,7 @@ from tiny import (
     free_port,
     hand_batch,
     last_digit_reward,
+    record_row_weights,
     spawn_ranks,
     tiny_model,
     tiny_tokenizer,
@@ -29,9 +30,10 @@ from tolerance import assert_close_to_rounding
 from trl import GRPOConfig, GRPOTrainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.cancellation import aggregation_factor, balance_group_weights, clip_survivors, gradient_coefficients
-from dfpo_trl.layout import consecutive_group_ids
-from dfpo_trl.transforms import apply_group_transform, sequence_log_ratio, sign_aware_post_clip
+from dfpo_trl.groups.ids import consecutive_group_ids
+from dfpo_trl.objectives.cancellation import aggregation_factor, balance_group_weights, gradient_coefficients
+from dfpo_trl.objectives.transforms import apply_group_transform
+from dfpo_trl.objectives.weights import clip_survivors, sequence_log_ratio, sign_aware_post_clip
 
 pytestmark = pytest.mark.distributed
 WORLD = 2
@@ -95,15 +97,18 @@ def worker(rank: int, port: int, sizes: dict[str, Any], batch_path: str, out_dir
     local_batch["group_ids"] = consecutive_group_ids(local, args.num_generations, offset=rank * local)
     local_batch["row_ids"] = torch.arange(rank * local, (rank + 1) * local)
     trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
-    trainer._policy_unchanged_since_rollout = lambda: False  # θ ≠ θ_old here: force the pre-pass forward
+    if trainer.layout.pre_pass is not None:  # θ ≠ θ_old here: force the pre-pass forward
+        trainer.layout.pre_pass.policy_unchanged = lambda _step: False
+    used = record_row_weights(trainer)
     records = []
     for _ in range(args.gradient_accumulation_steps):  # the micro-steps of one optimizer step
         inputs = trainer._prepare_inputs(None)
         loss = trainer.compute_loss(trainer.model, inputs)
-        weights = trainer.last_sequence_weights
+        weights = used[-1]
         micro = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        records.append(dict(layout=trainer.group_layout, loss=loss.detach(), row_ids=weights["row_ids"].clone(),
-                            s_bar=weights["s_bar"].clone(), s_tilde=weights["s_tilde"].clone(), inputs=micro))
+        records.append(dict(layout=trainer.group_layout, loss=loss.detach(), row_ids=inputs["row_ids"].clone(),
+                            s_bar=weights.s_bar.detach().clone(), s_tilde=weights.s_tilde.detach().clone(),
+                            inputs=micro))
         trainer._step += 1
     torch.save(records, Path(out_dir) / f"rank{rank}.pt")
     trainers = [trainer]

@@ -1,7 +1,7 @@
-"""The equivalent-solution drift meter (dfpo_trl.drift, DriftMeterCallback, FormShareReward) and the tasks whose answers
-come in equivalent forms: D1–D4 against hand-computed numbers, the scored log-probabilities against a bigram model's
-exact ones, odds moved by hand and followed by the callback, sampled form shares pooled exactly, and the CLI's
-``drift_every`` end to end on a tiny model."""
+"""The equivalent-solution drift meter (dfpo_trl.metrics.drift, DriftMeterCallback, FormShareReward) and the tasks
+whose answers come in equivalent forms: D1–D4 against hand-computed numbers, the scored log-probabilities against a
+bigram model's exact ones, odds moved by hand and followed by the callback, sampled form shares pooled exactly, and
+the CLI's ``drift_every`` end to end on a tiny model."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from tiny import WORDS, tiny_tokenizer
 
 from dfpo_trl.app.callbacks import DriftMeterCallback, FormShareReward
-from dfpo_trl.drift import completion_log_probs, equivalent_set_stats, summarise_equivalent_sets
-from dfpo_trl.metric_store import MetricStore
+from dfpo_trl.metrics.drift import completion_log_probs, equivalent_set_stats, summarise_equivalent_sets
+from dfpo_trl.metrics.store import MetricStore
 from dfpo_trl.tasks import EquivalentFormsTask, get_task
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""DFPOTrainer as a drop-in for trl.GRPOTrainer (issue #11): default config, same run with DFPO off."""
+"""DFPOTrainer as a drop-in for trl.GRPOTrainer: default config, same run with DFPO off."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Gradient energy on frequent tokens (arXiv 2604.13088 eq. 24, docs/metrics.md): the pure functions in
-``dfpo_trl.metrics``, the LM-head helpers in ``dfpo_trl.lm_head``, ``log_energy_buckets`` in the config and the
-trainer (loss and gradients unchanged; logged shares equal a per-token autograd computation)."""
+``dfpo_trl.metrics.energy``, the LM-head helpers in ``dfpo_trl.trl_hooks.lm_head``, ``log_energy_buckets`` in the
+config and the trainer (loss and gradients unchanged; logged shares equal a per-token autograd computation)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from tiny import WORDS, base_args, capturing, loss_and_grads, make_trainer, rand
 from tolerance import assert_close_to_rounding
 from trl.trainer.utils import add_fused_lm_head
 
-import dfpo_trl.trainer as trainer_module
+import dfpo_trl.metrics.hooks as hooks_module
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
-from dfpo_trl.metrics import energy_by_bucket, frequency_buckets, lm_head_grad_scale
+from dfpo_trl.metrics.energy import energy_by_bucket, frequency_buckets, lm_head_grad_scale
+from dfpo_trl.trl_hooks.lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -272,7 +272,7 @@ def test_energy_off_or_without_grad_runs_no_capture(monkeypatch):
         def run(self, *args, **kwargs):
             raise AssertionError("the hidden-state capture ran")
 
-    monkeypatch.setattr(trainer_module, "HiddenCapture", Refuse)
+    monkeypatch.setattr(hooks_module, "HiddenCapture", Refuse)
     ids, mask, adv, log_ratio = random_batch()
     off = make_trainer(DFPOTrainer, DFPOConfig, **GSPO, steps_per_generation=2)
     loss_and_grads(off, with_old_logps(off, ids, mask, adv, log_ratio))

@@ -30,6 +30,7 @@ from tiny import (
     end_rank,
     free_port,
     last_digit_reward,
+    record_row_weights,
     spawn_ranks,
     tiny_model,
     tiny_tokenizer,
@@ -102,7 +103,8 @@ def worker(rank: int, port: int, sizes: dict[str, Any], batch_path: str, out_dir
     local = args.per_device_train_batch_size * args.steps_per_generation
     local_batch = local_slice(batch, rank, local, args.num_generations)
     trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
-    trainer._policy_unchanged_since_rollout = lambda: False  # θ ≠ θ_old here: force the pre-pass forward
+    trainer.layout.pre_pass.policy_unchanged = lambda _step: False  # θ ≠ θ_old here: force the pre-pass forward
+    used = record_row_weights(trainer)
     no_grad_forwards = [0]  # forwards of the sharded root module outside autograd: the pre-pass's, here
 
     def count(_module: torch.nn.Module, _args: Any) -> None:
@@ -119,12 +121,12 @@ def worker(rank: int, port: int, sizes: dict[str, Any], batch_path: str, out_dir
         trainer.optimizer.zero_grad(set_to_none=True)
         loss = trainer.compute_loss(trainer.model, inputs)
         loss.backward()  # FSDP2 reduce-scatters: each shard holds the mean of the processes' gradients
-        weights = trainer.last_sequence_weights
+        weights = used[-1]
         grads = torch.cat([p.grad.full_tensor().flatten() for p in trainer.model.parameters()])
         micro = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        records.append(dict(layout=trainer.group_layout, loss=loss.detach(), row_ids=weights["row_ids"].clone(),
-                            s_bar=weights["s_bar"].clone(), s_tilde=weights["s_tilde"].clone(), inputs=micro,
-                            grads=grads, prepass_forwards=no_grad_forwards[0] - before))
+        records.append(dict(layout=trainer.group_layout, loss=loss.detach(), row_ids=inputs["row_ids"].clone(),
+                            s_bar=weights.s_bar.detach().clone(), s_tilde=weights.s_tilde.detach().clone(),
+                            inputs=micro, grads=grads, prepass_forwards=no_grad_forwards[0] - before))
         trainer._step += 1
     torch.save(records, Path(out_dir) / f"rank{rank}.pt")
     trainers = [trainer]

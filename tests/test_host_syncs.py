@@ -1,4 +1,4 @@
-"""No host syncs on DFPO's loss path, and no silent sanitising (issue #11, item 6).
+"""No host syncs on DFPO's loss path, and no silent sanitising.
 
 A host read of a device tensor (``.item()``, ``.tolist()``, ``float(t)``, ``int(t)``, ``bool(t)``) makes the host
 wait for the device; per micro-step it stalls the pipeline, inside a backward hook it stalls DDP's overlapped

@@ -1,4 +1,4 @@
-"""The statistics of ``benchmarks/layouts.py`` (issue #12's step-time claim rests on them): which steps count,
+"""The statistics of ``benchmarks/layouts.py`` (the layouts' step-time claim rests on them): which steps count,
 how rounds of separate runs are pooled, that runs of another design are refused, and the collector's clock."""
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""The loss-input rewrite as pure functions of tensors (dfpo_trl.loss_inputs), tested without a trainer."""
+"""The loss-input rewrite as pure functions of tensors (dfpo_trl.objectives.weights, dfpo_trl.objectives.rewrite),
+tested without a trainer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dfpo_trl.loss_inputs import (
-    bounded_old_logps,
-    grpo_fix_old_logps,
-    loss_mask,
-    post_clip_weights,
-    sequence_level_inputs,
-)
+from dfpo_trl.objectives.rewrite import grpo_fix_old_logps, sequence_level_inputs
+from dfpo_trl.objectives.weights import bounded_old_logps, loss_mask, post_clip_weights
 
 
 def test_loss_mask_multiplies_the_tool_mask_when_present():

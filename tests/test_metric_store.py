@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dfpo_trl import metric_store
-from dfpo_trl.metric_store import MetricStore
+from dfpo_trl.metrics import store as metric_store
+from dfpo_trl.metrics.store import MetricStore
 
 
 def _fill(store: MetricStore, generator: torch.Generator, entries: int) -> dict[str, list[tuple[float, float]]]:

@@ -1,4 +1,4 @@
-"""Tests of dfpo_trl.metrics (docs/metrics.md; arXiv 2604.13088 eq. 19, 20, 23)."""
+"""Tests of dfpo_trl.metrics.mechanism and .curves (docs/metrics.md; arXiv 2604.13088 eq. 19, 20, 23)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from dfpo_trl.metrics import (
-    asym,
-    ema,
-    jitter2,
-    orth_residual,
-    phi_stats,
-    shared_prefix_mask,
-    shared_prefix_residual,
-    steps_to_threshold,
-)
-from dfpo_trl.transforms import apply_group_transform
+from dfpo_trl.metrics.curves import ema, jitter2, steps_to_threshold
+from dfpo_trl.metrics.mechanism import asym, orth_residual, phi_stats, shared_prefix_mask, shared_prefix_residual
+from dfpo_trl.objectives.transforms import apply_group_transform
 
 # ---------------------------------------------------------------------------------------------------
 # asym, orth_residual, phi_stats

@@ -1,4 +1,4 @@
-"""Vision-language batches are refused where DFPO would regroup or pre-pass them (issue #11, item 4).
+"""Vision-language batches are refused where DFPO would regroup or pre-pass them.
 
 TRL's rollout for a vision-language model carries ``pixel_values`` whose rows are image patches (counted by
 ``image_grid_thw`` / ``num_images``), not samples. DFPO's group shuffle concatenates, permutes and splits every

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from dfpo_trl.app.plotting import READING_GUIDE, RESIDUAL_FLOOR, plot_metrics  # noqa: E402
-from dfpo_trl.metrics import ema  # noqa: E402
+from dfpo_trl.metrics.curves import ema  # noqa: E402
 
 SHARED_STEPS = (3, 7, 10)  # the shared-prefix residual is measured at some steps only
 

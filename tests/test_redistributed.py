@@ -2,7 +2,7 @@
 
 Each process gets its slice of one hand-built generation batch exactly as TRL slices a rollout (trimmed to its own
 widest row, so the processes' widths differ and the exchange must pad), then runs the micro-steps of one
-optimizer step. Required (issue #12): every micro-step holds whole groups across the processes, every row is
+optimizer step. Required (docs/layouts.md): every micro-step holds whole groups across the processes, every row is
 trained exactly once, the s̄ and s̃ each process used equal a single-process computation on the whole generation
 batch, and each micro-step's loss and parameter gradients equal TRL's own loss (``GRPOTrainer``) on the same rows
 with the reference coefficients.
@@ -23,6 +23,7 @@ from tiny import (
     end_rank,
     free_port,
     last_digit_reward,
+    record_row_weights,
     spawn_ranks,
     tiny_model,
     tiny_tokenizer,
@@ -31,8 +32,8 @@ from tolerance import assert_close_to_rounding
 from trl import GRPOConfig, GRPOTrainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.layout import consecutive_group_ids, redistribution_plan
-from dfpo_trl.redistribute import exchange_plan, pad_to_widths, per_row_keys, trim_padding
+from dfpo_trl.groups.ids import consecutive_group_ids
+from dfpo_trl.groups.redistribute import exchange_plan, pad_to_widths, per_row_keys, redistribution_plan, trim_padding
 
 WORLD = 4
 
@@ -82,18 +83,19 @@ def worker(rank: int, port: int, sizes: dict[str, Any], batch_path: str, out_dir
     local = args.per_device_train_batch_size * args.steps_per_generation
     local_batch = local_slice(batch, rank, local, args.num_generations)
     trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
+    used = record_row_weights(trainer)
     records = []
     for _ in range(args.steps_per_generation):  # every micro-step of the rollout, no update in between: one θ
         inputs = trainer._prepare_inputs(None)
         trainer.model.zero_grad(set_to_none=True)
         loss = trainer.compute_loss(trainer.model, inputs)
         loss.backward()
-        weights = trainer.last_sequence_weights
+        weights = used[-1]
         micro = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
-        records.append(dict(layout=trainer.group_layout, loss=loss.detach(), row_ids=weights["row_ids"].clone(),
-                            s_bar=weights["s_bar"].clone(), s_tilde=weights["s_tilde"].clone(), inputs=micro,
-                            grads=grads))
+        records.append(dict(layout=trainer.group_layout, loss=loss.detach(), row_ids=inputs["row_ids"].clone(),
+                            s_bar=weights.s_bar.detach().clone(), s_tilde=weights.s_tilde.detach().clone(),
+                            inputs=micro, grads=grads))
         trainer._step += 1
     torch.save(records, Path(out_dir) / f"rank{rank}.pt")
     trainers = [trainer]

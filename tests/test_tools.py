@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 from datasets import Dataset
-from tiny import base_args, capturing, end_rank, free_port, spawn_ranks
+from tiny import base_args, capturing, end_rank, free_port, record_row_weights, spawn_ranks
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
 
@@ -208,6 +208,7 @@ class RecordingTrainer(capturing(DFPOTrainer)):  # type: ignore[misc]
     with their gradient, the s̄ / s̃ DFPO used and the loss."""
 
     records: list[dict[str, Any]]
+    used_weights: list[Any]
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         self._micro = dict(inputs)  # DFPO rewrites a copy: these are TRL's inputs as the layout delivered them
@@ -217,7 +218,8 @@ class RecordingTrainer(capturing(DFPOTrainer)):  # type: ignore[misc]
         loss = super().training_step(*args, **kwargs)
         self.records.append({
             "inputs": self._micro, "logps": self.captured.detach().clone(), "grad": self.captured.grad.clone(),
-            "weights": dict(self.last_sequence_weights), "loss": loss.detach().clone(),
+            "weights": {k: v.detach().clone() for k, v in self.used_weights[-1]._asdict().items()},
+            "loss": loss.detach().clone(),
         })
         return loss
 
@@ -229,6 +231,7 @@ def build_trainer(sizes: dict[str, Any], source: str = "tools") -> RecordingTrai
         args=DFPOConfig(**base_args(**{**MIN_REPLACE, **sizes})), **tools,
     )
     trainer.records = []
+    trainer.used_weights = record_row_weights(trainer)  # what the group layout's row_weights returns, per loss
     return trainer
 
 

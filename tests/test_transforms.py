@@ -1,4 +1,5 @@
-"""Tests of dfpo_trl.transforms against the equations of arXiv 2604.13088 (Appendix B) and docs/design.md."""
+"""Tests of dfpo_trl.objectives.transforms (and s, s̄ of dfpo_trl.objectives.weights) against the equations of
+arXiv 2604.13088 (Appendix B) and docs/design.md."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from scipy.optimize import minimize
 from tolerance import assert_close_to_rounding
 
-import dfpo_trl.transforms as transforms_module
-from dfpo_trl.transforms import (
+import dfpo_trl.objectives.transforms as transforms_module
+from dfpo_trl.objectives.transforms import (
     GROUP_TRANSFORMS,
     W_MAX,
     apply_group_transform,
@@ -19,10 +20,9 @@ from dfpo_trl.transforms import (
     orth_proj,
     positive_orth_proj,
     scale,
-    sequence_log_ratio,
-    sign_aware_post_clip,
     truncate_rebalance,
 )
+from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
 
 ORTHOGONAL_TRANSFORMS = ("min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance")
 

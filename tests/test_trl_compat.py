@@ -1,4 +1,4 @@
-"""A TRL that moves under DFPO stops it loudly (issue #11, item 3).
+"""A TRL that moves under DFPO stops it loudly.
 
 Each test simulates a TRL change in a fresh interpreter that patches ``trl.GRPOTrainer`` *before* importing
 ``dfpo_trl``, as an upgraded TRL would present itself, and checks what DFPO does: a renamed hook or parameter
@@ -112,14 +112,12 @@ def test_reordered_parameters_of_the_log_prob_helper_are_read_by_name():
         GRPOTrainer._get_per_token_logps_and_entropies = reordered
         """,
         """
-        from dfpo_trl.lm_head import HiddenCapture
         trainer = make_trainer(DFPOTrainer, DFPOConfig, importance_sampling_level="token", loss_type="dapo",
                                token_weighting="delta", steps_per_generation=2)
         ids, mask, adv, _ = random_batch()
         output = dict(prompt_ids=torch.full((8, 3), 13), prompt_mask=torch.ones(8, 3, dtype=torch.long),
                       completion_ids=ids, completion_mask=mask, advantages=adv)
-        capture = HiddenCapture()
-        trainer._delta_policy_forward(output, capture)
+        capture = trainer.capture_hidden_states(output)
         assert capture.hidden.shape[:2] == ids.shape, capture.hidden.shape
         print("OK", tuple(capture.hidden.shape))
         """,
@@ -137,7 +135,7 @@ def test_untested_trl_version_warns_when_every_check_passes():
         """
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            import dfpo_trl.trl_compat as compat
+            import dfpo_trl.trl_hooks.compat as compat
         names = [type(w.message).__name__ for w in caught if isinstance(w.message, compat.UntestedTRLWarning)]
         print(names, [str(w.message) for w in caught if isinstance(w.message, compat.UntestedTRLWarning)])
         """,

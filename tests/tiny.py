@@ -96,6 +96,21 @@ def capturing(trainer_cls: type) -> type:
     return Capturing
 
 
+def record_row_weights(trainer: Any) -> list[Any]:
+    """The sequence weights (s̄, s̃, U, two-sided flags) each loss of ``trainer`` uses, in order: what its group
+    layout's public ``row_weights`` returns, recorded as it returns it."""
+    used: list[Any] = []
+    row_weights = trainer.layout.row_weights
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        weights = row_weights(*args, **kwargs)
+        used.append(weights)
+        return weights
+
+    trainer.layout.row_weights = recording
+    return used
+
+
 def make_trainer(trainer_cls: type, config_cls: type, seed: int = 0, model: Any = None, **overrides: Any):
     trainer = trainer_cls(
         model=tiny_model(seed) if model is None else model,

@@ -2,13 +2,11 @@
 
 Its modules, in the order a run uses them: ``args`` (the script arguments), ``parser`` and ``help`` (recipe and
 flags into dataclasses, ``--help``), ``model`` (which model to load), ``data`` (task, rewards, datasets),
-``evaluation``, ``callbacks`` and ``progress`` (what a run measures and shows while it trains), ``layout_line``
-(the start-up line on the group layout), ``outputs`` and ``plotting`` (what it writes), ``embedded`` (the offline
-default model).
+``evaluation``, ``callbacks`` and ``progress`` (what a run measures and shows while it trains), ``outputs`` and
+``plotting`` (what it writes), ``embedded`` (the offline default model).
 """
 
 import logging
 
-# The program's log channel. Its name heads every line dfpo-train logs ("INFO dfpo_trl.cli: ..."); it is the name
-# the program's lines have always carried, kept so that the output does not change.
-logger = logging.getLogger("dfpo_trl.cli")
+# The program's log channel: its name heads every line dfpo-train logs ("INFO dfpo_trl.app: ...").
+logger = logging.getLogger("dfpo_trl.app")

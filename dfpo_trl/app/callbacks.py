@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .. import metrics
-from ..drift import completion_log_probs, summarise_equivalent_sets
+from ..metrics import curves
+from ..metrics.drift import completion_log_probs, summarise_equivalent_sets
 
 __all__ = ["CurveMetricsCallback", "DriftMeterCallback", "FormShareReward"]
 
@@ -62,7 +62,7 @@ class FormShareReward:
 
 
 class DriftMeterCallback(TrainerCallback):
-    """Equivalent-solution drift (dfpo_trl.drift, docs/metrics.md): every ``every`` optimizer steps (and before
+    """Equivalent-solution drift (dfpo_trl.metrics.drift, docs/metrics.md): every ``every`` optimizer steps (and before
     training), the current policy's log-probabilities of each held-out prompt's equivalent canonical completions
     (``task.equivalent_forms``), summarised as D1–D4 over the prompts.
 
@@ -162,14 +162,14 @@ class CurveMetricsCallback(TrainerCallback):
             return
         rows = [row for row in state.log_history if key in row]
         curve = [float(row[key]) for row in rows]
-        smooth = metrics.ema(curve, alpha=self.alpha)
+        smooth = curves.ema(curve, alpha=self.alpha)
         self.results.update(
             reward_curve=key,
             reward_ema_first=smooth[0],
             reward_ema_last=smooth[-1],
             reward_ema_peak=max(smooth),
-            reward_jitter2=metrics.jitter2(curve) if len(curve) >= 3 else None,
+            reward_jitter2=curves.jitter2(curve) if len(curve) >= 3 else None,
         )
-        index = metrics.steps_to_threshold(curve, self.threshold, alpha=self.alpha)
+        index = curves.steps_to_threshold(curve, self.threshold, alpha=self.alpha)
         self.results["steps_to_threshold"] = None if index is None else int(rows[index].get("step", index + 1))
 

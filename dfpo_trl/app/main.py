@@ -32,7 +32,6 @@ from .callbacks import CurveMetricsCallback, DriftMeterCallback, FormShareReward
 from .data import build_datasets, build_drift_problems, build_rewards, build_task, filter_long_prompts
 from .evaluation import HeldoutAccuracyCallback
 from .help import short_help
-from .layout_line import describe_layout, trainer_layout_record_dropped
 from .model import ModelUnavailableError, model_init_kwargs, resolve_model
 from .outputs import PREVIOUS_RUN_DIR, save_model, set_aside_previous_outputs, write_outputs
 from .parser import make_parser, parse_args
@@ -82,17 +81,14 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
             every=script_args.eval_every,
         )
         callbacks.insert(0, heldout_cb)
-    with trainer_layout_record_dropped():  # the line below says the layout, why it was chosen and what it costs
-        trainer = DFPOTrainer(
-            model=model_path,
-            reward_funcs=reward_funcs,
-            args=training_args,
-            train_dataset=train,
-            peft_config=get_peft_config(model_args),
-            callbacks=callbacks,
-        )
-    if trainer.accelerator.is_main_process:
-        logger.info(describe_layout(trainer.group_layout, training_args, trainer.accelerator.num_processes))
+    trainer = DFPOTrainer(  # logs the group layout it chose, why, and what it costs
+        model=model_path,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train,
+        peft_config=get_peft_config(model_args),
+        callbacks=callbacks,
+    )
     if heldout_cb is not None:
         heldout_cb.metrics = trainer.dfpo_metrics
     drift_cb = None

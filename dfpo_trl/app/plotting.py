@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..metrics import ema
+from ..metrics.curves import ema
 
 __all__ = ["DEFAULT_PANELS", "EMA_ALPHA", "READING_GUIDE", "RESIDUAL_FLOOR", "curve", "plot_metrics", "reading_guide"]
 

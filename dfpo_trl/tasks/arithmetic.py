@@ -199,7 +199,7 @@ class SumSentenceTask(ArithmeticTask):
 
     def equivalent_forms(self, row: Mapping[str, Any]) -> list[str]:
         """The completions the reward scores alike at full credit and that differ only in surface form (the
-        drift meter's equivalent set, dfpo_trl.drift): the required sentence with the sum, with and without its
+        drift meter's equivalent set, dfpo_trl.metrics.drift): the required sentence with the sum, with and without its
         final period."""
         sentence = f"{SUM_SENTENCE_LEAD.format(a=row['a'], b=row['b'])} {row['answer']}"
         return [sentence + ".", sentence]
@@ -250,8 +250,8 @@ class TwoFormsTask(ArithmeticTask):
     Full reward for "The sum is 8." and for "The answer is 8." (the whole completion), 0.5 for the right sum in any
     other wording (:class:`TwoFormsReward`). The two forms are an equivalent set in the sense of the DFPO paper's
     Corollary 3.2: equal reward, equal advantage in a group, different surface form, so any drift of their
-    log-odds during training is reward-irrelevant (the drift meter, dfpo_trl.drift and docs/metrics.md). They were
-    chosen because the untrained SmolLM2-135M-Instruct gives them similar probability under this prompt (mean
+    log-odds during training is reward-irrelevant (the drift meter, dfpo_trl.metrics.drift and docs/metrics.md).
+    They were chosen because the untrained SmolLM2-135M-Instruct gives them similar probability under this prompt (mean
     log-odds "sum" against "answer" −0.8, standard deviation 0.8 over 16 problems; the pair in the prompt's order
     "Answer: <number>" / "The answer is <number>." was −4.6), so the equivalent set starts mixed and a collapse
     onto one form is visible. Splits: exactly :class:`ArithmeticTask`'s.

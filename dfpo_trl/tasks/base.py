@@ -37,9 +37,9 @@ class Task(Protocol):
 @runtime_checkable
 class EquivalentFormsTask(Task, Protocol):
     """A task whose fully correct answer can be written in several surface forms that its reward scores alike: what
-    the equivalent-solution drift meter (dfpo_trl.drift, ``drift_every``) measures. ``equivalent_forms(row)`` gives
-    one canonical completion per form (in ``form_names`` order) for a dataset row; ``form_of(completion, row)`` says
-    which form a completion is, or None."""
+    the equivalent-solution drift meter (dfpo_trl.metrics.drift, ``drift_every``) measures.
+    ``equivalent_forms(row)`` gives one canonical completion per form (in ``form_names`` order) for a dataset row;
+    ``form_of(completion, row)`` says which form a completion is, or None."""
 
     form_names: tuple[str, ...]
 

@@ -1,9 +1,9 @@
-"""The ``redistributed`` layout's data movement: one all-to-all per rollout (docs/layouts.md).
+"""The ``redistributed`` layout: where each rollout row goes, and the one all-to-all that moves it (docs/layouts.md).
 
 When ``per_device_train_batch_size × num_processes`` is a multiple of G but the per-device batch is not, TRL's
 micro-batches cut groups across micro-steps, and exact in-group coefficients would need an extra forward (the
 pre-pass). Moving each rollout once between processes, so that every micro-step holds whole groups *across*
-processes (:func:`dfpo_trl.layout.redistribution_plan`), makes them cost one all-gather of a few floats a row.
+processes (:func:`redistribution_plan`), makes them cost one all-gather of a few floats a row.
 
 Every per-row tensor of TRL's rollout moves with its row: ids, masks, advantages, old / reference / sampling
 log-probs, the vLLM importance-sampling ratio, the tool mask, DFPO's group and row ids, and anything else with
@@ -23,10 +23,62 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import is_batch_scalar
+from .batches import concat_sequence_dicts, is_batch_scalar
+from .ids import GROUP_IDS_KEY, REDISTRIBUTION_STREAM, ROW_IDS_KEY, rollout_generator
 
 PROMPT_SIDE_KEYS = ("prompt_ids", "prompt_mask")
 COMPLETION_MASK_KEY = "completion_mask"
+
+
+def redistribution_plan(
+    row_ids: torch.Tensor,
+    group_ids: torch.Tensor,
+    group_size: int,
+    per_device: int,
+    num_processes: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where every row of a generation batch goes so that each micro-step holds whole groups *across* processes
+    (the ``redistributed`` layout, docs/layouts.md).
+
+    ``row_ids`` and ``group_ids`` list every row of the global generation batch (any order, row ids unique).
+    Groups are put in a random order (``generator``: the same draw on every process) and laid out group by group,
+    members in row-id order; the k-th row of that sequence goes to micro-step ``k // (per_device·P)``, process
+    ``(k mod per_device·P) // per_device``. So a micro-step's ``per_device·P`` rows across the P processes are
+    exactly ``per_device·P / G`` whole groups; with ``per_device = 1`` and ``G = P``, micro-step k on process p
+    holds member p of group k. Returns, aligned with the inputs, the destination process and the row's index in
+    that process's local batch (micro-step · per_device + position), both int64 on the CPU.
+
+    Raises a ``ValueError`` naming the fix when a group does not have exactly ``group_size`` rows or
+    ``per_device · P`` is not a multiple of ``group_size``.
+    """
+    rows_per_step = per_device * num_processes
+    if rows_per_step % group_size:
+        raise ValueError(
+            f"The redistributed layout needs per_device_train_batch_size × num_processes = {per_device} × "
+            f"{num_processes} = {rows_per_step} to be a multiple of num_generations={group_size}, so that every "
+            "micro-step holds whole groups across processes; change the per-device batch or the process count."
+        )
+    row_ids, group_ids = row_ids.cpu().to(torch.int64), group_ids.cpu().to(torch.int64)
+    n = row_ids.numel()
+    if n % rows_per_step:
+        raise ValueError(
+            f"The generation batch has {n} rows, not a whole number of micro-steps of {rows_per_step} rows."
+        )
+    unique_groups, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    if bool((counts != group_size).any()):
+        raise ValueError(
+            f"Every group must have exactly num_generations={group_size} rows in the generation batch, but group "
+            f"sizes {sorted(set(counts.tolist()) - {group_size})} occur; the redistributed layout cannot place them."
+        )
+    slot_of_group = torch.empty(unique_groups.numel(), dtype=torch.int64)
+    slot_of_group[torch.randperm(unique_groups.numel(), generator=generator)] = torch.arange(unique_groups.numel())
+    # Sequence position k: groups in slot order, members by row id (the key is unique: row id < max + 1).
+    key = slot_of_group[inverse] * (int(row_ids.max()) + 1) + row_ids
+    position = torch.empty(n, dtype=torch.int64)
+    position[torch.argsort(key)] = torch.arange(n)
+    step, within = position // rows_per_step, position % rows_per_step
+    return within // per_device, step * per_device + within % per_device
 
 
 @dataclass(frozen=True)
@@ -43,7 +95,7 @@ class ExchangePlan:
 def exchange_plan(
     destination_process: torch.Tensor, destination_index: torch.Tensor, process_index: int, num_processes: int
 ) -> ExchangePlan:
-    """This process's exchange from the global plan (:func:`~dfpo_trl.layout.redistribution_plan`), whose
+    """This process's exchange from the global plan (:func:`redistribution_plan`), whose
     entries are the generation batch's rows in process-major order (process p's local row i at ``p·L + i``)."""
     total = destination_process.numel()
     if total % num_processes:
@@ -148,3 +200,27 @@ def exchange_rows(batch: dict[str, Any], keys: list[str], plan: ExchangePlan) ->
         placed[plan.receive_order.to(value.device)] = received
         out[key] = placed.bool() if is_bool else placed
     return out
+
+
+def redistribute(
+    buffered: list[dict[str, Any]], accelerator: Any, group_size: int, per_device: int, seed: int, step: int
+) -> dict[str, Any]:
+    """Move one rollout between processes so that micro-step k of every process holds whole groups across
+    processes: gather every row's (row id, group id) and the batch widths (one small all-gather and host read per
+    rollout), plan with one group order shared by all processes (drawn from (``seed``, optimizer ``step``)), pad
+    to common widths, one all-to-all per rollout tensor, trim. Returns the local batch in micro-step order."""
+    full = concat_sequence_dicts(buffered)
+    rows = full["advantages"].size(0)
+    keys = per_row_keys(full, rows)
+    device = full["advantages"].device
+    widths = torch.tensor([[full["prompt_ids"].size(1), full["completion_mask"].size(1)]], device=device)
+    ids = torch.stack([full[ROW_IDS_KEY], full[GROUP_IDS_KEY]], dim=1)
+    all_ids = accelerator.gather(ids).cpu()
+    all_widths = accelerator.gather(widths).cpu()
+    generator = rollout_generator(seed, 0, step, stream=REDISTRIBUTION_STREAM)
+    destination, index = redistribution_plan(
+        all_ids[:, 0], all_ids[:, 1], group_size, per_device, accelerator.num_processes, generator
+    )
+    plan = exchange_plan(destination, index, accelerator.process_index, accelerator.num_processes)
+    padded = pad_to_widths(full, keys, int(all_widths[:, 0].max()), int(all_widths[:, 1].max()))
+    return trim_padding(exchange_rows(padded, keys, plan), keys)

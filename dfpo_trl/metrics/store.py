@@ -1,4 +1,4 @@
-"""DFPO's metrics as device tensors until a logging step, reduced over every process there.
+"""MetricStore: the only path of DFPO's metrics into TRL's logs, device tensors until a logging step.
 
 Reading a metric on the host (``.item()``, ``.tolist()``, ``float(t)``) makes the host wait for the device; in
 the loss path that is a sync per micro-step, and inside a backward hook a sync in the middle of DDP's
@@ -14,17 +14,19 @@ Per-add accumulation (a float64 cast, an add, a host float copied to the device,
 entry per metric every :data:`COMPACT_AFTER` entries, so memory stays bounded.
 
 Three kinds: ``mean`` (Σ total / Σ count, pooled over micro-steps and processes), ``min`` (the minimum over
-entries with a positive count) and ``sum`` (a count of events).
+entries with a positive count) and ``sum`` (a count of events). At TRL's ``log``, :meth:`MetricStore.flush_into`
+appends one value per metric to TRL's own ``_metrics``, which TRL averages and logs with its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import gather_object
 from torch import Tensor
 
 Kind = Literal["mean", "min", "sum"]
@@ -156,3 +158,14 @@ class MetricStore:
                 continue
             out[name] = minimum if kind == "min" else total if kind == "sum" else total / count
         return out
+
+    def flush_into(self, trl_metrics: dict[str, list[float]], mode: str, accelerator: Any) -> None:
+        """Move the pending metrics of ``mode`` into TRL's ``_metrics[mode]`` (one value each, reduced over all
+        processes: the same meaning at any world size). Collective: every process must call it together, as
+        every process calls TRL's ``log``."""
+        gather = None
+        if accelerator.num_processes > 1:
+            def gather(names: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+                return [[tuple(item) for item in per] for per in gather_object([names])]
+        for name, value in self.flush(mode, accelerator.device, gather).items():
+            trl_metrics[name].append(value)

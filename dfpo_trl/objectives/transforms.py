@@ -11,8 +11,9 @@ Numerics, shared by all group transforms except ``none``:
   upcast and the result is cast back to ``w``'s dtype (clamped to that dtype's finite range).
 * ``w`` is sanitized first: NaN and +Inf become ``+W_MAX``, -Inf becomes ``-W_MAX`` and every value is
   clamped to ``[-W_MAX, W_MAX]``. ``W_MAX = 1e10`` is above ``exp(20)`` (the largest ratio that
-  :func:`sequence_log_ratio` can produce with its default clamp), so legitimate weights pass through
-  unchanged while one broken member can never turn its whole group's coefficients into NaN/Inf.
+  :func:`~dfpo_trl.objectives.weights.sequence_log_ratio` can produce with its default clamp), so legitimate
+  weights pass through unchanged while one broken member can never turn its whole group's coefficients into
+  NaN/Inf.
 * NaN advantages are treated as 0. Because every transform here is invariant to a positive rescaling
   of the advantage vector, advantages are divided by the group's max ``|Â_i|`` before use, so extreme
   advantages (1e30, or +-Inf) cannot overflow ``‖Â‖²``. Groups whose max ``|Â_i|`` is at most the
@@ -26,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from .precision import compute_dtype as _compute_dtype
+from ..precision import compute_dtype as _compute_dtype
 
 __all__ = [
     "GROUP_TRANSFORMS",
@@ -34,29 +35,23 @@ __all__ = [
     "GroupTransform",
     "W_MAX",
     "apply_group_transform",
+    "get_transform",
     "min_replace",
     "orth_proj",
     "positive_orth_proj",
     "scale",
-    "sequence_log_ratio",
-    "sign_aware_post_clip",
     "truncate_rebalance",
 ]
 
 
 #: Bound applied to sanitized weights (see module docstring).
 W_MAX = 1e10
-# Per-token log-ratios that are +-Inf are replaced by +-_TOKEN_LOG_RATIO_MAX before averaging, so a row
-# holding both +Inf and -Inf gives a finite (then clamped) mean instead of NaN.
-_TOKEN_LOG_RATIO_MAX = 1e6
 # In positive_orth_proj, advantages below this fraction of the group's largest |Â| are treated as 0 so
 # every breakpoint w_i / Â_i stays finite (|w| <= W_MAX). Their effect on the solution is below rounding.
 _REL_ADV_EPS = 1e-20
 # positive_orth_proj evaluates its root function densely (num_groups x G x G) up to this many elements
 # (64 MiB in float32), and through a sort beyond.
 _DENSE_MAX_ELEMENTS = 1 << 24
-
-
 
 
 def _sanitize_weights(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,56 +83,6 @@ def _check_groups(w: torch.Tensor, advantages: torch.Tensor) -> None:
             "group transforms expect w and advantages shaped (num_groups, G) and equal; got "
             f"w {tuple(w.shape)} and advantages {tuple(advantages.shape)}"
         )
-
-
-# --------------------------------------------------------------------------------------------------
-# Sequence ratio and sign-aware clipping (eq. 44, 46-47)
-# --------------------------------------------------------------------------------------------------
-
-
-def sequence_log_ratio(
-    per_token_logps: torch.Tensor,
-    old_per_token_logps: torch.Tensor,
-    mask: torch.Tensor,
-    max_abs: float = 20.0,
-) -> torch.Tensor:
-    """ρ_i = (1/L_i) Σ_t m_{i,t} (ℓ_{i,t} − ℓ^old_{i,t}) over the last dim (eq. 44); s_i = exp(ρ_i).
-
-    The normaliser is ``mask.sum(-1).clamp(min=1)`` as in TRL's GSPO, so zero-length rows give 0.
-    The result is clamped to ``[-max_abs, max_abs]`` so ``exp`` never overflows (exp(20) ≈ 4.9e8); past
-    the clamp the gradient is 0. Masked-out positions are ignored even if they hold NaN/Inf. Inside the
-    mask, ±Inf token log-ratios count as ±1e6 and NaN as 0 (no ratio information), so one broken token
-    cannot make ρ NaN. Differentiable; returns ``per_token_logps``'s dtype.
-    """
-    if per_token_logps.shape != old_per_token_logps.shape or per_token_logps.shape != mask.shape:
-        raise ValueError(
-            "sequence_log_ratio expects per_token_logps, old_per_token_logps and mask of equal shape; got "
-            f"{tuple(per_token_logps.shape)}, {tuple(old_per_token_logps.shape)}, {tuple(mask.shape)}"
-        )
-    if not max_abs > 0:
-        raise ValueError(f"max_abs must be > 0, got {max_abs}")
-    dtype = _compute_dtype(per_token_logps, old_per_token_logps)
-    log_ratio = per_token_logps.to(dtype) - old_per_token_logps.to(dtype)
-    log_ratio = torch.nan_to_num(log_ratio, nan=0.0, posinf=_TOKEN_LOG_RATIO_MAX, neginf=-_TOKEN_LOG_RATIO_MAX)
-    m = mask.to(dtype)
-    log_ratio = torch.where(m != 0, log_ratio, torch.zeros_like(log_ratio))
-    rho = (log_ratio * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)
-    rho = rho.clamp(-max_abs, max_abs)
-    out_dtype = per_token_logps.dtype if per_token_logps.dtype.is_floating_point else dtype
-    return rho.to(out_dtype)
-
-
-def sign_aware_post_clip(s: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
-    """Sign-aware post-clip weight s̄ (eq. 46–47), elementwise for any (broadcastable) shape.
-
-    c = clip(s, 1 − eps_low, 1 + eps_high); s̄ = min(s, c) where Â ≥ 0, max(s, c) where Â < 0. With it,
-    Σ_i min(s_i Â_i, c_i Â_i) = Σ_i Â_i s̄_i (eq. 48–49), so GSPO is "Â times s̄" and a group transform
-    can act on s̄. Differentiable: clipped entries carry GSPO's zero gradient.
-    """
-    if not (eps_low >= 0 and eps_high >= 0):
-        raise ValueError(f"eps_low and eps_high must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
-    c = s.clamp(1.0 - eps_low, 1.0 + eps_high)
-    return torch.where(advantages >= 0, torch.minimum(s, c), torch.maximum(s, c))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,10 +243,11 @@ def scale(w: torch.Tensor, advantages: torch.Tensor, factor: float = 0.5) -> tor
 
 
 class GroupTransform(NamedTuple):
-    """One in-group transform of the registry: its function of (w, Â, scale_factor, truncate_floor), whether it
-    has a balance condition Σ_i a_i s̃_i = 0 (that ``cancellation_target="gradient"`` can retarget, eq. C1), and
-    where it comes from."""
+    """One in-group transform of the registry: its name, its function of (w, Â, scale_factor, truncate_floor)
+    on (num_groups, G) tensors, whether it has a balance condition Σ_i a_i s̃_i = 0 (that
+    ``cancellation_target="gradient"`` can retarget, eq. C1), and the equation it implements."""
 
+    name: str
     apply: Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]
     balances: bool
     source: str
@@ -312,33 +258,43 @@ def _identity(w: torch.Tensor, advantages: torch.Tensor, _scale: float, _floor: 
     return w  # no sanitization: GSPO exactly
 
 
-#: The one registry of transforms: config validation, the trainer, the docs test and the tests read it.
+#: The one registry of transforms: config validation, the objective plan, the docs test and the tests read it.
 TRANSFORMS: dict[str, GroupTransform] = {
-    "none": GroupTransform(_identity, False, "GSPO, eq. 49"),
-    "min_replace": GroupTransform(lambda w, a, _s, _f: min_replace(w, a), True, "eq. 50"),
-    "orth_proj": GroupTransform(lambda w, a, _s, _f: orth_proj(w, a), True, "eq. 18"),
-    "positive_orth_proj": GroupTransform(lambda w, a, _s, _f: positive_orth_proj(w, a), True, "exact QP of eq. 51"),
-    "truncate_rebalance": GroupTransform(
-        lambda w, a, _s, floor: truncate_rebalance(w, a, floor=floor), True, "eq. 52-55"
-    ),
-    "scale": GroupTransform(lambda w, a, factor, _f: scale(w, a, factor=factor), False, "Table 3 ablation"),
+    t.name: t
+    for t in (
+        GroupTransform("none", _identity, False, "GSPO, eq. 49"),
+        GroupTransform("min_replace", lambda w, a, _s, _f: min_replace(w, a), True, "eq. 50"),
+        GroupTransform("orth_proj", lambda w, a, _s, _f: orth_proj(w, a), True, "eq. 18"),
+        GroupTransform("positive_orth_proj", lambda w, a, _s, _f: positive_orth_proj(w, a), True,
+                       "exact QP of eq. 51"),
+        GroupTransform("truncate_rebalance", lambda w, a, _s, floor: truncate_rebalance(w, a, floor=floor), True,
+                       "eq. 52-55"),
+        GroupTransform("scale", lambda w, a, factor, _f: scale(w, a, factor=factor), False, "Table 3 ablation"),
+    )
 }
 GROUP_TRANSFORMS: tuple[str, ...] = tuple(TRANSFORMS)
 
 
+def get_transform(transform: str | GroupTransform) -> GroupTransform:
+    """The registry entry of ``transform``: a name of :data:`TRANSFORMS`, or an entry, returned as it is."""
+    if isinstance(transform, GroupTransform):
+        return transform
+    entry = TRANSFORMS.get(transform)
+    if entry is None:
+        raise ValueError(f"unknown group transform name={transform!r}; valid names: {', '.join(GROUP_TRANSFORMS)}")
+    return entry
+
+
 def apply_group_transform(
-    name: str,
+    name: str | GroupTransform,
     w: torch.Tensor,
     advantages: torch.Tensor,
     *,
     scale_factor: float = 0.5,
     truncate_floor: float = 1e-6,
 ) -> torch.Tensor:
-    """Apply the named in-group transform of :data:`TRANSFORMS` (docs/design.md) to ``w`` shaped (num_groups, G).
+    """Apply the in-group transform ``name`` of :data:`TRANSFORMS` (docs/design.md) to ``w`` shaped (num_groups, G).
 
     ``none`` returns ``w`` itself (no sanitization), so it reproduces GSPO exactly.
     """
-    transform = TRANSFORMS.get(name)
-    if transform is None:
-        raise ValueError(f"unknown group transform name={name!r}; valid names: {', '.join(GROUP_TRANSFORMS)}")
-    return transform.apply(w, advantages, scale_factor, truncate_floor)
+    return get_transform(name).apply(w, advantages, scale_factor, truncate_floor)

@@ -1,14 +1,12 @@
-"""Group layout: explicit group ids, the (num_groups, G) view the transforms need, group-granular batches.
+"""Group ids: the explicit id of every row's group, the (num_groups, G) view the transforms need, row positions.
 
 A DFPO transform needs every member's post-clip weight at the same parameters (docs/layouts.md). Groups are
 carried as an explicit int64 id per row (``inputs["group_ids"]``), never inferred from "every G rows",
-so that shuffling, splitting and gathering can never silently mix members of different prompts.
+so that shuffling, splitting and gathering can never silently mix members of different prompts. Also here: the
+group-granular row order and the per-rollout random generators, which draw by (seed, process, step, stream).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -18,6 +16,10 @@ ROW_IDS_KEY = "row_ids"
 # Whether a buffered training micro-batch holds whole groups: looked up once per rollout, so that the loss path
 # never has to ask the device (a host sync per micro-step).
 WHOLE_GROUPS_KEY = "dfpo_whole_groups"
+# Streams of rollout_generator: each random draw of DFPO has its own, none touches torch's global RNG.
+DELTA_RANDOM_STREAM = 0  # DelTA's random-λ control
+GROUP_SHUFFLE_STREAM = 1  # the group-granular layout's group order
+REDISTRIBUTION_STREAM = 2  # the redistributed layout's group order: one draw shared by every process
 
 
 def consecutive_group_ids(
@@ -32,6 +34,16 @@ def consecutive_group_ids(
         raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
     rows = torch.arange(offset, offset + batch_size, device=device, dtype=torch.int64)
     return torch.div(rows, num_generations, rounding_mode="floor")
+
+
+def rollout_ids(
+    local_rows: int, group_size: int, process_index: int, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group ids, row ids) of one process's rollout rows: global row // G, as TRL's sampler lays rows out, and the
+    global row index (TRL slices the global generation batch per process in blocks of ``local_rows``)."""
+    offset = process_index * local_rows
+    group_ids = consecutive_group_ids(local_rows, group_size, offset=offset, device=device)
+    return group_ids, torch.arange(offset, offset + local_rows, device=device)
 
 
 def group_index(group_ids: torch.Tensor, group_size: int, validate: bool = True) -> torch.Tensor:
@@ -111,92 +123,3 @@ def rollout_generator(
     generator = torch.Generator(device=device if device is not None else "cpu")
     generator.manual_seed(int(seed) + 7919 * int(process_index) + 104729 * int(step) + 1_000_003 * int(stream))
     return generator
-
-
-def is_batch_scalar(value: Any) -> bool:
-    """Whether a batch-dict entry is shared by all rows (``None``, a flag, a 0-dim tensor such as
-    ``num_items_in_batch``) rather than one entry per row: regrouping, splitting and moving rows leave it as is."""
-    return value is None or isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() == 0)
-
-
-def concat_sequence_dicts(chunks: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Join micro-batch dicts (as TRL's ``split_tensor_dict`` makes them) back into one batch dict.
-
-    Tensors with a batch dimension are concatenated, lists joined, 0-dim tensors (``num_items_in_batch``),
-    flags and ``None`` taken from the first chunk.
-    """
-    out: dict[str, Any] = {}
-    for key, first in chunks[0].items():
-        if is_batch_scalar(first):
-            out[key] = first
-        elif isinstance(first, torch.Tensor):
-            out[key] = torch.cat([chunk[key] for chunk in chunks], dim=0)
-        elif isinstance(first, list):
-            out[key] = [item for chunk in chunks for item in chunk[key]]
-        else:
-            raise TypeError(f"Cannot regroup batch entry {key!r} of type {type(first).__name__}.")
-    return out
-
-
-def permute_sequence_dict(batch: dict[str, Any], order: torch.Tensor) -> dict[str, Any]:
-    """Reorder every per-row entry of a batch dict by ``order``; 0-dim tensors and ``None`` stay as they are."""
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if is_batch_scalar(value):
-            out[key] = value
-        elif isinstance(value, torch.Tensor):
-            out[key] = value[order.to(value.device)]
-        else:
-            out[key] = [value[i] for i in order.tolist()]
-    return out
-
-
-def redistribution_plan(
-    row_ids: torch.Tensor,
-    group_ids: torch.Tensor,
-    group_size: int,
-    per_device: int,
-    num_processes: int,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where every row of a generation batch goes so that each micro-step holds whole groups *across* processes
-    (the ``redistributed`` layout, docs/layouts.md).
-
-    ``row_ids`` and ``group_ids`` list every row of the global generation batch (any order, row ids unique).
-    Groups are put in a random order (``generator``: the same draw on every process) and laid out group by group,
-    members in row-id order; the k-th row of that sequence goes to micro-step ``k // (per_device·P)``, process
-    ``(k mod per_device·P) // per_device``. So a micro-step's ``per_device·P`` rows across the P processes are
-    exactly ``per_device·P / G`` whole groups; with ``per_device = 1`` and ``G = P``, micro-step k on process p
-    holds member p of group k. Returns, aligned with the inputs, the destination process and the row's index in
-    that process's local batch (micro-step · per_device + position), both int64 on the CPU.
-
-    Raises a ``ValueError`` naming the fix when a group does not have exactly ``group_size`` rows or
-    ``per_device · P`` is not a multiple of ``group_size``.
-    """
-    rows_per_step = per_device * num_processes
-    if rows_per_step % group_size:
-        raise ValueError(
-            f"The redistributed layout needs per_device_train_batch_size × num_processes = {per_device} × "
-            f"{num_processes} = {rows_per_step} to be a multiple of num_generations={group_size}, so that every "
-            "micro-step holds whole groups across processes; change the per-device batch or the process count."
-        )
-    row_ids, group_ids = row_ids.cpu().to(torch.int64), group_ids.cpu().to(torch.int64)
-    n = row_ids.numel()
-    if n % rows_per_step:
-        raise ValueError(
-            f"The generation batch has {n} rows, not a whole number of micro-steps of {rows_per_step} rows."
-        )
-    unique_groups, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    if bool((counts != group_size).any()):
-        raise ValueError(
-            f"Every group must have exactly num_generations={group_size} rows in the generation batch, but group "
-            f"sizes {sorted(set(counts.tolist()) - {group_size})} occur; the redistributed layout cannot place them."
-        )
-    slot_of_group = torch.empty(unique_groups.numel(), dtype=torch.int64)
-    slot_of_group[torch.randperm(unique_groups.numel(), generator=generator)] = torch.arange(unique_groups.numel())
-    # Sequence position k: groups in slot order, members by row id (the key is unique: row id < max + 1).
-    key = slot_of_group[inverse] * (int(row_ids.max()) + 1) + row_ids
-    position = torch.empty(n, dtype=torch.int64)
-    position[torch.argsort(key)] = torch.arange(n)
-    step, within = position // rows_per_step, position % rows_per_step
-    return within // per_device, step * per_device + within % per_device

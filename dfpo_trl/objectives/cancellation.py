@@ -9,8 +9,9 @@ J_i = Â_i φ_i s̄_i(θ)) member i contributes to a shared token t
 where U is the set of members whose gradient survives the sign-aware clip (eq. 44–47) and c_i the loss
 aggregation's per-member factor (1/L_i under ``loss_type="grpo"``, 1 under the token-sum losses). So the
 gradient cancels exactly when Σ_i a_i s̃_i = 0 with a_i = Â_i c_i 1[i ∈ U] (docs/cancellation.md, eq. C1).
-This module computes U, c and a, and runs each transform on a instead of Â, with members outside U kept at
-φ = 1 and Min-Replace replaced on U by its minimal-change balanced version (eq. C4–C7).
+This module computes c and a (U is :func:`~dfpo_trl.objectives.weights.clip_survivors`), and runs each transform
+on a instead of Â, with members outside U kept at φ = 1 and Min-Replace replaced on U by its minimal-change
+balanced version (eq. C4–C7).
 
 Every function takes explicit tensors: per-row ``(B,)`` / ``(B, T)`` or per-group ``(num_groups, G)``; no
 function infers groups from row order.
@@ -18,6 +19,7 @@ function infers groups from row order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -25,12 +27,13 @@ import torch
 from .transforms import (
     TRANSFORMS,
     W_MAX,
+    GroupTransform,
     _check_groups,
     _compute_dtype,
     _normalized_advantages,
     _sanitize_weights,
     _to_output,
-    apply_group_transform,
+    get_transform,
 )
 
 __all__ = [
@@ -38,11 +41,11 @@ __all__ = [
     "CANCELLATION_TARGETS",
     "FACTOR_LOSS_TYPES",
     "ONE_SIDED_POLICIES",
+    "SUBSET_BALANCES",
     "GroupSides",
     "aggregation_factor",
     "balance_group_weights",
     "transform_group_weights",
-    "clip_survivors",
     "gradient_coefficients",
     "group_sides",
     "min_replace_on_subset",
@@ -60,24 +63,6 @@ _MICRO_BATCH_TOKEN_LOSSES = ("bnpo",)
 _CONSTANT_FACTOR_LOSSES = ("dapo", "dr_grpo", "luspo")
 #: TRL's clipped-surrogate loss types, each with a known aggregation factor c_i.
 FACTOR_LOSS_TYPES: tuple[str, ...] = (*_PER_SEQUENCE_MEAN_LOSSES, *_MICRO_BATCH_TOKEN_LOSSES, *_CONSTANT_FACTOR_LOSSES)
-
-
-def clip_survivors(
-    s: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float, delta: float | None = None
-) -> torch.Tensor:
-    """U of eq. C2: members whose gradient survives TRL's clipped surrogate -min(s Â, clip(s) Â).
-
-    Sign-aware, as eq. 46–47: for Â ≥ 0 the gradient is lost when s > 1 + ε_high; for Â < 0 when
-    s < 1 − ε_low, or, with TRL's two-sided ``delta`` (which caps s at δ for the unclipped branch), when s > δ.
-    At a boundary (s exactly 1 ± ε) TRL's min still passes the gradient, so boundaries count as surviving.
-    Elementwise on any shape; returns a bool tensor.
-    """
-    positive = advantages >= 0
-    survives_positive = s <= 1.0 + eps_high
-    survives_negative = s >= 1.0 - eps_low
-    if delta is not None:
-        survives_negative = survives_negative & (s <= delta)
-    return torch.where(positive, survives_positive, survives_negative)
 
 
 def aggregation_factor(
@@ -187,7 +172,7 @@ def min_replace_on_subset(w: torch.Tensor, a: torch.Tensor, members: torch.Tenso
 
 
 def balance_group_weights(
-    name: str,
+    transform: str | GroupTransform,
     s_bar: torch.Tensor,
     advantages: torch.Tensor,
     a: torch.Tensor,
@@ -199,28 +184,29 @@ def balance_group_weights(
 ) -> tuple[torch.Tensor, GroupSides]:
     """s̃ of ``cancellation_target="gradient"`` for (num_groups, G) tensors, and the groups' sides (eq. C8).
 
-    Two-sided groups: the transform runs on a instead of Â (Min-Replace: :func:`min_replace_on_subset`), members
-    outside U keep s̄ (φ = 1), so Σ_i a_i s̃_i = 0. One-sided groups (signal, but U holds one sign of a, or none):
-    ``"keep"`` gives the paper's ``"weights"`` result; ``"zero"`` gives s̃ = 0 to every member (exact
-    cancellation, at the price of the group's update this step). Groups without signal keep the ``"weights"``
-    result (their policy gradient is 0 either way).
+    ``transform`` is an entry of the registry (or its name). Two-sided groups: the transform runs on a instead of
+    Â (Min-Replace: :func:`min_replace_on_subset`, see :data:`SUBSET_BALANCES`), members outside U keep s̄ (φ = 1),
+    so Σ_i a_i s̃_i = 0. One-sided groups (signal, but U holds one sign of a, or none): ``"keep"`` gives the
+    paper's ``"weights"`` result; ``"zero"`` gives s̃ = 0 to every member (exact cancellation, at the price of the
+    group's update this step). Groups without signal keep the ``"weights"`` result (their policy gradient is 0
+    either way).
     """
-    if name not in BALANCING_TRANSFORMS:
+    transform = get_transform(transform)
+    if not transform.balances:
         raise ValueError(
-            f"cancellation_target='gradient' balances a transform's condition, but group_transform={name!r} has "
-            f"none; use one of {', '.join(repr(n) for n in BALANCING_TRANSFORMS)}."
+            f"cancellation_target='gradient' balances a transform's condition, but group_transform="
+            f"{transform.name!r} has none; use one of {', '.join(repr(n) for n in BALANCING_TRANSFORMS)}."
         )
     if one_sided not in ONE_SIDED_POLICIES:
         raise ValueError(f"cancellation_one_sided={one_sided!r} is not valid; use 'keep' or 'zero'.")
     _check_groups(s_bar, advantages)
     sides = group_sides(advantages, a)
-    options = dict(scale_factor=scale_factor, truncate_floor=truncate_floor)
-    by_weights = apply_group_transform(name, s_bar, advantages, **options)
-    if name == "min_replace":
-        by_gradient = min_replace_on_subset(s_bar, a, survives)
+    by_weights = transform.apply(s_bar, advantages, scale_factor, truncate_floor)
+    on_subset = SUBSET_BALANCES.get(transform.name)
+    if on_subset is not None:
+        by_gradient = on_subset(s_bar, a, survives)
     else:
-        by_gradient = apply_group_transform(name, s_bar, a, **options)
-        by_gradient = torch.where(survives, by_gradient, s_bar)
+        by_gradient = torch.where(survives, transform.apply(s_bar, a, scale_factor, truncate_floor), s_bar)
     two_sided = sides.two_sided.unsqueeze(-1)
     s_tilde = torch.where(two_sided, by_gradient, by_weights)
     if one_sided == "zero":
@@ -228,8 +214,15 @@ def balance_group_weights(
     return s_tilde, sides
 
 
+#: Transforms whose balanced form on U is its own construction, not the transform run on a: Min-Replace's
+#: minimal-change form (eq. C4–C7). The others run on a and keep s̄ outside U.
+SUBSET_BALANCES: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "min_replace": min_replace_on_subset,
+}
+
+
 def transform_group_weights(
-    name: str,
+    transform: str | GroupTransform,
     s_bar: torch.Tensor,
     advantages: torch.Tensor,
     survives: torch.Tensor,
@@ -242,14 +235,17 @@ def transform_group_weights(
 ) -> tuple[torch.Tensor, GroupSides]:
     """s̃ of the configured transform for (num_groups, G) tensors, and the groups' sides (eq. C8).
 
-    ``target="weights"``: the paper's transform, balancing Σ_i Â_i s̃_i = 0; ``"gradient"``: it balances the
-    coefficients a_i = Â_i c_i 1[i ∈ U] of the gradients that survive the clip (eq. C1, :func:`balance_group_weights`),
-    with ``factor`` = c (eq. C3) and ``survives`` = U (eq. C2). The sides are reported under either target.
+    ``transform``: an entry of the registry (or its name). ``target="weights"``: the paper's transform, balancing
+    Σ_i Â_i s̃_i = 0; ``"gradient"``: it balances the coefficients a_i = Â_i c_i 1[i ∈ U] of the gradients that
+    survive the clip (eq. C1, :func:`balance_group_weights`), with ``factor`` = c (eq. C3) and ``survives`` = U
+    (eq. C2). The sides are reported under either target.
     """
     if target not in CANCELLATION_TARGETS:
         raise ValueError(f"cancellation_target={target!r} is not valid; use 'weights' or 'gradient'.")
+    transform = get_transform(transform)
     a = gradient_coefficients(advantages.detach(), factor, survives)
     options = dict(scale_factor=scale_factor, truncate_floor=truncate_floor)
     if target == "gradient":
-        return balance_group_weights(name, s_bar, advantages, a, survives, one_sided, **options)
-    return apply_group_transform(name, s_bar, advantages, **options), group_sides(advantages.detach(), a)
+        return balance_group_weights(transform, s_bar, advantages, a, survives, one_sided, **options)
+    by_weights = transform.apply(s_bar, advantages, scale_factor, truncate_floor)
+    return by_weights, group_sides(advantages.detach(), a)

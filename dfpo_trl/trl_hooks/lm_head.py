@@ -22,7 +22,7 @@ import torch
 from accelerate.utils import is_peft_model
 from torch import Tensor
 
-from .trl_compat import bind_call
+from .compat import bind_call
 
 
 def lm_head_input_module(model: torch.nn.Module, purpose: str = "token_weighting='delta'") -> torch.nn.Module:

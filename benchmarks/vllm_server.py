@@ -1,0 +1,277 @@
+"""vLLM server mode on two GPUs: the paper recipe's launch shape, with a check that the weights reach the server.
+
+    # on a machine with 2 GPUs, after the kit's setup with vLLM (benchmarks/README.md); ~8 minutes
+    python benchmarks/vllm_server.py --model /root/models/smollm2-135m-instruct --out-dir $OUT
+    # the commands only (what the README and the recipe headers show), no GPU needed
+    python benchmarks/vllm_server.py --print-commands --model Qwen/Qwen3-32B
+
+TRL 1.16 generates through vLLM's own OpenAI server (``vllm_mode="server"``) and pushes the trainer's weights into it
+through vLLM's NCCL weight-transfer engine, so the server must run with ``VLLM_SERVER_DEV_MODE=1`` and
+``--weight-transfer-config '{"backend": "nccl"}'``, and, for TRL's importance-sampling correction,
+``--logprobs-mode processed_logprobs`` (``--max-logprobs -1`` lifts the per-token cap). NCCL refuses two ranks on one
+device, so the server and the trainer need a GPU each. The script:
+
+1. derives a small recipe from ``recipes/qwen3_32b.yaml`` (:func:`derived_recipe`: the given model, the built-in
+   arithmetic task, G = 8, ``vllm_mode: server``, Min-Replace, ``steps_per_generation`` > accumulation so the
+   transform acts off-policy, a few rollouts);
+2. starts the server on GPU 1 (:func:`server_command`), waits for ``/health``;
+3. runs the recipe with ``dfpo_trl``'s own ``run`` on GPU 0, counting and timing TRL's weight syncs; then the same
+   recipe with DFPO off and with TRL's ``GRPOTrainer`` (per-step rewards and losses side by side);
+4. checks the weight transfer: the server's log-probabilities of a fixed completion (``/v1/completions`` with
+   ``echo``) equal the trained model's, computed by transformers on GPU 0 (within bf16 rounding), and differ from the
+   initial model's; the server is restarted from the initial weights for each run;
+5. stops the server by its process id and writes ``vllm_server.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAPER_RECIPE = ROOT / "recipes" / "qwen3_32b.yaml"
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # the weight-transfer and cache-reset endpoints live behind it
+# The flags TRL's server mode needs (weights in over NCCL; log-probs after temperature for the IS correction).
+TRL_SERVER_FLAGS = ("--weight-transfer-config", json.dumps({"backend": "nccl"}), "--logprobs-mode",
+                    "processed_logprobs", "--max-logprobs", "-1")
+CHECK_PROMPT = [{"role": "user", "content": "Compute 3 + 5. Give the final answer as: Answer: <number>"}]
+CHECK_COMPLETION = "3 + 5 = 8. Answer: 8"
+
+
+def server_command(
+    model: str, *, host: str = "0.0.0.0", port: int = 8000, tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+    python: str | None = None,
+) -> list[str]:
+    """``vllm serve`` for TRL's server mode, as a command list (``python -m vllm.entrypoints.cli.main serve`` when
+    ``python`` is given, as on a machine without the ``vllm`` console script); run it with :data:`SERVER_ENV`."""
+    head = [python, "-m", "vllm.entrypoints.cli.main", "serve"] if python else ["vllm", "serve"]
+    command = [*head, model, "--host", host, "--port", str(port), "--tensor-parallel-size",
+               str(tensor_parallel_size), "--data-parallel-size", str(data_parallel_size),
+               "--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    return command + list(TRL_SERVER_FLAGS)
+
+
+def shell_line(command: list[str]) -> str:
+    """The command as one shell line with its environment, as the README and the recipe headers write it."""
+    return " ".join(f"{k}={v}" for k, v in SERVER_ENV.items()) + " " + shlex.join(command)
+
+
+def derived_recipe(model: str, port: int, output_dir: str, steps: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The paper recipe scaled to one GPU and a 135M model (everything else of it kept)."""
+    recipe = yaml.safe_load(PAPER_RECIPE.read_text())
+    for key in ("dataset", "dataset_config", "split", "problem_column", "answer_column", "instruction",
+                "attn_implementation", "max_prompt_length", "vllm_max_model_length", "activation_checkpointing"):
+        recipe.pop(key, None)
+    recipe.update(
+        model_name_or_path=model, output_dir=output_dir, task="arithmetic", train_size=2000, eval_size=50,
+        eval_max_new_tokens=32, skip_eval=False, num_generations=8, per_device_train_batch_size=16,
+        gradient_accumulation_steps=2, steps_per_generation=8, max_completion_length=64, max_steps=steps,
+        learning_rate=3e-5, lr_scheduler_type="constant", warmup_steps=0, lr_scheduler_kwargs=None,
+        gradient_checkpointing=False, dtype="float32", bf16=True, use_vllm=True, vllm_mode="server",
+        vllm_server_host="127.0.0.1", vllm_server_port=port, group_transform="min_replace", save_model=True,
+        save_strategy="no", logging_steps=1, report_to="none", disable_tqdm=True,
+    )
+    recipe.update(overrides)
+    return {k: v for k, v in recipe.items() if v is not None}
+
+
+def wait_for_health(port: int, process: subprocess.Popen, timeout: float) -> float:
+    start = time.time()
+    while time.time() - start < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with {process.returncode} before it was up")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return time.time() - start
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"the vLLM server was not up after {timeout} s")
+
+
+def start_server(args: argparse.Namespace, log: pathlib.Path) -> tuple[subprocess.Popen, float]:
+    command = server_command(args.model, host="127.0.0.1", port=args.port, gpu_memory_utilization=0.5,
+                             max_model_len=1024, python=sys.executable)
+    env = {**os.environ, **SERVER_ENV, "CUDA_VISIBLE_DEVICES": str(args.server_gpu)}
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    return process, wait_for_health(args.port, process, args.server_timeout)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """Stop the server's whole process group by its id (vLLM's API server has engine children)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def server_logprobs(port: int, model: str, token_ids: list[int], prompt_tokens: int) -> list[float]:
+    """The server's log-probabilities of ``token_ids[prompt_tokens:]`` given what precedes each (temperature 1)."""
+    body = json.dumps({"model": model, "prompt": token_ids, "max_tokens": 1, "echo": True, "logprobs": 0,
+                       "temperature": 1.0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        choice = json.loads(reply.read())["choices"][0]
+    values = choice["logprobs"]["token_logprobs"][: len(token_ids)]
+    return [float(v) for v in values[prompt_tokens:]]
+
+
+def model_logprobs(path: str, token_ids: list[int], prompt_tokens: int) -> list[float]:
+    """The same log-probabilities from a checkpoint with transformers on this process's GPU (bf16, as served)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor([token_ids], device="cuda")
+    with torch.no_grad():
+        logps = torch.log_softmax(model(ids).logits.float()[0, :-1], -1)
+    picked = logps.gather(-1, ids[0, 1:, None])[:, 0]
+    return picked[prompt_tokens - 1 :].tolist()
+
+
+def check_tokens(tokenizer_path: str) -> tuple[list[int], int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    prompt = tokenizer.apply_chat_template(CHECK_PROMPT, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(CHECK_COMPLETION, add_special_tokens=False)["input_ids"]
+    return prompt_ids + completion_ids, len(prompt_ids)
+
+
+def run_training(args: argparse.Namespace, kind: str, recipe_path: pathlib.Path, out: pathlib.Path) -> dict[str, Any]:
+    """One training run in its own process on the trainer's GPU (``--child``)."""
+    command = [sys.executable, __file__, "--child", kind, "--recipe", str(recipe_path), "--child-out", str(out),
+               "--model", args.model]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(args.trainer_gpu)}
+    start = time.time()
+    with open(out.with_suffix(".log"), "w") as handle:
+        code = subprocess.call(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    record = json.loads(out.read_text()) if code == 0 and out.exists() else {
+        "log_tail": out.with_suffix(".log").read_text()[-4000:]}
+    record.update(exit_code=code, wall_s=round(time.time() - start, 1))
+    return record
+
+
+def child(args: argparse.Namespace) -> None:
+    """Train once: ``dfpo`` (the derived recipe as dfpo-train runs it), ``dfpo_off`` or ``trl`` (GRPOTrainer)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from vllm_e2e import SAMPLING_KEYS, Timer, instrument_vllm, per_step
+
+    timer = Timer()
+    instrument_vllm(timer)
+    keys = ("loss", "reward", "reward_std", "entropy", "grad_norm", *SAMPLING_KEYS)
+    if args.child == "dfpo":
+        from dfpo_trl.app.main import run
+        from dfpo_trl.app.parser import parse_args
+
+        summary = run(*parse_args([args.recipe]))
+        record = {"steps": summary["steps"], "heldout": summary.get("heldout"), "method": summary["method"],
+                  "per_step": per_step(summary["log_history"], keys)}
+    else:
+        from trl import GRPOConfig, GRPOTrainer
+
+        from dfpo_trl import DFPOConfig, DFPOTrainer
+        from dfpo_trl.tasks import get_task, safe_reward
+
+        values = yaml.safe_load(pathlib.Path(args.recipe).read_text())
+        fields = {f for f in GRPOConfig.__dataclass_fields__ if GRPOConfig.__dataclass_fields__[f].init}
+        config = {k: v for k, v in values.items() if k in fields}
+        config.update(output_dir=values["output_dir"] + f"_{args.child}", model_init_kwargs={"dtype": "float32"})
+        task = get_task("arithmetic")
+        rewards = [safe_reward(f) for f in task.reward_funcs]
+        train = task.build_dataset("train", values.get("train_size"), config.get("seed", 0))
+        cls, cfg = (GRPOTrainer, GRPOConfig) if args.child == "trl" else (DFPOTrainer, DFPOConfig)
+        trainer = cls(model=args.model, reward_funcs=rewards, args=cfg(**config), train_dataset=train)
+        trainer.train()
+        record = {"steps": trainer.state.global_step, "trainer": cls.__name__,
+                  "per_step": per_step(trainer.state.log_history, keys)}
+    record.update(weight_syncs=timer.calls.get("weight_sync", 0),
+                  weight_sync_s=round(timer.seconds.get("weight_sync", 0.0), 2),
+                  generations=timer.calls.get("generation", 0))
+    pathlib.Path(args.child_out).write_text(json.dumps(record) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="/root/models/smollm2-135m-instruct")
+    p.add_argument("--out-dir", default="/tmp/vllm_server")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--steps", type=int, default=32, help="optimizer steps (4 rollouts of 8 steps by default)")
+    p.add_argument("--server-gpu", type=int, default=1)
+    p.add_argument("--trainer-gpu", type=int, default=0)
+    p.add_argument("--server-timeout", type=float, default=300.0)
+    p.add_argument("--tolerance", type=float, default=0.05, help="per-token |log-prob| difference allowed (bf16)")
+    p.add_argument("--print-commands", action="store_true", help="print the server command line and exit")
+    p.add_argument("--child", choices=["dfpo", "dfpo_off", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--recipe", help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args)
+        return
+    if args.print_commands:
+        print(shell_line(server_command(args.model)))
+        return
+    import torch
+
+    out = pathlib.Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "cards": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "server_command": shell_line(server_command(args.model, host="127.0.0.1", port=args.port,
+                                                    gpu_memory_utilization=0.5, max_model_len=1024)),
+        "runs": {},
+    }
+    import importlib.metadata as md
+
+    result["versions"] = {n: md.version(n) for n in ("torch", "transformers", "trl", "vllm")}
+    token_ids, prompt_tokens = check_tokens(args.model)
+    initial = model_logprobs(args.model, token_ids, prompt_tokens)
+    for kind in ("dfpo", "dfpo_off", "trl"):
+        recipe = derived_recipe(args.model, args.port, str(out / f"train_{kind}"), args.steps,
+                                {} if kind == "dfpo" else {"group_transform": "none"})
+        recipe_path = out / f"recipe_{kind}.yaml"
+        recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        server, up_s = start_server(args, out / f"server_{kind}.log")
+        try:
+            record = run_training(args, kind, recipe_path, out / f"run_{kind}.json")
+            record["server_startup_s"] = round(up_s, 1)
+            if kind == "dfpo" and record["exit_code"] == 0:
+                served = server_logprobs(args.port, args.model, token_ids, prompt_tokens)
+                trained = model_logprobs(str(out / "train_dfpo"), token_ids, prompt_tokens)
+                to_trained = max(abs(a - b) for a, b in zip(served, trained, strict=True))
+                to_initial = max(abs(a - b) for a, b in zip(served, initial, strict=True))
+                result["weight_sync_check"] = to_trained <= args.tolerance < to_initial
+                result["weight_sync_numbers"] = {
+                    "tokens": len(served), "tolerance": args.tolerance,
+                    "max_abs_diff_server_vs_trained": to_trained, "max_abs_diff_server_vs_initial": to_initial,
+                    "server": served, "trained": trained, "initial": initial,
+                }
+        finally:
+            stop_server(server)
+        result["runs"][kind] = record
+        (out / "vllm_server.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1)[:3000])
+
+
+if __name__ == "__main__":
+    main()

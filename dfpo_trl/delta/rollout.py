@@ -1,0 +1,236 @@
+"""DelTA at rollout time, as pure functions: λ̄ of a rollout in its loss's domain, and what DelTA logs of it.
+
+The steps are those of docs/delta.md:
+
+* :func:`delta_weights` / :func:`delta_token_weights`: λ and λ̄ of one batch under a ``DFPOConfig``'s ``delta_*``
+  fields (:func:`coefficient_options`), λ̄ self-normalised over the batch or per sequence;
+* :func:`normalisation_domain`: where λ̄ must average 1 so that the loss's own normaliser is kept;
+* :func:`rollout_weights`: λ and λ̄ of one rollout batch (:func:`delta_weights` with that domain; on one process
+  with ``loss_type="dapo"`` exactly :func:`delta_token_weights`);
+* :func:`sum_over_processes` / :func:`weight_reducer`: the ``all_reduce`` of the weights' statistics;
+* :func:`side_means` and :func:`token_table`: what DelTA logs.
+
+The trainer's DelTA component (:mod:`dfpo_trl.delta.weighting`) reads h, computes the weights with these functions
+and stores them per row in ``output["delta_weights"]`` (B, T), where the loss-input rewrite reads them
+(:func:`~dfpo_trl.objectives.rewrite.token_weighted_advantages`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..precision import compute_dtype as _compute_dtype
+from .centroids import Reducer
+from .weights import self_normalise, token_weights_from_hidden
+
+if TYPE_CHECKING:
+    from ..config import DFPOConfig
+
+__all__ = [
+    "DELTA_WEIGHTS_KEY",
+    "DOMAIN_MICRO_BATCH",
+    "DOMAIN_ROLLOUT",
+    "DOMAIN_SEQUENCE",
+    "coefficient_options",
+    "delta_token_weights",
+    "delta_weights",
+    "format_token_table",
+    "normalisation_domain",
+    "rollout_weights",
+    "side_means",
+    "sum_over_processes",
+    "token_table",
+    "weight_reducer",
+]
+
+DELTA_WEIGHTS_KEY = "delta_weights"
+TOKEN_TABLE_SIZE = 10
+DOMAIN_SEQUENCE = "sequence"  # loss_type="grpo": per-sequence token mean
+DOMAIN_MICRO_BATCH = "micro_batch"  # loss_type="bnpo": token mean of the local micro-batch
+DOMAIN_ROLLOUT = "rollout"  # loss_type="dapo" / "dr_grpo": tokens of the whole (global) rollout batch
+
+
+def coefficient_options(config: DFPOConfig) -> dict[str, Any]:
+    """:func:`token_weights_from_hidden` keyword arguments from a ``DFPOConfig``'s ``delta_*`` fields.
+
+    ``delta_scope`` is not among them: it decides whether the caller passes an ``all_reduce``.
+    """
+    return dict(
+        lambda_min=config.delta_lambda_min,
+        lambda_max=config.delta_lambda_max,
+        refine_steps=config.delta_refine_steps,
+        gamma=config.delta_gamma,
+        gamma_update=config.delta_gamma_update,
+        zero_advantage=config.delta_zero_advantage,
+        assignment=config.delta_assignment,
+        contrast=config.delta_contrast,
+        random_weights=config.delta_random,
+    )
+
+
+@torch.no_grad()
+def delta_weights(
+    hidden: Tensor,
+    logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: DFPOConfig,
+    *,
+    per_sequence: bool = False,
+    all_reduce: Reducer | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(λ, λ̄) of one rollout batch under ``config``'s DelTA options (docs/delta.md steps 1–6).
+
+    λ from the proxy v = (1 − p) h with p = exp(``logprobs``); λ̄ = λ N / Z over the masked tokens of the whole
+    batch (the token-mean loss's domain; over all processes through ``all_reduce``) or, with ``per_sequence``,
+    of each row; λ̄ is 0 outside ``mask``. The trainer's weights come from here.
+    """
+    probs = logprobs.detach().to(_compute_dtype(hidden, logprobs)).exp()
+    raw = token_weights_from_hidden(
+        hidden, probs, advantages, mask, all_reduce=all_reduce, generator=generator, **coefficient_options(config)
+    )
+    if per_sequence:
+        bar = self_normalise(raw, mask, dim=-1)
+    else:
+        bar = self_normalise(raw, mask, all_reduce=all_reduce)
+    return raw, torch.where(mask.to(bar.device) != 0, bar, torch.zeros_like(bar))
+
+
+def delta_token_weights(
+    hidden: Tensor,
+    logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: DFPOConfig,
+    *,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """DelTA's λ̄ (B, T) for the token-mean (``dapo``) loss, on one process (docs/delta.md).
+
+    ``hidden`` (B, T, d): the LM-head inputs before each sampled token; ``logprobs`` (B, T): the sampled tokens'
+    log-probabilities at the sampling temperature; ``advantages`` (B,); ``mask`` (B, T): nonzero on response
+    tokens; ``config``: a ``DFPOConfig`` whose ``delta_*`` fields choose the rules (defaults: the authors'
+    released code). Returns λ̄ = λ N / Z, N and Z summed over the batch's response tokens, 0 outside ``mask``
+    (eq. DelTA-weighted-objective). One process, so ``delta_scope`` has no effect; ``generator`` feeds the
+    random-λ control.
+    """
+    return delta_weights(hidden, logprobs, advantages, mask, config, generator=generator)[1]
+
+
+def normalisation_domain(loss_type: str) -> str:
+    """Where λ̄ must average 1 so that the loss's own normaliser is kept (DelTA's λ̄ = λ N / Z, docs/delta.md step 6).
+
+    ``grpo`` divides each sequence by its length: per sequence. ``bnpo`` divides the micro-batch by its
+    (local) token count: per micro-batch, done at loss time. ``dapo`` divides by the token count of the whole
+    generation batch over all processes, ``dr_grpo`` by a constant: over the global rollout batch.
+    """
+    if loss_type == "grpo":
+        return DOMAIN_SEQUENCE
+    if loss_type == "bnpo":
+        return DOMAIN_MICRO_BATCH
+    if loss_type in ("dapo", "dr_grpo"):
+        return DOMAIN_ROLLOUT
+    raise ValueError(f"token_weighting='delta' has no normalisation domain for loss_type={loss_type!r}.")
+
+
+def sum_over_processes(t: Tensor) -> Tensor:
+    """The ``all_reduce`` hook of ``dfpo_trl.delta``: element-wise sum over every process (in place)."""
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def weight_reducer(args: Any, num_processes: int) -> Reducer | None:
+    """The ``all_reduce`` of the weights' statistics: over every process for ``delta_scope="global"``, none (each
+    process's shard alone, the released code's scope) for ``"process"`` or a single process."""
+    if num_processes > 1 and args.delta_scope == "global":
+        return sum_over_processes
+    return None
+
+
+def rollout_weights(
+    hidden: Tensor,
+    logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    args: Any,
+    *,
+    all_reduce: Reducer | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """λ (B, T) of one rollout batch and λ̄, λ self-normalised over the rollout-time domain of ``args.loss_type``.
+
+    Per sequence for ``grpo``; over the whole rollout batch (all processes through ``all_reduce``) for
+    ``dapo``, ``dr_grpo`` and ``bnpo`` (whose micro-batch normalisation is redone at loss time, by
+    :func:`~dfpo_trl.objectives.rewrite.token_weighted_advantages`). ``args`` is the ``DFPOConfig`` whose
+    ``delta_*`` fields choose the rules.
+    """
+    per_sequence = normalisation_domain(args.loss_type) == DOMAIN_SEQUENCE
+    return delta_weights(
+        hidden, logprobs, advantages, mask, args, per_sequence=per_sequence, all_reduce=all_reduce,
+        generator=generator,
+    )
+
+
+def side_means(values: Tensor, advantages: Tensor, mask: Tensor, all_reduce: Reducer | None = None) -> Tensor:
+    """Means of ``values`` ((B, T), or (k, B, T) for k quantities at once) over the loss tokens of the Â > 0
+    and the Â < 0 rows, global through ``all_reduce`` (one collective): shape (2,) or (k, 2), [pos, neg],
+    NaN for an empty side."""
+    v = values.detach().to(torch.float64)
+    single = v.dim() == 2
+    if single:
+        v = v.unsqueeze(0)
+    m = (mask != 0).to(device=v.device, dtype=torch.float64)
+    adv = advantages.to(v.device)
+    sides = torch.stack([(adv > 0)[:, None] * m, (adv < 0)[:, None] * m])  # (2, B, T)
+    sums = torch.einsum("kbt,sbt->ks", v, sides)
+    stats = torch.cat([sums.reshape(-1), sides.sum((1, 2))])
+    if all_reduce is not None:
+        stats = all_reduce(stats)
+    sums, counts = stats[:-2].view(-1, 2), stats[-2:]
+    means = torch.where(counts > 0, sums / counts.clamp_min(1.0), torch.full_like(sums, float("nan")))
+    return means[0] if single else means
+
+
+def token_table(
+    weights: Tensor,
+    completion_ids: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    decode: Callable[[int], str],
+    k: int = TOKEN_TABLE_SIZE,
+) -> list[dict[str, Any]]:
+    """The ``k`` token ids with the highest and the ``k`` with the lowest mean λ over the weighted tokens
+    (loss tokens of Â ≠ 0 rows) of a batch: rows ``{"rank", "token", "token_id", "mean_lambda", "count"}``.
+    The paper's Figure 4 reports reasoning tokens ("prime", "=y", "forward") high and entity names low."""
+    active = (mask != 0) & (advantages != 0)[:, None]
+    ids, w = completion_ids[active], weights.detach()[active].to(torch.float64)
+    if ids.numel() == 0:
+        return []
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    sums = torch.zeros(unique.numel(), dtype=torch.float64, device=w.device).index_add_(0, inverse, w)
+    counts = torch.zeros_like(sums).index_add_(0, inverse, torch.ones_like(w))
+    means = sums / counts
+    order = torch.argsort(means, descending=True, stable=True).tolist()
+    k = min(k, len(order))
+    rows = []
+    for rank, positions in (("high", order[:k]), ("low", order[::-1][:k])):
+        for p in positions:
+            tid = int(unique[p])
+            rows.append(
+                {"rank": rank, "token": decode(tid), "token_id": tid, "mean_lambda": float(means[p]),
+                 "count": int(counts[p])}
+            )
+    return rows
+
+
+def format_token_table(rows: list[dict[str, Any]]) -> str:
+    """:func:`token_table`'s rows as the text DelTA logs."""
+    lines = [f"{'rank':<5} {'mean λ':>7} {'count':>6}  token"]
+    lines += [f"{r['rank']:<5} {r['mean_lambda']:7.4f} {r['count']:6d}  {r['token']!r}" for r in rows]
+    return "\n".join(lines)
