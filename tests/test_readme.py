@@ -36,3 +36,32 @@ def test_extras_named_for_the_paper_recipes_exist() -> None:
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     named = {e.strip() for group in re.findall(r'-e\s+"\.\[([\w,]+)\]"', FIRST_SCREEN) for e in group.split(",")}
     assert {"deepspeed", "vllm", "peft"} <= named <= extras
+
+
+
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
+# Labels of equations the code cites that are not the DFPO paper's numbers: eq. C4, eq. C4–C7, eq. DelTA-alpha.
+EQ_LABEL = re.compile(r"\beqs?\. ([A-Za-z][\w-]*\w)(?:–([A-Za-z]+\d+))?")
+
+
+def _labels(text: str) -> set[str]:
+    labels = set()
+    for first, last in EQ_LABEL.findall(text):
+        a, b = re.fullmatch(r"([A-Za-z]+)(\d+)", first), re.fullmatch(r"([A-Za-z]+)(\d+)", last or "")
+        if a and b and a.group(1) == b.group(1):
+            labels.update(f"{a.group(1)}{n}" for n in range(int(a.group(2)), int(b.group(2)) + 1))
+        else:
+            labels.add(first)
+    return labels
+
+
+def test_every_equation_label_the_code_cites_is_defined_in_the_docs() -> None:
+    """A non-numeric label (eq. C8, eq. DelTA-alpha) is defined in docs/ by its tag, ``(C8)``, at the end of the formula
+    or heading that defines it; numeric ones (eq. 47) are the DFPO paper's."""
+    sources = [*sorted((ROOT / "dfpo_trl").rglob("*.py")), ROOT / "README.md", *DOCS]
+    used = {label: src for src in sources for label in _labels(src.read_text())}
+    docs_text = "\n".join(doc.read_text() for doc in DOCS)
+    undefined = {label: str(src.relative_to(ROOT)) for label, src in used.items() if f"({label})" not in docs_text}
+    assert used and not undefined, f"labels cited but defined in no docs/ page (as '(label)'): {undefined}"
