@@ -1,5 +1,7 @@
 """The README's first screen (the top until "## Use") says what a newcomer needs once and truly: the main job's
-time and where it writes, the suite's size and time, the extras the paper recipes need."""
+time and where it writes, the suite's size and time, the extras the paper recipes need. And the documents stay a map
+of the code: every module on docs/README.md's map, no module path or link that leads nowhere, every equation label
+the code cites defined in docs/."""
 
 from __future__ import annotations
 
@@ -38,8 +40,85 @@ def test_extras_named_for_the_paper_recipes_exist() -> None:
     assert {"deepspeed", "vllm", "peft"} <= named <= extras
 
 
+# ---------------------------------------------------------------------------------------- the documentation's map
 
 DOCS = sorted((ROOT / "docs").glob("*.md"))
+MAPS = [ROOT / "README.md", *DOCS, ROOT / "benchmarks" / "README.md"]  # the hand-written documents
+
+
+def _package_modules() -> list[str]:
+    """Every module of the package, as a path from the repository root, except ``__init__`` and private ones."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "dfpo_trl").rglob("*.py")
+                  if not p.name.startswith("_"))  # fmt: skip
+
+
+def test_every_module_is_on_the_docs_map() -> None:
+    """docs/README.md names every module with its job and its document: a new module goes on the map."""
+    docs_map = (ROOT / "docs" / "README.md").read_text()
+    missing = [m for m in _package_modules() if f"`{m}`" not in docs_map]
+    assert not missing, f"add a line to docs/README.md's module table for: {missing}"
+
+
+def _defines(module: Path, name: str) -> bool:
+    source = module.read_text()
+    pattern = rf"^(?:def|class) {name}\b|^{name}\s*[:=]|^\s+{name},?$|^from [\w.]+ import [^\n]*\b{name}\b"
+    return re.search(pattern, source, flags=re.MULTILINE) is not None
+
+
+def _dotted_name_exists(dotted: str) -> bool:
+    """``dfpo_trl.a.b.name``: packages and modules down the path, then a name the last module defines or imports."""
+    path, *parts = dotted.split(".")
+    here = ROOT / path
+    for i, part in enumerate(parts):
+        if (here / part).is_dir():
+            here = here / part
+        elif (here / f"{part}.py").is_file():
+            here = here / f"{part}.py"
+            rest = parts[i + 1:]
+            return not rest or _defines(here, rest[0])
+        else:
+            return here.is_dir() and _defines(here / "__init__.py", part)
+    return True
+
+
+def test_module_paths_named_in_the_docs_exist() -> None:
+    """Every ``dfpo_trl/...`` path and ``dfpo_trl....`` name in README.md, docs/ and benchmarks/README.md exists, so
+    a restructuring cannot leave the documents naming modules that are gone."""
+    stale = []
+    for doc in MAPS:
+        text = doc.read_text()
+        for path in re.findall(r"dfpo_trl/[\w/.]*", text):
+            if not (ROOT / path.rstrip(".")).exists():
+                stale.append(f"{doc.relative_to(ROOT)}: {path}")
+        for dotted in re.findall(r"\bdfpo_trl(?:\.\w+)+", text):
+            if not _dotted_name_exists(dotted):
+                stale.append(f"{doc.relative_to(ROOT)}: {dotted}")
+    assert not stale, stale
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (outside code blocks)."""
+    anchors, fenced = set(), False
+    for line in doc.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.+)", line)):
+            anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+def test_links_between_the_documents_resolve() -> None:
+    """Every relative link of README.md, docs/ and benchmarks/README.md reaches a file, and its #anchor a heading."""
+    broken = []
+    for doc in MAPS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _anchors(file)):
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, broken
 
 
 # Labels of equations the code cites that are not the DFPO paper's numbers: eq. C4, eq. C4–C7, eq. DelTA-alpha.

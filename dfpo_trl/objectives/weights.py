@@ -3,7 +3,7 @@
 Pure functions of tensors, no trainer and no config object (tests/test_loss_inputs.py, tests/test_transforms.py):
 
 * :func:`loss_mask`: the tokens TRL's loss counts (completion mask × tool mask);
-* :func:`bounded_old_logps`: the log-ratio bound (README "Log-ratio bound"): ρ (sequence level) or each token's
+* :func:`bounded_old_logps`: the log-ratio bound (docs/decisions.md, "Numerics"): ρ (sequence level) or each token's
   log-ratio kept in ±20 by shifting the old log-probs, gradients unchanged;
 * :func:`sequence_log_ratio`: ρ_i (eq. 44), s_i = exp(ρ_i);
 * :func:`sign_aware_post_clip`: s̄ (eq. 46–47);
