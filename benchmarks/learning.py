@@ -26,8 +26,8 @@ TRL), so every method has the same group-granular batches and the same mechanism
 
 ``--launch`` starts the runs, prints progress with an ETA, stops every run in time to evaluate before
 ``--deadline-s`` and writes to ``--out-dir`` three files: ``learning_<tag>_runs.json`` (every run, full
-curves, rewritten as runs finish), ``learning_<tag>.json`` (the issue's schema for these runs; with ``--study
-cancellation``: ``cancellation_<tag>.json``) and ``learning_<tag>.log``.
+curves, rewritten as runs finish), ``learning_<tag>.json`` (the summary ``report.py`` reads, for these runs;
+with ``--study cancellation``: ``cancellation_<tag>.json``) and ``learning_<tag>.log``.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- summary
 def run_summary(run: dict[str, Any], threshold: float, alpha: float) -> dict[str, Any]:
-    """The issue's per-run numbers (plus a few more) from a run's curves."""
+    """A run's summary numbers (the ones ``report.py`` reads, plus a few more) from its curves."""
     from dfpo_trl.metrics.curves import jitter2, steps_to_threshold
 
     rewards = reward_curve(run)
@@ -260,7 +260,7 @@ def paired_mean(before: list[float | None], after: list[float | None]) -> float 
 
 
 def aggregate(runs: list[dict[str, Any]], threshold: float, alpha: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(learning.json in the issue's schema, learning_curves.json per method for plotting)."""
+    """(learning.json as ``report.py`` reads it, learning_curves.json per method for plotting)."""
     if not runs:
         raise SystemExit("no runs to aggregate")
     order = {m: i for i, m in enumerate(common.LEARNING_METHODS)}
@@ -419,7 +419,7 @@ def cancellation_summary(runs: list[dict[str, Any]], threshold: float, alpha: fl
             }
     first = runs[0]
     return {
-        "study": "issue #10: cancellation in the gradient, not only in the weights",
+        "study": "the cancellation study: cancellation in the gradient, not only in the weights",
         "device": first["device"], "devices": sorted({r["device"] for r in runs}), "model": first["model"],
         "versions": first["versions"], "threshold": threshold, "ema_alpha": alpha, "interval": INTERVAL,
         "metrics": CANCELLATION_METRICS, "references": list(STUDY_REFERENCES), "tasks": tasks,

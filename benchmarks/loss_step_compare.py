@@ -1,10 +1,10 @@
 """Pool ``loss_step.py`` runs of two builds of the code and bootstrap the difference of their ratios to TRL.
 
-Used for issue #11's "step time unchanged or better": ``loss_step.py`` run several times in one GPU job,
-alternating the code after a change (``--tag code-new-<i>``) and before it (``--tag code-old-<i>``, run from a
-checkout of the old commit). Per method, the per-round ratios to TRL's ``GRPOTrainer`` (same process, same round)
-of all runs of a build are pooled; the difference of the pooled medians (new − old) gets a 95% bootstrap interval
-(resampling rounds within each build).
+Used to check that the drop-in refactor left the step time unchanged or better: ``loss_step.py`` run several times
+in one GPU job, alternating the code after a change (``--tag code-new-<i>``) and before it (``--tag code-old-<i>``,
+run from a checkout of the old commit). Per method, the per-round ratios to TRL's ``GRPOTrainer`` (same process,
+same round) of all runs of a build are pooled; the difference of the pooled medians (new − old) gets a 95% bootstrap
+interval (resampling rounds within each build).
 
     python benchmarks/loss_step_compare.py benchmarks/results/loss_step_code
 

@@ -1,4 +1,4 @@
-"""Step-time and memory overhead of every DFPO method against TRL's GSPO, in one process (issue #5, part 1).
+"""Step-time and memory overhead of every DFPO method against TRL's GSPO, in one process.
 
     python benchmarks/overhead.py --model /root/models/smollm2-135m-instruct --out-dir $OUT
     python benchmarks/overhead.py --random-config qwen3-1.7b --rounds 2 --steps 12 --out-dir $OUT
@@ -18,8 +18,8 @@ rewards, old log-probs, DelTA weights). ``median_step_s`` is the median step tim
 ≥ 3 most steps do not sample, so this is the training step); ``median_training_s`` / ``mean_training_s`` are
 step time minus sampling time (the mean includes the old-log-prob forward of the rollout steps);
 ``median_generation_s`` the median sampling call. Peak memory is ``torch.cuda.max_memory_allocated`` of each
-phase, max over the method's phases. Writes ``overhead_<tag>.json`` (issue schema plus extra keys) and prints
-a table last.
+phase, max over the method's phases. Writes ``overhead_<tag>.json`` (the fields ``report.py`` reads, plus extra
+keys) and prints a table last.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def time_positive_orth_proj(device: str, groups: int, group_size: int) -> dict[s
 
 
 def summarise(phases: list[dict[str, Any]], methods: list[str], args: argparse.Namespace, ctx: dict[str, Any]):
-    """The issue's schema (plus extra keys) from the phases run so far."""
+    """The result ``report.py`` reads (plus extra keys) from the phases run so far."""
     per: dict[str, dict[str, Any]] = {}
     for m in methods:
         mine = [p for p in phases if p["method"] == m]
@@ -279,7 +279,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def merge(paths: list[str], out: str) -> None:
-    """Combine per-model result files into one JSON object keyed by model (each value has the issue schema)."""
+    """Combine per-model result files into one JSON object keyed by model (each value as one model's result)."""
     import json
 
     merged: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """Derive a short, offline run of a shipped recipe: same objective, batch, LoRA and DeepSpeed settings, a local
 model in place of the hub one and the built-in arithmetic task in place of the hub dataset (the GPU machine has
-no network). Used for the LoRA recipe on one GPU and LoRA with ZeRO-3 on two (issue #6).
+no network). Used for the LoRA recipe on one GPU and LoRA with ZeRO-3 on two.
 
     python benchmarks/recipe_smoke.py recipes/qwen3_8b_lora.yaml --model /root/models/smollm2-135m-instruct \\
         --max-steps 6 --output-dir /tmp/lora --out /tmp/lora.yaml

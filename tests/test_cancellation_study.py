@@ -1,4 +1,4 @@
-"""Issue #10's study pipeline on synthetic run records: run curves -> ``cancellation.json`` -> the RESULTS.md section.
+"""The cancellation study's pipeline on synthetic run records: run curves -> ``cancellation.json`` -> RESULTS.md.
 
 The GPU study is run once, so a slip here (an on-policy step counted as off-policy, a wrong interval, a verdict
 that does not follow from the interval) would end up in the results unnoticed; these check the numbers."""
@@ -108,13 +108,14 @@ def test_report_section_follows_the_numbers(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
     report.main(["--results-dir", str(results), "--out", str(out)])
     text = out.read_text()
-    assert "Cancellation in the gradient, not only in the weights (issue #10)" in text
+    heading = "Cancellation in the gradient, not only in the weights (`benchmarks/learning.py --study cancellation`)"
+    assert heading + "\n" in text
     assert "### sum_sentence" in text and "### arithmetic" in text
     # The gradient variant's residual resolved against GSPO; its held-out accuracy (identical) did not.
     line = next(x for x in text.splitlines() if x.startswith("- Min-Replace (gradient) − GSPO:"))
     assert "resolved (interval excludes 0): " in line and "residual (off-policy) -0.599" in line
     assert "not resolved (interval includes 0): " in line and "held-out accuracy" in line.split("not resolved")[1]
-    # Issue #10's bound: every seed of Min-Replace (gradient) has two-sided residual 0.001 * seed / 2 <= 0.01.
+    # The study's bound: every seed of Min-Replace (gradient) has two-sided residual 0.001 * seed / 2 <= 0.01.
     assert "met by every one: Min-Replace (gradient) met (largest over 3 seeds 0.0010)" in text
     # Every seed reached the threshold at the same rollout: resolved, but flagged as a zero-width interval.
     assert "generations to threshold -2 [-2, -2] (every seed the same value: a zero-width interval)" in line
@@ -150,7 +151,7 @@ def test_study_defaults_and_missing_config_fields() -> None:
         missing = common.missing_config_fields(name)
         _, _, used = common.trainer_and_config(name, "dfpo", allow_missing=True)
         assert not set(missing) & set(used) and set(used) | set(missing) == set(overrides)
-        if missing:  # this dfpo_trl predates issue #10: refused unless asked
+        if missing:  # this dfpo_trl predates the gradient target: refused unless asked
             with pytest.raises(SystemExit, match="cancellation_"):
                 common.check_methods([name])
         else:

@@ -144,3 +144,19 @@ def test_every_equation_label_the_code_cites_is_defined_in_the_docs() -> None:
     docs_text = "\n".join(doc.read_text() for doc in DOCS)
     undefined = {label: str(src.relative_to(ROOT)) for label, src in used.items() if f"({label})" not in docs_text}
     assert used and not undefined, f"labels cited but defined in no docs/ page (as '(label)'): {undefined}"
+
+
+# "issue #10", "issue-5", "(#12)": numbers of a tracker a reader of the repository cannot see. Upstream references
+# that say whose tracker they are (pytorch/pytorch#56297) are fine.
+TRACKER_REFERENCE = re.compile(r"\bissues? ?#\d+|\bissues?[- ]\d+\b|(?<![\w/&])#(?![0-9a-fA-F]{6}\b)\d+\b", re.I)
+
+
+def test_no_tracker_issue_numbers() -> None:
+    """Code, docstrings, docs, recipes and benchmark texts say what a study is, never which issue asked for it."""
+    texts = [ROOT / "README.md", *DOCS, *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "benchmarks").glob("*.md"),
+             *(ROOT / "benchmarks" / "results").rglob("*.md"), *(ROOT / "dfpo_trl").rglob("*.py"),
+             *(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "tests").glob("*.py"), *(ROOT / "examples").glob("*.py")]
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in texts
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if path != Path(__file__).resolve() and TRACKER_REFERENCE.search(line)]
+    assert not found, found
