@@ -7,7 +7,7 @@
         --seeds 0 1 2 3 4 --parallel 10
     python benchmarks/long_run.py --status /tmp/long_run           # finished, failed, running
     # here: one record per run in benchmarks/results/long_run/, merged with the statistics into long_run.json
-    python benchmarks/long_run.py --aggregate benchmarks/results/long_run/*.json
+    python benchmarks/long_run.py --aggregate benchmarks/results/long_run/*.json.gz
     # CPU check of the launcher and the aggregation (a tiny random model, transformers' generate, 2 x 2 runs)
     python benchmarks/long_run.py --smoke --out-dir /tmp/long-run-smoke
 

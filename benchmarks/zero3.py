@@ -1,6 +1,6 @@
 """ZeRO-3 on several GPUs: exact in-group coefficients when groups span processes and micro-steps.
 
-Two phases, one command each (see benchmarks/README.md):
+Three phases, one command each (see benchmarks/README.md):
 
 * ``--phase reference`` (one process, no DeepSpeed): s̄ and s̃ of every row of one fixed generation batch at
   the initial weights, the single-process reference of docs/layouts.md.

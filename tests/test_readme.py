@@ -160,3 +160,15 @@ def test_no_tracker_issue_numbers() -> None:
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if path != Path(__file__).resolve() and TRACKER_REFERENCE.search(line)]
     assert not found, found
+
+
+def test_every_benchmark_script_is_in_the_benchmarks_readme() -> None:
+    """benchmarks/README.md's table names every script of benchmarks/ (what it measures, the machine, the results),
+    and says how to run each one."""
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    table = {m.group(1) for m in re.finditer(r"^\| `(\w+\.py)` \|", readme, flags=re.MULTILINE)}
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
+    assert scripts <= table, f"add to benchmarks/README.md's table: {sorted(scripts - table)}"
+    helpers = {"common.py", "processes.py", "report_long_run.py"}  # imported, not run
+    launched = set(re.findall(r"(?:python|\.yaml) benchmarks/(\w+\.py)\b", readme))
+    assert not scripts - helpers - launched, f"no command in benchmarks/README.md for {scripts - helpers - launched}"
