@@ -2,8 +2,8 @@
 
     # on a machine with 2 GPUs, after the kit's setup with vLLM (benchmarks/README.md); ~8 minutes
     python benchmarks/vllm_server.py --model /root/models/smollm2-135m-instruct --out-dir $OUT
-    # the commands only (what the README and the recipe headers show), no GPU needed
-    python benchmarks/vllm_server.py --print-commands --model Qwen/Qwen3-32B
+    # the server line this run starts, as `vllm serve` and as the kit runs it; no GPU needed
+    python benchmarks/vllm_server.py --print-commands
 
 TRL 1.16 generates through vLLM's own OpenAI server (``vllm_mode="server"``) and pushes the trainer's weights into it
 through vLLM's NCCL weight-transfer engine, so the server must run with ``VLLM_SERVER_DEV_MODE=1`` and
@@ -14,7 +14,9 @@ device, so the server and the trainer need a GPU each. The script:
 1. derives a small recipe from ``recipes/qwen3_32b.yaml`` (:func:`derived_recipe`: the given model, the built-in
    arithmetic task, G = 8, ``vllm_mode: server``, Min-Replace, ``steps_per_generation`` > accumulation so the
    transform acts off-policy, a few rollouts);
-2. starts the server on GPU 1 (:func:`server_command`), waits for ``/health``;
+2. starts the server on GPU 1 (:func:`benchmark_server_command`: the flags TRL 1.16's own ``build_command`` writes
+   for the same arguments, tests/test_vllm_server_command.py; as ``python3 -m vllm.entrypoints.cli.main serve``,
+   since the kit has no ``vllm`` console script), waits for ``/health``;
 3. runs the recipe with ``dfpo_trl``'s own ``run`` on GPU 0, counting and timing TRL's weight syncs; then the same
    recipe with DFPO off and with TRL's ``GRPOTrainer`` (per-step rewards and losses side by side);
 4. checks the weight transfer: the server's log-probabilities of a fixed completion (``/v1/completions`` with
@@ -45,29 +47,71 @@ SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # the weight-transfer and cache-rese
 # The flags TRL's server mode needs (weights in over NCCL; log-probs after temperature for the IS correction).
 TRL_SERVER_FLAGS = ("--weight-transfer-config", json.dumps({"backend": "nccl"}), "--logprobs-mode",
                     "processed_logprobs", "--max-logprobs", "-1")
+# vLLM's module entry point, for a kit that has vLLM installed but no ``vllm`` console script (TRL starts it so too).
+VLLM_MODULE = ("-m", "vllm.entrypoints.cli.main")
+SCALE_OUT_VLLM = "0.30.0"  # TRL adds --enable-scale-out from this vLLM on (multimodal prompts only)
 CHECK_PROMPT = [{"role": "user", "content": "Compute 3 + 5. Give the final answer as: Answer: <number>"}]
 CHECK_COMPLETION = "3 + 5 = 8. Answer: 8"
 
 
 def server_command(
     model: str, *, host: str = "0.0.0.0", port: int = 8000, tensor_parallel_size: int = 1,
-    data_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
-    python: str | None = None,
+    data_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, dtype: str = "auto",
+    kv_cache_dtype: str = "auto", vllm_model_impl: str = "vllm", log_level: str = "info",
+    revision: str | None = None, max_model_len: int | None = None, enable_prefix_caching: bool | None = None,
+    enforce_eager: bool | None = False, trust_remote_code: bool = False,
+    distributed_executor_backend: str | None = None, speculative_config: str | None = None,
+    scale_out: bool = False, python: str | None = None,
 ) -> list[str]:
-    """``vllm serve`` for TRL's server mode, as a command list (``python -m vllm.entrypoints.cli.main serve`` when
-    ``python`` is given, as on a machine without the ``vllm`` console script); run it with :data:`SERVER_ENV`."""
-    head = [python, "-m", "vllm.entrypoints.cli.main", "serve"] if python else ["vllm", "serve"]
+    """``vllm serve`` as TRL 1.16's ``trl.scripts.vllm_serve.build_command`` writes it for the same arguments.
+
+    The keywords are TRL's ``ScriptArguments`` fields, so that tests/test_vllm_server_command.py can hold the two
+    builders equal; ``scale_out`` stands for TRL's "vLLM >= 0.30 installed" check (pass :func:`vllm_has_scale_out`
+    where vLLM runs), off by default so that a printed line works on every vLLM TRL 1.16 supports. With ``python``
+    the head is ``python -m vllm.entrypoints.cli.main serve`` (a kit without the console script); run the command
+    with :data:`SERVER_ENV`.
+    """
+    head = [python, *VLLM_MODULE, "serve"] if python else ["vllm", "serve"]
     command = [*head, model, "--host", host, "--port", str(port), "--tensor-parallel-size",
                str(tensor_parallel_size), "--data-parallel-size", str(data_parallel_size),
-               "--gpu-memory-utilization", str(gpu_memory_utilization)]
+               "--gpu-memory-utilization", str(gpu_memory_utilization), "--dtype", dtype, "--kv-cache-dtype",
+               kv_cache_dtype, "--model-impl", vllm_model_impl, "--uvicorn-log-level", log_level]
+    if revision is not None:
+        command += ["--revision", revision]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
+    if enable_prefix_caching is not None:
+        command += ["--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching"]
+    if enforce_eager:
+        command += ["--enforce-eager"]
+    if trust_remote_code:
+        command += ["--trust-remote-code"]
+    if distributed_executor_backend is not None:
+        command += ["--distributed-executor-backend", distributed_executor_backend]
+    if speculative_config is not None:
+        command += ["--speculative-config", speculative_config]
+    if scale_out:
+        command += ["--enable-scale-out"]
     return command + list(TRL_SERVER_FLAGS)
 
 
-def shell_line(command: list[str]) -> str:
-    """The command as one shell line with its environment, as the README and the recipe headers write it."""
-    return " ".join(f"{k}={v}" for k, v in SERVER_ENV.items()) + " " + shlex.join(command)
+def vllm_has_scale_out() -> bool:
+    """Whether the installed vLLM takes ``--enable-scale-out`` (TRL's own test: version >= 0.30.0)."""
+    import importlib.metadata as md
+
+    from packaging.version import Version
+
+    try:
+        return Version(md.version("vllm")) >= Version(SCALE_OUT_VLLM)
+    except md.PackageNotFoundError:
+        return False
+
+
+def shell_line(command: list[str], gpus: str | None = None) -> str:
+    """The command as one shell line with its environment (``CUDA_VISIBLE_DEVICES`` first when ``gpus`` is given),
+    as the README and the recipe headers write it."""
+    env = ({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}) | SERVER_ENV
+    return " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command)
 
 
 def derived_recipe(model: str, port: int, output_dir: str, steps: int, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -104,9 +148,16 @@ def wait_for_health(port: int, process: subprocess.Popen, timeout: float) -> flo
     raise TimeoutError(f"the vLLM server was not up after {timeout} s")
 
 
+def benchmark_server_command(
+    args: argparse.Namespace, python: str | None = None, scale_out: bool = False
+) -> list[str]:
+    """This run's server: one GPU, local only, half the card, a 1k context (the 135M model needs no more)."""
+    return server_command(args.model, host="127.0.0.1", port=args.port, gpu_memory_utilization=0.5,
+                          max_model_len=1024, scale_out=scale_out, python=python)
+
+
 def start_server(args: argparse.Namespace, log: pathlib.Path) -> tuple[subprocess.Popen, float]:
-    command = server_command(args.model, host="127.0.0.1", port=args.port, gpu_memory_utilization=0.5,
-                             max_model_len=1024, python=sys.executable)
+    command = benchmark_server_command(args, python=sys.executable, scale_out=vllm_has_scale_out())
     env = {**os.environ, **SERVER_ENV, "CUDA_VISIBLE_DEVICES": str(args.server_gpu)}
     with open(log, "w") as handle:
         process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
@@ -220,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trainer-gpu", type=int, default=0)
     p.add_argument("--server-timeout", type=float, default=300.0)
     p.add_argument("--tolerance", type=float, default=0.05, help="per-token |log-prob| difference allowed (bf16)")
-    p.add_argument("--print-commands", action="store_true", help="print the server command line and exit")
+    p.add_argument("--print-commands", action="store_true",
+                   help="print this run's server command line (`vllm serve` and the kit's module form) and exit")
     p.add_argument("--child", choices=["dfpo", "dfpo_off", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--recipe", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -229,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
         child(args)
         return
     if args.print_commands:
-        print(shell_line(server_command(args.model)))
+        print(shell_line(benchmark_server_command(args), gpus=str(args.server_gpu)))
+        print(shell_line(benchmark_server_command(args, python="python3"), gpus=str(args.server_gpu)))
         return
     import torch
 
@@ -237,8 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "cards": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "server_command": shell_line(server_command(args.model, host="127.0.0.1", port=args.port,
-                                                    gpu_memory_utilization=0.5, max_model_len=1024)),
+        "server_command": shell_line(benchmark_server_command(args, scale_out=vllm_has_scale_out()),
+                                     gpus=str(args.server_gpu)),
+        "server_argv": benchmark_server_command(args, python=sys.executable, scale_out=vllm_has_scale_out()),
         "runs": {},
     }
     import importlib.metadata as md
