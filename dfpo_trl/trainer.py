@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from .trl_hooks.compat import (
     trl_runs_old_logps_forward,
 )
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
+from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
 from .trl_hooks.step_reward import attach_row_rewards, log_step_reward, row_rewards
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,11 @@ class DFPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` with DFPO objectives. Takes the same arguments; `args` must be a [`DFPOConfig`] (built
     from the model's name, every DFPO option off, when not given, as `GRPOTrainer` builds its default)."""
 
+    # TRL's model card reads these (trl_hooks/model_card.py): without them every card would describe a GRPO run.
+    _name = DFPO_NAME
+    _tag_names = list(DFPO_TAGS)
+    _paper = DFPO_PAPER
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
         arguments.pop("self")
@@ -87,6 +94,8 @@ class DFPOTrainer(GRPOTrainer):
                 "GRPOConfig field plus the DFPO ones."
             )
         arguments["args"] = config
+        # Before TRL's __init__, which tags the model with _tag_names (a hub push carries the model's tags).
+        self._tag_names = card_tags(config.token_weighting)
         super().__init__(**arguments)
         check_trainer_attributes(self)
         self._pending: PendingCall | None = None  # see PendingCall
@@ -105,6 +114,13 @@ class DFPOTrainer(GRPOTrainer):
                 "is the identity. Raise steps_per_generation or num_iterations for it to act.",
                 self.plan.transform.name,
             )
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """TRL's card (DFPO's name, tags and citation from the class attributes above), plus DelTA's sentence and
+        citation when DelTA weights the tokens: TRL's card has room for one paper."""
+        super().create_model_card(*args, **kwargs)
+        if DELTA_TAG in self._tag_names and self.is_world_process_zero():
+            add_delta_to_card(os.path.join(self.args.output_dir, "README.md"))
 
     @property
     def group_layout(self) -> str:

@@ -85,6 +85,62 @@ def test_lora_recipe_builds_a_peft_config(gpu_recipes_parse_here: None) -> None:
     assert args.per_device_train_batch_size % args.num_generations == 0  # group-granular, free layout
 
 
+PAPER_RECIPES = [ROOT / "recipes" / n for n in ("qwen3_32b.yaml", "qwen3_next_80b_a3b.yaml", "qwen3_8b_lora.yaml")]
+# The commented-out fields the paper recipes show for tracking and the hub (report_to is chosen per backend).
+TRACKING_AND_HUB = ("project", "run_name", "push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo")
+
+
+def uncommented(recipe: Path, backend: str) -> str:
+    """The recipe with its tracking and hub examples uncommented, reporting to ``backend`` instead of none."""
+    lines = []
+    for line in recipe.read_text().splitlines():
+        key, _, value = line.removeprefix("# ").partition(":")
+        if line == "report_to: none":
+            continue
+        if line.startswith("# ") and (key in TRACKING_AND_HUB or (key == "report_to" and
+                                                                  value.split("#")[0].strip() == backend)):
+            line = line.removeprefix("# ")
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("backend", ["trackio", "wandb", "tensorboard"])
+@pytest.mark.parametrize("recipe", PAPER_RECIPES, ids=lambda p: p.name)
+def test_paper_recipes_tracking_and_hub_examples_parse(
+    recipe: Path, backend: str, tmp_path: Path, gpu_recipes_parse_here: None
+) -> None:
+    """Each paper recipe shows report_to (trackio, wandb, tensorboard) and push_to_hub/hub_model_id commented out,
+    as TRL users write them; uncommented, they parse into DFPOConfig (as shipped: no reporting, no push)."""
+    _, shipped, _ = parse_args([str(recipe)])
+    assert shipped.report_to == [] and not shipped.push_to_hub
+    path = tmp_path / recipe.name
+    text = uncommented(recipe, backend)
+    assert text.count("\nreport_to:") == 1 and "\npush_to_hub: true" in text
+    path.write_text(text)
+    _, args, _ = parse_args([str(path)])
+    assert args.report_to == [backend]
+    assert args.push_to_hub and args.hub_model_id.startswith("your-username/") and args.hub_model_id.endswith("-DFPO")
+    assert str(getattr(args.hub_strategy, "value", args.hub_strategy)) == "every_save" and args.hub_private_repo
+    assert args.project.startswith("dfpo-") and args.run_name
+
+
+@pytest.mark.parametrize(("value", "expected"), [("none", []), ("tensorboard", ["tensorboard"]),
+                                                 ("[tensorboard]", ["tensorboard"]),
+                                                 ("[trackio, wandb]", ["trackio", "wandb"])])
+def test_report_to_in_a_recipe(value: str, expected: list[str], tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, f"""\
+        output_dir: {tmp_path / "out"}
+        use_cpu: true
+        report_to: {value}
+        push_to_hub: true
+        hub_model_id: someone/tiny-DFPO
+        """)
+    _, args, _ = parse_args([recipe])
+    assert args.report_to == expected and args.push_to_hub and args.hub_model_id == "someone/tiny-DFPO"
+    _, args, _ = parse_args([recipe, "--report_to", "none", "--push_to_hub", "false"])  # a flag beats the recipe
+    assert args.report_to == [] and not args.push_to_hub
+
+
 def test_cpu_recipe_is_the_embedded_default() -> None:
     script_args, args, model_args = parse_args([str(ROOT / "recipes" / "smollm2_cpu.yaml")])
     assert model_args.model_name_or_path is None and script_args.task == "arithmetic"

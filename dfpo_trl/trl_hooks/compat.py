@@ -71,6 +71,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("log", ("logs", "start_time"), True, "where DFPO flushes its metrics into TRL's"),
     TouchPoint("_calculate_rewards", ("inputs", "prompts", "completions", "completion_ids_list"), True,
                "each completion's reward, which step_reward carries with its row"),
+    TouchPoint("create_model_card", ("model_name", "dataset_name", "tags"), False,
+               "the card TRL writes from _name, _tag_names and _paper, to which DFPO adds DelTA's citation"),
 )
 
 # Attributes a constructed GRPOTrainer must have: the buffer and micro-step counter DFPO's layouts read, TRL's
