@@ -4,11 +4,23 @@ weights; refused with a balancing transform under ``"weights"``; DFPO off is sti
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tiny import base_args, capturing, loss_and_grads, make_trainer, record_row_weights, with_old_logps
+from tiny import (
+    base_args,
+    capturing,
+    end_rank,
+    free_port,
+    loss_and_grads,
+    make_trainer,
+    record_row_weights,
+    spawn_ranks,
+    with_old_logps,
+)
 from tolerance import assert_close_to_rounding
 from trl import GRPOConfig, GRPOTrainer
 
@@ -17,6 +29,8 @@ from dfpo_trl.groups.ids import WHOLE_GROUPS_KEY, consecutive_group_ids
 from dfpo_trl.metrics.mechanism import shared_prefix_residual
 from dfpo_trl.objectives.cancellation import BALANCING_TRANSFORMS, aggregation_factor, gradient_coefficients
 from dfpo_trl.objectives.weights import loss_mask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 GSPO = dict(importance_sampling_level="sequence", epsilon=0.2, epsilon_high=0.28, steps_per_generation=2,
             loss_type="grpo")
@@ -264,3 +278,86 @@ def test_pre_pass_at_the_old_policy_reads_the_mask_without_a_forward(with_old):
     assert_pre_pass_is_exact(batch, row_ids, weights, steps, masked=[3, 7])
     trainer.flush_dfpo_metrics("train")
     assert trainer._metrics["train"]["prepass/forward_skipped"][-1] == float(with_old)
+
+
+# -------------------------------------------------------------------- redistributed, on two processes (gloo)
+REDISTRIBUTED = dict(per_device_train_batch_size=2, num_generations=4, steps_per_generation=2,
+                     gradient_accumulation_steps=2)
+WORLD = 2
+
+
+def redistributed_worker(rank: int, port: int, batch_path: str, out_dir: str) -> None:
+    """Process ``rank`` of the redistributed layout: its half of the rollout (one group), moved so that each
+    micro-step holds one group across both processes; the weights, inputs and trained coefficients of each."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    batch = torch.load(batch_path)
+    trainer = make_trainer(capturing(DFPOTrainer), DFPOConfig, **GSPO | REDISTRIBUTED, group_transform="min_replace",
+                           cancellation_target="gradient", off_policy_mask_threshold=THRESHOLD)
+    trainer.current_gradient_accumulation_steps = REDISTRIBUTED["gradient_accumulation_steps"]
+    rows = slice(4 * rank, 4 * rank + 4)
+    local = {k: v[rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+    trainer._generate_and_score_completions = lambda _inputs: dict(local)
+    used = record_row_weights(trainer)
+    records = []
+    for _ in range(REDISTRIBUTED["steps_per_generation"]):  # no update in between: one θ
+        inputs = trainer._prepare_inputs(None)
+        loss, _ = loss_and_grads(trainer, inputs)
+        records.append(dict(layout=trainer.group_layout, loss=loss, weights=[w.clone() for w in used[-1]],
+                            coefficients=trainer.captured.grad.clone(),
+                            inputs={k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}))
+        trainer._step += 1
+    torch.save(records, Path(out_dir) / f"rank{rank}.pt")
+    trainers = [trainer]
+    del trainer
+    end_rank(trainers)
+
+
+def widened(t: torch.Tensor, width: int = 5) -> torch.Tensor:
+    """A per-token tensor right-padded with zeros to ``width`` (each process trims its own padding)."""
+    return torch.cat([t, t.new_zeros(t.size(0), width - t.size(1))], dim=1)
+
+
+@pytest.mark.distributed
+def test_redistributed_layout_folds_the_mask_on_the_process_that_holds_the_row(tmp_path):
+    """Rows move between processes with their old and sampler log-probs; each process folds TRL's mask into its
+    rows' U at loss time, and U travels in the all-gather: every process's weights equal the single-process ones,
+    each loss is TRL's own (mask included) with Â φ, and each group's trained coefficients, summed over both
+    processes, cancel on the shared prefix."""
+    reference_trainer = make_trainer(DFPOTrainer, DFPOConfig, **GSPO, per_device_train_batch_size=8,
+                                     num_generations=4, group_transform="min_replace", cancellation_target="gradient",
+                                     off_policy_mask_threshold=THRESHOLD)
+    batch = two_groups(reference_trainer, RATIOS)
+    batch["sampling_per_token_logps"] = batch["old_per_token_logps"] + 0.01  # the vLLM path: TRL reads these
+    used_reference = record_row_weights(reference_trainer)
+    loss_and_grads(reference_trainer, batch)
+    reference = used_reference[-1]
+    assert reference.survives.tolist() == [True, True, False, True] * 2
+    torch.save(batch, tmp_path / "batch.pt")
+    spawn_ranks(redistributed_worker, (free_port(), str(tmp_path / "batch.pt"), str(tmp_path)), nprocs=WORLD)
+    records = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
+    theirs = trl_trainer(**REDISTRIBUTED, off_policy_mask_threshold=THRESHOLD)
+    theirs.current_gradient_accumulation_steps = REDISTRIBUTED["gradient_accumulation_steps"]
+    for step in range(REDISTRIBUTED["steps_per_generation"]):
+        coefficients, ids, masks, row_ids = [], [], [], []
+        for rank in range(WORLD):
+            record = records[rank][step]
+            assert record["layout"] == "redistributed"
+            inputs, (s_bar, s_tilde, survives, _) = record["inputs"], record["weights"]
+            rows = inputs["row_ids"]
+            assert torch.equal(survives, reference.survives[rows])
+            assert_close_to_rounding(s_tilde, reference.s_tilde[rows])
+            phi = s_tilde / s_bar
+            trl_inputs = {k: v for k, v in inputs.items() if not k.startswith("dfpo_")}
+            loss, _ = loss_and_grads(theirs, {**trl_inputs, "advantages": inputs["advantages"] * phi})
+            assert_close_to_rounding(record["loss"], loss, scale=(inputs["advantages"] * phi).abs().mean())
+            assert_close_to_rounding(record["coefficients"], theirs.captured.grad)
+            coefficients.append(widened(record["coefficients"]))
+            ids.append(widened(inputs["completion_ids"]))
+            masks.append(widened(inputs["completion_mask"]))
+            row_ids.append(rows)
+        row_ids = torch.cat(row_ids)
+        assert torch.equal(torch.sort(row_ids // 4).values, torch.full((4,), int(row_ids[0]) // 4))  # one group
+        group = {"completion_ids": torch.cat(ids), "completion_mask": torch.cat(masks)}
+        assert_close_to_rounding(residual(torch.cat(coefficients), group), 0.0, scale=1.0, dtype=torch.float32)
