@@ -205,7 +205,8 @@ def validate(config: DFPOConfig) -> None:
     problems = [p for rule in FIELD_RULES if (p := rule.problem(config)) is not None]
     if problems:
         raise ValueError("invalid value(s): " + " | ".join(problems) + ".")
-    for check in (_cancellation, _group_granular, _sequence_rewrite, _symmetric_clip, _old_logps_rewrite, _delta):
+    for check in (_cancellation, _group_granular, _sequence_rewrite, _symmetric_clip, _old_logps_rewrite,
+                  _off_policy_mask, _delta):
         check(config)
 
 
@@ -320,6 +321,22 @@ def _old_logps_rewrite(config: DFPOConfig) -> None:
         raise ValueError(
             f"{what} cannot be combined with off_policy_mask_threshold: the off-policy mask would read "
             "the rewritten old log-probabilities. Set off_policy_mask_threshold=None."
+        )
+
+
+def _off_policy_mask(config: DFPOConfig) -> None:
+    """TRL's off-policy mask drops sequences from the loss after the transform has balanced the group: only the
+    gradient target folds it into the balance (docs/cancellation.md, "TRL's off-policy mask")."""
+    if config.off_policy_mask_threshold is None or config.cancellation_target == "gradient":
+        return
+    if config.group_transform in BALANCING_TRANSFORMS:
+        raise ValueError(
+            f"group_transform={config.group_transform!r} with cancellation_target='weights' cannot be combined "
+            f"with off_policy_mask_threshold={config.off_policy_mask_threshold!r}: TRL's off-policy mask drops "
+            "negative-advantage sequences from the loss after the transform has balanced sum_i A_i s~_i = 0 over "
+            "the whole group, so the balance does not hold over the sequences that are trained. Set "
+            "cancellation_target='gradient' (the balance then holds over the sequences that survive both the clip "
+            "and the mask), or off_policy_mask_threshold=None."
         )
 
 

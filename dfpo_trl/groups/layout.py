@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..metrics.mechanism import log_group_metrics
 from ..objectives.weights import PostClipWeights, RowWeights
-from ..trl_hooks.compat import split_tensor_dict
+from ..trl_hooks.compat import split_tensor_dict, trl_off_policy_keep
 from .batches import concat_sequence_dicts, permute_sequence_dict
 from .gather import gather_row_scalars
 from .ids import (
@@ -144,12 +144,15 @@ class GroupLayout:
     ) -> RowWeights:
         """s̄, s̃, U and the two-sided flags of this micro-batch's rows: from the pre-pass (computed at this
         optimizer step's θ for whole groups), from this forward's whole groups (``index``), or gathered across
-        processes. ``differentiate``: keep the graph through s̄ and the transform (the no-stop-gradient ablation)."""
+        processes. ``old``: the old log-probs TRL's loss reads (after the log-ratio bound; the detached current
+        ones when TRL computed none). ``differentiate``: keep the graph through s̄ and the transform (the
+        no-stop-gradient ablation)."""
         if PRE_PASS_KEYS[1] in inputs:
             return RowWeights(*(inputs[key] for key in PRE_PASS_KEYS))
         logps = per_token_logps if differentiate else per_token_logps.detach()
         with torch.set_grad_enabled(differentiate):
-            post_clip = self.post_clip_weights(logps, old, mask, advantages, mode)
+            post_clip = self.post_clip_weights(logps, old, mask, advantages, mode,
+                                               inputs.get("sampling_per_token_logps"))
             factor = self.aggregation_factor(inputs, mask, mask.sum().expand(mask.size(0)))
             if index is not None:
                 return self._transform(post_clip.s_bar, advantages, post_clip.survives, factor, index, mode).rows
@@ -157,15 +160,20 @@ class GroupLayout:
             return self._transform_gathered(inputs, post_clip, advantages, factor, mode)
 
     def post_clip_weights(
-        self, logps: Tensor, old: Tensor, mask: Tensor, advantages: Tensor, mode: str
+        self, logps: Tensor, old: Tensor, mask: Tensor, advantages: Tensor, mode: str,
+        sampling: Tensor | None = None,
     ) -> PostClipWeights:
-        """s̄ and U with TRL's clip range; counts the sequences whose NaN/Inf token log-ratios were sanitised."""
+        """s̄ and U with TRL's clip range, U narrowed to the rows TRL's off-policy mask keeps when
+        ``off_policy_mask_threshold`` is set (docs/cancellation.md, eq. C2), computed as TRL's loss will compute it
+        from the same ``old`` (what TRL's loss reads) and ``sampling`` (the sampler's log-probs, if any); counts the
+        sequences whose NaN/Inf token log-ratios were sanitised."""
         host = self.host
         weights = self.plan.post_clip_weights(
             logps, old, mask, advantages, host.epsilon_low, host.epsilon_high, host.args.delta
         )
         self.store.add_sum(mode, "transform/sanitised_weights", weights.sanitised.sum())
-        return weights
+        keep = trl_off_policy_keep(host, advantages, logps.detach(), old, sampling, mask)
+        return weights if keep is None else weights._replace(survives=weights.survives & keep)
 
     def aggregation_factor(self, inputs: dict[str, Any], mask: Tensor, micro_batch_tokens: Tensor) -> Tensor:
         """c_i (eq. C3) of every row, with TRL's vLLM importance-sampling ratio where TRL applies it to the loss."""

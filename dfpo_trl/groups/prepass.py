@@ -3,8 +3,9 @@
 When groups are spread over micro-steps, a micro-step's loss cannot see the other members' s̄ at its θ. At the start
 of each optimizer step the pre-pass forwards (no gradient) every member of every group that has a row in the step,
 on any process, transforms the complete groups and attaches s̄, s̃, U and the two-sided flag to the step's
-micro-batches under :data:`PRE_PASS_KEYS`, where the loss reads them. In the first optimizer step after a rollout
-θ = θ_old, so every s is 1 and the forward is skipped.
+micro-batches under :data:`PRE_PASS_KEYS`, where the loss reads them. U includes TRL's off-policy mask when it is on,
+computed from the same inputs as TRL's loss will compute it. In the first optimizer step after a rollout θ = θ_old,
+so every s is 1 and the forward is skipped.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..objectives.weights import loss_mask
-from ..trl_hooks.compat import disable_gradient_checkpointing, generate_every
+from ..objectives.weights import bounded_old_logps, loss_mask
+from ..trl_hooks.compat import disable_gradient_checkpointing, generate_every, trl_off_policy_keep
 from .batches import concat_sequence_dicts
 from .gather import gather_rows
 from .ids import GROUP_IDS_KEY, ROW_IDS_KEY, positions_of
@@ -57,10 +58,10 @@ class PrePass:
         window_groups = torch.cat([micro[GROUP_IDS_KEY] for micro in window])
         active = torch.unique(gather_rows(accelerator, window_groups.double().unsqueeze(1))[:, 0]).to(torch.int64)
         rows = torch.isin(full[GROUP_IDS_KEY], active.to(full[GROUP_IDS_KEY].device)).nonzero().squeeze(1)
-        skipped = self.policy_unchanged(step)
+        survives = self.survivors_at_old_policy(full, rows) if self.policy_unchanged(step) else None
+        skipped = survives is not None
         if skipped:
             s_bar = torch.ones(rows.numel(), device=full["advantages"].device)
-            survives = torch.ones(rows.numel(), dtype=torch.bool, device=s_bar.device)  # s = 1: inside the clip
         else:
             s_bar, survives = self.post_clip_weights(full, rows)
         self.layout.store.add_mean("train", "prepass/forward_skipped", torch.tensor(float(skipped)), 1.0)
@@ -75,6 +76,24 @@ class PrePass:
             for key, values in zip(PRE_PASS_KEYS, weights, strict=True):
                 micro[key] = values[position]
 
+    def survivors_at_old_policy(self, full: dict[str, Any], rows: torch.Tensor) -> torch.Tensor | None:
+        """U of the selected rows at θ = θ_old, without a forward: every s is 1, inside the clip, and TRL's
+        off-policy mask (when on) reads the old log-probs as the current ones. None when that mask needs current
+        log-probs the rollout did not keep (the sampler's log-probs without old ones): the pre-pass then forwards.
+        The same answer on every process (it depends on the config only), so the forwards stay collective."""
+        survives = torch.ones(rows.numel(), dtype=torch.bool, device=full["advantages"].device)
+        old, sampling = full.get("old_per_token_logps"), full.get("sampling_per_token_logps")
+        if self.host.off_policy_mask_threshold is None:
+            return survives
+        if old is None and sampling is not None:
+            return None
+        mask = loss_mask(full)[rows]
+        # without old log-probs TRL's mask compares the current log-probs with themselves: any equal pair will do
+        current = torch.zeros(mask.shape, device=mask.device) if old is None else old[rows]
+        keep = trl_off_policy_keep(self.host, full["advantages"][rows], current, current,
+                                   None if sampling is None else sampling[rows], mask)
+        return survives & keep
+
     @torch.no_grad()
     def post_clip_weights(self, full: dict[str, Any], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """s̄ and U of the selected rows of a rollout at the current θ, forwarded through TRL's log-prob helper in
@@ -87,7 +106,7 @@ class PrePass:
         total_chunks = int(counts.max().item())
         fallback = torch.zeros(1, dtype=rows.dtype, device=rows.device)
         s_bars, survives = [], []
-        full_mask = loss_mask(full)
+        full_mask, sequence_level = loss_mask(full), self.layout.plan.sequence_level
         with disable_gradient_checkpointing(host.model, host.args.gradient_checkpointing_kwargs):
             for k in range(total_chunks):
                 part = rows[k * chunk : (k + 1) * chunk]
@@ -101,9 +120,11 @@ class PrePass:
                 )
                 if not real:
                     continue
-                old = full.get("old_per_token_logps")
-                old = logps if old is None else old[part]
-                weights = self.layout.post_clip_weights(logps, old, full_mask[part], full["advantages"][part], "train")
+                old, sampling = full.get("old_per_token_logps"), full.get("sampling_per_token_logps")
+                # the old log-probs as TRL's loss will read them (the trainer bounds them before the loss)
+                old = logps if old is None else bounded_old_logps(logps, old[part], full_mask[part], sequence_level)
+                weights = self.layout.post_clip_weights(logps, old, full_mask[part], full["advantages"][part], "train",
+                                                        None if sampling is None else sampling[part])
                 s_bars.append(weights.s_bar)
                 survives.append(weights.survives)
         if not s_bars:

@@ -147,8 +147,8 @@ def post_clip_weights(
 
 class RowWeights(NamedTuple):
     """Per-row sequence weights of one micro-batch, what the loss-input rewrite reads: s̄ (eq. 47), s̃ (the
-    transform's output), whether the row's gradient survives the clip (U, eq. C2) and whether its group is
-    two-sided (eq. C8)."""
+    transform's output), whether the row's gradient survives the clip and, when it is on, TRL's off-policy mask
+    (U, eq. C2) and whether its group is two-sided (eq. C8)."""
 
     s_bar: Tensor
     s_tilde: Tensor

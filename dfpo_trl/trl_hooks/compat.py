@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import trl
 from packaging.version import Version
+from torch import Tensor
 from trl import GRPOTrainer
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "generate_every",
     "get_config_model_id",
     "split_tensor_dict",
+    "trl_off_policy_keep",
     "trl_runs_old_logps_forward",
 ]
 
@@ -73,6 +75,10 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "each completion's reward, which step_reward carries with its row"),
     TouchPoint("create_model_card", ("model_name", "dataset_name", "tags"), False,
                "the card TRL writes from _name, _tag_names and _paper, to which DFPO adds DelTA's citation"),
+    TouchPoint("get_off_policy_mask",
+               ("advantages", "per_token_logps", "sampling_per_token_logps", "mask", "off_policy_threshold"), False,
+               "TRL's off-policy sequence mask, which DFPO computes as TRL's loss will to fold it into the clip "
+               "survivors U"),
 )
 
 # Attributes a constructed GRPOTrainer must have: the buffer and micro-step counter DFPO's layouts read, TRL's
@@ -80,7 +86,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
 TRAINER_ATTRIBUTES: tuple[str, ...] = (
     "_buffered_inputs", "_step", "_metrics", "num_generations", "num_generations_eval", "num_iterations",
     "epsilon_low", "epsilon_high", "loss_type", "importance_sampling_level", "temperature", "use_vllm",
-    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_correction", "off_policy_mask_threshold",
 )
 
 
@@ -169,6 +175,26 @@ def bind_call(method_name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
     arguments = dict(bound.arguments)
     arguments.pop(next(iter(signature.parameters)))
     return arguments
+
+
+def trl_off_policy_keep(
+    trainer: Any, advantages: Tensor, per_token_logps: Tensor, old_per_token_logps: Tensor,
+    sampling_per_token_logps: Tensor | None, mask: Tensor,
+) -> Tensor | None:
+    """The rows TRL 1.16's off-policy sequence mask keeps in ``_compute_loss``, as a (B,) bool tensor; None when
+    ``off_policy_mask_threshold`` is unset. Computed by the trainer's own ``get_off_policy_mask`` (what TRL's loss
+    calls) on the inputs TRL's loss hands it: the sampler's log-probs where the rollout has them, else the old
+    log-probs TRL's loss reads (``old_per_token_logps``: the detached current ones when TRL computed none), the
+    current log-probs ``per_token_logps`` and the loss mask. ``advantages`` is (B,)."""
+    threshold = trainer.off_policy_mask_threshold
+    if threshold is None:
+        return None
+    sampling = old_per_token_logps if sampling_per_token_logps is None else sampling_per_token_logps
+    keep = trainer.get_off_policy_mask(
+        advantages=advantages.unsqueeze(1), per_token_logps=per_token_logps, sampling_per_token_logps=sampling,
+        mask=mask, off_policy_threshold=threshold,
+    )
+    return keep.squeeze(1) != 0
 
 
 def generate_every(trainer: Any) -> int:
