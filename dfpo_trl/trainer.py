@@ -99,6 +99,7 @@ class DFPOTrainer(GRPOTrainer):
         super().__init__(**arguments)
         check_trainer_attributes(self)
         self._pending: PendingCall | None = None  # see PendingCall
+        self._unwrapped: tuple[torch.nn.Module, torch.nn.Module] | None = None  # see unwrapped_model
         self.plan = ObjectivePlan.from_config(self.args)
         if self.plan.form.grpo_fix:
             self.epsilon_low = 1.0  # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): eq. 79's lower bound
@@ -215,7 +216,15 @@ class DFPOTrainer(GRPOTrainer):
         if call is None or call.on_forward is None or (call.model is not None and model is not call.model):
             return forward()
         on_forward, call.on_forward = call.on_forward, None
-        return on_forward(self.accelerator.unwrap_model(model), ((model, *args), kwargs), forward)
+        return on_forward(self.unwrapped_model(model), ((model, *args), kwargs), forward)
+
+    def unwrapped_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``accelerator.unwrap_model(model)``, computed once per wrapper object: accelerate walks every submodule
+        (``has_compiled_regions``) and probes for packages on each call, which on a 1.7B model cost about 0.5% of
+        a loss + backward on the GPU when done every micro-step (benchmarks/README.md, the loss step)."""
+        if self._unwrapped is None or self._unwrapped[0] is not model:
+            self._unwrapped = (model, self.accelerator.unwrap_model(model))
+        return self._unwrapped[1]
 
     def _rewrite_after_forward(self, inputs: dict[str, Any], model: torch.nn.Module, call: Any, forward: Any):
         """The loss's policy forward (h kept for the energy metric when it is on), then DFPO's rewrite of the
