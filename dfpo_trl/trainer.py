@@ -212,7 +212,7 @@ class DFPOTrainer(GRPOTrainer):
                 f"DFPO's input rewrite did not run and {self.plan.active_options} would be silently ignored "
                 f"(trl {trl.__version__}; dfpo_trl supports trl{SUPPORTED_TRL_TEXT})."
             )
-        if recount is not None:  # counted from the rewritten inputs: DFPO's own count, pending in its store, stands
+        if recount is not None:  # TRL counted the rewritten inputs: DFPO's count, pending in its store, stands in
             remove_appended(trl_metrics, recount)
         return loss
 
@@ -226,8 +226,9 @@ class DFPOTrainer(GRPOTrainer):
         return on_forward(self.accelerator.unwrap_model(model), ((model, *args), kwargs), forward)
 
     def _rewrite_after_forward(self, inputs: dict[str, Any], model: torch.nn.Module, call: Any, forward: Any):
-        """The loss's policy forward (h kept for the energy metric when it is on), then DFPO's rewrite of the
-        inputs TRL reads next, then the backward hooks of the token-coefficient metrics."""
+        """The loss's policy forward (h kept for the energy metric when it is on), the clip fractions of the inputs
+        as they stand (when a rewrite is active), then DFPO's rewrite of the inputs TRL reads next, then the
+        backward hooks of the token-coefficient metrics."""
         plan, mode = self.plan, "train" if self.model.training else "eval"
         capture = energy_capture(plan.energy_buckets, self.model.training)
         out = forward() if capture is None else capture_log_prob_forward(capture, model, call, forward)

@@ -14,6 +14,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms, clipped_ratios
+from dfpo_trl.trl_hooks.compat import TRLCompatibilityError, metric_lengths, remove_appended
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -213,3 +214,14 @@ def test_hand_batch_without_old_logps_is_on_policy_and_counts_nothing():
                        torch.tensor([1.0, -1.0, 0.5, -0.5]), None)
     logged = logged_clip(trainer, batch)
     assert logged["clip_ratio/region_mean"] == [0.0] and logged["clip_ratio/high_max"] == [0.0]
+
+
+def test_trl_logging_other_than_one_value_per_call_stops_the_replacement():
+    """DFPO removes the one value TRL's call appended; a TRL that appends none or two must not leave a mix."""
+    metrics = {"clip_ratio/low_mean": [0.5], "clip_ratio/high_mean": [0.5, 0.25]}
+    lengths = {"clip_ratio/low_mean": 0, "clip_ratio/high_mean": 1}
+    remove_appended(metrics, lengths)
+    assert metrics == {"clip_ratio/high_mean": [0.5]}  # an emptied list is dropped: TRL would log it as None
+    assert metric_lengths(metrics, CLIP_RATIO_METRICS)["clip_ratio/low_mean"] == 0 and len(metrics) == 1
+    with pytest.raises(TRLCompatibilityError, match=r"appended 0 values to _metrics\['clip_ratio/high_mean'\]"):
+        remove_appended(metrics, {"clip_ratio/high_mean": 1})
