@@ -30,6 +30,7 @@ from .delta.rollout import DELTA_WEIGHTS_KEY
 from .delta.weighting import DeltaWeighting
 from .groups.layout import GroupLayout
 from .groups.policy import describe_layout
+from .metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms, clipped_ratios, log_clip_fractions
 from .metrics.hooks import energy_capture, watch_gradient_energy, watch_token_coefficients
 from .metrics.store import MetricStore
 from .objectives.plan import ObjectivePlan
@@ -43,6 +44,8 @@ from .trl_hooks.compat import (
     disable_gradient_checkpointing,
     generate_every,
     get_config_model_id,
+    metric_lengths,
+    remove_appended,
     trl_runs_old_logps_forward,
 )
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
@@ -195,10 +198,13 @@ class DFPOTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        """TRL's loss on a shallow copy of ``inputs`` that DFPO rewrites right after the policy forward pass."""
+        """TRL's loss on a shallow copy of ``inputs`` that DFPO rewrites right after the policy forward pass; where
+        the rewrite is active, TRL's clip fractions of this call give way to DFPO's count (metrics/clip.py)."""
         inputs = dict(inputs)  # the buffered rollout is reused across iterations: never mutate it
         if self.model.training:
             log_step_reward(self.dfpo_metrics, inputs)
+        trl_metrics = self._metrics["train" if self.model.training else "eval"]
+        recount = metric_lengths(trl_metrics, CLIP_RATIO_METRICS) if self.plan.recounts_clip_fractions else None
         with self._expecting(PendingCall(partial(self._rewrite_after_forward, inputs))) as call:
             loss = super()._compute_loss(model=model, inputs=inputs)
         if call.on_forward is not None and self.plan.active_options:
@@ -207,6 +213,8 @@ class DFPOTrainer(GRPOTrainer):
                 f"DFPO's input rewrite did not run and {self.plan.active_options} would be silently ignored "
                 f"(trl {trl.__version__}; dfpo_trl supports trl{SUPPORTED_TRL_TEXT})."
             )
+        if recount is not None:  # TRL counted the rewritten inputs: DFPO's count, pending in its store, stands in
+            remove_appended(trl_metrics, recount)
         return loss
 
     def _get_per_token_logps_and_entropies(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
@@ -227,8 +235,9 @@ class DFPOTrainer(GRPOTrainer):
         return self._unwrapped[1]
 
     def _rewrite_after_forward(self, inputs: dict[str, Any], model: torch.nn.Module, call: Any, forward: Any):
-        """The loss's policy forward (h kept for the energy metric when it is on), then DFPO's rewrite of the
-        inputs TRL reads next, then the backward hooks of the token-coefficient metrics."""
+        """The loss's policy forward (h kept for the energy metric when it is on), the clip fractions of the inputs
+        as they stand (when a rewrite is active), then DFPO's rewrite of the inputs TRL reads next, then the
+        backward hooks of the token-coefficient metrics."""
         plan, mode = self.plan, "train" if self.model.training else "eval"
         capture = energy_capture(plan.energy_buckets, self.model.training)
         out = forward() if capture is None else capture_log_prob_forward(capture, model, call, forward)
@@ -238,6 +247,11 @@ class DFPOTrainer(GRPOTrainer):
         old = inputs.get("old_per_token_logps")
         if old is not None:
             old = inputs["old_per_token_logps"] = bounded_old_logps(logps, old, mask, plan.sequence_level)
+        if plan.recounts_clip_fractions:  # from TRL's inputs before the rewrite, with the clip DFPO applies
+            clipped = clipped_ratios(logps, logps.detach() if old is None else old, advantages, mask,
+                                     sequence_level=plan.sequence_level, eps_low=self.epsilon_low,
+                                     eps_high=self.epsilon_high, symmetric=plan.form.grpo_fix, delta=self.args.delta)
+            log_clip_fractions(self.dfpo_metrics, mode, clip_fraction_terms(clipped, mask))
         index = self.layout.group_index(inputs, mode) if plan.needs_groups else None
         weights, differentiate = None, plan.differentiates(index is not None)
         if plan.sequence_level and (index is not None or plan.rewrites_sequences):

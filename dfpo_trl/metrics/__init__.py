@@ -1,6 +1,6 @@
 """DFPO's metrics (docs/metrics.md).
 
 ``store`` (the only path into TRL's logs), ``mechanism`` (Asym, residuals, φ), ``energy`` (eq. 24), ``curves``
-(EMA, Jitter₂, steps to threshold), ``drift`` (D1–D4) and ``hooks`` (the backward hooks that read the token
-coefficients).
+(EMA, Jitter₂, steps to threshold), ``drift`` (D1–D4), ``clip`` (TRL's clip fractions, counted before DFPO's
+rewrite) and ``hooks`` (the backward hooks that read the token coefficients).
 """

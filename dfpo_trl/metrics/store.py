@@ -13,13 +13,22 @@ Per-add accumulation (a float64 cast, an add, a host float copied to the device,
 ~0.3% of a 1.7B model's loss + backward in launch overhead alone. A long logging interval is folded into one
 entry per metric every :data:`COMPACT_AFTER` entries, so memory stays bounded.
 
-Three kinds: ``mean`` (Σ total / Σ count, pooled over micro-steps and processes), ``min`` (the minimum over
+Three pooled kinds: ``mean`` (Σ total / Σ count, pooled over micro-steps and processes), ``min`` (the minimum over
 entries with a positive count) and ``sum`` (a count of events). At TRL's ``log``, :meth:`MetricStore.flush_into`
 appends one value per metric to TRL's own ``_metrics``, which TRL averages and logs with its own.
+
+Three per-call kinds, for values that stand in for a metric TRL itself logs once per loss call (the clip
+fractions, metrics/clip.py): ``call_mean`` (Σ total / max(Σ count, 1) over processes, divided in float32 as TRL
+divides, so equal inputs give TRL's value bit for bit), ``call_min`` and ``call_max`` (over processes, NaN meaning
+"no value", as TRL's nanmin/nanmax). Each entry stays one value: at the flush every entry is reduced over processes
+on its own and appended to TRL's list, so TRL averages them over the logging interval exactly as it averages its
+own per-call values. Every process must add the same number of entries (the loss calls of a step run in lockstep,
+as TRL's own per-call reductions require); the flush checks it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,8 +38,10 @@ import torch.distributed as dist
 from accelerate.utils import gather_object
 from torch import Tensor
 
-Kind = Literal["mean", "min", "sum"]
-NamesGather = Callable[[list[tuple[str, str]]], list[list[tuple[str, str]]]]
+Kind = Literal["mean", "min", "sum", "call_mean", "call_min", "call_max"]
+CALL_KINDS: tuple[Kind, ...] = ("call_mean", "call_min", "call_max")
+Name = tuple[str, str, int]  # (metric, kind, number of per-call values; 0 for the pooled kinds)
+NamesGather = Callable[[list[Name]], list[list[Name]]]
 
 COMPACT_AFTER = 4096
 """Pending entries of one mode after which they are folded into one per metric (on the device, no host read)."""
@@ -77,8 +88,48 @@ class MetricStore:
         """Add to a count of events."""
         self._add(mode, name, "sum", total, 1.0)
 
+    def add_call_mean(self, mode: str, name: str, total: Tensor, count: Tensor | float) -> None:
+        """Add one loss call's value of a per-call mean: Σ total / max(Σ count, 1) over processes, logged on its own
+        (TRL's ``global_masked_mean``: a call with nothing to count gives 0)."""
+        self._add(mode, name, "call_mean", total, count)
+
+    def add_call_min(self, mode: str, name: str, value: Tensor) -> None:
+        """Add one loss call's value of a per-call minimum over processes (NaN: no value on this process)."""
+        self._add(mode, name, "call_min", value, 1.0)
+
+    def add_call_max(self, mode: str, name: str, value: Tensor) -> None:
+        """Add one loss call's value of a per-call maximum over processes (NaN: no value on this process)."""
+        self._add(mode, name, "call_max", value, 1.0)
+
     def pending(self, mode: str) -> list[str]:
         return sorted(self._entries.get(mode, {}))
+
+    def _names(self, mode: str) -> list[Name]:
+        """This process's pending metrics of ``mode``: name, kind and, for a per-call kind, its number of values."""
+        return sorted(
+            (name, p.kind, sum(_numel(t) for t in p.totals) if p.kind in CALL_KINDS else 0)
+            for name, p in self._entries.get(mode, {}).items()
+        )
+
+    def _take_calls(self, mode: str, names: list[Name], device: torch.device | str) -> tuple[Tensor, Tensor]:
+        """The per-call entries of ``names`` (in that order), taken out of the store: ``sums`` (float64) holds each
+        ``call_mean``'s totals then its counts, ``minima`` (float64) each ``call_min``'s values and each
+        ``call_max``'s values negated, NaN as +inf, so one all-reduce (sum) and one (min) cover them all."""
+        entries = self._entries.get(mode, {})
+        sums: list[Tensor] = []
+        minima: list[Tensor] = []
+        for name, kind, _ in names:
+            pending = entries.pop(name, None)
+            if pending is None:
+                continue
+            totals = _stack(pending.totals, device)
+            if kind == "call_mean":
+                sums += [totals, _stack(pending.counts, device)]
+            else:
+                values = totals if kind == "call_min" else -totals
+                minima.append(torch.where(torch.isnan(values), torch.inf, values))
+        empty = torch.zeros(0, dtype=torch.float64, device=device)
+        return torch.cat([empty, *sums]), torch.cat([empty, *minima])
 
     def _reduce_local(
         self, mode: str, names: list[tuple[str, str]], device: torch.device | str
@@ -123,40 +174,65 @@ class MetricStore:
         return sums.view(-1, 2), minima
 
     def _compact(self, mode: str) -> None:
-        """Fold every pending entry of ``mode`` into one per metric, on the device (no host read)."""
-        names = sorted((name, pending.kind) for name, pending in self._entries.get(mode, {}).items())
-        if not names:
+        """Fold every pending entry of ``mode`` into one per metric, on the device (no host read); a per-call
+        metric's entries become one entry holding all its values."""
+        entries = self._entries.get(mode, {})
+        if not entries:
             return
-        device = next(iter(self._entries[mode].values())).totals[0].device
+        device = next(iter(entries.values())).totals[0].device
+        calls = {name: pending for name, pending in entries.items() if pending.kind in CALL_KINDS}
+        for pending in calls.values():
+            pending.totals = [_stack(pending.totals, device)]
+            pending.counts = [_stack(pending.counts, device)] if pending.kind == "call_mean" else []
+        names = sorted((name, pending.kind) for name, pending in entries.items() if name not in calls)
         sums, minima = self._reduce_local(mode, names, device)
+        self._entries[mode], self._sizes[mode] = calls, len(calls)
         for row, (name, kind) in enumerate(names):
             total = minima[row] if kind == "min" else sums[row, 0]
             self._add(mode, name, kind, total, sums[row, 1])
 
     def flush(
         self, mode: str, device: torch.device | str, gather_names: NamesGather | None = None
-    ) -> dict[str, float]:
-        """Every metric of ``mode`` reduced over all processes, as Python floats (one host read), and clear.
+    ) -> dict[str, float | list[float]]:
+        """Every metric of ``mode`` reduced over all processes, as Python floats (one host read), and clear: one
+        float per pooled metric, a list of one float per entry for a per-call metric.
 
         With ``gather_names`` (several processes), the metric names are first united across processes so that
-        every process all-reduces the same tensors in the same order; a process without a metric contributes an
-        empty entry. Metrics without any count are left out (a mean over nothing is not 0)."""
-        names = sorted((name, pending.kind) for name, pending in self._entries.get(mode, {}).items())
+        every process all-reduces the same tensors in the same order; a process without a pooled metric
+        contributes an empty entry. Metrics without any count are left out (a mean over nothing is not 0)."""
+        names = self._names(mode)
         if gather_names is not None:
-            names = sorted({item for per_process in gather_names(names) for item in per_process})
+            names = _united(gather_names(names))
         if not names:
             self._entries[mode], self._sizes[mode] = {}, 0
             return {}
-        stats, minima = self._reduce_local(mode, names, device)
+        call_names = [item for item in names if item[1] in CALL_KINDS]
+        call_sums, call_minima = self._take_calls(mode, call_names, device)
+        pooled = [(name, kind) for name, kind, _ in names if kind not in CALL_KINDS]
+        stats, minima = self._reduce_local(mode, pooled, device)
+        sums, lows = torch.cat([stats.flatten(), call_sums]), torch.cat([minima, call_minima])
         if gather_names is not None and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-            dist.all_reduce(minima, op=dist.ReduceOp.MIN)
-        values = torch.stack([stats[:, 0], stats[:, 1], minima], dim=1).cpu().tolist()  # the one host read
-        out: dict[str, float] = {}
-        for (name, kind), (total, count, minimum) in zip(names, values, strict=True):
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+            dist.all_reduce(lows, op=dist.ReduceOp.MIN)
+        values = torch.cat([sums, lows]).cpu().tolist()  # the one host read
+        sums_host, lows_host = values[: sums.numel()], values[sums.numel():]
+        out: dict[str, float | list[float]] = {}
+        for row, (name, kind) in enumerate(pooled):
+            total, count, minimum = sums_host[2 * row], sums_host[2 * row + 1], lows_host[row]
             if count <= 0:
                 continue
             out[name] = minimum if kind == "min" else total if kind == "sum" else total / count
+        call_sums_host, call_lows_host = sums_host[stats.numel():], lows_host[minima.numel():]
+        for name, kind, calls in call_names:
+            if kind == "call_mean":
+                totals, counts = call_sums_host[:calls], call_sums_host[calls: 2 * calls]
+                call_sums_host = call_sums_host[2 * calls:]
+                quotient = torch.tensor(totals, dtype=torch.float32) / torch.tensor(counts).clamp(min=1.0).float()
+                out[name] = quotient.tolist()  # host tensors, divided in float32 as TRL divides its own
+            else:
+                sign = 1.0 if kind == "call_min" else -1.0
+                lows_of_name, call_lows_host = call_lows_host[:calls], call_lows_host[calls:]
+                out[name] = [sign * value if math.isfinite(value) else math.nan for value in lows_of_name]
         return out
 
     def flush_into(self, trl_metrics: dict[str, list[float]], mode: str, accelerator: Any) -> None:
@@ -165,7 +241,39 @@ class MetricStore:
         every process calls TRL's ``log``."""
         gather = None
         if accelerator.num_processes > 1:
-            def gather(names: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+            def gather(names: list[Name]) -> list[list[Name]]:
                 return [[tuple(item) for item in per] for per in gather_object([names])]
         for name, value in self.flush(mode, accelerator.device, gather).items():
-            trl_metrics[name].append(value)
+            if isinstance(value, list):
+                trl_metrics[name].extend(value)
+            else:
+                trl_metrics[name].append(value)
+
+
+def _numel(value: Tensor | float) -> int:
+    return value.numel() if isinstance(value, Tensor) else 1
+
+
+def _stack(values: list[Tensor | float], device: torch.device | str) -> Tensor:
+    """Entries (0-dim or, after a compaction, 1-dim tensors, or host floats) as one float64 vector on ``device``,
+    in order; a host float is copied without waiting for the device."""
+    parts = [(v if isinstance(v, Tensor) else torch.tensor([v], dtype=torch.float64)).reshape(-1)
+             .to(device, non_blocking=True) for v in values]
+    return torch.cat(parts).to(torch.float64)
+
+
+def _united(per_process: list[list[Name]]) -> list[Name]:
+    """The metrics of every process, united. A per-call metric must have the same number of values on every
+    process (each value is reduced over processes on its own), and a name one kind everywhere."""
+    names = sorted({tuple(item) for names in per_process for item in names})
+    by_name: dict[str, list[Name]] = {}
+    for item in names:
+        by_name.setdefault(item[0], []).append(item)
+    for name, items in by_name.items():
+        counts = [dict((n[0], n[2]) for n in names_of).get(name, 0) for names_of in per_process]
+        if len(items) > 1 or (items[0][1] in CALL_KINDS and len(set(counts)) > 1):
+            raise ValueError(
+                f"metric {name!r} is added as {sorted({kind for _, kind, _ in items})} with {counts} per-call "
+                "values on the processes: a per-call metric needs one value per loss call on every process"
+            )
+    return names

@@ -95,6 +95,13 @@ class ObjectivePlan:
         """Whether a micro-batch's group view is needed: for a sequence rewrite or for the group metrics."""
         return self.group_metrics or self.rewrites_sequences
 
+    @property
+    def recounts_clip_fractions(self) -> bool:
+        """Whether TRL's ``clip_ratio/*`` are recounted (metrics/clip.py): GRPO-fix clips another region, and a
+        sequence rewrite hands TRL's count other ratios (score form, flipped rows) or advantages of another sign
+        (Â φ with φ ≤ 0). DelTA's λ̄ > 0 changes neither, so TRL's own count stands there, as with DFPO off."""
+        return self.form.grpo_fix or self.rewrites_sequences
+
     def differentiates(self, whole_groups: bool) -> bool:
         """The no-stop-gradient ablation is differentiated here: whole groups in the micro-batch, grad enabled."""
         return not self.stop_gradient and whole_groups and torch.is_grad_enabled()

@@ -35,6 +35,8 @@ __all__ = [
     "disable_gradient_checkpointing",
     "generate_every",
     "get_config_model_id",
+    "metric_lengths",
+    "remove_appended",
     "split_tensor_dict",
     "trl_off_policy_keep",
     "trl_runs_old_logps_forward",
@@ -165,6 +167,27 @@ def check_trainer_attributes(trainer: Any) -> None:
     missing = [name for name in TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
     if missing:
         raise _incompatible(f"a constructed GRPOTrainer has no attribute {', '.join(missing)}")
+
+
+def metric_lengths(metrics: dict[str, list[float]], names: tuple[str, ...]) -> dict[str, int]:
+    """How many values TRL's ``_metrics[mode]`` holds for each of ``names`` (without creating the keys)."""
+    return {name: len(metrics.get(name, ())) for name in names}
+
+
+def remove_appended(metrics: dict[str, list[float]], lengths: dict[str, int]) -> None:
+    """Remove the value one TRL call appended to each metric of ``lengths`` (their lengths before the call), for
+    DFPO's own count to stand in for it. TRL 1.16's ``_compute_loss`` appends exactly one value per clipped-loss
+    call; anything else means TRL changed how it logs them, and DFPO's count would sit beside TRL's wrong one."""
+    for name, before in lengths.items():
+        values = metrics.get(name, [])
+        if len(values) != before + 1:
+            raise _incompatible(
+                f"GRPOTrainer._compute_loss appended {len(values) - before} values to _metrics[{name!r}] where "
+                "DFPO expects one per call (DFPO replaces TRL's clip fractions with its own count)"
+            )
+        values.pop()
+        if not values:
+            del metrics[name]
 
 
 def bind_call(method_name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
