@@ -429,7 +429,7 @@ def register_transform(
     source: str | None = None,
     replace: bool = False,
     check: bool = True,
-) -> Any:
+) -> GroupFunction | Callable[[GroupFunction], GroupFunction]:
     """Register ``fn(w, advantages) -> s̃`` as the in-group transform ``name`` (docs/extending.md); returns ``fn``.
 
     A decorator (``@register_transform("name", balances="zero_sum")``) or a call (``register_transform("name", fn,
