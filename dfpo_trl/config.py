@@ -93,8 +93,9 @@ class DFPOConfig(GRPOConfig):
         "none",
         "In-group transform of the post-clip sequence weights s̄ (stop-gradient): `\"none\"` (GSPO), "
         "`\"min_replace\"`, `\"orth_proj\"`, `\"positive_orth_proj\"` (exact QP), `\"truncate_rebalance\"`, "
-        "`\"scale\"` (ablation). Needs `importance_sampling_level=\"sequence\"`; acts only off-policy.",
-        "DFPO eq. 47, 49, 50, 18, 51, 52–55, Table 3; docs/design.md",
+        "`\"scale\"` (ablation), or one registered by `register_transform`. Needs "
+        "`importance_sampling_level=\"sequence\"`; acts only off-policy.",
+        "DFPO eq. 47, 49, 50, 18, 51, 52–55, Table 3; docs/design.md, docs/extending.md",
     )
     transform_scale: float = documented(
         0.5, "κ of the `\"scale\"` ablation, s̃ = κ s̄; finite and > 0.", "DFPO Table 3 (κ = 0.5)"

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from .delta import GAMMA_RULES, GAMMA_UPDATES, SCOPES, ZERO_ADVANTAGE_RULES
-from .objectives.cancellation import BALANCING_TRANSFORMS, CANCELLATION_TARGETS, ONE_SIDED_POLICIES
-from .objectives.transforms import GROUP_TRANSFORMS
+from .objectives.cancellation import CANCELLATION_TARGETS, ONE_SIDED_POLICIES, not_retargetable
+from .objectives.transforms import TRANSFORMS, get_transform, registered_transforms
 
 if TYPE_CHECKING:
     from .config import DFPOConfig
@@ -58,19 +58,32 @@ def quoted(choices: tuple[str, ...], last: str = " or ") -> str:
 @dataclass(frozen=True)
 class FieldRule:
     """The rule of one field: ``check(value, config)``, else the message ``{field}={value!r} {rule}; {fix}``
-    (``rule`` may depend on the value and the config)."""
+    (``rule`` and ``fix`` may depend on the value and the config, or on what is registered when it runs)."""
 
     field: str
     check: Check
     rule: str | Callable[[Any, DFPOConfig], str]
-    fix: str
+    fix: str | Callable[[Any, DFPOConfig], str]
 
     def problem(self, config: DFPOConfig) -> str | None:
         value = getattr(config, self.field)
         if self.check(value, config):
             return None
         rule = self.rule(value, config) if callable(self.rule) else self.rule
-        return f"{self.field}={value!r} {rule}; {self.fix}"
+        fix = self.fix(value, config) if callable(self.fix) else self.fix
+        return f"{self.field}={value!r} {rule}; {fix}"
+
+
+def registered_transform(value: Any, _: DFPOConfig) -> bool:
+    """A name in the transform registry as it is now (built-ins and dfpo_trl.register_transform's)."""
+    return isinstance(value, str) and value in TRANSFORMS
+
+
+def _transform_fix(_value: Any, _config: DFPOConfig) -> str:
+    return (
+        f"use one of {quoted(registered_transforms(), ', ')}, or register the transform first with "
+        "dfpo_trl.register_transform (in dfpo-train: --plugins MODULE, docs/extending.md)"
+    )
 
 
 def _positive_integer(name: str) -> FieldRule:
@@ -128,8 +141,7 @@ FIELD_RULES: tuple[FieldRule, ...] = (
         "must be > 0", "e.g. 5e-5 for the CPU main job, 1e-6 for large models",
     ),
     # ---- DFPO's fields, in declaration order
-    FieldRule("group_transform", one_of(GROUP_TRANSFORMS), "is not a DFPO transform",
-              f"use one of {quoted(GROUP_TRANSFORMS, ', ')}"),
+    FieldRule("group_transform", registered_transform, "is not a DFPO transform", _transform_fix),
     FieldRule(
         "transform_scale", lambda v, _: finite(v) and v > 0,
         "must be a finite number > 0 (the factor κ of the 'scale' ablation: 0 drops every update, a negative κ "
@@ -228,12 +240,9 @@ def _cancellation(config: DFPOConfig) -> None:
                 "cancellation_target='gradient' or leave cancellation_one_sided='keep'."
             )
         return
-    if config.group_transform not in BALANCING_TRANSFORMS:
-        raise ValueError(
-            f"cancellation_target='gradient' retargets a transform's balance condition, but group_transform="
-            f"{config.group_transform!r} has none. Set group_transform to one of "
-            f"{quoted(BALANCING_TRANSFORMS, ', ')}."
-        )
+    transform = get_transform(config.group_transform)
+    if not transform.retargetable:
+        raise ValueError(not_retargetable(transform))
     if not config.transform_stop_gradient:
         raise ValueError(
             "cancellation_target='gradient' balances stop-gradient weights; transform_stop_gradient=False "
@@ -302,14 +311,15 @@ def _symmetric_clip(config: DFPOConfig) -> None:
 
 def _old_logps_rewrite(config: DFPOConfig) -> None:
     """Options that hand TRL rewritten old log-probs: nothing else of TRL's may read them."""
-    # Orth-Proj under the gradient target hands TRL the score representation for rows whose weight flips sign.
-    flips_to_score = config.cancellation_target == "gradient" and config.group_transform == "orth_proj"
+    # A transform whose weights may go negative (Orth-Proj) under the gradient target hands TRL the score
+    # representation for rows whose weight flips sign.
+    flips_to_score = config.cancellation_target == "gradient" and not get_transform(config.group_transform).nonnegative
     if config.symmetric_clip:
         what = "symmetric_clip=True"
     elif config.transform_gradient == "score":
         what = "transform_gradient='score'"
     elif flips_to_score:
-        what = "group_transform='orth_proj' with cancellation_target='gradient'"
+        what = f"group_transform={config.group_transform!r} (weights may be < 0) with cancellation_target='gradient'"
     else:
         return
     if config.use_bias_correction_kl and config.beta != 0.0:
@@ -329,7 +339,7 @@ def _off_policy_mask(config: DFPOConfig) -> None:
     gradient target folds it into the balance (docs/cancellation.md, "TRL's off-policy mask")."""
     if config.off_policy_mask_threshold is None or config.cancellation_target == "gradient":
         return
-    if config.group_transform in BALANCING_TRANSFORMS:
+    if get_transform(config.group_transform).balances:  # a built-in or registered transform with a balance
         raise ValueError(
             f"group_transform={config.group_transform!r} with cancellation_target='weights' cannot be combined "
             f"with off_policy_mask_threshold={config.off_policy_mask_threshold!r}: TRL's off-policy mask drops "

@@ -89,8 +89,16 @@ class DFPOScriptArguments:
     drift_size: int = field(default=32, metadata={"help": "Held-out problems the drift meter scores."})
     save_model: bool = field(default=True, metadata={"help": "Save the trained model to output_dir."})
     plot: bool = field(default=True, metadata={"help": f"Write {PLOT_FILE} (needs matplotlib) to output_dir."})
+    plugins: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Modules imported first, to register transforms, tasks or rewards (docs/extending.md)."
+        },
+    )
 
     def __post_init__(self) -> None:
+        if isinstance(self.plugins, str):  # a recipe's `plugins: my_module`
+            self.plugins = [self.plugins]
         for name in ("eval_every", "drift_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 optimizer steps (0: off), got {getattr(self, name)}")

@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING
 from trl import GRPOConfig
 
 from ..config import DFPOConfig
+from ..objectives.transforms import TRANSFORMS
 from ..tasks import TASKS
 from .args import DFPOScriptArguments
 
 if TYPE_CHECKING:
     from .parser import DFPOParser
 
-__all__ = ["dfpo_field_names", "short_help", "task_help"]
+__all__ = ["dfpo_field_names", "short_help", "task_help", "transform_help"]
 
 # One line per built-in task in `--help`; a task registered without an entry here is described by the first
 # sentence of its factory's docstring.
@@ -45,6 +46,15 @@ def task_help() -> str:
         f"Task: {listed}; a name registered with dfpo_trl.tasks.register_task; or an import path "
         "'package.module:factory' returning a dfpo_trl.tasks.Task."
     )
+
+
+def transform_help() -> str:
+    """The ``group_transform`` field's help (it lists the built-ins), then every transform registered beyond them
+    (by a plugin, docs/extending.md) with its balance condition, as the registry holds them now."""
+    spec = next(f for f in fields(DFPOConfig) if f.name == "group_transform")
+    added = [f"'{name}' (balances: {entry.balance})" for name, entry in TRANSFORMS.items() if not entry.builtin]
+    extra = f" Registered by plugins: {', '.join(added)}." if added else ""
+    return spec.metadata["help"] + extra.replace("%", "%%")  # argparse formats help with %
 
 
 # TRL / transformers fields a DFPO recipe sets most often, named in the short help (their help: --help-all).

@@ -35,6 +35,7 @@ from .help import short_help
 from .model import ModelUnavailableError, model_init_kwargs, resolve_model
 from .outputs import PREVIOUS_RUN_DIR, save_model, set_aside_previous_outputs, write_outputs
 from .parser import make_parser, parse_args
+from .plugins import import_plugins, requested_plugins
 from .progress import close_progress_bar, use_dfpo_progress_bar
 
 __all__ = ["default_process_group", "main", "run"]
@@ -159,11 +160,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("dfpo_trl").setLevel(logging.INFO)
     args = sys.argv[1:] if argv is None else list(argv)
-    if "--help-all" in args:
-        make_parser().print_help()
-        raise SystemExit(0)
-    if "-h" in args or "--help" in args:
-        print(short_help(make_parser()), end="")
+    if "--help-all" in args or "-h" in args or "--help" in args:
+        try:  # the help lists what the plugins register
+            import_plugins(requested_plugins(args))
+        except RecipeError as exc:
+            print(f"dfpo-train: error: {exc}", file=sys.stderr)
+            return 2
+        if "--help-all" in args:
+            make_parser().print_help()
+        else:
+            print(short_help(make_parser()), end="")
         raise SystemExit(0)
     try:
         script_args, training_args, model_args = parse_args(args)

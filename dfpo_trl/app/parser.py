@@ -20,7 +20,8 @@ from trl import ModelConfig, TrlParser
 
 from ..config import DFPOConfig
 from .args import DFPOScriptArguments, RecipeError
-from .help import task_help
+from .help import task_help, transform_help
+from .plugins import as_module_list, flag_plugins, import_plugins
 
 # Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.
 RENAMED_FIELDS = {
@@ -94,6 +95,13 @@ class DFPOParser(TrlParser):
             "`dfpo-train --help` lists them."
         )
 
+    def parse_args_into_dataclasses(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
+        """Import the plugin modules (the flag's, else the recipe's) first: the dataclasses' checks read what they
+        register, e.g. DFPOConfig's group_transform the transform registry (docs/extending.md)."""
+        flagged = flag_plugins(sys.argv[1:] if args is None else args)
+        import_plugins(flagged if flagged is not None else as_module_list(self.primary_action("plugins").default))
+        return super().parse_args_into_dataclasses(args, *rest, **kwargs)
+
     def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
         known = set(self.field_names())
         unknown = [k for k in kwargs if k not in known]
@@ -119,9 +127,11 @@ def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
         description="Train with DFPO objectives (TRL GRPOTrainer subclass) from a YAML recipe. Usage: "
         "dfpo-train RECIPE.yaml [--field value ...]; every field below can be set in the recipe or overridden "
         "here. DFPO's own fields: group_transform, transform_*, symmetric_clip, log_mechanism_metrics, "
-        "log_energy_buckets, token_weighting, delta_*.",
+        "log_energy_buckets, token_weighting, delta_*. --plugins MODULE imports a module that registers "
+        "transforms, tasks or rewards first.",
     )
     parser.primary_action("task").help = task_help()
+    parser.primary_action("group_transform").help = transform_help()
     return parser
 
 

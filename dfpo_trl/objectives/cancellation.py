@@ -19,21 +19,17 @@ function infers groups from row order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from .transforms import (
+    GROUP_TRANSFORMS,
     TRANSFORMS,
-    W_MAX,
     GroupTransform,
     _check_groups,
-    _compute_dtype,
-    _normalized_advantages,
-    _sanitize_weights,
-    _to_output,
     get_transform,
+    min_replace_on_subset,
 )
 
 __all__ = [
@@ -41,20 +37,40 @@ __all__ = [
     "CANCELLATION_TARGETS",
     "FACTOR_LOSS_TYPES",
     "ONE_SIDED_POLICIES",
-    "SUBSET_BALANCES",
     "GroupSides",
     "aggregation_factor",
     "balance_group_weights",
+    "balancing_transforms",
     "transform_group_weights",
     "gradient_coefficients",
     "group_sides",
     "min_replace_on_subset",
+    "not_retargetable",
 ]
 
 CANCELLATION_TARGETS: tuple[str, ...] = ("weights", "gradient")
 ONE_SIDED_POLICIES: tuple[str, ...] = ("keep", "zero")
-# Transforms with a balance condition that "gradient" can retarget ("none" and "scale" have none): from the registry.
-BALANCING_TRANSFORMS: tuple[str, ...] = tuple(name for name, t in TRANSFORMS.items() if t.balances)
+# The built-in transforms whose balance condition "gradient" can retarget ("none" and "scale" have none).
+BALANCING_TRANSFORMS: tuple[str, ...] = tuple(name for name in GROUP_TRANSFORMS if TRANSFORMS[name].retargetable)
+
+
+def balancing_transforms() -> tuple[str, ...]:
+    """The registered transforms (built-in or not) that ``cancellation_target="gradient"`` can retarget, now."""
+    return tuple(name for name, entry in TRANSFORMS.items() if entry.retargetable)
+
+
+def not_retargetable(transform: GroupTransform) -> str:
+    """Why ``cancellation_target="gradient"`` cannot use ``transform``, and what to set instead."""
+    names = ", ".join(repr(n) for n in balancing_transforms())
+    head = (f"cancellation_target='gradient' retargets a transform's balance condition, but group_transform="
+            f"{transform.name!r}")
+    if transform.balances:  # "equal" without its balanced form on the clip survivors
+        return (f"{head} declares balances={transform.balance!r} without a subset_balance, the balanced form on the "
+                "clip survivors that the gradient target needs; register one (docs/extending.md) or use one of "
+                f"{names}.")
+    return f"{head} has none; use one of {names}."
+
+
 # Loss types whose per-token coefficient carries the per-sequence mean's 1/L_i (TRL 1.16's "grpo").
 _PER_SEQUENCE_MEAN_LOSSES = ("grpo",)
 # Loss types normalised by the micro-batch's own token count (TRL 1.16's "bnpo").
@@ -121,56 +137,6 @@ def group_sides(advantages: torch.Tensor, a: torch.Tensor) -> GroupSides:
     return GroupSides(has_signal, two_sided, has_signal & ~two_sided)
 
 
-def min_replace_on_subset(w: torch.Tensor, a: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
-    """Min-Replace balanced on a subset (eq. C4–C7): the closest vector to Min-Replace's output that cancels.
-
-    On the members U (``members``), Min-Replace gives every member m = min_{i∈U} w_i, and Σ_U a_i m = m Σ_U a_i
-    is not 0 when the a_i do not sum to 0 over U. The construction is the exact solution of
-
-        min ½‖v − m 1‖²  s.t.  Σ_{i∈U} a_i v_i = 0,  0 ≤ v_i ≤ m   (i ∈ U)            (C4)
-
-    the smallest change to Min-Replace that balances the coefficients and, like Min-Replace, never raises a
-    weight above the group minimum (φ ≤ 1). KKT gives v_i = clip(m − μ a_i, 0, m). If D = Σ_U a_i > 0
-    (μ > 0), the negative ("light") side stays at m and the positive ("heavy") side is lowered to
-    v_i = m max(1 − t a_i, 0), t = μ/m, with t the root of the decreasing, piecewise-linear
-
-        h(t) = Σ_{heavy} a_i max(1 − t a_i, 0) = M_light = Σ_{light} |a_i|,              (C5)
-
-    located between the breakpoints 1/a_i and solved exactly on its linear piece (C6); D < 0 mirrors it.
-    D = 0 gives t = 0, i.e. Min-Replace itself (C7). Members outside U are returned unchanged (φ = 1),
-    zero-a members of U get m. Groups whose U is one-sided or empty (no exact non-zero balance) are not
-    handled here: see :func:`balance_group_weights`. Batched over groups, no Python loop, no host sync.
-    """
-    _check_groups(w, a)
-    if members.shape != w.shape:
-        raise ValueError(f"members must be shaped like w {tuple(w.shape)}, got {tuple(members.shape)}")
-    dtype = _compute_dtype(w, a)
-    x = _sanitize_weights(w, dtype)
-    b, _ = _normalized_advantages(torch.where(members, a, torch.zeros_like(a)), dtype)
-    m = torch.where(members, x, torch.full_like(x, W_MAX)).amin(dim=-1, keepdim=True)
-    direction = torch.where(b.sum(dim=-1, keepdim=True) >= 0, 1.0, -1.0).to(dtype)
-    b = b * direction  # now the heavy side has b > 0
-    heavy_b = torch.where(members & (b > 0), b, torch.zeros_like(b))
-    light_mass = torch.where(members & (b < 0), -b, torch.zeros_like(b)).sum(dim=-1, keepdim=True)
-    sorted_b = heavy_b.sort(dim=-1, descending=True).values  # non-heavy zeros go last
-    # Suffix sums over the sorted heavy side: active set "positions >= k" has S1[k] = Σ b, S2[k] = Σ b².
-    s1 = sorted_b.flip(-1).cumsum(-1).flip(-1)
-    s2 = (sorted_b * sorted_b).flip(-1).cumsum(-1).flip(-1)
-    # h at the breakpoint t_k = 1/b_(k): the members after k are the active ones (ties contribute 0).
-    next_s1 = torch.cat((s1[..., 1:], torch.zeros_like(s1[..., :1])), dim=-1)
-    next_s2 = torch.cat((s2[..., 1:], torch.zeros_like(s2[..., :1])), dim=-1)
-    breakpoints = 1.0 / torch.where(sorted_b > 0, sorted_b, torch.ones_like(sorted_b))
-    h_at = torch.where(sorted_b > 0, next_s1 - breakpoints * next_s2, torch.zeros_like(sorted_b))
-    k = (h_at > light_mass).sum(dim=-1, keepdim=True)  # h > M_light at the first k breakpoints: root after them
-    k = k.clamp(max=sorted_b.shape[-1] - 1)
-    piece_s1, piece_s2 = s1.gather(-1, k), s2.gather(-1, k)
-    t = (piece_s1 - light_mass) / torch.where(piece_s2 > 0, piece_s2, torch.ones_like(piece_s2))
-    t = t.clamp(min=0.0)
-    lowered = m * torch.clamp(1.0 - t * b, min=0.0)
-    v = torch.where(b > 0, lowered, m.expand_as(x))
-    return _to_output(torch.where(members, v, x), w.dtype)
-
-
 def balance_group_weights(
     transform: str | GroupTransform,
     s_bar: torch.Tensor,
@@ -185,26 +151,22 @@ def balance_group_weights(
     """s̃ of ``cancellation_target="gradient"`` for (num_groups, G) tensors, and the groups' sides (eq. C8).
 
     ``transform`` is an entry of the registry (or its name). Two-sided groups: the transform runs on a instead of
-    Â (Min-Replace: :func:`min_replace_on_subset`, see :data:`SUBSET_BALANCES`), members outside U keep s̄ (φ = 1),
-    so Σ_i a_i s̃_i = 0. One-sided groups (signal, but U holds one sign of a, or none): ``"keep"`` gives the
+    Â, or its entry's ``subset_balance`` does (Min-Replace: :func:`min_replace_on_subset`); members outside U keep
+    s̄ (φ = 1), so Σ_i a_i s̃_i = 0. One-sided groups (signal, but U holds one sign of a, or none): ``"keep"`` gives the
     paper's ``"weights"`` result; ``"zero"`` gives s̃ = 0 to every member (exact cancellation, at the price of the
     group's update this step). Groups without signal keep the ``"weights"`` result (their policy gradient is 0
     either way).
     """
     transform = get_transform(transform)
-    if not transform.balances:
-        raise ValueError(
-            f"cancellation_target='gradient' balances a transform's condition, but group_transform="
-            f"{transform.name!r} has none; use one of {', '.join(repr(n) for n in BALANCING_TRANSFORMS)}."
-        )
+    if not transform.retargetable:
+        raise ValueError(not_retargetable(transform))
     if one_sided not in ONE_SIDED_POLICIES:
         raise ValueError(f"cancellation_one_sided={one_sided!r} is not valid; use 'keep' or 'zero'.")
     _check_groups(s_bar, advantages)
     sides = group_sides(advantages, a)
     by_weights = transform.apply(s_bar, advantages, scale_factor, truncate_floor)
-    on_subset = SUBSET_BALANCES.get(transform.name)
-    if on_subset is not None:
-        by_gradient = on_subset(s_bar, a, survives)
+    if transform.subset_balance is not None:
+        by_gradient = transform.subset_balance(s_bar, a, survives)
     else:
         by_gradient = torch.where(survives, transform.apply(s_bar, a, scale_factor, truncate_floor), s_bar)
     two_sided = sides.two_sided.unsqueeze(-1)
@@ -212,13 +174,6 @@ def balance_group_weights(
     if one_sided == "zero":
         s_tilde = torch.where(sides.one_sided.unsqueeze(-1), torch.zeros_like(s_tilde), s_tilde)
     return s_tilde, sides
-
-
-#: Transforms whose balanced form on U is its own construction, not the transform run on a: Min-Replace's
-#: minimal-change form (eq. C4–C7). The others run on a and keep s̄ outside U.
-SUBSET_BALANCES: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "min_replace": min_replace_on_subset,
-}
 
 
 def transform_group_weights(

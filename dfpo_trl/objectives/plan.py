@@ -3,9 +3,11 @@
 A parameter goes from the config to the math in two hops a reader can follow: the config field is read here, once,
 when the trainer is built (:meth:`ObjectivePlan.from_config`, hop 1), and the plan hands the pure functions of
 ``objectives/`` what they take (hop 2). ``group_transform``, for instance, becomes the transform's registry entry
-(``TRANSFORMS[group_transform]``), and :meth:`ObjectivePlan.transform_rows` calls
-:func:`~dfpo_trl.objectives.cancellation.transform_group_weights` with it, which calls the entry's function. This is
-the one place DFPO's objective compares a config string; the trainer and the layouts ask the plan.
+(:func:`~dfpo_trl.objectives.transforms.get_transform`, built-in or registered), whose properties (balance
+condition, non-negative weights, balanced form on the clip survivors) decide the rest, and
+:meth:`ObjectivePlan.transform_rows` calls :func:`~dfpo_trl.objectives.cancellation.transform_group_weights` with it,
+which calls the entry's function. This is the one place DFPO's objective compares a config string; the trainer and
+the layouts ask the plan.
 
 TRL's own loss settings that TRL keeps on the trainer (ε_low, ε_high, the vLLM importance-sampling switch) are not
 in the plan: they are read from the trainer at each call, where TRL's loss reads them.
@@ -23,7 +25,7 @@ from ..delta.rollout import DOMAIN_MICRO_BATCH, normalisation_domain
 from ..groups.ids import scatter_from_groups
 from .cancellation import FACTOR_LOSS_TYPES, GroupSides, aggregation_factor, transform_group_weights
 from .rewrite import RewriteForm
-from .transforms import TRANSFORMS, GroupTransform
+from .transforms import GroupTransform, get_transform
 from .weights import PostClipWeights, RowWeights, post_clip_weights
 
 if TYPE_CHECKING:
@@ -47,7 +49,7 @@ class GroupedWeights(NamedTuple):
 class ObjectivePlan:
     """DFPO's objective as the config sets it. Built once per trainer by :meth:`from_config`."""
 
-    transform: GroupTransform  # group_transform's registry entry (eq. 18, 50–55, Table 3)
+    transform: GroupTransform  # group_transform's registry entry (eq. 18, 50–55, Table 3, or registered)
     scale_factor: float  # transform_scale (Table 3's κ)
     truncate_floor: float  # transform_truncate_floor (eq. 52's ϵ)
     cancellation_target: str  # "weights" (the paper) or "gradient" (docs/cancellation.md, eq. C1)
@@ -67,8 +69,9 @@ class ObjectivePlan:
         """Hop 1: every DFPO field the objective reads, read here once (the config has validated them)."""
         gradient_target = config.cancellation_target == "gradient"
         delta = config.token_weighting == "delta"
+        transform = get_transform(config.group_transform)  # the registry as it is now
         return cls(
-            transform=TRANSFORMS[config.group_transform],
+            transform=transform,
             scale_factor=config.transform_scale,
             truncate_floor=config.transform_truncate_floor,
             cancellation_target=config.cancellation_target,
@@ -77,7 +80,7 @@ class ObjectivePlan:
                 grpo_fix=config.symmetric_clip,
                 score_form=config.transform_gradient == "score",
                 transform_active=config.group_transform != "none",
-                flip_to_score=gradient_target and config.group_transform == "orth_proj",
+                flip_to_score=gradient_target and not transform.nonnegative,  # Orth-Proj's negative weights
                 renormalise_token_weights=delta and normalisation_domain(config.loss_type) == DOMAIN_MICRO_BATCH,
             ),
             sequence_level=config.importance_sampling_level == "sequence",

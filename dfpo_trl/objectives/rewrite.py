@@ -9,8 +9,8 @@ out (tests/test_loss_inputs.py):
   -min(s Â φ, c Â φ) = -φ Â s̄(θ), which is eq. 59–62; φ ≡ 1 for ``"none"``, so that is GSPO exactly;
 * score form: old log-probs → the detached current ones (ratio 1 in value, ∇ρ in gradient, never clipped) and
   Â → Â_i s̃_i, so the policy term is -Â_i sg(s̃_i) ρ_i(θ) (eq. 16/68/85);
-* the flipped rows of Orth-Proj under ``cancellation_target="gradient"`` take the score representation
-  (docs/cancellation.md);
+* the flipped rows of Orth-Proj (any transform registered with ``nonnegative=False``) under
+  ``cancellation_target="gradient"`` take the score representation (docs/cancellation.md);
 * GRPO-fix (Appendix H, eq. 79–80): for Â < 0, tokens with r > 1+ε_high get the constant ratio 1+ε_high (zero
   gradient), which with TRL's ε_low := 1 makes the weight the same operator for both signs;
 * DelTA (docs/delta.md): Â → Â_i λ̄_{i,t} (B, T) last; since λ̄ > 0, the policy term is -λ̄ min(rÂ, clip(r)Â)
@@ -48,7 +48,7 @@ class RewriteForm(NamedTuple):
     grpo_fix: bool  # symmetric_clip: GRPO-fix's old log-probs (eq. 79–80)
     score_form: bool  # transform_gradient="score": -Â sg(s̃) ρ(θ) (eq. 16/68/85)
     transform_active: bool  # a group transform other than "none": Â φ
-    flip_to_score: bool  # Orth-Proj under the gradient target: flipped rows in the score representation
+    flip_to_score: bool  # weights that may be < 0 (Orth-Proj) under the gradient target: flipped rows as score form
     renormalise_token_weights: bool  # DelTA under loss_type="bnpo": λ̄ averages 1 over the micro-batch
 
 
