@@ -229,7 +229,7 @@ class DFPOTrainer(GRPOTrainer):
     def unwrapped_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """``accelerator.unwrap_model(model)``, computed once per wrapper object: accelerate walks every submodule
         (``has_compiled_regions``) and probes for packages on each call, which on a 1.7B model cost about 0.5% of
-        a loss + backward on the GPU when done every micro-step (benchmarks/README.md, the loss step)."""
+        a loss + backward on the GPU when done every micro-step (benchmarks/results/NOTES.md, the restructure)."""
         if self._unwrapped is None or self._unwrapped[0] is not model:
             self._unwrapped = (model, self.accelerator.unwrap_model(model))
         return self._unwrapped[1]
