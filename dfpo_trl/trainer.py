@@ -15,9 +15,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -30,7 +29,7 @@ from .delta.rollout import DELTA_WEIGHTS_KEY
 from .delta.weighting import DeltaWeighting
 from .groups.layout import GroupLayout
 from .groups.policy import describe_layout
-from .metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms, clipped_ratios, log_clip_fractions
+from .metrics.clip import CLIP_RATIO_METRICS, count_clip_fractions
 from .metrics.hooks import energy_capture, watch_gradient_energy, watch_token_coefficients
 from .metrics.store import MetricStore
 from .objectives.plan import ObjectivePlan
@@ -43,37 +42,16 @@ from .trl_hooks.compat import (
     check_trainer_attributes,
     disable_gradient_checkpointing,
     generate_every,
-    get_config_model_id,
     metric_lengths,
+    on_policy_identity_warning,
     remove_appended,
-    trl_runs_old_logps_forward,
 )
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
+from .trl_hooks.pending import PendingCall, default_config
 from .trl_hooks.step_reward import attach_row_rewards, log_step_reward, row_rewards
 
 logger = logging.getLogger(__name__)
-
-
-def default_config(model: Any) -> DFPOConfig:
-    """The config of a trainer built without ``args``, named as ``GRPOTrainer`` names its default
-    (``GRPOConfig(f"{model_name}-GRPO")``): ``DFPOConfig(f"{model_name}-DFPO")``, every DFPO option off."""
-    model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-    return DFPOConfig(f"{model_name.split('/')[-1]}-DFPO")
-
-
-@dataclass
-class PendingCall:
-    """The one piece of state between DFPO's overrides, forced by TRL's call structure: TRL calls
-    ``_calculate_rewards`` and ``_get_per_token_logps_and_entropies`` from inside its rollout and its loss, so what
-    DFPO must do or learn there is left here by the outer override (:meth:`DFPOTrainer._expecting`) for the
-    duration of TRL's call. ``on_forward`` runs around the next policy forward of ``model`` (any model when None),
-    once (DelTA's h in the rollout; the loss-input rewrite in the loss); ``rewards`` is the rollout's per-completion
-    reward, for ``step_reward``."""
-
-    on_forward: Callable[[torch.nn.Module, Any, Callable[[], Any]], Any] | None = None
-    model: torch.nn.Module | None = None
-    rewards: torch.Tensor | None = None
 
 
 class DFPOTrainer(GRPOTrainer):
@@ -111,13 +89,9 @@ class DFPOTrainer(GRPOTrainer):
         # every process: the layout, why it was chosen and what it costs, in one line
         logger.info(describe_layout(self.layout.name, self.args, self.accelerator.num_processes))
         self.delta = DeltaWeighting(self, self.dfpo_metrics) if self.plan.token_weighting else None
-        if self.plan.rewrites_sequences and not trl_runs_old_logps_forward(self):
-            logger.warning(
-                "group_transform=%r runs on-policy (steps_per_generation <= gradient_accumulation_steps, "
-                "num_iterations=1, no vLLM importance sampling): every post-clip weight is 1 and the transform "
-                "is the identity. Raise steps_per_generation or num_iterations for it to act.",
-                self.plan.transform.name,
-            )
+        warning = on_policy_identity_warning(self, self.plan.transform.name) if self.plan.rewrites_sequences else None
+        if warning:
+            logger.warning(warning)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         """TRL's card (DFPO's name, tags and citation from the class attributes above), plus DelTA's sentence and
@@ -248,10 +222,9 @@ class DFPOTrainer(GRPOTrainer):
         if old is not None:
             old = inputs["old_per_token_logps"] = bounded_old_logps(logps, old, mask, plan.sequence_level)
         if plan.recounts_clip_fractions:  # from TRL's inputs before the rewrite, with the clip DFPO applies
-            clipped = clipped_ratios(logps, logps.detach() if old is None else old, advantages, mask,
-                                     sequence_level=plan.sequence_level, eps_low=self.epsilon_low,
-                                     eps_high=self.epsilon_high, symmetric=plan.form.grpo_fix, delta=self.args.delta)
-            log_clip_fractions(self.dfpo_metrics, mode, clip_fraction_terms(clipped, mask))
+            count_clip_fractions(self.dfpo_metrics, mode, logps, logps.detach() if old is None else old, advantages,
+                                 mask, sequence_level=plan.sequence_level, eps_low=self.epsilon_low,
+                                 eps_high=self.epsilon_high, symmetric=plan.form.grpo_fix, delta=self.args.delta)
         index = self.layout.group_index(inputs, mode) if plan.needs_groups else None
         weights, differentiate = None, plan.differentiates(index is not None)
         if plan.sequence_level and (index is not None or plan.rewrites_sequences):

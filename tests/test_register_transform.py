@@ -17,13 +17,13 @@ from tolerance import assert_close_to_rounding
 import dfpo_trl
 from dfpo_trl import DFPOConfig, DFPOTrainer, register_transform, registered_transforms, unregister_transform
 from dfpo_trl.objectives.plan import ObjectivePlan
+from dfpo_trl.objectives.transform_probe import probe_problem
 from dfpo_trl.objectives.transforms import (
     _BUILTINS,
     GROUP_TRANSFORMS,
     TRANSFORMS,
     apply_group_transform,
     min_replace_on_subset,
-    probe_problem,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread", "clean_registry")

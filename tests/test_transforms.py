@@ -1,5 +1,5 @@
-"""Tests of dfpo_trl.objectives.transforms (and s, s̄ of dfpo_trl.objectives.weights) against the equations of
-arXiv 2604.13088 (Appendix B) and docs/design.md."""
+"""Tests of dfpo_trl.objectives.transform_math and transforms (and s, s̄ of dfpo_trl.objectives.weights) against
+the equations of arXiv 2604.13088 (Appendix B) and docs/design.md."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from scipy.optimize import minimize
 from tolerance import assert_close_to_rounding
 
-import dfpo_trl.objectives.transforms as transforms_module
+import dfpo_trl.objectives.transform_math as transforms_module
 from dfpo_trl.objectives.transforms import (
     GROUP_TRANSFORMS,
     W_MAX,

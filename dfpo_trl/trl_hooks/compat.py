@@ -233,5 +233,17 @@ def trl_runs_old_logps_forward(trainer: Any) -> bool:
     )
 
 
+def on_policy_identity_warning(trainer: Any, transform: str) -> str | None:
+    """The warning for a sequence rewrite that cannot act: on-policy, TRL computes no old log-probs, every post-clip
+    weight is 1 and the transform is the identity (None when TRL runs the off-policy forward)."""
+    if trl_runs_old_logps_forward(trainer):
+        return None
+    return (
+        f"group_transform={transform!r} runs on-policy (steps_per_generation <= gradient_accumulation_steps, "
+        "num_iterations=1, no vLLM importance sampling): every post-clip weight is 1 and the transform is the "
+        "identity. Raise steps_per_generation or num_iterations for it to act."
+    )
+
+
 disable_gradient_checkpointing, get_config_model_id, split_tensor_dict = _import_helpers()
 check_touch_points()

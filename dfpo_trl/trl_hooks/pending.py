@@ -1,0 +1,36 @@
+"""The trainer's two pieces of TRL convention: the default config TRL's trainers build when given none, and the one
+piece of state between DFPO's overrides that TRL's call structure forces (:class:`PendingCall`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import DFPOConfig
+from .compat import get_config_model_id
+
+__all__ = ["PendingCall", "default_config"]
+
+
+def default_config(model: Any) -> DFPOConfig:
+    """The config of a trainer built without ``args``, named as ``GRPOTrainer`` names its default
+    (``GRPOConfig(f"{model_name}-GRPO")``): ``DFPOConfig(f"{model_name}-DFPO")``, every DFPO option off."""
+    model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+    return DFPOConfig(f"{model_name.split('/')[-1]}-DFPO")
+
+
+@dataclass
+class PendingCall:
+    """The one piece of state between DFPO's overrides, forced by TRL's call structure: TRL calls
+    ``_calculate_rewards`` and ``_get_per_token_logps_and_entropies`` from inside its rollout and its loss, so what
+    DFPO must do or learn there is left here by the outer override (:meth:`DFPOTrainer._expecting`) for the
+    duration of TRL's call. ``on_forward`` runs around the next policy forward of ``model`` (any model when None),
+    once (DelTA's h in the rollout; the loss-input rewrite in the loss); ``rewards`` is the rollout's per-completion
+    reward, for ``step_reward``."""
+
+    on_forward: Callable[[torch.nn.Module, Any, Callable[[], Any]], Any] | None = None
+    model: torch.nn.Module | None = None
+    rewards: torch.Tensor | None = None
