@@ -32,6 +32,9 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from long_run import card, versions  # noqa: E402 - the card and package versions every vLLM result records
+
 RECIPE = ROOT / "recipes" / "smollm2_gpu_vllm.yaml"
 PARITY_KEYS = ("loss", "reward", "reward_std", "entropy", "grad_norm", "completions/mean_length",
                "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean")
@@ -200,24 +203,6 @@ def compare(trl: dict[str, Any], dfpo: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ parent
-def card() -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-
-
-def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for name in ("torch", "transformers", "trl", "vllm", "accelerate"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = "absent"
-    return out
-
-
 def run_child(args: argparse.Namespace, kind: str, out: pathlib.Path, extra_env: dict[str, str]) -> dict[str, Any]:
     launcher = [sys.executable, __file__]
     if args.via_accelerate:
