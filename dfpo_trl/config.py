@@ -2,7 +2,8 @@
 
 A DFPO field's help is its one documentation: what it means, then ``Source:`` (a DFPO paper equation, DelTA, or
 the docs/ page); its default is the field's own. The class docstring is generated from them below, the README's
-field table by ``python -m dfpo_trl.config_docs``; the rules a value must meet live in ``config_checks``.
+field table by ``python -m dfpo_trl.config_docs``; the rules a value must meet live in ``config_checks``
+(each field) and ``config_combinations`` (between fields).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
-from .config_checks import read_delta_gamma, validate
+from .config_checks import check_fields, read_delta_gamma
+from .config_combinations import check_combinations
 
 # transformers >= 5.24 renamed gradient_checkpointing to activation_checkpointing and warns whenever the old name
 # is set, which TRL's config does by default (True), so every run warned. Older 5.x releases know only the old name.
@@ -209,7 +211,8 @@ class DFPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         self._resolve_checkpointing_alias()
         self.delta_gamma = read_delta_gamma(self.delta_gamma)
-        validate(self)
+        check_fields(self)  # every field's own rule first, all problems at once
+        check_combinations(self)  # then the rules between fields, the first one broken
         super().__post_init__()
 
     @property

@@ -1,5 +1,5 @@
-"""Validation of ``DFPOConfig``: one rule per field (``FIELD_RULES``), then the rules between fields
-(:mod:`dfpo_trl.config_combinations`).
+"""Validation of each ``DFPOConfig`` field on its own: one rule per field (``FIELD_RULES``); the rules between
+fields, checked after these, are in :mod:`dfpo_trl.config_combinations`.
 
 Every message names the field, the rule and the fix. TRL and transformers accept many bad values silently (a
 negative clip range, a zero temperature) and fail, if at all, minutes later inside a rollout or the loss, so the
@@ -213,11 +213,9 @@ def read_delta_gamma(gamma: Any) -> Any:
     return gamma
 
 
-def validate(config: DFPOConfig) -> None:
-    """Every field's rule (all problems reported at once), then the rules between fields (the first one broken)."""
+def check_fields(config: DFPOConfig) -> None:
+    """Every field's rule, all problems reported at once (the rules between fields come after, in
+    :mod:`dfpo_trl.config_combinations`)."""
     problems = [p for rule in FIELD_RULES if (p := rule.problem(config)) is not None]
     if problems:
         raise ValueError("invalid value(s): " + " | ".join(problems) + ".")
-    from .config_combinations import check_combinations  # reads this module's constants: imported when used
-
-    check_combinations(config)
