@@ -295,9 +295,10 @@ def main(argv: list[str] | None = None) -> None:
         "server_argv": benchmark_server_command(args, python=sys.executable, scale_out=vllm_has_scale_out()),
         "runs": {},
     }
-    import importlib.metadata as md
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from long_run import versions  # the package versions every vLLM result records
 
-    result["versions"] = {n: md.version(n) for n in ("torch", "transformers", "trl", "vllm")}
+    result["versions"] = versions()
     token_ids, prompt_tokens = check_tokens(args.model)
     initial = model_logprobs(args.model, token_ids, prompt_tokens)
     for kind in ("dfpo", "dfpo_off", "trl"):
