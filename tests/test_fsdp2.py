@@ -238,3 +238,44 @@ def test_fsdp2_dfpo_off_is_the_same_run_as_grpo_trainer(tmp_path):
         half = initial[weight].size(0) // WORLD
         assert mine[weight].size(0) == half
         assert not torch.equal(mine[weight], initial[weight][rank * half : (rank + 1) * half])
+
+
+# ------------------------------------------------------------------ held-out evaluation before training (FSDP2)
+
+
+def evaluate_then_train_worker(rank: int, port: int, out_dir: str) -> None:
+    """The CLI's order under FSDP2: the held-out greedy evaluation (HeldoutAccuracyCallback, at train begin) runs
+    ``generate`` on the sharded model, then training forwards and backwards the same FSDP units."""
+    from dfpo_trl.app.evaluation import HeldoutAccuracyCallback
+
+    start_rank(rank, port)
+    heldout = HeldoutAccuracyCallback(last_digit_reward, addition_dataset(4, seed=1), max_new_tokens=3)
+    args = DFPOConfig(**base_args(**FSDP2, max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                                  steps_per_generation=2, group_transform="min_replace", **GSPO))
+    trainer = DFPOTrainer(model=tiny_model(), reward_funcs=last_digit_reward, args=args,
+                          train_dataset=addition_dataset(), processing_class=tiny_tokenizer(), callbacks=[heldout])
+    trainer.train()
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in trainer.model.modules():  # the final evaluation's generate leaves units without a reshard gathered
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+    assert sharded(trainer), "accelerate did not shard the model with FSDP2"
+    torch.save(dict(steps=trainer.state.global_step, heldout=heldout.results,
+                    losses=[h["loss"] for h in trainer.state.log_history if "loss" in h]),
+               Path(out_dir) / f"evaluate{rank}.pt")
+    trainers = [trainer]
+    del trainer
+    end_rank(trainers)
+
+
+def test_fsdp2_trains_after_the_heldout_evaluation(tmp_path):
+    """Regression: the held-out evaluation once generated under ``torch.inference_mode()``, which left FSDP2's
+    gathered (unsharded) parameters as inference tensors, and the first training forward then failed with
+    "Inference tensors cannot be saved for backward". Evaluation then two optimizer steps must train."""
+    spawn_ranks(evaluate_then_train_worker, (free_port(), str(tmp_path)), nprocs=WORLD)
+    for rank in range(WORLD):
+        out = torch.load(tmp_path / f"evaluate{rank}.pt")
+        assert out["steps"] == 2
+        assert out["heldout"]["before"] is not None and out["heldout"]["after"] is not None
+        assert len(out["losses"]) == 2 and all(math.isfinite(v) for v in out["losses"])

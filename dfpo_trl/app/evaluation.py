@@ -63,7 +63,9 @@ def greedy_accuracy(
             chunk = unique[start : start + batch_size]
             enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = enc.to(model.device)
-            with torch.inference_mode():
+            # no_grad, not inference_mode: under FSDP2 the parameters gathered here stay gathered for the next
+            # forward, and inference tensors cannot be saved for backward (tests/test_fsdp2.py).
+            with torch.no_grad():
                 out = model.generate(
                     **enc,
                     do_sample=False,
