@@ -19,10 +19,13 @@ device, so the server and the trainer need a GPU each. The script:
    since the kit has no ``vllm`` console script), waits for ``/health``;
 3. runs the recipe with ``dfpo_trl``'s own ``run`` on GPU 0, counting and timing TRL's weight syncs; then the same
    recipe with DFPO off and with TRL's ``GRPOTrainer`` (per-step rewards and losses side by side);
-4. checks the weight transfer: the server's log-probabilities of a fixed completion (``/v1/completions`` with
-   ``echo``) equal the trained model's, computed by transformers on GPU 0 (within bf16 rounding), and differ from the
-   initial model's; the server is restarted from the initial weights for each run;
-5. stops the server by its process id and writes ``vllm_server.json``.
+4. checks the weight transfer: each run ends with one more weight push (``final_sync.py``: TRL pushes at the start
+   of each rollout, so the server otherwise holds the weights of the last rollout's start, not the final ones);
+   then the server's log-probabilities of a fixed completion (``/v1/completions`` with ``echo``) equal the trained
+   model's, computed by transformers on GPU 0 (within bf16 rounding), and differ from the initial model's; the
+   server is restarted from the initial weights for each run;
+5. stops the server by its process id and writes ``vllm_server.json``, with DFPO off and ``GRPOTrainer`` compared
+   step by step (``dfpo_off_vs_trl``).
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ def derived_recipe(model: str, port: int, output_dir: str, steps: int, overrides
         learning_rate=3e-5, lr_scheduler_type="constant", warmup_steps=0, lr_scheduler_kwargs=None,
         gradient_checkpointing=False, dtype="float32", bf16=True, use_vllm=True, vllm_mode="server",
         vllm_server_host="127.0.0.1", vllm_server_port=port, group_transform="min_replace", save_model=True,
+        # vLLM samples with a per-request seed, so that DFPO off and GRPOTrainer can be compared step by step
+        generation_kwargs={"seed": 0},
         save_strategy="no", logging_steps=1, report_to="none", disable_tqdm=True,
     )
     recipe.update(overrides)
@@ -225,11 +230,13 @@ def run_training(args: argparse.Namespace, kind: str, recipe_path: pathlib.Path,
 def child(args: argparse.Namespace) -> None:
     """Train once: ``dfpo`` (the derived recipe as dfpo-train runs it), ``dfpo_off`` or ``trl`` (GRPOTrainer)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from final_sync import FINAL_SYNCS, install
     from vllm_e2e import SAMPLING_KEYS, Timer, instrument_vllm, per_step
 
+    install()
     timer = Timer()
     instrument_vllm(timer)
-    keys = ("loss", "reward", "reward_std", "entropy", "grad_norm", *SAMPLING_KEYS)
+    keys = ("loss", "reward", "reward_std", "entropy", "grad_norm", "step_time", *SAMPLING_KEYS)
     if args.child == "dfpo":
         from dfpo_trl.app.main import run
         from dfpo_trl.app.parser import parse_args
@@ -255,7 +262,7 @@ def child(args: argparse.Namespace) -> None:
         trainer.train()
         record = {"steps": trainer.state.global_step, "trainer": cls.__name__,
                   "per_step": per_step(trainer.state.log_history, keys)}
-    record.update(weight_syncs=timer.calls.get("weight_sync", 0),
+    record.update(weight_syncs=timer.calls.get("weight_sync", 0), final_syncs=FINAL_SYNCS["count"],
                   weight_sync_s=round(timer.seconds.get("weight_sync", 0.0), 2),
                   generations=timer.calls.get("generation", 0))
     pathlib.Path(args.child_out).write_text(json.dumps(record) + "\n")
@@ -325,7 +332,24 @@ def main(argv: list[str] | None = None) -> None:
             stop_server(server)
         result["runs"][kind] = record
         (out / "vllm_server.json").write_text(json.dumps(result, indent=1) + "\n")
+    result["dfpo_off_vs_trl"] = step_by_step(result["runs"].get("dfpo_off", {}), result["runs"].get("trl", {}))
+    (out / "vllm_server.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1)[:3000])
+
+
+def step_by_step(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """Per logged key, the steps both runs logged and the largest |difference| between them; ``identical`` when every
+    value is equal."""
+    keys = sorted(set(ours.get("per_step", {})) & set(theirs.get("per_step", {})))
+    out: dict[str, Any] = {}
+    for key in keys:
+        a, b = dict(map(tuple, ours["per_step"][key])), dict(map(tuple, theirs["per_step"][key]))
+        steps = sorted(set(a) & set(b))
+        if steps:
+            out[key] = {"steps": len(steps), "max_abs_diff": max(abs(a[s] - b[s]) for s in steps),
+                        "first_step_differing": next((s for s in steps if a[s] != b[s]), None)}
+    out["identical"] = bool(out) and all(v["max_abs_diff"] == 0 for v in out.values() if isinstance(v, dict))
+    return out
 
 
 if __name__ == "__main__":
