@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The launch-shape runs on a 4-GPU machine, after the kit's setup with vLLM (benchmarks/README.md), in two parts
+# (each well inside a 10-minute call); results (JSON) and logs (logs_<part>.tar.gz) go to $OUT.
+#   bash benchmarks/launch_shape.sh A   # TP 2 server + ZeRO-3 trainer; FSDP2 parity; the CLI under FSDP2
+#   bash benchmarks/launch_shape.sh B   # server mode on 2 GPUs; whole-loop cost with colocated vLLM on 2 GPUs
+set -u
+export PYTHONUNBUFFERED=1
+M=${MODEL:-/root/models/smollm2-135m-instruct}
+OUT=${OUT:-/tmp/launch_shape}
+mkdir -p "$OUT" /tmp/ls
+nvidia-smi --query-gpu=index,name,memory.total --format=csv > /tmp/ls/cards.csv
+case "$1" in
+A)
+  python benchmarks/paper_shape.py --tokenizer "$M" --out-dir /tmp/ls/shape > /tmp/ls/shape.log 2>&1 &
+  shape=$!
+  (CUDA_VISIBLE_DEVICES=0 python benchmarks/fsdp2_parity.py --phase reference --model "$M" --out-dir /tmp/ls/fsdp2 \
+   && CUDA_VISIBLE_DEVICES=0,1 accelerate launch --config_file recipes/accelerate/fsdp2_2gpu.yaml --mixed_precision no \
+      --main_process_port 29533 benchmarks/fsdp2_parity.py --phase fsdp2 --model "$M" --out-dir /tmp/ls/fsdp2 \
+   && CUDA_VISIBLE_DEVICES=0 python benchmarks/fsdp2_parity.py --phase compare --model "$M" --out-dir /tmp/ls/fsdp2) \
+    > /tmp/ls/fsdp2.log 2>&1
+  cp /tmp/ls/fsdp2/fsdp2_parity.json "$OUT"/ 2>/dev/null
+  # the CLI under FSDP2 as a user runs it: held-out evaluation, 8 steps, evaluation, save
+  CUDA_VISIBLE_DEVICES=0,1 timeout 300 accelerate launch --config_file recipes/accelerate/fsdp2_2gpu.yaml \
+    --main_process_port 29534 -m dfpo_trl recipes/smollm2_cpu.yaml --model_name_or_path "$M" --use_cpu false \
+    --bf16 true --dtype bfloat16 --max_steps 8 --output_dir /tmp/ls/fsdp2_cli > /tmp/ls/fsdp2_cli.log 2>&1
+  echo "fsdp2 cli exit $?" >> /tmp/ls/fsdp2_cli.log
+  cp /tmp/ls/fsdp2_cli/dfpo_summary.json "$OUT"/fsdp2_cli_summary.json 2>/dev/null
+  wait $shape
+  cp /tmp/ls/shape/paper_shape.json "$OUT"/ 2>/dev/null
+  tail -5 /tmp/ls/fsdp2.log /tmp/ls/fsdp2_cli.log /tmp/ls/shape.log
+  ;;
+B)
+  python benchmarks/vllm_server.py --model "$M" --out-dir /tmp/ls/vs --steps 16 --server-gpu 1 --trainer-gpu 0 \
+    > /tmp/ls/vs.log 2>&1 &
+  server=$!
+  python benchmarks/loop_cost.py --model "$M" --gpus 2 3 --rounds 4 --out /tmp/ls/lc/loop_cost.json > /tmp/ls/lc.log 2>&1
+  cp /tmp/ls/lc/loop_cost.json "$OUT"/ 2>/dev/null
+  wait $server
+  cp /tmp/ls/vs/vllm_server.json "$OUT"/ 2>/dev/null
+  tail -5 /tmp/ls/vs.log /tmp/ls/lc.log
+  ;;
+esac
+tar czf "$OUT/logs_$1.tar.gz" -C /tmp/ls --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
+  --exclude='*.pth' . 2>/dev/null
+ls -la "$OUT"
