@@ -41,5 +41,5 @@ B)
   ;;
 esac
 tar czf "$OUT/logs_$1.tar.gz" -C /tmp/ls --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
-  --exclude='*.pth' . 2>/dev/null
+  --exclude='*.pth' --exclude='tokenizer.json' . 2>/dev/null
 ls -la "$OUT"
