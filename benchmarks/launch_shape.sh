@@ -3,6 +3,7 @@
 # (each well inside a 10-minute call); results (JSON) and logs (logs_<part>.tar.gz) go to $OUT.
 #   bash benchmarks/launch_shape.sh A   # TP 2 server + ZeRO-3 trainer; FSDP2 parity; the CLI under FSDP2
 #   bash benchmarks/launch_shape.sh B   # server mode on 2 GPUs; whole-loop cost with colocated vLLM on 2 GPUs
+#   bash benchmarks/launch_shape.sh C   # A's shape and B's server check again, after their fixes
 set -u
 export PYTHONUNBUFFERED=1
 M=${MODEL:-/root/models/smollm2-135m-instruct}
@@ -27,7 +28,7 @@ A)
   cp /tmp/ls/fsdp2_cli/dfpo_summary.json "$OUT"/fsdp2_cli_summary.json 2>/dev/null
   wait $shape
   cp /tmp/ls/shape/paper_shape.json "$OUT"/ 2>/dev/null
-  tail -5 /tmp/ls/fsdp2.log /tmp/ls/fsdp2_cli.log /tmp/ls/shape.log
+  tail -n 5 /tmp/ls/fsdp2.log /tmp/ls/fsdp2_cli.log /tmp/ls/shape.log
   ;;
 B)
   python benchmarks/vllm_server.py --model "$M" --out-dir /tmp/ls/vs --steps 16 --server-gpu 1 --trainer-gpu 0 \
@@ -37,7 +38,23 @@ B)
   cp /tmp/ls/lc/loop_cost.json "$OUT"/ 2>/dev/null
   wait $server
   cp /tmp/ls/vs/vllm_server.json "$OUT"/ 2>/dev/null
-  tail -5 /tmp/ls/vs.log /tmp/ls/lc.log
+  tail -n 5 /tmp/ls/vs.log /tmp/ls/lc.log
+  ;;
+C)
+  # the shape again after its first run trained nothing (top-k/top-p, see paper_shape.py), then the server-mode
+  # check with its same-weights floor, beside the drift meter's check against sampling on GPU 2
+  python benchmarks/paper_shape.py --tokenizer "$M" --out-dir /tmp/ls/shape > /tmp/ls/shape.log 2>&1
+  cp /tmp/ls/shape/paper_shape.json "$OUT"/ 2>/dev/null
+  if [ -d .meters ]; then
+    (cd .meters && CUDA_VISIBLE_DEVICES=2 PYTHONPATH=/tmp/site:$PWD timeout 240 python benchmarks/drift_meter_check.py \
+      --device cuda --model "$M" --prompts 32 --samples 256 --batch-size 256 --out /tmp/ls/drift_meter_check_gpu.json > /tmp/ls/drift.log 2>&1;
+     cp /tmp/ls/drift_meter_check_gpu.json "$OUT"/ 2>/dev/null) &
+  fi
+  python benchmarks/vllm_server.py --model "$M" --out-dir /tmp/ls/vs --steps 16 --runs dfpo --enforce-eager \
+    --server-gpu 1 --trainer-gpu 0 > /tmp/ls/vs.log 2>&1
+  cp /tmp/ls/vs/vllm_server.json "$OUT"/vllm_server_check.json 2>/dev/null
+  wait
+  tail -n 5 /tmp/ls/shape.log /tmp/ls/vs.log /tmp/ls/drift.log
   ;;
 esac
 tar czf "$OUT/logs_$1.tar.gz" -C /tmp/ls --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
