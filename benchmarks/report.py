@@ -1157,6 +1157,10 @@ def main(argv: list[str] | None = None) -> None:
     vllm_number = number + notes.exists() + bool(layouts_lines)
     e2e_lines = report_long_run.e2e_section(e2e, vllm_number)
     long_run_lines = report_long_run.long_run_section(long_run, long_run_figures, vllm_number + bool(e2e_lines))
+    import report_launch_shape  # noqa: PLC0415 - it imports this module's helpers
+
+    shape_lines = report_launch_shape.launch_shape_section(
+        results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines))
     lines = [
         "# Benchmark results",
         "",
@@ -1174,6 +1178,7 @@ def main(argv: list[str] | None = None) -> None:
         *layouts_lines,
         *e2e_lines,
         *long_run_lines,
+        *shape_lines,
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines).rstrip() + "\n")
