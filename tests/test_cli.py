@@ -632,6 +632,43 @@ def test_previous_outputs_are_set_aside_and_only_those(tmp_path: Path) -> None:
     assert (out / "notes.txt").is_file() and set_aside_previous_outputs(str(out)) == []
 
 
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under ``root``, by relative path."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+REFUSALS = {
+    "unknown task": ["--task", "nosuchtask"],
+    "unknown reward": ["--reward_funcs", "no_such_reward"],
+    "drift without forms": ["--drift_every", "2"],
+    "unknown field": ["--no_such_field", "1"],
+}
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_a_refusal_leaves_output_dir_as_it_was(
+    refusal: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An earlier run's results (and the run before it, in previous_run/) stay where they are, byte for byte, when
+    the next command is refused: it was moved to previous_run/ before the task was checked, and the rotation after
+    that deleted it."""
+    out = tmp_path / "out"
+    (out / "previous_run").mkdir(parents=True)
+    (out / "previous_run" / "dfpo_summary.json").write_text(json.dumps({"steps": 1, "files": ["dfpo_summary.json"]}))
+    files = ["dfpo_summary.json", "dfpo_metrics.png", "model.safetensors", "config.json"]
+    (out / "dfpo_summary.json").write_text(json.dumps({"steps": 16, "files": files}))
+    for name in files[1:]:
+        (out / name).write_bytes(name.encode())
+    before = _tree(out)
+    model = tmp_path / "model"  # only checked to be a directory: nothing loads before the refusal
+    model.mkdir()
+    recipe = write_recipe(tmp_path, TINY_RUN)
+    argv = [recipe, "--model_name_or_path", str(model), "--output_dir", str(out), *REFUSALS[refusal]]
+    assert main(argv) == 2
+    _one_error_line(capsys.readouterr().err)
+    assert _tree(out) == before
+
+
 def test_layout_and_its_cost_are_said_at_start_up(
     tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

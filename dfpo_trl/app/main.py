@@ -44,15 +44,6 @@ __all__ = ["default_process_group", "main", "run"]
 def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args: ModelConfig) -> dict[str, Any]:
     """Train as described, write the summary (and the PNG) to ``output_dir``; returns the summary."""
     start = time.monotonic()
-    if int(os.environ.get("RANK", "0")) == 0:  # before anything loads: no older result may pass for this run's
-        moved = set_aside_previous_outputs(training_args.output_dir)
-        if moved:
-            logger.info(
-                "%s held an earlier run's results (%s): moved to %s/",
-                training_args.output_dir,
-                ", ".join(moved),
-                Path(training_args.output_dir) / PREVIOUS_RUN_DIR,
-            )
     model_path, model_label = resolve_model(model_args)
     model_seconds = time.monotonic() - start  # the embedded model's one-time conversion, or a quick check
     task = build_task(script_args)
@@ -68,6 +59,8 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
         train = filter_long_prompts(train, tokenizer, script_args.max_prompt_length, training_args.chat_template_kwargs)
     training_args.model_init_kwargs = model_init_kwargs(training_args, model_args)
+    # Every check has passed (a refusal leaves output_dir as it was); nothing has written there yet.
+    set_aside_earlier_results(training_args.output_dir)
 
     curves = CurveMetricsCallback(threshold=script_args.reward_threshold)
     callbacks: list[Any] = [curves]
@@ -146,6 +139,20 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     gc.collect()
     del group_handle
     return summary
+
+
+def set_aside_earlier_results(output_dir: str) -> None:
+    """Move an earlier run's results to previous_run/ (rank 0 only), so no older result passes for this run's."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    moved = set_aside_previous_outputs(output_dir)
+    if moved:
+        logger.info(
+            "%s held an earlier run's results (%s): moved to %s/",
+            output_dir,
+            ", ".join(moved),
+            Path(output_dir) / PREVIOUS_RUN_DIR,
+        )
 
 
 def default_process_group() -> Any:
