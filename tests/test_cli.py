@@ -381,6 +381,81 @@ def test_output_dir_that_is_a_file_is_refused_before_the_model_loads(
     assert f"--output_dir on the command line: output_dir {str(a_file / 'run1')!r} cannot be created" in line
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_output_dir_that_cannot_be_created_is_one_line_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/forbidden_dir: /proc is a directory whose permission bits (and root) say writable, yet nothing can be
+    created in it; the model loaded and transformers failed with a traceback. The check creates a scratch folder."""
+    _no_model(monkeypatch)
+    recipe = write_recipe(tmp_path, "use_cpu: true\n")
+    assert main([recipe, "--output_dir", "/proc/forbidden_dir"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--output_dir on the command line: output_dir '/proc/forbidden_dir' cannot be created" in line
+    assert "in '/proc'" in line and "name a directory you can write" in line
+    before = sorted(tmp_path.iterdir())  # a directory that can be created passes, and the probe leaves nothing
+    _, args, _ = parse_args([recipe, "--output_dir", str(tmp_path / "new" / "run")])
+    assert args.output_dir == str(tmp_path / "new" / "run") and sorted(tmp_path.iterdir()) == before
+
+
+def _checkpoint(path: Path, weights: bool = True) -> Path:
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text("{}")
+    if weights:
+        (path / "model.safetensors").write_bytes(b"weights")
+    return path
+
+
+def test_resume_from_checkpoint_is_checked_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path that is not a checkpoint is one line saying what a checkpoint folder holds (the model loaded first,
+    then transformers raised "Can't find a valid checkpoint"); `true` is the latest checkpoint-N/ in output_dir,
+    as Trainer.train(resume_from_checkpoint=True) picks it, and refused when there is none."""
+    _no_model(monkeypatch)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path, f"use_cpu: true\noutput_dir: {out}\nresume_from_checkpoint: true\n")
+    assert main([recipe]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"resume_from_checkpoint in {recipe}, line 3: resume_from_checkpoint true resumes from the latest" in line
+    assert "there is none" in line and "holding trainer_state.json and the model's weights" in line
+    for path, problem in [(tmp_path / "nope", "no such directory"),
+                          (_checkpoint(tmp_path / "no_weights", weights=False), "no model weights in it"),
+                          (Path(recipe), "a file, not a directory")]:
+        assert main([recipe, "--resume_from_checkpoint", str(path)]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"--resume_from_checkpoint on the command line: resume_from_checkpoint {str(path)!r} is not a " \
+               f"checkpoint ({problem}" in line
+        assert "checkpoint-N/ folder" in line and "or true for the latest" in line
+    (tmp_path / "state_only").mkdir()
+    (tmp_path / "state_only" / "model.safetensors").write_bytes(b"w")
+    assert main([recipe, "--resume_from_checkpoint", str(tmp_path / "state_only")]) == 2
+    assert "(no trainer_state.json in it)" in _one_error_line(capsys.readouterr().err)
+    for step in (2, 10, 9):
+        _checkpoint(out / f"checkpoint-{step}")
+    (out / "checkpoint-11").write_text("a file, not a checkpoint")
+    _, args, _ = parse_args([recipe])
+    assert args.resume_from_checkpoint == str(out / "checkpoint-10")
+    _, args, _ = parse_args([recipe, "--resume_from_checkpoint", str(out / "checkpoint-2")])
+    assert args.resume_from_checkpoint == str(out / "checkpoint-2")
+    _, args, _ = parse_args([recipe, "--resume_from_checkpoint", "false"])
+    assert args.resume_from_checkpoint is None
+
+
+def test_task_factory_that_gives_no_task_names_what_it_gave(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--task os:getcwd` called the function and failed on `.reward_funcs` of a str, 16 lines later."""
+    model = tmp_path / "model"
+    model.mkdir()
+    recipe = write_recipe(tmp_path, TINY_RUN)
+    assert main([recipe, "--model_name_or_path", str(model), "--output_dir", str(tmp_path / "out"),
+                 "--task", "os:getcwd"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"task 'os:getcwd' gave a str ({os.getcwd()!r}), not a task: it lacks name, reward_funcs, " in line
+    assert "build_dataset(split, n, seed) method" in line
+
+
 def test_command_line_beats_recipe(tmp_path: Path) -> None:
     recipe = write_recipe(
         tmp_path,
@@ -642,6 +717,9 @@ REFUSALS = {
     "unknown reward": ["--reward_funcs", "no_such_reward"],
     "drift without forms": ["--drift_every", "2"],
     "unknown field": ["--no_such_field", "1"],
+    "factory gives no task": ["--task", "os:getcwd"],
+    "not a checkpoint": ["--resume_from_checkpoint", "/no/such/checkpoint"],
+    "no checkpoint to resume": ["--resume_from_checkpoint", "true"],
 }
 
 

@@ -21,6 +21,7 @@ from trl import ModelConfig, TrlParser
 from ..config import DFPOConfig
 from .args import DFPOScriptArguments, RecipeError
 from .help import task_help, transform_help
+from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
 
 # Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.
@@ -210,30 +211,13 @@ def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence
     return f"{field_origin(parser, name, args, recipe)}: {exc.message.rstrip('.')}; {name} takes {takes}."
 
 
-def check_output_dir(path: str, origin: str) -> None:
-    """``output_dir`` must be a directory this process can create or write: checked before any model loads."""
-    target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise RecipeError(
-            f"{origin}: output_dir {path!r} is an existing file, not a directory; name a directory (created if "
-            f"missing), e.g. --output_dir {path}.d"
-        )
-    existing = target
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise RecipeError(f"{origin}: output_dir {path!r} cannot be created: {str(existing)!r} is a file; name "
-                          "a directory elsewhere.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise RecipeError(f"{origin}: output_dir {path!r} is not writable (no write permission on "
-                          f"{str(existing)!r}); name a directory you can write.")
-
-
 def parse_args(
     argv: Sequence[str] | None = None, parser: DFPOParser | None = None
 ) -> tuple[DFPOScriptArguments, DFPOConfig, ModelConfig]:
     """Recipe + flags → (script arguments, DFPOConfig, ModelConfig); unknown names, values of the wrong type, a
-    recipe that is not YAML and an unusable ``output_dir`` raise :class:`RecipeError` (before any model loads)."""
+    recipe that is not YAML, an unusable ``output_dir`` and a ``resume_from_checkpoint`` that is not a checkpoint
+    raise :class:`RecipeError` (before any model loads); ``resume_from_checkpoint: true`` becomes the latest
+    checkpoint's path."""
     import yaml
 
     parser = parser or make_parser()
@@ -256,4 +240,9 @@ def parse_args(
         raise RecipeError(parser.unknown_message(names, "the command line"))
     script_args, training_args, model_args = parsed
     check_output_dir(training_args.output_dir, field_origin(parser, "output_dir", flags, recipe))
+    training_args.resume_from_checkpoint = resolve_resume_checkpoint(
+        training_args.resume_from_checkpoint,
+        training_args.output_dir,
+        field_origin(parser, "resume_from_checkpoint", flags, recipe),
+    )
     return script_args, training_args, model_args
