@@ -456,6 +456,23 @@ def test_task_factory_that_gives_no_task_names_what_it_gave(
     assert "build_dataset(split, n, seed) method" in line
 
 
+def test_max_steps_0_is_refused_with_what_to_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers reads max_steps <= 0 as "train num_train_epochs epochs": 0 trained a whole run. It is refused;
+    -1 (transformers' default) still means epochs."""
+    _no_model(monkeypatch)
+    recipe = write_recipe(tmp_path, f"use_cpu: true\noutput_dir: {tmp_path / 'out'}\nmax_steps: 0\n")
+    assert main([recipe]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"max_steps in {recipe}, line 3: max_steps 0 would not stop at 0 steps" in line
+    assert "Set max_steps to the optimizer steps to train (>= 1), or -1 to train num_train_epochs epochs" in line
+    assert main([recipe, "--max_steps", "0"]) == 2
+    assert "--max_steps on the command line: max_steps 0" in _one_error_line(capsys.readouterr().err)
+    _, args, _ = parse_args([recipe, "--max_steps", "-1", "--num_train_epochs", "2"])
+    assert (args.max_steps, args.num_train_epochs) == (-1, 2)
+
+
 def test_command_line_beats_recipe(tmp_path: Path) -> None:
     recipe = write_recipe(
         tmp_path,
@@ -720,6 +737,7 @@ REFUSALS = {
     "factory gives no task": ["--task", "os:getcwd"],
     "not a checkpoint": ["--resume_from_checkpoint", "/no/such/checkpoint"],
     "no checkpoint to resume": ["--resume_from_checkpoint", "true"],
+    "max_steps 0": ["--max_steps", "0"],
 }
 
 

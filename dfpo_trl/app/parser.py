@@ -23,6 +23,7 @@ from .args import DFPOScriptArguments, RecipeError
 from .help import task_help, transform_help
 from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
+from .precheck import check_max_steps
 
 # Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.
 RENAMED_FIELDS = {
@@ -239,6 +240,7 @@ def parse_args(
         names = [f[2:].split("=", 1)[0].replace("-", "_") for f in flags] or list(rest)
         raise RecipeError(parser.unknown_message(names, "the command line"))
     script_args, training_args, model_args = parsed
+    check_max_steps(training_args.max_steps, field_origin(parser, "max_steps", flags, recipe))
     check_output_dir(training_args.output_dir, field_origin(parser, "output_dir", flags, recipe))
     training_args.resume_from_checkpoint = resolve_resume_checkpoint(
         training_args.resume_from_checkpoint,
