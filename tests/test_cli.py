@@ -693,6 +693,7 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     assert lines[-1] == f"dfpo-train: interrupted at step 2 of 4; partial results in {out}"
     summary = json.loads((out / "dfpo_summary.json").read_text())
     assert summary["interrupted"] is True and (summary["steps"], summary["max_steps"]) == (2, 4)
+    assert summary["signal"] == "SIGINT"
     assert summary["reward_curve"] == "step_reward" and summary["reward_ema_last"] is not None
     assert summary["heldout"]["before"] is not None and summary["heldout"]["after"] is None
     assert summary["files"] == ["dfpo_metrics.png", "dfpo_summary.json"]
@@ -701,6 +702,54 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     previous = out / "previous_run"
     assert json.loads((previous / "dfpo_summary.json").read_text())["steps"] == 1
     assert (previous / "model.safetensors").is_file() and (previous / "dfpo_metrics.png").is_file()
+
+
+def test_sigterm_stops_like_ctrl_c_with_exit_code_143(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real SIGTERM (how schedulers stop a job; it killed the run with nothing written) sent to this process when
+    the third step begins: one line, a partial summary marked with the signal, exit code 128 + 15; the handler
+    that was there before is back afterwards."""
+    import signal
+
+    import dfpo_trl.app.main as app_main
+    from dfpo_trl.app.callbacks import CurveMetricsCallback
+
+    class SigtermAtStep3(CurveMetricsCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(app_main, "CurveMetricsCallback", SigtermAtStep3)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path, TINY_RUN + "eval_size: 2\n")
+    code = main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--max_steps", "4"])
+    captured = capsys.readouterr()
+    assert code == 143 and signal.getsignal(signal.SIGTERM) is before
+    assert "Traceback" not in captured.err and "DFPO run summary" not in captured.out
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert lines[-1] == f"dfpo-train: stopped by SIGTERM at step 2 of 4; partial results in {out}"
+    summary = json.loads((out / "dfpo_summary.json").read_text())
+    assert (summary["interrupted"], summary["signal"], summary["steps"]) == (True, "SIGTERM", 2)
+    assert summary["reward_ema_last"] is not None and summary["heldout"]["after"] is None
+
+
+def test_sigterm_outside_training_exits_143(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while the model loads: `dfpo-train: stopped by SIGTERM`, exit 143, no traceback."""
+    import signal
+
+    import dfpo_trl.app.main as app_main
+
+    def loading(*args: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not interrupt")
+
+    monkeypatch.setattr(app_main, "resolve_model", loading)
+    recipe = write_recipe(tmp_path, TINY_RUN)
+    assert main([recipe, "--output_dir", str(tmp_path / "out")]) == 143
+    assert capsys.readouterr().err.strip() == "dfpo-train: stopped by SIGTERM"
 
 
 def test_previous_outputs_are_set_aside_and_only_those(tmp_path: Path) -> None:

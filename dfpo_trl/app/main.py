@@ -37,6 +37,7 @@ from .outputs import PREVIOUS_RUN_DIR, save_model, set_aside_previous_outputs, w
 from .parser import make_parser, parse_args
 from .plugins import import_plugins, requested_plugins
 from .progress import close_progress_bar, use_dfpo_progress_bar
+from .signals import exit_code, signal_name, sigterm_interrupts
 
 __all__ = ["default_process_group", "main", "run"]
 
@@ -101,25 +102,28 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     train_start = time.monotonic()
     setup_seconds = train_start - start - model_seconds
     interrupted = False
+    stop_signal = None
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except KeyboardInterrupt:  # Ctrl-C: keep what was learned about the run, not a traceback from autograd
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: keep what was learned about the run, not a traceback
         interrupted = True
+        stop_signal = signal_name(exc)
         close_progress_bar(trainer)
         curves.on_train_end(training_args, trainer.state, trainer.control)  # the curve up to the last logged step
     train_seconds = time.monotonic() - train_start
     saved = save_model(trainer, training_args.output_dir) if script_args.save_model and not interrupted else []
 
-    summary: dict[str, Any] = {"interrupted": interrupted}
+    summary: dict[str, Any] = {"interrupted": interrupted, "signal": stop_signal}
     if trainer.accelerator.is_main_process:
         times = {"model": model_seconds, "setup": setup_seconds, "train_call": train_seconds}
         summary = write_outputs(
             trainer, script_args, training_args, model_label, heldout_cb, curves, times, start, interrupted, saved,
-            drift_cb,
+            drift_cb, stop_signal,
         )
         if interrupted:
+            how = "interrupted" if stop_signal == "SIGINT" else f"stopped by {stop_signal}"
             print(
-                f"dfpo-train: interrupted at step {summary['steps']} of {summary['max_steps']}; partial results in "
+                f"dfpo-train: {how} at step {summary['steps']} of {summary['max_steps']}; partial results in "
                 f"{training_args.output_dir}",
                 file=sys.stderr,
                 flush=True,
@@ -179,13 +183,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(short_help(make_parser()), end="")
         raise SystemExit(0)
     try:
-        script_args, training_args, model_args = parse_args(args)
-        summary = run(script_args, training_args, model_args)
+        with sigterm_interrupts():  # a scheduler's SIGTERM ends the run as Ctrl-C does (docs/cli.md)
+            script_args, training_args, model_args = parse_args(args)
+            summary = run(script_args, training_args, model_args)
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # outside training (loading, saving): nothing partial worth describing
-        print("\ndfpo-train: interrupted", file=sys.stderr)
-        return 130
-    return 130 if summary.get("interrupted") else 0  # 128 + SIGINT, the shell's code for Ctrl-C
+    except KeyboardInterrupt as exc:  # outside training (loading, saving): nothing partial worth describing
+        name = signal_name(exc)
+        print(f"\ndfpo-train: {'interrupted' if name == 'SIGINT' else 'stopped by ' + name}", file=sys.stderr)
+        return exit_code(name)
+    # 128 + the signal's number, the shell's code: 130 for Ctrl-C (SIGINT), 143 for SIGTERM
+    return exit_code(summary["signal"] or "SIGINT") if summary.get("interrupted") else 0
 

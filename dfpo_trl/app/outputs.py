@@ -123,8 +123,10 @@ def write_outputs(
     interrupted: bool = False,
     saved: Sequence[str] = (),
     drift_cb: Any = None,
+    stop_signal: str | None = None,
 ) -> dict[str, Any]:
-    """Write the summary (and the figure) to ``output_dir``; print the summary unless the run was interrupted."""
+    """Write the summary (and the figure) to ``output_dir``; print the summary unless the run was interrupted (by
+    ``stop_signal``)."""
     out = Path(training_args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot_path = None
@@ -163,6 +165,7 @@ def write_outputs(
         "transform_gradient": training_args.transform_gradient,
         "num_generations": training_args.num_generations,
         "interrupted": interrupted,
+        "signal": stop_signal,  # what interrupted the run: "SIGINT" (Ctrl-C), "SIGTERM", or None
         "steps": trainer.state.global_step,
         "max_steps": trainer.state.max_steps,
         "learning_rate": training_args.learning_rate,
