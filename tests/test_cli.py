@@ -225,7 +225,7 @@ def test_short_help_shows_every_default_the_dataclasses_have(capsys: pytest.Capt
     log_mechanism_metrics) were shown as False: the short help read their `--no_*` twin's default."""
     import re
 
-    from dfpo_trl.app.help import dfpo_field_names
+    from dfpo_trl.app.fields import dfpo_field_names
     from dfpo_trl.tasks import TASKS
 
     out = _help_text(capsys, "--help")
@@ -330,12 +330,12 @@ def test_recipe_that_is_not_yaml_is_one_line_with_its_position(
 
 def _no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make loading a model fail the test: the errors under test must come first."""
-    import dfpo_trl.app.main as app_main
+    import dfpo_trl.app.train as app_train
 
     def no_model(*args: object) -> None:
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(app_main, "resolve_model", no_model)
+    monkeypatch.setattr(app_train, "resolve_model", no_model)
 
 
 def test_bad_value_names_flag_or_recipe_line_and_what_the_field_takes(
@@ -667,7 +667,7 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     reward curve so far and a fresh figure, and the earlier run's summary and model are in previous_run/, not
     beside it."""
     pytest.importorskip("matplotlib")
-    import dfpo_trl.app.main as app_main
+    import dfpo_trl.app.train as app_train
     from dfpo_trl.app.callbacks import CurveMetricsCallback
 
     out = tmp_path / "out"
@@ -684,7 +684,7 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
             if state.global_step == 2:
                 raise KeyboardInterrupt
 
-    monkeypatch.setattr(app_main, "CurveMetricsCallback", CtrlCAtStep3)
+    monkeypatch.setattr(app_train, "CurveMetricsCallback", CtrlCAtStep3)
     code = main([*argv, "--max_steps", "4", "--disable_tqdm", "false"])
     captured = capsys.readouterr()
     assert code == 130
@@ -712,7 +712,7 @@ def test_sigterm_stops_like_ctrl_c_with_exit_code_143(
     that was there before is back afterwards."""
     import signal
 
-    import dfpo_trl.app.main as app_main
+    import dfpo_trl.app.train as app_train
     from dfpo_trl.app.callbacks import CurveMetricsCallback
 
     class SigtermAtStep3(CurveMetricsCallback):
@@ -721,7 +721,7 @@ def test_sigterm_stops_like_ctrl_c_with_exit_code_143(
                 os.kill(os.getpid(), signal.SIGTERM)
 
     before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(app_main, "CurveMetricsCallback", SigtermAtStep3)
+    monkeypatch.setattr(app_train, "CurveMetricsCallback", SigtermAtStep3)
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path, TINY_RUN + "eval_size: 2\n")
     code = main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--max_steps", "4"])
@@ -740,13 +740,13 @@ def test_sigterm_outside_training_exits_143(tmp_path: Path, capsys: pytest.Captu
     """SIGTERM while the model loads: `dfpo-train: stopped by SIGTERM`, exit 143, no traceback."""
     import signal
 
-    import dfpo_trl.app.main as app_main
+    import dfpo_trl.app.train as app_train
 
     def loading(*args: object) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("SIGTERM did not interrupt")
 
-    monkeypatch.setattr(app_main, "resolve_model", loading)
+    monkeypatch.setattr(app_train, "resolve_model", loading)
     recipe = write_recipe(tmp_path, TINY_RUN)
     assert main([recipe, "--output_dir", str(tmp_path / "out")]) == 143
     assert capsys.readouterr().err.strip() == "dfpo-train: stopped by SIGTERM"
