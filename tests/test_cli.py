@@ -652,6 +652,20 @@ def test_tiny_end_to_end_writes_summary_and_plot(
     parts = ("model_conversion", "setup", "eval_before", "training", "eval_after", "save_and_plot")
     assert all(split[k] >= 0 for k in parts) and split["eval_before"] == summary["heldout"]["before_seconds"]
     assert sum(split[k] for k in parts) == pytest.approx(split["total"], abs=0.5)
+    # one training time (time_split["training"]); the seed, the versions and when it ran
+    assert "train_seconds" not in summary and "total_seconds" not in summary
+    import datetime as dt
+
+    import torch
+    import trl
+
+    assert summary["seed"] == 0 and summary["signal"] is None
+    assert summary["versions"]["torch"] == torch.__version__ and summary["versions"]["trl"] == trl.__version__
+    assert set(summary["versions"]) >= {"python", "dfpo_trl", "transformers", "accelerate", "datasets", "peft"}
+    started, finished = (dt.datetime.strptime(summary[k], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+                         for k in ("started_utc", "finished_utc"))
+    assert (finished - started).total_seconds() == pytest.approx(split["total"], abs=1.5)
+    assert abs((dt.datetime.now(dt.UTC) - finished).total_seconds()) < 120
     png = out / "dfpo_metrics.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out

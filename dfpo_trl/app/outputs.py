@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +103,7 @@ def write_outputs(
     eval_before = float(heldout.get("before_seconds") or 0.0)
     eval_after = float(heldout.get("after_seconds") or 0.0)
     total = time.monotonic() - start
+    finished = datetime.now(UTC)
     time_split = {  # seconds; the held-out evaluations run inside train(), so training excludes them
         "model_conversion": round(times["model"], 1),
         "setup": round(times["setup"], 1),
@@ -126,9 +130,13 @@ def write_outputs(
         "heldout": heldout_cb.results if heldout_cb is not None else None,
         "drift": drift_cb.results if drift_cb is not None else None,
         **curves.results,
-        "train_seconds": round(times["train_call"], 1),
-        "total_seconds": time_split["total"],
+        # the one training time is time_split["training"]; log_history's last row also has transformers' own
+        # train_runtime, which counts the held-out evaluation before training (docs/cli.md)
         "time_split": time_split,
+        "seed": training_args.seed,
+        "versions": package_versions(),
+        "started_utc": _utc(finished - timedelta(seconds=total)),
+        "finished_utc": _utc(finished),
         "plot": plot_path,
         "output_dir": str(out),
         # every file this run wrote to output_dir: what the next run moves to previous_run/ (docs/cli.md)
@@ -139,6 +147,28 @@ def write_outputs(
     if not interrupted:
         print(format_summary(summary), flush=True)
     return summary
+
+
+# The packages whose versions decide what a run computes, recorded in its summary.
+VERSIONED_PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "peft")
+
+
+def package_versions() -> dict[str, str]:
+    """Python's, dfpo_trl's and :data:`VERSIONED_PACKAGES`' versions ("absent" for one not installed)."""
+    from .. import __version__
+
+    out = {"python": platform.python_version(), "dfpo_trl": __version__}
+    for name in VERSIONED_PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _utc(moment: datetime) -> str:
+    """ISO 8601 in UTC to the second, e.g. 2026-11-27T04:40:12Z."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
@@ -172,18 +202,15 @@ def format_summary(summary: dict[str, Any]) -> str:
         "(EMA 0.3 of the training reward, eq. 19)"
     )
     lines.append(f"Jitter2 of reward curve    {_fmt(summary.get('reward_jitter2'), '.4f')}  (eq. 20)")
-    split = summary.get("time_split")
-    if split:
-        parts = [
-            ("model_conversion", "model/conversion"), ("setup", "setup"), ("eval_before", "eval before"),
-            ("training", "training"), ("eval_after", "eval after"), ("save_and_plot", "save+plot"),
-        ]  # fmt: skip
-        lines.append(
-            f"wall time                  {_fmt(split['total'], '.0f')} s: "
-            + ", ".join(f"{label} {_fmt(split[key], '.0f')}" for key, label in parts)
-        )
-    else:
-        lines.append(f"wall time                  {_fmt(summary['total_seconds'], '.0f')} s in all")
+    split = summary["time_split"]
+    parts = [
+        ("model_conversion", "model/conversion"), ("setup", "setup"), ("eval_before", "eval before"),
+        ("training", "training"), ("eval_after", "eval after"), ("save_and_plot", "save+plot"),
+    ]  # fmt: skip
+    lines.append(
+        f"wall time                  {_fmt(split['total'], '.0f')} s: "
+        + ", ".join(f"{label} {_fmt(split[key], '.0f')}" for key, label in parts)
+    )
     if summary.get("plot"):
         lines.append(f"metrics plot               {summary['plot']}")
     lines.append(f"summary                    {Path(summary['output_dir']) / SUMMARY_FILE}")
