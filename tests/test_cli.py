@@ -202,7 +202,14 @@ def test_help_lists_dfpo_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--symmetric_clip" in text and "--delta_lambda_min" in text and "--task" in text
     assert "model_name_or_path" in text and "--help-all" in text
     assert "--lr_scheduler_kwargs" not in text  # TRL's full list is behind --help-all
-    assert len(out.splitlines()) < 150
+    assert len(out.splitlines()) < 200
+    # The first screen leads with what most runs set, before the math: each with its default and help.
+    first_screen = "\n".join(out.splitlines()[:40])
+    for name in ("model_name_or_path", "task", "output_dir", "max_steps", "learning_rate"):
+        assert f"  --{name}" in first_screen and out.index(f"  --{name}") < out.index("--group_transform"), name
+    assert "--learning_rate (default: 1e-06)\n      The initial learning rate for AdamW." in out
+    assert "dfpo-train refuses 0; -1 trains num_train_epochs epochs." in text
+    assert "Unset: the embedded SmolLM2-135M-Instruct" in text
 
 
 def _help_text(capsys: pytest.CaptureFixture[str], flag: str) -> str:
@@ -225,22 +232,27 @@ def test_short_help_shows_every_default_the_dataclasses_have(capsys: pytest.Capt
     log_mechanism_metrics) were shown as False: the short help read their `--no_*` twin's default."""
     import re
 
+    from trl import ModelConfig
+
     from dfpo_trl.app.fields import dfpo_field_names
+    from dfpo_trl.app.help import LEADING_FIELDS
     from dfpo_trl.tasks import TASKS
 
     out = _help_text(capsys, "--help")
     entries = re.findall(r"^  --(\w+)(?: \(default: (.*?)[;)].*)?$", out, flags=re.MULTILINE)
     shown = dict(entries)
-    owner = {name: DFPOConfig for name in dfpo_field_names()}
+    assert len(entries) == len(shown)  # each field once
+    owner = {name: DFPOConfig for name in (*dfpo_field_names(), *LEADING_FIELDS)}
     owner.update({name: DFPOScriptArguments for name in DFPOScriptArguments.__dataclass_fields__})
+    owner["model_name_or_path"] = ModelConfig
     assert set(shown) == set(owner)
     for name, text in shown.items():
         default = _dataclass_default(owner[name], name)
         assert text == ("" if default is None else repr(default)), name
     for name in ("save_model", "plot", "transform_stop_gradient", "log_mechanism_metrics"):
         assert shown[name] == "True" and f"--no_{name} turns it off" in out
-    # DFPO's fields lead; the script arguments follow.
-    assert out.index("--group_transform") < out.index("--delta_random") < out.index("--task") < out.index("--plot")
+    # The leading fields, then DFPO's, then the other script arguments.
+    assert out.index("--task") < out.index("--group_transform") < out.index("--delta_random") < out.index("--plot")
     task_help = " ".join(out[out.index("  --task") : out.index("  --dataset")].split())
     assert all(f"'{name}'" in task_help for name in TASKS)  # sum_sentence was missing
 

@@ -364,16 +364,26 @@ FIELD_TABLE = {'versions': {'trl': '1.16.0', 'transformers': '5.24.0'},
  'entries': {'model_name_or_path': {'default': None,
                                     'negated': None,
                                     'help': 'Model checkpoint for weights initialization.'},
+             'task': {'default': "'arithmetic'",
+                      'negated': None,
+                      'help': "Task: 'arithmetic' (single-digit addition, reward on the last number of the "
+                              "completion; offline); 'math' (any `datasets` dataset graded by math-verify; set "
+                              "dataset, problem_column and answer_column); 'sum_sentence' (the same problems "
+                              "answered in one required sentence: a group's completions share a long prefix, where "
+                              "shared-token cancellation acts; offline); 'two_forms' (The arithmetic task's "
+                              'problems, answered in either of two sentences the reward treats alike: Compute 3 + '
+                              '5); a name registered with dfpo_trl.tasks.register_task; or an import path '
+                              "'package.module:factory' returning a dfpo_trl.tasks.Task."},
              'output_dir': {'default': None,
                             'negated': None,
                             'help': 'The output directory where the model predictions and checkpoints will be '
                                     'written.'},
-             'learning_rate': {'default': '1e-06', 'negated': None, 'help': 'The initial learning rate for AdamW.'},
              'max_steps': {'default': '-1',
                            'negated': None,
                            'help': 'Overrides `num_train_epochs`. If set to a positive number, the total number of '
                                    'training steps to perform. Must be set when the training dataset does not '
                                    'implement `__len__` (e.g. a streaming dataset).'},
+             'learning_rate': {'default': '1e-06', 'negated': None, 'help': 'The initial learning rate for AdamW.'},
              'num_generations': {'default': '8',
                                  'negated': None,
                                  'help': 'Number of generations to sample. The effective batch size (num_processes '
@@ -382,107 +392,17 @@ FIELD_TABLE = {'versions': {'trl': '1.16.0', 'transformers': '5.24.0'},
              'per_device_train_batch_size': {'default': '8',
                                              'negated': None,
                                              'help': 'The batch size per device for training.'},
-             'gradient_accumulation_steps': {'default': '1',
-                                             'negated': None,
-                                             'help': 'Number of update steps to accumulate gradients before '
-                                                     'performing a backward/update pass. Effective batch size = '
-                                                     'per_device_train_batch_size * num_devices * '
-                                                     'gradient_accumulation_steps.'},
              'steps_per_generation': {'default': None,
                                       'negated': None,
                                       'help': 'Number of steps per generation. If `None`, it defaults to '
                                               '`gradient_accumulation_steps`.'},
-             'num_iterations': {'default': '1',
-                                'negated': None,
-                                'help': 'Number of iterations per batch (denoted as μ in the algorithm).'},
-             'importance_sampling_level': {'default': "'token'",
-                                           'negated': None,
-                                           'help': 'Controls whether importance sampling ratios are computed at '
-                                                   "the `'token'` or `'sequence'` level. `'token'` keeps the raw "
-                                                   'per-token log-probability ratios (one weight per token). '
-                                                   "`'sequence'` averages the log-probability ratios across valid "
-                                                   'tokens to produce a single ratio per sequence. The GSPO paper '
-                                                   'shows that sequence-level sampling often yields more stable '
-                                                   'training and better alignment with sequence-level rewards.'},
-             'loss_type': {'default': "'dapo'",
-                           'negated': None,
-                           'help': "Specifies the loss formulation to use. Supported values are 'grpo', 'dr_grpo', "
-                                   "'dapo', 'bnpo', 'cispo', 'sapo', 'luspo', and 'vespo'. 'grpo': Aggregates "
-                                   'token-level losses by normalizing over sequence length. Not recommended due to '
-                                   'length bias—this approach tends to prefer shorter completions with positive '
-                                   "advantages and longer ones with negative advantages. 'dapo' (default): "
-                                   'Aggregates token-level losses by normalizing with the number of active token '
-                                   'in the global accumulated batch. This method was introduced in the DAPO paper '
-                                   "to eliminate length bias. 'dr_grpo': Aggregates token-level losses by "
-                                   'normalizing with a global constant. This method was introduced in the Dr. GRPO '
-                                   'paper to eliminate length bias. The value of the constant corresponds to '
-                                   "`max_completion_length`. 'bnpo': Aggregates token-level losses by normalizing "
-                                   'with the number of active token in the local batch. Note that normalization is '
-                                   'performed over the local batch only, so results may slightly vary depending on '
-                                   'the local batch size, despite a constant effective batch size. When using '
-                                   '`per_device_train_batch_size==1`, the loss is equivalent to the GRPO loss. '
-                                   "'cispo': Clips the importance sampling weights instead of the advantage scaled "
-                                   'importance weights. The clipped weights are then multiplied with the '
-                                   "advantages and policy model's log probs. Individual token losses are "
-                                   'aggregated by normalizing with the number of active tokens in the global '
-                                   'accumulated batch. This method was introduced in the [MiniMax-M1 '
-                                   "paper](https://huggingface.co/papers/2506.13585). 'sapo': Soft Adaptive Policy "
-                                   'Optimization loss, as introduced in the [Soft Adaptive Policy Optimization '
-                                   'paper](https://huggingface.co/papers/2511.20347). Replaces hard clipping with '
-                                   'a smooth, temperature-controlled gate that adaptively attenuates off-policy '
-                                   "updates while preserving useful learning signals. 'luspo': Length-Unbiased "
-                                   'Sequence Policy Optimization loss. A sequence-level loss that scales each '
-                                   "sequence's loss by its length. This is a modification of GSPO and requires "
-                                   "`importance_sampling_level='sequence'`. Introduced in the [LUSPO "
-                                   "paper](https://huggingface.co/papers/2602.05261). 'vespo': Variational "
-                                   'Sequence-Level Soft Policy Optimization. Replaces hard clipping with a smooth, '
-                                   'asymmetric Gamma weighting function applied directly to sequence-level '
-                                   'importance weights. Introduced in the [VESPO '
-                                   'paper](https://huggingface.co/papers/2602.10693).'},
-             'epsilon': {'default': '0.2', 'negated': None, 'help': 'Epsilon value for clipping.'},
-             'epsilon_high': {'default': None,
-                              'negated': None,
-                              'help': 'Upper-bound epsilon value for clipping. If not specified, it defaults to '
-                                      'the same value as the lower-bound specified in argument `epsilon`. Paper '
-                                      "DAPO recommends `0.28`. When used with `loss_type='cispo'`, this "
-                                      'corresponds to the ε_max param specified in the [ScaleRL '
-                                      'paper](https://huggingface.co/papers/2510.13786) and the recommended value '
-                                      'is `5.0`.'},
-             'beta': {'default': '0.0',
-                      'negated': None,
-                      'help': 'KL coefficient. If `0.0` (default), the reference model is not loaded, reducing '
-                              'memory usage and improving training speed. [DeepSeek-R1 incentivizes reasoning in '
-                              'LLMs through reinforcement learning](https://huggingface.co/papers/2501.12948) use '
-                              'a value of `0.001`.'},
-             'temperature': {'default': '1.0',
-                             'negated': None,
-                             'help': 'Temperature for sampling. The higher the temperature, the more random the '
-                                     'completions.'},
-             'max_completion_length': {'default': '512',
-                                       'negated': None,
-                                       'help': 'Maximum length of the generated completion.'},
-             'use_vllm': {'default': 'False',
-                          'negated': None,
-                          'help': 'Whether to use vLLM for generating completions. If set to `True`, the trainer '
-                                  'will use vLLM for generation instead of the default model.generate(). Requires '
-                                  '`vllm` to be installed.'},
              'use_cpu': {'default': 'False',
                          'negated': None,
                          'help': 'Whether or not to use cpu. If set to False, we will use the available torch '
                                  'device/backend.'},
-             'bf16': {'default': None,
-                      'negated': None,
-                      'help': 'Whether to use bf16 (mixed) precision instead of 32-bit. Requires Ampere or higher '
-                              'NVIDIA architecture or Intel XPU or using CPU (use_cpu) or Ascend NPU. If not set, '
-                              'it defaults to `True` if `fp16` is not set.'},
              'seed': {'default': '42',
                       'negated': None,
                       'help': 'Random seed that will be set at the beginning of training.'},
-             'use_peft': {'default': 'False', 'negated': None, 'help': 'Whether to use PEFT for training.'},
-             'report_to': {'default': "'none'",
-                           'negated': None,
-                           'help': "The list of integrations to report the results and logs to. Use 'all' for all "
-                                   "installed integrations, 'none' for no integrations."},
              'group_transform': {'default': "'none'",
                                  'negated': None,
                                  'help': 'In-group transform of the post-clip sequence weights s̄ (stop-gradient): '
@@ -599,16 +519,6 @@ FIELD_TABLE = {'versions': {'trl': '1.16.0', 'transformers': '5.24.0'},
                               'negated': None,
                               'help': 'Control: λ ~ U[λ_min, λ_max] on the same tokens, seeded from `seed`. '
                                       'Source: DelTA ablation.'},
-             'task': {'default': "'arithmetic'",
-                      'negated': None,
-                      'help': "Task: 'arithmetic' (single-digit addition, reward on the last number of the "
-                              "completion; offline); 'math' (any `datasets` dataset graded by math-verify; set "
-                              "dataset, problem_column and answer_column); 'sum_sentence' (the same problems "
-                              "answered in one required sentence: a group's completions share a long prefix, where "
-                              "shared-token cancellation acts; offline); 'two_forms' (The arithmetic task's "
-                              'problems, answered in either of two sentences the reward treats alike: Compute 3 + '
-                              '5); a name registered with dfpo_trl.tasks.register_task; or an import path '
-                              "'package.module:factory' returning a dfpo_trl.tasks.Task."},
              'dataset': {'default': None,
                          'negated': None,
                          'help': 'math task: hub name or local path of the dataset (datasets.load_dataset).'},

@@ -23,7 +23,7 @@ from ..config import DFPOConfig
 from ..objectives.transforms import TRANSFORMS
 from ..tasks import TASKS
 from .args import DFPOScriptArguments
-from .help import COMMON_TRL_FIELDS
+from .help import LEADING_FIELDS
 from .precheck import PRECHECKED_FIELDS, library_versions
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def build_field_table(parser: DFPOParser) -> dict[str, Any]:
             options.setdefault(action.dest, []).extend(action.option_strings)
     script = [f.name for f in fields(DFPOScriptArguments)]
     dfpo = dfpo_field_names()
-    shown = [*COMMON_TRL_FIELDS, *dfpo, *(n for n in script if n not in COMMON_TRL_FIELDS)]
+    shown = [*LEADING_FIELDS, *dfpo, *(n for n in script if n not in LEADING_FIELDS)]
     return {
         "versions": library_versions(),
         "options": {name: options[name] for name in sorted(options)},

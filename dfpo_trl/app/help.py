@@ -11,8 +11,19 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-__all__ = ["COMMON_TRL_FIELDS", "short_help"]
+__all__ = ["COMMON_TRL_FIELDS", "LEADING_FIELDS", "short_help"]
 
+# What most runs set, first in `--help` with their defaults and help (from whichever dataclass holds them).
+LEADING_FIELDS = (
+    "model_name_or_path", "task", "output_dir", "max_steps", "learning_rate", "num_generations",
+    "per_device_train_batch_size", "steps_per_generation", "use_cpu", "seed",
+)  # fmt: skip
+# What dfpo-train adds to a leading field's own help.
+LEADING_NOTES = {
+    "model_name_or_path": "Unset: the embedded SmolLM2-135M-Instruct, offline (converted once on first use).",
+    "output_dir": "Recipes set it (e.g. outputs/smollm2_cpu); an earlier run's results there move to previous_run/.",
+    "max_steps": "dfpo-train refuses 0; -1 trains num_train_epochs epochs.",
+}
 # TRL / transformers fields a DFPO recipe sets most often, named in the short help (their help: --help-all).
 COMMON_TRL_FIELDS = (
     "model_name_or_path", "output_dir", "learning_rate", "max_steps", "num_generations",
@@ -23,8 +34,8 @@ COMMON_TRL_FIELDS = (
 
 
 def short_help(table: dict[str, Any], width: int = 100) -> str:
-    """``dfpo-train --help``: usage, DFPO's fields and then the script arguments, each with its default and help;
-    the thousand-odd TRL/transformers fields only by name (``--help-all`` prints them all)."""
+    """``dfpo-train --help``: usage, the fields most runs set, DFPO's fields, then the other script arguments, each
+    with its default and help; the other common TRL/transformers fields only by name (``--help-all``: all)."""
 
     def entry(name: str) -> str:
         spec = table["entries"][name]
@@ -32,8 +43,11 @@ def short_help(table: dict[str, Any], width: int = 100) -> str:
         if spec["default"] is not None:
             head += f" (default: {spec['default']}"
             head += f"; {spec['negated']} turns it off)" if spec["negated"] else ")"
-        body = textwrap.fill(spec["help"], width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        text = " ".join(p for p in (spec["help"], LEADING_NOTES.get(name, "")) if p)
+        body = textwrap.fill(text, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
         return f"{head}\n{body}"
+
+    others = [name for name in COMMON_TRL_FIELDS if name not in LEADING_FIELDS]
 
     lines = [
         "usage: dfpo-train RECIPE.yaml [--field value ...]",
@@ -42,14 +56,17 @@ def short_help(table: dict[str, Any], width: int = 100) -> str:
         "Train with DFPO objectives (a TRL GRPOTrainer subclass) from a flat YAML recipe; any field can be set in the",
         "recipe or as a flag, and flags beat the recipe. Example: dfpo-train recipes/smollm2_cpu.yaml --max_steps 10",
         "",
+        "the fields most runs set:",
+        *(entry(name) for name in LEADING_FIELDS),
+        "",
         "DFPO fields of DFPOConfig: the in-group transform that lets shared tokens' gradients cancel, GRPO-fix's",
         "symmetric clip, DelTA's token weights, the mechanism metrics (docs/design.md, delta.md, metrics.md):",
         *(entry(name) for name in table["dfpo_fields"]),
         "",
-        "script arguments (task, data, held-out evaluation, outputs):",
-        *(entry(name) for name in table["script_fields"]),
+        "the other script arguments (data, held-out evaluation, outputs):",
+        *(entry(name) for name in table["script_fields"] if name not in LEADING_FIELDS),
         "",
-        "common TRL fields (help: --help-all):",
-        textwrap.fill(", ".join(COMMON_TRL_FIELDS), width=width, initial_indent="  ", subsequent_indent="  "),
+        "other TRL fields recipes often set (help: --help-all):",
+        textwrap.fill(", ".join(others), width=width, initial_indent="  ", subsequent_indent="  "),
     ]
     return "\n".join(lines) + "\n"
