@@ -455,14 +455,13 @@ def test_resume_from_checkpoint_is_checked_before_the_model_loads(
 
 
 def test_task_factory_that_gives_no_task_names_what_it_gave(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--task os:getcwd` called the function and failed on `.reward_funcs` of a str, 16 lines later."""
-    model = tmp_path / "model"
-    model.mkdir()
+    """`--task os:getcwd` loaded the model, called the function and failed on `.reward_funcs` of a str, 16 lines
+    later; now one line, before the model is looked at."""
+    _no_model(monkeypatch)
     recipe = write_recipe(tmp_path, TINY_RUN)
-    assert main([recipe, "--model_name_or_path", str(model), "--output_dir", str(tmp_path / "out"),
-                 "--task", "os:getcwd"]) == 2
+    assert main([recipe, "--output_dir", str(tmp_path / "out"), "--task", "os:getcwd"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert f"task 'os:getcwd' gave a str ({os.getcwd()!r}), not a task: it lacks name, reward_funcs, " in line
     assert "build_dataset(split, n, seed) method" in line
@@ -818,7 +817,7 @@ REFUSALS = {
 
 @pytest.mark.parametrize("refusal", list(REFUSALS))
 def test_a_refusal_leaves_output_dir_as_it_was(
-    refusal: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    refusal: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An earlier run's results (and the run before it, in previous_run/) stay where they are, byte for byte, when
     the next command is refused: it was moved to previous_run/ before the task was checked, and the rotation after
@@ -831,10 +830,9 @@ def test_a_refusal_leaves_output_dir_as_it_was(
     for name in files[1:]:
         (out / name).write_bytes(name.encode())
     before = _tree(out)
-    model = tmp_path / "model"  # only checked to be a directory: nothing loads before the refusal
-    model.mkdir()
+    _no_model(monkeypatch)  # every refusal comes before the model is looked at
     recipe = write_recipe(tmp_path, TINY_RUN)
-    argv = [recipe, "--model_name_or_path", str(model), "--output_dir", str(out), *REFUSALS[refusal]]
+    argv = [recipe, "--output_dir", str(out), *REFUSALS[refusal]]
     assert main(argv) == 2
     _one_error_line(capsys.readouterr().err)
     assert _tree(out) == before

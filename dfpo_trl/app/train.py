@@ -35,8 +35,7 @@ __all__ = ["default_process_group", "parse_and_run", "run"]
 def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args: ModelConfig) -> dict[str, Any]:
     """Train as described, write the summary (and the PNG) to ``output_dir``; returns the summary."""
     start = time.monotonic()
-    model_path, model_label = resolve_model(model_args)
-    model_seconds = time.monotonic() - start  # the embedded model's one-time conversion, or a quick check
+    # The task, its rewards and data first: a mistake there is refused before the model is looked at or converted.
     task = build_task(script_args)
     reward_funcs = build_rewards(script_args, task)
     train, heldout = build_datasets(script_args, task, training_args.seed)
@@ -44,6 +43,9 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     if drift_problems is not None:
         # The correctness reward also logs which form each fully correct sampled completion takes.
         reward_funcs[0] = FormShareReward(reward_funcs[0], task)
+    model_start = time.monotonic()
+    model_path, model_label = resolve_model(model_args)
+    model_seconds = time.monotonic() - model_start  # the embedded model's one-time conversion, or a quick check
     if script_args.max_prompt_length is not None:
         from transformers import AutoTokenizer
 
