@@ -211,8 +211,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["losses"] = losses
     result["loss_finite"] = bool(losses) and all(v == v and abs(v) != float("inf") for v in losses)
     result["trainer_state"] = state_path
-    result["summary"] = {k: summary.get(k) for k in ("steps", "reward_first", "reward_last", "train_seconds",
-                                                     "total_seconds")} if summary else None
+    kept = ("steps", "reward_first", "reward_last", "time_split")
+    result["summary"] = {k: summary.get(k) for k in kept} if summary else None
     result["ok"] = (all(c == 0 for c in codes) and result["steps"] == args.max_steps and result["loss_finite"]
                     and result["layout_lines"] == PROCESSES)
     if not result["ok"]:

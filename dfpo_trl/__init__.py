@@ -1,11 +1,47 @@
-"""dfpo-trl: token-gradient-cancellation-aware RL objectives (DFPO, GRPO-fix, DelTA) for Hugging Face TRL."""
+"""dfpo-trl: token-gradient-cancellation-aware RL objectives (DFPO, GRPO-fix, DelTA) for Hugging Face TRL.
+
+The public names are imported on first use (PEP 562), so that ``dfpo-train --help`` and its input errors, which
+import ``dfpo_trl.app`` and so this package, answer in a fraction of a second instead of the seconds torch, TRL and
+transformers take to import (docs/cli.md). The first public name taken from here (``from dfpo_trl import
+DFPOConfig``) imports the trainer, and with it the checks of every TRL touch point (``trl_hooks/compat.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ._quiet import silence_library_deprecations
-from .config import DFPOConfig
-from .objectives.transforms import register_transform, registered_transforms, unregister_transform
-from .trainer import DFPOTrainer
+
+if TYPE_CHECKING:
+    from .config import DFPOConfig
+    from .objectives.transforms import register_transform, registered_transforms, unregister_transform
+    from .trainer import DFPOTrainer
 
 silence_library_deprecations()
 
+# Each public name and the module that defines it.
+_PUBLIC = {
+    "DFPOConfig": ".config",
+    "DFPOTrainer": ".trainer",
+    "register_transform": ".objectives.transforms",
+    "registered_transforms": ".objectives.transforms",
+    "unregister_transform": ".objectives.transforms",
+}
+
 __all__ = ["DFPOConfig", "DFPOTrainer", "register_transform", "registered_transforms", "unregister_transform"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module when the name is first read, and keep the name here."""
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    importlib.import_module(".trainer", __name__)  # checks TRL's touch points: an incompatible TRL stops here
+    value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -202,7 +202,14 @@ def test_help_lists_dfpo_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--symmetric_clip" in text and "--delta_lambda_min" in text and "--task" in text
     assert "model_name_or_path" in text and "--help-all" in text
     assert "--lr_scheduler_kwargs" not in text  # TRL's full list is behind --help-all
-    assert len(out.splitlines()) < 150
+    assert len(out.splitlines()) < 200
+    # The first screen leads with what most runs set, before the math: each with its default and help.
+    first_screen = "\n".join(out.splitlines()[:40])
+    for name in ("model_name_or_path", "task", "output_dir", "max_steps", "learning_rate"):
+        assert f"  --{name}" in first_screen and out.index(f"  --{name}") < out.index("--group_transform"), name
+    assert "--learning_rate (default: 1e-06)\n      The initial learning rate for AdamW." in out
+    assert "dfpo-train refuses 0; -1 trains num_train_epochs epochs." in text
+    assert "Unset: the embedded SmolLM2-135M-Instruct" in text
 
 
 def _help_text(capsys: pytest.CaptureFixture[str], flag: str) -> str:
@@ -225,22 +232,27 @@ def test_short_help_shows_every_default_the_dataclasses_have(capsys: pytest.Capt
     log_mechanism_metrics) were shown as False: the short help read their `--no_*` twin's default."""
     import re
 
-    from dfpo_trl.app.help import dfpo_field_names
+    from trl import ModelConfig
+
+    from dfpo_trl.app.fields import dfpo_field_names
+    from dfpo_trl.app.help import LEADING_FIELDS
     from dfpo_trl.tasks import TASKS
 
     out = _help_text(capsys, "--help")
     entries = re.findall(r"^  --(\w+)(?: \(default: (.*?)[;)].*)?$", out, flags=re.MULTILINE)
     shown = dict(entries)
-    owner = {name: DFPOConfig for name in dfpo_field_names()}
+    assert len(entries) == len(shown)  # each field once
+    owner = {name: DFPOConfig for name in (*dfpo_field_names(), *LEADING_FIELDS)}
     owner.update({name: DFPOScriptArguments for name in DFPOScriptArguments.__dataclass_fields__})
+    owner["model_name_or_path"] = ModelConfig
     assert set(shown) == set(owner)
     for name, text in shown.items():
         default = _dataclass_default(owner[name], name)
         assert text == ("" if default is None else repr(default)), name
     for name in ("save_model", "plot", "transform_stop_gradient", "log_mechanism_metrics"):
         assert shown[name] == "True" and f"--no_{name} turns it off" in out
-    # DFPO's fields lead; the script arguments follow.
-    assert out.index("--group_transform") < out.index("--delta_random") < out.index("--task") < out.index("--plot")
+    # The leading fields, then DFPO's, then the other script arguments.
+    assert out.index("--task") < out.index("--group_transform") < out.index("--delta_random") < out.index("--plot")
     task_help = " ".join(out[out.index("  --task") : out.index("  --dataset")].split())
     assert all(f"'{name}'" in task_help for name in TASKS)  # sum_sentence was missing
 
@@ -330,12 +342,12 @@ def test_recipe_that_is_not_yaml_is_one_line_with_its_position(
 
 def _no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make loading a model fail the test: the errors under test must come first."""
-    import dfpo_trl.app.main as app_main
+    import dfpo_trl.app.train as app_train
 
     def no_model(*args: object) -> None:
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(app_main, "resolve_model", no_model)
+    monkeypatch.setattr(app_train, "resolve_model", no_model)
 
 
 def test_bad_value_names_flag_or_recipe_line_and_what_the_field_takes(
@@ -379,6 +391,97 @@ def test_output_dir_that_is_a_file_is_refused_before_the_model_loads(
     assert main([recipe, "--output_dir", str(a_file / "run1")]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert f"--output_dir on the command line: output_dir {str(a_file / 'run1')!r} cannot be created" in line
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_output_dir_that_cannot_be_created_is_one_line_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/forbidden_dir: /proc is a directory whose permission bits (and root) say writable, yet nothing can be
+    created in it; the model loaded and transformers failed with a traceback. The check creates a scratch folder."""
+    _no_model(monkeypatch)
+    recipe = write_recipe(tmp_path, "use_cpu: true\n")
+    assert main([recipe, "--output_dir", "/proc/forbidden_dir"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--output_dir on the command line: output_dir '/proc/forbidden_dir' cannot be created" in line
+    assert "in '/proc'" in line and "name a directory you can write" in line
+    before = sorted(tmp_path.iterdir())  # a directory that can be created passes, and the probe leaves nothing
+    _, args, _ = parse_args([recipe, "--output_dir", str(tmp_path / "new" / "run")])
+    assert args.output_dir == str(tmp_path / "new" / "run") and sorted(tmp_path.iterdir()) == before
+
+
+def _checkpoint(path: Path, weights: bool = True) -> Path:
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text("{}")
+    if weights:
+        (path / "model.safetensors").write_bytes(b"weights")
+    return path
+
+
+def test_resume_from_checkpoint_is_checked_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path that is not a checkpoint is one line saying what a checkpoint folder holds (the model loaded first,
+    then transformers raised "Can't find a valid checkpoint"); `true` is the latest checkpoint-N/ in output_dir,
+    as Trainer.train(resume_from_checkpoint=True) picks it, and refused when there is none."""
+    _no_model(monkeypatch)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path, f"use_cpu: true\noutput_dir: {out}\nresume_from_checkpoint: true\n")
+    assert main([recipe]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"resume_from_checkpoint in {recipe}, line 3: resume_from_checkpoint true resumes from the latest" in line
+    assert "there is none" in line and "holding trainer_state.json and the model's weights" in line
+    for path, problem in [(tmp_path / "nope", "no such directory"),
+                          (_checkpoint(tmp_path / "no_weights", weights=False), "no model weights in it"),
+                          (Path(recipe), "a file, not a directory")]:
+        assert main([recipe, "--resume_from_checkpoint", str(path)]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"--resume_from_checkpoint on the command line: resume_from_checkpoint {str(path)!r} is not a " \
+               f"checkpoint ({problem}" in line
+        assert "checkpoint-N/ folder" in line and "or true for the latest" in line
+    (tmp_path / "state_only").mkdir()
+    (tmp_path / "state_only" / "model.safetensors").write_bytes(b"w")
+    assert main([recipe, "--resume_from_checkpoint", str(tmp_path / "state_only")]) == 2
+    assert "(no trainer_state.json in it)" in _one_error_line(capsys.readouterr().err)
+    for step in (2, 10, 9):
+        _checkpoint(out / f"checkpoint-{step}")
+    (out / "checkpoint-11").write_text("a file, not a checkpoint")
+    _, args, _ = parse_args([recipe])
+    assert args.resume_from_checkpoint == str(out / "checkpoint-10")
+    _, args, _ = parse_args([recipe, "--resume_from_checkpoint", str(out / "checkpoint-2")])
+    assert args.resume_from_checkpoint == str(out / "checkpoint-2")
+    _, args, _ = parse_args([recipe, "--resume_from_checkpoint", "false"])
+    assert args.resume_from_checkpoint is None
+
+
+def test_task_factory_that_gives_no_task_names_what_it_gave(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--task os:getcwd` loaded the model, called the function and failed on `.reward_funcs` of a str, 16 lines
+    later; now one line, before the model is looked at."""
+    _no_model(monkeypatch)
+    recipe = write_recipe(tmp_path, TINY_RUN)
+    assert main([recipe, "--output_dir", str(tmp_path / "out"), "--task", "os:getcwd"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"task 'os:getcwd' gave a str ({os.getcwd()!r}), not a task: it lacks name, reward_funcs, " in line
+    assert "build_dataset(split, n, seed) method" in line
+
+
+def test_max_steps_0_is_refused_with_what_to_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers reads max_steps <= 0 as "train num_train_epochs epochs": 0 trained a whole run. It is refused;
+    -1 (transformers' default) still means epochs."""
+    _no_model(monkeypatch)
+    recipe = write_recipe(tmp_path, f"use_cpu: true\noutput_dir: {tmp_path / 'out'}\nmax_steps: 0\n")
+    assert main([recipe]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"max_steps in {recipe}, line 3: max_steps 0 would not stop at 0 steps" in line
+    assert "Set max_steps to the optimizer steps to train (>= 1), or -1 to train num_train_epochs epochs" in line
+    assert main([recipe, "--max_steps", "0"]) == 2
+    assert "--max_steps on the command line: max_steps 0" in _one_error_line(capsys.readouterr().err)
+    _, args, _ = parse_args([recipe, "--max_steps", "-1", "--num_train_epochs", "2"])
+    assert (args.max_steps, args.num_train_epochs) == (-1, 2)
 
 
 def test_command_line_beats_recipe(tmp_path: Path) -> None:
@@ -560,6 +663,20 @@ def test_tiny_end_to_end_writes_summary_and_plot(
     parts = ("model_conversion", "setup", "eval_before", "training", "eval_after", "save_and_plot")
     assert all(split[k] >= 0 for k in parts) and split["eval_before"] == summary["heldout"]["before_seconds"]
     assert sum(split[k] for k in parts) == pytest.approx(split["total"], abs=0.5)
+    # one training time (time_split["training"]); the seed, the versions and when it ran
+    assert "train_seconds" not in summary and "total_seconds" not in summary
+    import datetime as dt
+
+    import torch
+    import trl
+
+    assert summary["seed"] == 0 and summary["signal"] is None
+    assert summary["versions"]["torch"] == torch.__version__ and summary["versions"]["trl"] == trl.__version__
+    assert set(summary["versions"]) >= {"python", "dfpo_trl", "transformers", "accelerate", "datasets", "peft"}
+    started, finished = (dt.datetime.strptime(summary[k], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+                         for k in ("started_utc", "finished_utc"))
+    assert (finished - started).total_seconds() == pytest.approx(split["total"], abs=1.5)
+    assert abs((dt.datetime.now(dt.UTC) - finished).total_seconds()) < 120
     png = out / "dfpo_metrics.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
@@ -575,7 +692,7 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     reward curve so far and a fresh figure, and the earlier run's summary and model are in previous_run/, not
     beside it."""
     pytest.importorskip("matplotlib")
-    import dfpo_trl.app.main as app_main
+    import dfpo_trl.app.train as app_train
     from dfpo_trl.app.callbacks import CurveMetricsCallback
 
     out = tmp_path / "out"
@@ -592,7 +709,7 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
             if state.global_step == 2:
                 raise KeyboardInterrupt
 
-    monkeypatch.setattr(app_main, "CurveMetricsCallback", CtrlCAtStep3)
+    monkeypatch.setattr(app_train, "CurveMetricsCallback", CtrlCAtStep3)
     code = main([*argv, "--max_steps", "4", "--disable_tqdm", "false"])
     captured = capsys.readouterr()
     assert code == 130
@@ -601,6 +718,7 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     assert lines[-1] == f"dfpo-train: interrupted at step 2 of 4; partial results in {out}"
     summary = json.loads((out / "dfpo_summary.json").read_text())
     assert summary["interrupted"] is True and (summary["steps"], summary["max_steps"]) == (2, 4)
+    assert summary["signal"] == "SIGINT"
     assert summary["reward_curve"] == "step_reward" and summary["reward_ema_last"] is not None
     assert summary["heldout"]["before"] is not None and summary["heldout"]["after"] is None
     assert summary["files"] == ["dfpo_metrics.png", "dfpo_summary.json"]
@@ -609,6 +727,54 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     previous = out / "previous_run"
     assert json.loads((previous / "dfpo_summary.json").read_text())["steps"] == 1
     assert (previous / "model.safetensors").is_file() and (previous / "dfpo_metrics.png").is_file()
+
+
+def test_sigterm_stops_like_ctrl_c_with_exit_code_143(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real SIGTERM (how schedulers stop a job; it killed the run with nothing written) sent to this process when
+    the third step begins: one line, a partial summary marked with the signal, exit code 128 + 15; the handler
+    that was there before is back afterwards."""
+    import signal
+
+    import dfpo_trl.app.train as app_train
+    from dfpo_trl.app.callbacks import CurveMetricsCallback
+
+    class SigtermAtStep3(CurveMetricsCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(app_train, "CurveMetricsCallback", SigtermAtStep3)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path, TINY_RUN + "eval_size: 2\n")
+    code = main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--max_steps", "4"])
+    captured = capsys.readouterr()
+    assert code == 143 and signal.getsignal(signal.SIGTERM) is before
+    assert "Traceback" not in captured.err and "DFPO run summary" not in captured.out
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert lines[-1] == f"dfpo-train: stopped by SIGTERM at step 2 of 4; partial results in {out}"
+    summary = json.loads((out / "dfpo_summary.json").read_text())
+    assert (summary["interrupted"], summary["signal"], summary["steps"]) == (True, "SIGTERM", 2)
+    assert summary["reward_ema_last"] is not None and summary["heldout"]["after"] is None
+
+
+def test_sigterm_outside_training_exits_143(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while the model loads: `dfpo-train: stopped by SIGTERM`, exit 143, no traceback."""
+    import signal
+
+    import dfpo_trl.app.train as app_train
+
+    def loading(*args: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not interrupt")
+
+    monkeypatch.setattr(app_train, "resolve_model", loading)
+    recipe = write_recipe(tmp_path, TINY_RUN)
+    assert main([recipe, "--output_dir", str(tmp_path / "out")]) == 143
+    assert capsys.readouterr().err.strip() == "dfpo-train: stopped by SIGTERM"
 
 
 def test_previous_outputs_are_set_aside_and_only_those(tmp_path: Path) -> None:
@@ -630,6 +796,46 @@ def test_previous_outputs_are_set_aside_and_only_those(tmp_path: Path) -> None:
     assert set_aside_previous_outputs(str(out)) == ["dfpo_summary.json", "x.bin"]
     assert sorted(p.name for p in (out / "previous_run").iterdir()) == ["dfpo_summary.json", "x.bin"]
     assert (out / "notes.txt").is_file() and set_aside_previous_outputs(str(out)) == []
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under ``root``, by relative path."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+REFUSALS = {
+    "unknown task": ["--task", "nosuchtask"],
+    "unknown reward": ["--reward_funcs", "no_such_reward"],
+    "drift without forms": ["--drift_every", "2"],
+    "unknown field": ["--no_such_field", "1"],
+    "factory gives no task": ["--task", "os:getcwd"],
+    "not a checkpoint": ["--resume_from_checkpoint", "/no/such/checkpoint"],
+    "no checkpoint to resume": ["--resume_from_checkpoint", "true"],
+    "max_steps 0": ["--max_steps", "0"],
+}
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_a_refusal_leaves_output_dir_as_it_was(
+    refusal: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An earlier run's results (and the run before it, in previous_run/) stay where they are, byte for byte, when
+    the next command is refused: it was moved to previous_run/ before the task was checked, and the rotation after
+    that deleted it."""
+    out = tmp_path / "out"
+    (out / "previous_run").mkdir(parents=True)
+    (out / "previous_run" / "dfpo_summary.json").write_text(json.dumps({"steps": 1, "files": ["dfpo_summary.json"]}))
+    files = ["dfpo_summary.json", "dfpo_metrics.png", "model.safetensors", "config.json"]
+    (out / "dfpo_summary.json").write_text(json.dumps({"steps": 16, "files": files}))
+    for name in files[1:]:
+        (out / name).write_bytes(name.encode())
+    before = _tree(out)
+    _no_model(monkeypatch)  # every refusal comes before the model is looked at
+    recipe = write_recipe(tmp_path, TINY_RUN)
+    argv = [recipe, "--output_dir", str(out), *REFUSALS[refusal]]
+    assert main(argv) == 2
+    _one_error_line(capsys.readouterr().err)
+    assert _tree(out) == before
 
 
 def test_layout_and_its_cost_are_said_at_start_up(

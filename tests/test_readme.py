@@ -61,7 +61,7 @@ def test_every_module_is_on_the_docs_map() -> None:
 
 def _defines(module: Path, name: str) -> bool:
     source = module.read_text()
-    pattern = rf"^(?:def|class) {name}\b|^{name}\s*[:=]|^\s+{name},?$|^from [\w.]+ import [^\n]*\b{name}\b"
+    pattern = rf"^(?:def|class) {name}\b|^{name}\s*[:=]|^\s+{name},?$|^\s*from [\w.]+ import [^\n]*\b{name}\b"
     return re.search(pattern, source, flags=re.MULTILINE) is not None
 
 

@@ -57,7 +57,7 @@ def test_renamed_compute_loss_stops_the_import():
         GRPOTrainer._compute_policy_loss = GRPOTrainer._compute_loss
         del GRPOTrainer._compute_loss
         """,
-        "import dfpo_trl\n",
+        "from dfpo_trl import DFPOConfig\n",
     )
     assert_refused(result, "GRPOTrainer._compute_loss does not exist")
 
@@ -68,7 +68,7 @@ def test_a_removed_trl_helper_stops_the_import():
         import trl.trainer.utils
         del trl.trainer.utils.split_tensor_dict
         """,
-        "import dfpo_trl\n",
+        "from dfpo_trl import DFPOConfig\n",
     )
     assert_refused(result, "a TRL helper is gone", "split_tensor_dict")
 
@@ -81,7 +81,7 @@ def test_renamed_parameter_of_the_log_prob_helper_stops_the_import():
             return original(self, model, input_ids, attention_mask, num_logits_to_keep, batch_size, **kwargs)
         GRPOTrainer._get_per_token_logps_and_entropies = renamed
         """,
-        "import dfpo_trl\n",
+        "from dfpo_trl import DFPOConfig\n",
     )
     assert_refused(result, "_get_per_token_logps_and_entropies has parameters", "logits_to_keep")
 
@@ -95,7 +95,7 @@ def test_reordered_parameters_of_compute_loss_stop_the_import():
             return original(self, model, inputs)
         GRPOTrainer._compute_loss = swapped
         """,
-        "import dfpo_trl\n",
+        "from dfpo_trl import DFPOConfig\n",
     )
     assert_refused(result, "_compute_loss has parameters (inputs, model)", "in this order")
 

@@ -1,13 +1,15 @@
 """The script arguments: what a recipe sets besides DFPOConfig and ModelConfig (task, data, evaluation, outputs).
 
-Also :class:`RecipeError`, the error of a recipe or command line that does not describe a run.
+Also :class:`RecipeError`, the error of a recipe or command line that does not describe a run, and
+:class:`ModelUnavailableError`, a model that cannot be loaded (both light: the command line catches them before
+torch is imported).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .outputs import PLOT_FILE
+from .files import PLOT_FILE
 
 
 @dataclass
@@ -109,3 +111,7 @@ class DFPOScriptArguments:
 class RecipeError(ValueError):
     """A recipe or command line that does not describe a run: unknown field, bad value, missing data."""
 
+
+
+class ModelUnavailableError(RuntimeError):
+    """The requested model cannot be loaded (typically: a hub id without network access)."""

@@ -31,9 +31,33 @@ def build_task(script_args: DFPOScriptArguments) -> Task:
             "to train on a `datasets` dataset."
         )
     try:
-        return get_task(script_args.task, **options)
+        task = get_task(script_args.task, **options)
     except ValueError as exc:  # an unknown name, a bad import path, the task's own checks (no dataset)
         raise RecipeError(str(exc)) from exc
+    check_is_task(task, script_args.task)
+    return task
+
+
+def check_is_task(task: Any, name: str) -> None:
+    """Refuse what a task factory built when it is not a :class:`Task` (``task: os:getcwd`` gives a str), naming
+    its type and what it lacks, before anything reads it."""
+    missing = [attr for attr in ("name", "reward_funcs") if not hasattr(task, attr)]
+    if not callable(getattr(task, "build_dataset", None)):
+        missing.append("build_dataset(split, n, seed)")
+    if not missing and isinstance(task.reward_funcs, (list, tuple)):
+        return
+    if not missing:
+        missing.append(f"a list of reward_funcs (it has a {type(task.reward_funcs).__name__})")
+    kind = type(task).__qualname__
+    kind = kind if type(task).__module__ == "builtins" else f"{type(task).__module__}.{kind}"
+    shown = repr(task)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise RecipeError(
+        f"task {name!r} gave a {kind} ({shown}), not a task: it lacks "
+        f"{', '.join(missing)}. A task (dfpo_trl.tasks.Task) has a name, a list of reward_funcs and a "
+        "build_dataset(split, n, seed) method; task: package.module:factory names a task object, or a class or "
+        "function that returns one."
+    )
 
 
 def build_rewards(script_args: DFPOScriptArguments, task: Task) -> list[Any]:

@@ -1,62 +1,29 @@
 """``dfpo-train --help``: DFPO's fields and the script arguments with their defaults, and the task list.
 
-``--help-all`` is argparse's own help over every field (TRL's GRPOConfig, transformers' TrainingArguments,
-ModelConfig); ``--help`` is this shorter one.
+Rendered from a field table (:mod:`.fields`): the stored one (``field_table.py``), so that ``--help`` answers
+without importing torch or TRL, or, when ``--plugins`` may have registered transforms or tasks, one built from the
+parser after importing them. ``--help-all`` is argparse's own help over every field (TRL's GRPOConfig,
+transformers' TrainingArguments, ModelConfig).
 """
 
 from __future__ import annotations
 
 import textwrap
-from dataclasses import fields
-from typing import TYPE_CHECKING
+from typing import Any
 
-from trl import GRPOConfig
+__all__ = ["COMMON_TRL_FIELDS", "LEADING_FIELDS", "short_help"]
 
-from ..config import DFPOConfig
-from ..objectives.transforms import TRANSFORMS
-from ..tasks import TASKS
-from .args import DFPOScriptArguments
-
-if TYPE_CHECKING:
-    from .parser import DFPOParser
-
-__all__ = ["dfpo_field_names", "short_help", "task_help", "transform_help"]
-
-# One line per built-in task in `--help`; a task registered without an entry here is described by the first
-# sentence of its factory's docstring.
-TASK_SUMMARIES = {
-    "arithmetic": "single-digit addition, reward on the last number of the completion; offline",
-    "sum_sentence": "the same problems answered in one required sentence: a group's completions share a long "
-    "prefix, where shared-token cancellation acts; offline",
-    "math": "any `datasets` dataset graded by math-verify; set dataset, problem_column and answer_column",
+# What most runs set, first in `--help` with their defaults and help (from whichever dataclass holds them).
+LEADING_FIELDS = (
+    "model_name_or_path", "task", "output_dir", "max_steps", "learning_rate", "num_generations",
+    "per_device_train_batch_size", "steps_per_generation", "use_cpu", "seed",
+)  # fmt: skip
+# What dfpo-train adds to a leading field's own help.
+LEADING_NOTES = {
+    "model_name_or_path": "Unset: the embedded SmolLM2-135M-Instruct, offline (converted once on first use).",
+    "output_dir": "Recipes set it (e.g. outputs/smollm2_cpu); an earlier run's results there move to previous_run/.",
+    "max_steps": "dfpo-train refuses 0; -1 trains num_train_epochs epochs.",
 }
-
-
-def task_help() -> str:
-    """The ``task`` field's help, listing every task registered in :data:`dfpo_trl.tasks.TASKS`."""
-
-    def summary(name: str) -> str:
-        if name in TASK_SUMMARIES:
-            return TASK_SUMMARIES[name]
-        doc = " ".join((getattr(TASKS[name], "__doc__", None) or "").split())
-        return doc.split(". ")[0].rstrip(".") or "registered with dfpo_trl.tasks.register_task"
-
-    listed = "; ".join(f"'{name}' ({summary(name)})" for name in TASKS)
-    return (
-        f"Task: {listed}; a name registered with dfpo_trl.tasks.register_task; or an import path "
-        "'package.module:factory' returning a dfpo_trl.tasks.Task."
-    )
-
-
-def transform_help() -> str:
-    """The ``group_transform`` field's help (it lists the built-ins), then every transform registered beyond them
-    (by a plugin, docs/extending.md) with its balance condition, as the registry holds them now."""
-    spec = next(f for f in fields(DFPOConfig) if f.name == "group_transform")
-    added = [f"'{name}' (balances: {entry.balance})" for name, entry in TRANSFORMS.items() if not entry.builtin]
-    extra = f" Registered by plugins: {', '.join(added)}." if added else ""
-    return spec.metadata["help"] + extra.replace("%", "%%")  # argparse formats help with %
-
-
 # TRL / transformers fields a DFPO recipe sets most often, named in the short help (their help: --help-all).
 COMMON_TRL_FIELDS = (
     "model_name_or_path", "output_dir", "learning_rate", "max_steps", "num_generations",
@@ -66,31 +33,21 @@ COMMON_TRL_FIELDS = (
 )  # fmt: skip
 
 
-def dfpo_field_names() -> list[str]:
-    """The fields DFPOConfig adds to GRPOConfig, in declaration order."""
-    inherited = {f.name for f in fields(GRPOConfig)}
-    return [f.name for f in fields(DFPOConfig) if f.name not in inherited]
-
-
-def short_help(parser: DFPOParser, width: int = 100) -> str:
-    """``dfpo-train --help``: usage, DFPO's fields and then the script arguments, each with its default and help;
-    the thousand-odd TRL/transformers fields only by name (``--help-all`` prints them all)."""
+def short_help(table: dict[str, Any], width: int = 100) -> str:
+    """``dfpo-train --help``: usage, the fields most runs set, DFPO's fields, then the other script arguments, each
+    with its default and help; the other common TRL/transformers fields only by name (``--help-all``: all)."""
 
     def entry(name: str) -> str:
-        action = parser.primary_action(name)
-        default = action.default
+        spec = table["entries"][name]
         head = f"  --{name}"
-        if default is not None:
-            head += f" (default: {default!r}"
-            negated = parser.negated_flag(name)
-            head += f"; {negated} turns it off)" if negated and default is True else ")"
-        body = textwrap.fill(
-            " ".join((action.help or "").replace("%%", "%").split()),
-            width=width,
-            initial_indent=" " * 6,
-            subsequent_indent=" " * 6,
-        )
+        if spec["default"] is not None:
+            head += f" (default: {spec['default']}"
+            head += f"; {spec['negated']} turns it off)" if spec["negated"] else ")"
+        text = " ".join(p for p in (spec["help"], LEADING_NOTES.get(name, "")) if p)
+        body = textwrap.fill(text, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
         return f"{head}\n{body}"
+
+    others = [name for name in COMMON_TRL_FIELDS if name not in LEADING_FIELDS]
 
     lines = [
         "usage: dfpo-train RECIPE.yaml [--field value ...]",
@@ -99,14 +56,17 @@ def short_help(parser: DFPOParser, width: int = 100) -> str:
         "Train with DFPO objectives (a TRL GRPOTrainer subclass) from a flat YAML recipe; any field can be set in the",
         "recipe or as a flag, and flags beat the recipe. Example: dfpo-train recipes/smollm2_cpu.yaml --max_steps 10",
         "",
+        "the fields most runs set:",
+        *(entry(name) for name in LEADING_FIELDS),
+        "",
         "DFPO fields of DFPOConfig: the in-group transform that lets shared tokens' gradients cancel, GRPO-fix's",
         "symmetric clip, DelTA's token weights, the mechanism metrics (docs/design.md, delta.md, metrics.md):",
-        *(entry(name) for name in dfpo_field_names()),
+        *(entry(name) for name in table["dfpo_fields"]),
         "",
-        "script arguments (task, data, held-out evaluation, outputs):",
-        *(entry(f.name) for f in fields(DFPOScriptArguments)),
+        "the other script arguments (data, held-out evaluation, outputs):",
+        *(entry(name) for name in table["script_fields"] if name not in LEADING_FIELDS),
         "",
-        "common TRL fields (help: --help-all):",
-        textwrap.fill(", ".join(COMMON_TRL_FIELDS), width=width, initial_indent="  ", subsequent_indent="  "),
+        "other TRL fields recipes often set (help: --help-all):",
+        textwrap.fill(", ".join(others), width=width, initial_indent="  ", subsequent_indent="  "),
     ]
     return "\n".join(lines) + "\n"

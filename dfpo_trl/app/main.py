@@ -1,4 +1,4 @@
-"""``dfpo-train``: train with DFPO from a YAML recipe, under ``accelerate launch`` or alone (``main`` and ``run``).
+"""``dfpo-train``: train with DFPO from a YAML recipe, under ``accelerate launch`` or alone (``main``).
 
     dfpo-train recipes/smollm2_cpu.yaml                       # the offline embedded default, on the CPU
     dfpo-train recipes/smollm2_cpu.yaml --max_steps 10        # any field overridden on the command line
@@ -8,151 +8,57 @@ A recipe is a flat YAML mapping read by TRL's ``TrlParser`` into three dataclass
 (task, data, held-out evaluation), :class:`~dfpo_trl.DFPOConfig` (every ``GRPOConfig`` field plus DFPO's) and
 TRL's ``ModelConfig`` (model path or id, dtype, LoRA). An ``env:`` mapping sets environment variables. Command
 line flags beat the recipe. With no ``model_name_or_path`` the embedded SmolLM2-135M-Instruct is used.
+
+This module imports no torch, transformers or TRL: ``--help`` and the checks of the recipe, the field names and
+the paths (:mod:`.precheck`) answer in a fraction of a second; :mod:`.train` (the parse and the run) is imported
+once they pass. ``run`` and ``default_process_group`` are :mod:`.train`'s, reachable here as before.
 """
 
 from __future__ import annotations
 
-import gc
+import importlib
 import logging
-import os
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import torch
-from trl import ModelConfig, get_peft_config
-
-from ..config import DFPOConfig
-from ..trainer import DFPOTrainer
-from . import logger
-from .args import DFPOScriptArguments, RecipeError
-from .callbacks import CurveMetricsCallback, DriftMeterCallback, FormShareReward
-from .data import build_datasets, build_drift_problems, build_rewards, build_task, filter_long_prompts
-from .evaluation import HeldoutAccuracyCallback
+from .args import ModelUnavailableError, RecipeError
 from .help import short_help
-from .model import ModelUnavailableError, model_init_kwargs, resolve_model
-from .outputs import PREVIOUS_RUN_DIR, save_model, set_aside_previous_outputs, write_outputs
-from .parser import make_parser, parse_args
 from .plugins import import_plugins, requested_plugins
-from .progress import close_progress_bar, use_dfpo_progress_bar
+from .precheck import precheck, stored_field_table
+from .signals import exit_code, signal_name, sigterm_interrupts
 
-__all__ = ["default_process_group", "main", "run"]
-
-
-def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args: ModelConfig) -> dict[str, Any]:
-    """Train as described, write the summary (and the PNG) to ``output_dir``; returns the summary."""
-    start = time.monotonic()
-    if int(os.environ.get("RANK", "0")) == 0:  # before anything loads: no older result may pass for this run's
-        moved = set_aside_previous_outputs(training_args.output_dir)
-        if moved:
-            logger.info(
-                "%s held an earlier run's results (%s): moved to %s/",
-                training_args.output_dir,
-                ", ".join(moved),
-                Path(training_args.output_dir) / PREVIOUS_RUN_DIR,
-            )
-    model_path, model_label = resolve_model(model_args)
-    model_seconds = time.monotonic() - start  # the embedded model's one-time conversion, or a quick check
-    task = build_task(script_args)
-    reward_funcs = build_rewards(script_args, task)
-    train, heldout = build_datasets(script_args, task, training_args.seed)
-    drift_problems = build_drift_problems(script_args, task, training_args.seed)
-    if drift_problems is not None:
-        # The correctness reward also logs which form each fully correct sampled completion takes.
-        reward_funcs[0] = FormShareReward(reward_funcs[0], task)
-    if script_args.max_prompt_length is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
-        train = filter_long_prompts(train, tokenizer, script_args.max_prompt_length, training_args.chat_template_kwargs)
-    training_args.model_init_kwargs = model_init_kwargs(training_args, model_args)
-
-    curves = CurveMetricsCallback(threshold=script_args.reward_threshold)
-    callbacks: list[Any] = [curves]
-    heldout_cb = None
-    if heldout is not None:
-        heldout_cb = HeldoutAccuracyCallback(
-            task,
-            heldout,
-            max_new_tokens=script_args.eval_max_new_tokens,
-            batch_size=script_args.eval_batch_size,
-            chat_template_kwargs=training_args.chat_template_kwargs,
-            every=script_args.eval_every,
-        )
-        callbacks.insert(0, heldout_cb)
-    trainer = DFPOTrainer(  # logs the group layout it chose, why, and what it costs
-        model=model_path,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train,
-        peft_config=get_peft_config(model_args),
-        callbacks=callbacks,
-    )
-    if heldout_cb is not None:
-        heldout_cb.metrics = trainer.dfpo_metrics
-    drift_cb = None
-    if drift_problems is not None:
-        drift_cb = DriftMeterCallback(
-            task,
-            drift_problems,
-            every=script_args.drift_every,
-            temperature=training_args.temperature,
-            batch_size=script_args.eval_batch_size,
-            chat_template_kwargs=training_args.chat_template_kwargs,
-            metrics=trainer.dfpo_metrics,
-        )
-        trainer.add_callback(drift_cb)
-    use_dfpo_progress_bar(trainer)
-    train_start = time.monotonic()
-    setup_seconds = train_start - start - model_seconds
-    interrupted = False
-    try:
-        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except KeyboardInterrupt:  # Ctrl-C: keep what was learned about the run, not a traceback from autograd
-        interrupted = True
-        close_progress_bar(trainer)
-        curves.on_train_end(training_args, trainer.state, trainer.control)  # the curve up to the last logged step
-    train_seconds = time.monotonic() - train_start
-    saved = save_model(trainer, training_args.output_dir) if script_args.save_model and not interrupted else []
-
-    summary: dict[str, Any] = {"interrupted": interrupted}
-    if trainer.accelerator.is_main_process:
-        times = {"model": model_seconds, "setup": setup_seconds, "train_call": train_seconds}
-        summary = write_outputs(
-            trainer, script_args, training_args, model_label, heldout_cb, curves, times, start, interrupted, saved,
-            drift_cb,
-        )
-        if interrupted:
-            print(
-                f"dfpo-train: interrupted at step {summary['steps']} of {summary['max_steps']}; partial results in "
-                f"{training_args.output_dir}",
-                file=sys.stderr,
-                flush=True,
-            )
-    # Ending a multi-process launch: the trainer's DDP reducer must not be the last holder of the process group.
-    # `trainer.end()` (Transformers) destroys the group; if the reducer then drops the last reference, torch joins
-    # gloo's worker threads while holding the GIL, and a worker that needs the GIL to release a finished
-    # all-gather's tensors deadlocks the rank (seen in our two-process tests; pytorch/pytorch#56297). Holding the
-    # group's Python handle until the trainer is gone makes the handle the last reference, and torch's Python
-    # binding releases the GIL while it joins.
-    group_handle = default_process_group()
-    if hasattr(trainer, "end"):
-        trainer.end()
-    elif group_handle is not None:
-        torch.distributed.destroy_process_group()
-    del trainer
-    gc.collect()
-    del group_handle
-    return summary
+__all__ = ["main"]  # and run, default_process_group (from .train, on first use)
 
 
-def default_process_group() -> Any:
-    """The default process group's Python handle when one is initialised (a multi-process launch), else None."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.group.WORLD
-    return None
+def __getattr__(name: str) -> Any:
+    """``run`` and ``default_process_group`` from :mod:`.train`, imported on first use (it imports torch)."""
+    if name in ("run", "default_process_group"):
+        return getattr(importlib.import_module(".train", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def print_help(args: Sequence[str]) -> int:
+    """``--help`` (from the stored field table, or from the parser once plugins registered theirs) or
+    ``--help-all`` (argparse's help over every field, from the parser); 2 when a plugin cannot be imported."""
+    plugins = requested_plugins(args)
+    stored = stored_field_table()
+    if "--help-all" not in args and not plugins and stored is not None:
+        print(short_help(stored), end="")
+        return 0
+    try:  # the help lists what the plugins register
+        import_plugins(plugins)
+    except RecipeError as exc:
+        print(f"dfpo-train: error: {exc}", file=sys.stderr)
+        return 2
+    from .fields import build_field_table
+    from .parser import make_parser
+
+    if "--help-all" in args:
+        make_parser().print_help()
+    else:
+        print(short_help(build_field_table(make_parser())), end="")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -161,24 +67,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("dfpo_trl").setLevel(logging.INFO)
     args = sys.argv[1:] if argv is None else list(argv)
     if "--help-all" in args or "-h" in args or "--help" in args:
-        try:  # the help lists what the plugins register
-            import_plugins(requested_plugins(args))
-        except RecipeError as exc:
-            print(f"dfpo-train: error: {exc}", file=sys.stderr)
-            return 2
-        if "--help-all" in args:
-            make_parser().print_help()
-        else:
-            print(short_help(make_parser()), end="")
+        code = print_help(args)
+        if code:
+            return code
         raise SystemExit(0)
     try:
-        script_args, training_args, model_args = parse_args(args)
-        summary = run(script_args, training_args, model_args)
+        with sigterm_interrupts():  # a scheduler's SIGTERM ends the run as Ctrl-C does (docs/cli.md)
+            precheck(args)  # recipe, field names, paths: before torch, transformers and TRL are imported
+            summary = importlib.import_module(".train", __package__).parse_and_run(args)
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # outside training (loading, saving): nothing partial worth describing
-        print("\ndfpo-train: interrupted", file=sys.stderr)
-        return 130
-    return 130 if summary.get("interrupted") else 0  # 128 + SIGINT, the shell's code for Ctrl-C
-
+    except KeyboardInterrupt as exc:  # outside training (loading, saving): nothing partial worth describing
+        name = signal_name(exc)
+        print(f"\ndfpo-train: {'interrupted' if name == 'SIGINT' else 'stopped by ' + name}", file=sys.stderr)
+        return exit_code(name)
+    # 128 + the signal's number, the shell's code: 130 for Ctrl-C (SIGINT), 143 for SIGTERM
+    return exit_code(summary["signal"] or "SIGINT") if summary.get("interrupted") else 0

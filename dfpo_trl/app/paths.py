@@ -1,0 +1,101 @@
+"""The paths a run is given, checked before anything loads or moves: ``output_dir`` and ``resume_from_checkpoint``.
+
+Standard library only, so that the command line's fast checks can use them before torch and TRL are imported.
+Each bad path is a one-line :class:`RecipeError` naming where it was set, what is wrong and what to give instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from .args import RecipeError
+
+__all__ = ["CHECKPOINT_WEIGHTS", "check_output_dir", "latest_checkpoint", "resolve_resume_checkpoint"]
+
+# What transformers' Trainer.train(resume_from_checkpoint=...) reads back (Trainer._load_from_checkpoint, and
+# deepspeed_load_checkpoint under DeepSpeed): one of these weight files, or FSDP's or DeepSpeed's own layout.
+CHECKPOINT_WEIGHTS = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+    "adapter_model.safetensors", "adapter_model.bin",
+)  # fmt: skip
+TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR + "-" + step
+CHECKPOINT_HELP = (
+    f"a checkpoint is a checkpoint-N/ folder a run wrote to its output_dir (save_strategy 'steps' or 'epoch'), "
+    f"holding {TRAINER_STATE} and the model's weights ({CHECKPOINT_WEIGHTS[0]}, or {CHECKPOINT_WEIGHTS[4]} with "
+    "LoRA, or an FSDP or DeepSpeed global_step* folder); give its path, or true for the latest checkpoint-N/ in "
+    "output_dir"
+)
+
+
+def check_output_dir(path: str, origin: str) -> None:
+    """``output_dir`` must be a directory this process can create or write. Probed by creating (and removing) a
+    scratch folder in it or in its nearest existing parent: permission bits say nothing for root, nor for /proc."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise RecipeError(
+            f"{origin}: output_dir {path!r} is an existing file, not a directory; name a directory (created if "
+            f"missing), e.g. --output_dir {path}.d"
+        )
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RecipeError(f"{origin}: output_dir {path!r} cannot be created: {str(existing)!r} is a file; name "
+                          "a directory elsewhere.")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dfpo-write-check-", dir=existing))
+    except OSError as exc:
+        verb = "is not writable" if existing == target else "cannot be created"
+        raise RecipeError(
+            f"{origin}: output_dir {path!r} {verb} ({exc.strerror or type(exc).__name__} in {str(existing)!r}); "
+            "name a directory you can write, e.g. --output_dir outputs/run1"
+        ) from None
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The ``checkpoint-N/`` folder with the largest N in ``output_dir`` (transformers' get_last_checkpoint)."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    steps = {int(m.group(1)): p for p in folder.iterdir() if (m := CHECKPOINT_DIR.match(p.name)) and p.is_dir()}
+    return str(steps[max(steps)]) if steps else None
+
+
+def _checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a checkpoint transformers can resume from, or None when it is one."""
+    if not path.exists():
+        return "no such directory"
+    if not path.is_dir():
+        return "a file, not a directory"
+    if not (path / TRAINER_STATE).is_file():
+        return f"no {TRAINER_STATE} in it"
+    sharded = any(p.is_dir() and (p.name.startswith("global_step") or "pytorch_model_fsdp" in p.name)
+                  for p in path.iterdir())
+    if not sharded and not any((path / name).is_file() for name in CHECKPOINT_WEIGHTS):
+        return "no model weights in it"
+    return None
+
+
+def resolve_resume_checkpoint(value: str | None, output_dir: str | None, origin: str) -> str | None:
+    """``resume_from_checkpoint`` as the path train() is given: None for unset, ``false`` or empty; the latest
+    ``checkpoint-N/`` in ``output_dir`` for ``true`` (what ``Trainer.train(resume_from_checkpoint=True)`` picks);
+    else the path, which must hold a checkpoint."""
+    if value is None or value.strip().lower() in ("", "false"):
+        return None
+    if value.strip().lower() == "true":
+        found = latest_checkpoint(output_dir) if output_dir else None
+        if found is None:
+            raise RecipeError(
+                f"{origin}: resume_from_checkpoint true resumes from the latest checkpoint-N/ in output_dir "
+                f"{output_dir!r}, and there is none; {CHECKPOINT_HELP}"
+            )
+        value = found
+    problem = _checkpoint_problem(Path(value))
+    if problem is not None:
+        raise RecipeError(f"{origin}: resume_from_checkpoint {value!r} is not a checkpoint ({problem}); "
+                          f"{CHECKPOINT_HELP}")
+    return value

@@ -1,0 +1,199 @@
+"""Checks of a command line that need no model, no data and no torch: run first, so that a mistake costs a second.
+
+:func:`precheck` reads the recipe (it exists, it is YAML), every field name in it and on the command line, and the
+values that name paths or the run's length (``output_dir``, ``resume_from_checkpoint``, ``max_steps``), against the
+stored field table (:mod:`.fields`), before ``dfpo-train`` imports torch, transformers and TRL (seconds). Standard
+library and YAML only. The full parse (:mod:`.parser`) then checks the values' types and each field's own rules,
+with the same messages for what both check.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .args import RecipeError
+from .paths import check_output_dir, resolve_resume_checkpoint
+
+__all__ = [
+    "PRECHECKED_FIELDS", "RENAMED_FIELDS", "check_max_steps", "field_origin", "library_versions", "precheck",
+    "recipe_argv", "stored_field_table", "unknown_message", "yaml_error",
+]  # fmt: skip
+
+# The fields whose values precheck reads (their defaults are in the field table).
+PRECHECKED_FIELDS = ("max_steps", "output_dir", "resume_from_checkpoint")
+
+# Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.
+RENAMED_FIELDS = {
+    "warmup_ratio": "warmup_steps (transformers 5 folded warmup_ratio into it: a float < 1 is a ratio)",
+    "max_prompt_length": "max_prompt_length of the DFPO script arguments (TRL 1.16 dropped it from GRPOConfig)",
+    "torch_dtype": "dtype",
+    "dataset_name": "dataset",
+    "dataset_train_split": "split",
+    "dataset_test_split": "test_split",
+}
+
+
+def library_versions() -> dict[str, str]:
+    """The installed TRL and transformers versions: the field table holds their fields."""
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("trl", "transformers")}
+
+
+def stored_field_table() -> dict[str, Any] | None:
+    """The stored field table when it was built with the installed TRL and transformers, else None."""
+    from .field_table import FIELD_TABLE
+
+    return FIELD_TABLE if FIELD_TABLE.get("versions") == library_versions() else None
+
+
+def recipe_argv(argv: Sequence[str]) -> list[str]:
+    """Accept the recipe as a leading positional path (``dfpo-train recipe.yaml ...``) as well as ``--config``."""
+    args = list(argv)
+    if not args:
+        raise RecipeError(
+            "no recipe given. Usage: dfpo-train RECIPE.yaml [--field value ...], e.g. "
+            "`dfpo-train recipes/smollm2_cpu.yaml`; `dfpo-train --help` lists the fields."
+        )
+    if not args[0].startswith("-"):
+        path = args.pop(0)
+        if not path.endswith((".yaml", ".yml")) and not os.path.isfile(path):
+            raise RecipeError(f"{path!r} is not a recipe: expected a .yaml file (or --config FILE), then flags.")
+        args = ["--config", path, *args]
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            raise RecipeError("--config needs a recipe path")
+        if not os.path.isfile(args[i + 1]):
+            raise RecipeError(f"recipe {args[i + 1]!r} not found")
+    return args
+
+
+def yaml_error(recipe: str, exc: Any) -> RecipeError:
+    """A recipe that is not YAML: the file, line and column, the offending line and what to change."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    if problem == "could not find expected ':'" and getattr(exc, "context_mark", None) is not None:
+        mark = exc.context_mark  # a line without 'field: value' is reported where the next one starts
+    where = ""
+    if mark is not None:
+        lines = Path(recipe).read_text().splitlines()
+        text = lines[mark.line].strip() if mark.line < len(lines) else "end of file"
+        where = f" at line {mark.line + 1}, column {mark.column + 1} ({text!r})"
+    hints = {
+        "mapping values are not allowed here": "quote a value that holds ': ' and start every field at column 1",
+        "found character '\\t' that cannot start any token": "indent with spaces, not tabs (a recipe is flat)",
+        "could not find expected ':'": "write every line as 'field: value'",
+        "found unexpected end of stream": "close the quote opened there",
+    }
+    fix = hints.get(problem, "one 'field: value' per line, quote values holding ': ' or '#', close quotes and brackets")
+    return RecipeError(f"recipe {recipe!r} is not valid YAML{where}: {problem}; {fix}.")
+
+
+def unknown_message(keys: Sequence[str], names: Sequence[str], where: str) -> str:
+    """Unknown field names, each with the nearest known ones (or where a renamed field went)."""
+    lines = []
+    for key in keys:
+        if key in RENAMED_FIELDS:
+            lines.append(f"{key!r}: use {RENAMED_FIELDS[key]}")
+            continue
+        close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "no similar field"
+        lines.append(f"{key!r}: {hint}")
+    return (
+        f"{where} sets {len(keys)} unknown field(s): "
+        + "; ".join(lines)
+        + ". Fields come from DFPOScriptArguments, DFPOConfig (GRPOConfig + DFPO) and TRL's ModelConfig; "
+        "`dfpo-train --help` lists them."
+    )
+
+
+def field_origin(name: str, flags: Sequence[str], args: Sequence[str], recipe: str | None) -> str:
+    """Where a field's value came from, for an error message: the command line (one of ``flags``), the recipe's
+    line, or its default."""
+    if any(arg in flags or arg.split("=", 1)[0] in flags for arg in args):
+        return f"--{name} on the command line"
+    if recipe is not None:
+        for number, line in enumerate(Path(recipe).read_text().splitlines(), start=1):
+            if line.split(":", 1)[0].strip() == name and ":" in line:
+                return f"{name} in {recipe}, line {number}"
+    return f"{name} (its default)"
+
+
+def check_max_steps(value: int, origin: str) -> None:
+    """Refuse ``max_steps: 0``. transformers reads any ``max_steps <= 0`` as "train ``num_train_epochs`` epochs"
+    (its default is -1), so 0 trained a whole run whose summary looked like any other; a user writing 0 meant
+    something else (no training, or "as many as the data has"), and says which with -1 or a positive count."""
+    if value == 0:
+        raise RecipeError(
+            f"{origin}: max_steps 0 would not stop at 0 steps: transformers reads max_steps <= 0 as 'train "
+            "num_train_epochs epochs'. Set max_steps to the optimizer steps to train (>= 1), or -1 to train "
+            "num_train_epochs epochs over the training prompts."
+        )
+
+
+def _flag_value(args: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The value the last of ``flags`` on the command line gives (``--f value`` or ``--f=value``), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg in flags and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value = args[i + 1]
+        elif "=" in arg and arg.split("=", 1)[0] in flags:
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> None:
+    """Check the recipe, the field names and the paths of ``argv`` against ``table`` (default: the stored field
+    table; without one for the installed libraries, only what needs no field list); a problem is a one-line
+    :class:`RecipeError`, as the full parse would give it."""
+    import yaml
+
+    table = table if table is not None else stored_field_table()
+    if table is None:
+        recipe_argv(argv)
+        return
+    options: Mapping[str, list[str]] = table["options"]
+    args = recipe_argv(argv)
+    recipe = args[args.index("--config") + 1] if "--config" in args else None
+    flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
+    settings: dict[str, Any] = {}
+    if recipe is not None:
+        try:
+            loaded = yaml.safe_load(Path(recipe).read_text())
+        except yaml.YAMLError as exc:
+            raise yaml_error(recipe, exc) from None
+        settings = {k: v for k, v in loaded.items() if k != "env"} if isinstance(loaded, dict) else {}
+        unknown = [str(k) for k in settings if k not in options]
+        if unknown:
+            raise RecipeError(unknown_message(unknown, sorted(options), "the recipe"))
+    known_flags = {flag for names in options.values() for flag in names}
+    unknown = [a.split("=", 1)[0] for a in flags if a.startswith("--") and a.split("=", 1)[0] not in known_flags]
+    if unknown:
+        names = [f[2:].replace("-", "_") for f in unknown]
+        raise RecipeError(unknown_message(names, sorted(options), "the command line"))
+
+    def value(name: str) -> Any:
+        given = _flag_value(flags, options[name])
+        return given if given is not None else settings.get(name, table["defaults"][name])
+
+    def origin(name: str) -> str:
+        return field_origin(name, options[name], flags, recipe)
+
+    try:
+        max_steps = int(value("max_steps"))
+    except (TypeError, ValueError):  # not an integer: the full parse says what the field takes
+        max_steps = None
+    if max_steps is not None:
+        check_max_steps(max_steps, origin("max_steps"))
+    output_dir = value("output_dir")
+    if output_dir is not None:
+        check_output_dir(str(output_dir), origin("output_dir"))
+    resume = value("resume_from_checkpoint")
+    if resume is not None and (output_dir is not None or str(resume).strip().lower() != "true"):
+        # (`true` without an output_dir reads transformers' default folder: left to the full parse)
+        resolve_resume_checkpoint(str(resume), output_dir, origin("resume_from_checkpoint"))
