@@ -129,7 +129,8 @@ def e2e_section(e2e: dict[str, Any] | None, number: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ long runs
-def long_run_section(study: dict[str, Any] | None, figures: dict[str, str], number: int) -> list[str]:
+def long_run_section(study: dict[str, Any] | None, figures: dict[str, str], number: int,
+                     records: list[dict[str, Any]] | None = None) -> list[str]:
     if not study or not study.get("tasks"):
         return []
     runs = study["runs"]
@@ -149,8 +150,11 @@ def long_run_section(study: dict[str, Any] | None, figures: dict[str, str], numb
         "Checkpoint values: held-out accuracy and the drift meter (D2, D3; docs/metrics.md) as measured at that step; "
         f"policy entropy and clip fraction as means over the {study['window']} steps up to it. Whole-run values: "
         "steps until the training reward's EMA reaches κ = 0.6 (a run that never does counts as steps + 1, a lower "
-        "bound), Jitter₂ of the per-step reward, the share of the LM-head gradient energy on the most frequent "
-        "quarter of token occurrences (eq. 24) and the clip fraction, averaged over every step. Means over seeds with "
+        "bound), Jitter₂ of the per-step reward, the clip fraction averaged over every step, and the share of the "
+        "LM-head gradient energy on the most frequent quarter of token occurrences (eq. 24) averaged over the steps "
+        "where it was measured (those with a nonzero gradient: see the zero-gradient steps below). The energy "
+        "here is the per-position form (a sum of each position's gradient norm), blind to cancellation between "
+        "positions (docs/metrics.md). Means over seeds with "
         "95% t-intervals; differences from the baseline are seed-paired (the same seed gives both methods the same "
         "problems in the same order) with 95% paired t-intervals.",
         "",
@@ -188,6 +192,7 @@ def long_run_section(study: dict[str, Any] | None, figures: dict[str, str], numb
             lines += [f"![{task}]({figures[task]})", ""]
     lines += collapse_sentences(study)
     lines += verdict_sentences(study)
+    lines += diagnostics_section(study, records or [])
     return lines
 
 
@@ -315,3 +320,110 @@ def seed_curves(entry: dict[str, Any], what: str) -> list[dict[int, float]]:
             values = [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
         out.append({int(s): v for (s, _), v in zip(curve, values, strict=True) if math.isfinite(v)})
     return out
+
+
+# ------------------------------------------------------------------------------------ what the study could see
+FAILED_BELOW = 0.5  # held-out accuracy after training under which a run did not learn the answer format
+PHI_ACTING = 0.95  # an off-policy step where the transform moved the weights: mean φ below this
+
+
+def read_records(directory: pathlib.Path) -> list[dict[str, Any]]:
+    """The per-run records of the study (``<task>__<method>__s<seed>.json.gz``)."""
+    import gzip
+    import json
+
+    return [json.loads(gzip.open(p).read()) for p in sorted(directory.glob("*.json.gz"))]
+
+
+def run_diagnostics(record: dict[str, Any]) -> dict[str, float | None]:
+    """What one run's transform and clip actually did. A rollout's first step is where TRL logs ``reward``; the other
+    steps are off-policy. The clip fraction among rows with Â ≠ 0 is estimated from the logged fraction over all rows
+    divided by the share of rows in groups with reward variance (rows of zero-variance groups have Â = 0 and are
+    never counted clipped)."""
+    s = record.get("series", {})
+    first = {int(step) for step, _ in s.get("reward", [])}
+    zero_std = {int(step): v for step, v in s.get("frac_reward_zero_std", [])}
+    rollout_zero, current = {}, None
+    for step in sorted({int(st) for st, _ in s.get("grad_norm", [])}):
+        current = zero_std.get(step, current)
+        rollout_zero[step] = current
+    phi = [v for st, v in s.get("transform/phi_mean", []) if int(st) not in first]
+    clip = [(int(st), v) for st, v in s.get("clip_ratio/region_mean", []) if int(st) not in first]
+    signal_clip = [v / (1 - rollout_zero[st]) for st, v in clip
+                   if rollout_zero.get(st) is not None and rollout_zero[st] < 1]
+    grads = [v for _, v in s.get("grad_norm", [])]
+    two_sided = [v for _, v in s.get("cancellation/shared_prefix_residual_two_sided", [])]
+    mean = statistics.fmean
+    return {
+        "phi_off_policy": mean(phi) if phi else None,
+        "phi_acting_share": mean(v < PHI_ACTING for v in phi) if phi else None,
+        "clip_off_policy": mean(v for _, v in clip) if clip else None,
+        "clip_signal_rows": mean(signal_clip) if signal_clip else None,
+        "zero_grad_share": mean(v == 0 for v in grads) if grads else None,
+        "zero_variance_groups": mean(zero_std.values()) if zero_std else None,
+        "two_sided_residual": mean(two_sided) if two_sided else None,
+        "failed": ((record.get("heldout") or {}).get("after") or 0.0) < FAILED_BELOW,
+    }
+
+
+def paired_mde(difference: dict[str, Any], power: float = 0.8, alpha: float = 0.05) -> float | None:
+    """The smallest true paired difference the comparison had ``power`` to detect at two-sided ``alpha``:
+    (t_{1−α/2} + t_{power}) · SE, with SE recovered from the difference's 95% t-interval (n − 1 degrees of freedom)."""
+    from scipy import stats
+
+    n = difference.get("n") or 0
+    if n < 2 or difference.get("low") is None:
+        return None
+    t95 = stats.t.ppf(0.975, n - 1)
+    se = (difference["high"] - difference["low"]) / (2 * t95)
+    return float((stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)) * se)
+
+
+def diagnostics_section(study: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
+    """Per task and method: the transform's φ, the clip among rows with signal, zero-gradient steps, failures, the
+    two-sided residual; then each comparison's minimum detectable effect."""
+    if not records or not study.get("tasks"):
+        return []
+    lines = ["**What the transforms did, and what the study could detect.** Means over each method's runs (φ and "
+             "clip over off-policy steps; \"acting\": share of those steps with mean φ < "
+             f"{PHI_ACTING}; clip among rows with Â ≠ 0 estimated from the all-row fraction and the zero-variance groups; a run failed when its "
+             f"held-out accuracy after training was below {FAILED_BELOW}):", ""]
+    titles = ["task", "method", "φ off-policy", "acting", "clip, all rows", "clip, rows with Â ≠ 0",
+              "zero-gradient steps", "zero-variance groups", "two-sided residual", "failed"]
+    lines += ["| " + " | ".join(titles) + " |", "|" + " --- |" * len(titles)]
+
+    def cell(values: list[Any], digits: int = 3) -> str:
+        values = [v for v in values if v is not None]
+        return f"{statistics.fmean(values):.{digits}f}" if values else "–"
+
+    for task, per_method in study["tasks"].items():
+        for method, entry in per_method.items():
+            diags = [run_diagnostics(r) for r in records if r["task"] == task and r["method"] == method]
+            if not diags:
+                continue
+            lines.append("| " + " | ".join([
+                f"`{task}`", entry["label"], *(cell([d[k] for d in diags]) for k in (
+                    "phi_off_policy", "phi_acting_share", "clip_off_policy", "clip_signal_rows", "zero_grad_share",
+                    "zero_variance_groups", "two_sided_residual")),
+                f"{sum(d['failed'] for d in diags)}/{len(diags)}"]) + " |")
+    lines += ["", "Minimum detectable effect of each comparison (80% power, two-sided 5%, from its own paired "
+              "spread): a comparison \"not resolved\" says only that no difference above this was detected.", ""]
+    names: list[str] = []
+    for per_method in study["tasks"].values():
+        for entry in per_method.values():
+            names += [n for n in (entry.get("verdicts") or {}) if n not in names]
+    lines += ["| task | method − baseline | " + " | ".join(names) + " |", "|" + " --- |" * (len(names) + 2)]
+    for task, per_method in study["tasks"].items():
+        for entry in per_method.values():
+            verdicts = entry.get("verdicts") or {}
+            if not verdicts:
+                continue
+            cells = []
+            for name in names:
+                v = verdicts.get(name)
+                mde = paired_mde(v["difference"]) if v else None
+                cells.append("–" if mde is None else f"{mde:.{1 if v['metric'] == 'steps_to_threshold' else 3}f}")
+            base = per_method[entry["baseline"]]["label"]
+            lines.append(f"| `{task}` | {entry['label']} − {base} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
