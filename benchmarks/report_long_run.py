@@ -386,7 +386,8 @@ def diagnostics_section(study: dict[str, Any], records: list[dict[str, Any]]) ->
         return []
     lines = ["**What the transforms did, and what the study could detect.** Means over each method's runs (φ and "
              "clip over off-policy steps; \"acting\": share of those steps with mean φ < "
-             f"{PHI_ACTING}; clip among rows with Â ≠ 0 estimated from the all-row fraction and the zero-variance groups; a run failed when its "
+             f"{PHI_ACTING}; clip among rows with Â ≠ 0 estimated from the all-row fraction and the zero-variance "
+             "groups; a run failed when its "
              f"held-out accuracy after training was below {FAILED_BELOW}):", ""]
     titles = ["task", "method", "φ off-policy", "acting", "clip, all rows", "clip, rows with Â ≠ 0",
               "zero-gradient steps", "zero-variance groups", "two-sided residual", "failed"]
