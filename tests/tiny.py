@@ -21,12 +21,12 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def tiny_model(seed: int = 0, hidden: int = 32, layers: int = 2) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, hidden: int = 32, layers: int = 2, tied: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=tied,
     )
     return LlamaForCausalLM(config)
 
