@@ -49,6 +49,7 @@ def save_rollout_state(trainer: Any, checkpoint: str) -> None:
         "step": trainer._step,
         "buffer": trainer._buffered_inputs if mid_rollout(trainer) else None,
     }
+    os.makedirs(checkpoint, exist_ok=True)  # as transformers does for its RNG file: each process may write its own
     torch.save(state, rollout_state_path(checkpoint, trainer.accelerator.process_index))
 
 
