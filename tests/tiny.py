@@ -31,6 +31,18 @@ def tiny_model(seed: int = 0, hidden: int = 32, layers: int = 2, tied: bool = Fa
     return LlamaForCausalLM(config)
 
 
+def save_tiny_chat_model(path: Any, tied: bool = False) -> Any:
+    """A tiny random Llama and the word-level tokenizer with a chat template, saved to ``path`` as a real
+    checkpoint is (what ``--model_name_or_path`` reads); returns ``path``."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    model = tiny_model(tied=tied)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def addition_dataset(n: int = 16, seed: int = 0) -> Dataset:
     g = torch.Generator().manual_seed(seed)
     pairs = torch.randint(0, 10, (n, 2), generator=g).tolist()

@@ -22,6 +22,7 @@ from ..config import DFPOConfig
 from .args import DFPOScriptArguments, RecipeError
 from .help import task_help, transform_help
 from .plugins import as_module_list, flag_plugins, import_plugins
+from .resume import imply_save_strategy
 
 # Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.
 RENAMED_FIELDS = {
@@ -237,7 +238,7 @@ def parse_args(
     import yaml
 
     parser = parser or make_parser()
-    args = _recipe_argv(sys.argv[1:] if argv is None else argv)
+    args = imply_save_strategy(parser, _recipe_argv(sys.argv[1:] if argv is None else argv))
     recipe = args[args.index("--config") + 1] if "--config" in args else None
     flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
     try:
