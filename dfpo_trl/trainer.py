@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import trl
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from .config import DFPOConfig
@@ -49,6 +50,7 @@ from .trl_hooks.compat import (
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
 from .trl_hooks.pending import PendingCall, default_config
+from .trl_hooks.resume import load_rollout_state, replay_sampler_epochs, save_rollout_state, tied_missing_keys
 from .trl_hooks.step_reward import attach_row_rewards, log_step_reward, row_rewards
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class DFPOTrainer(GRPOTrainer):
         check_trainer_attributes(self)
         self._pending: PendingCall | None = None  # see PendingCall
         self._unwrapped: tuple[torch.nn.Module, torch.nn.Module] | None = None  # see unwrapped_model
+        self._train_sampler: Any = None  # the prompt sampler of the current train() call: see _get_train_sampler
         self.plan = ObjectivePlan.from_config(self.args)
         if self.plan.form.grpo_fix:
             self.epsilon_low = 1.0  # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): eq. 79's lower bound
@@ -246,6 +249,38 @@ class DFPOTrainer(GRPOTrainer):
             watch_gradient_energy(self.dfpo_metrics, model, logps, inputs, capture, self.temperature,
                                   plan.energy_buckets)
         return out
+
+    # -------------------------------------------------------------------------------------------- resume
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """TRL's checkpoint, plus this process's rollout buffer and micro-step counter (trl_hooks/resume.py), which
+        TRL does not save: a run resumed inside a rollout then continues it instead of regenerating."""
+        super()._save_checkpoint(model, trial)
+        if not self.args.save_only_model:  # a model-only checkpoint holds no optimizer or RNG state either
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder TRL's save just wrote
+            save_rollout_state(self, os.path.join(self._get_output_dir(trial=trial), folder))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """TRL's load, plus the rollout state (when the checkpoint has it) and the prompt sampler advanced past the
+        epochs already trained; runs after the training state is restored and before the first epoch begins."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        load_rollout_state(self, checkpoint)
+        if self._train_sampler is not None:
+            replay_sampler_epochs(self._train_sampler, int(self.state.epoch or 0))
+
+    def _get_train_sampler(self, dataset: Any = None) -> Any:
+        """TRL's prompt sampler, kept to be advanced on resume."""
+        self._train_sampler = super()._get_train_sampler(dataset)
+        return self._train_sampler
+
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """transformers' warnings on a checkpoint's missing keys, without the tied weights (``lm_head.weight`` of a
+        model that ties it to the input embedding): the checkpoint holds them once, under the other name."""
+        tied = set(tied_missing_keys(self.model, list(load_result.missing_keys)))
+        if tied:
+            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
+        super()._issue_warnings_after_load(load_result)
 
     # ------------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

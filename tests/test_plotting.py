@@ -80,3 +80,15 @@ def test_several_runs_and_no_heldout() -> None:
     assert any(t.startswith("held-out") for t in axes_by_title(fig))
     fig = plot_metrics(history())
     assert not any(t.startswith("held-out") for t in axes_by_title(fig))
+
+
+def test_accuracy_panel_names_the_resume_step_when_before_training_is_unknown() -> None:
+    """A resumed run whose checkpoint held no accuracy before training: the first bar is the accuracy measured at
+    the resume step, and its label says so instead of "before training"."""
+    fig = plot_metrics(history(), heldout={"n": 4, "before": None, "at_resume": 0.25, "resumed_at": 6, "after": 0.5})
+    accuracy = axes_by_title(fig)["held-out greedy accuracy (4 problems)"]
+    assert sorted(round(p.get_height(), 2) for p in accuracy.patches) == [0.25, 0.5]
+    assert [t.get_text() for t in accuracy.get_xticklabels()] == ["at resume (step 6)", "after training"]
+    fig = plot_metrics(history(), heldout={"n": 4, "before": 0.25, "resumed_at": 6, "after": 0.5})
+    labels = [t.get_text() for t in axes_by_title(fig)["held-out greedy accuracy (4 problems)"].get_xticklabels()]
+    assert labels == ["before training", "after training"]

@@ -172,3 +172,22 @@ def test_every_benchmark_script_is_in_the_benchmarks_readme() -> None:
     helpers = {"common.py", "processes.py", "report_long_run.py", "report_launch_shape.py"}  # imported, not run
     launched = set(re.findall(r"(?:python|\.yaml) benchmarks/(\w+\.py)\b", readme))
     assert not scripts - helpers - launched, f"no command in benchmarks/README.md for {scripts - helpers - launched}"
+
+
+def test_ci_tests_the_lower_bounds_pyproject_declares() -> None:
+    """.ci/run's second venv pins .ci/lower-bounds.txt: each pin is the lower bound pyproject.toml declares for that
+    library (a bound raised in one place only would again declare versions no test ran), and .ci/run uses it."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [Requirement(r) for r in project["dependencies"]]
+    declared += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    pins = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "lower-bounds.txt").read_text().splitlines()]
+    pins = [Requirement(p) for p in pins if p]
+    assert {p.name for p in pins} == {"transformers", "accelerate", "datasets", "peft"}
+    for pin in pins:
+        (exact,) = pin.specifier
+        lows = {Version(s.version) for r in declared if r.name == pin.name for s in r.specifier if s.operator == ">="}
+        assert lows == {Version(exact.version)}, (pin.name, lows, exact.version)
+    assert "-c .ci/lower-bounds.txt" in (ROOT / ".ci" / "run").read_text()

@@ -1,26 +1,28 @@
-"""Resuming from a checkpoint: exact at a generation boundary, TRL's own behaviour elsewhere.
+"""Resuming from a checkpoint: with DFPOTrainer the resumed run is the uninterrupted one at any step.
 
 What TRL 1.16 / transformers 5 checkpoint: weights, optimizer, scheduler, ``TrainerState`` (global step, log
 history, ``num_input_tokens_seen``) and the python/numpy/torch RNG states, restored right before the first
 resumed step. What they do not: the rollout buffer (``_buffered_inputs``), the micro-step counter ``_step`` and
-the state of ``RepeatSampler``'s private shuffle generator. DFPO keeps nothing else across steps: its group
-shuffle draws from its own generator seeded per rollout from (seed, process, optimizer step) (it used to draw
-from torch's global RNG, which checkpoints restore; both resume exactly, the new stream leaves TRL's global RNG
-stream untouched), the pre-pass and DelTA's λ̄ are recomputed from each rollout, its metrics are flushed at every
-log and its settings come from the config; DelTA's ``delta_random`` control seeds its generator the same way.
-Hence (each case tested below, for
-``trl.GRPOTrainer`` and ``DFPOTrainer`` alike):
+the state of ``RepeatSampler``'s private shuffle generator. DFPOTrainer writes the first two with each checkpoint
+and advances the sampler past the epochs already trained (dfpo_trl/trl_hooks/resume.py). DFPO keeps nothing else
+across steps: its group shuffle draws from its own generator seeded per rollout from (seed, process, optimizer
+step), the pre-pass and DelTA's λ̄ are recomputed from each rollout, its metrics are flushed at every log and its
+settings come from the config; DelTA's ``delta_random`` control seeds its generator the same way. Hence (each case
+tested below):
 
 * checkpoint at a generation boundary of the first epoch: the resumed run *is* the uninterrupted one (every
-  logged value and every weight bit-identical);
-* checkpoint inside a generation buffer: TRL regenerates at the resume step with the resumed policy and restarts
-  its generation schedule there, so the run continues differently (but every micro-batch still holds whole groups);
-* checkpoint in a later epoch: the new sampler replays the first epoch's prompt order.
+  logged value and every weight bit-identical), for ``trl.GRPOTrainer`` and ``DFPOTrainer`` alike;
+* checkpoint inside a generation buffer: ``DFPOTrainer`` continues the saved rollout, bit-identical again;
+  ``trl.GRPOTrainer`` regenerates at the resume step with the resumed policy and restarts its generation schedule
+  there, so its run continues differently;
+* checkpoint in a later epoch: ``DFPOTrainer`` draws that epoch's prompt order, bit-identical again;
+  ``trl.GRPOTrainer``'s new sampler replays the first epoch's order.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +68,14 @@ def recording(trainer_cls: type) -> type:
     return Recording
 
 
-def train(name: str, output_dir: Path, resume: Path | None = None, prompts: int = 16, **overrides: Any):
+def train(name: str, output_dir: Path, resume: Path | None = None, prompts: int = 16, tied: bool = False,
+          **overrides: Any):
     trainer_cls, config_cls, extra = TRAINERS[name]
     settings = {**OFF_POLICY, **extra, **overrides}
     args = config_cls(**base_args(output_dir=str(output_dir), save_strategy="steps", **settings))
     trainer = recording(trainer_cls)(
-        model=tiny_model(0), reward_funcs=last_digit_reward, args=args, train_dataset=addition_dataset(prompts),
-        processing_class=tiny_tokenizer(),
+        model=tiny_model(0, tied=tied), reward_funcs=last_digit_reward, args=args,
+        train_dataset=addition_dataset(prompts), processing_class=tiny_tokenizer(),
     )
     trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return trainer
@@ -148,32 +151,101 @@ def test_dfpo_resume_is_exact_with_accumulation_iterations_layouts_and_delta(ove
     assert same_weights(full, resumed)
 
 
-def test_mid_buffer_resume_regenerates_as_trl_does(uninterrupted, tmp_path):
-    """Checkpoint 2 lies inside a 4-step buffer. TRL does not save the buffer or its micro-step counter: the
-    resumed run regenerates at step 2 (same prompts, resumed policy) and its next rollout comes at step 6, not 4.
-    GRPOTrainer and DFPOTrainer do exactly the same; neither continues the uninterrupted run; DFPO's
-    micro-batches still hold whole groups."""
-    resumed = {name: train(name, tmp_path / name, resume=out / "checkpoint-2", max_steps=8, save_steps=2)
-               for name, (_, out) in uninterrupted.items()}
-    for name, (full, _) in uninterrupted.items():
-        (_, first), (_, second) = full.generations
-        assert [step for step, _ in full.generations] == [0, 4]
-        assert resumed[name].generations == [(2, first), (6, second)]
-        assert step_logs(resumed[name], 2) != step_logs(full, 2)
-        assert not same_weights(full, resumed[name])
-    assert resumed["grpo"].generations == resumed["dfpo"].generations
-    groups = resumed["dfpo"].micro_batch_groups
-    assert len(groups) == 6
-    assert all(set(Counter(ids.tolist()).values()) == {2} for ids in groups)
+def test_mid_rollout_resume_is_exact_with_dfpo_and_regenerates_with_trl(uninterrupted, tmp_path):
+    """Checkpoints 2 and 6 lie inside a 4-step rollout (steps_per_generation 4, one micro-step per optimizer step).
+    DFPOTrainer's checkpoint holds the rollout buffer and micro-step counter: resumed from either, it draws no new
+    rollout until the uninterrupted run did, and every logged value and every weight equals the uninterrupted run's
+    bit for bit. TRL saves neither: GRPOTrainer regenerates at step 2 (same prompts, resumed policy), its next
+    rollout comes at step 6, not 4, and the run differs."""
+    full, out = uninterrupted["dfpo"]
+    for save in (2, 6):
+        resumed = train("dfpo", tmp_path / f"dfpo-{save}", resume=out / f"checkpoint-{save}", max_steps=8,
+                        save_steps=2)
+        assert resumed.generations == [g for g in full.generations if g[0] > save]
+        logs = step_logs(resumed, save)
+        assert sorted(logs) == list(range(save + 1, 9))
+        assert logs == step_logs(full, save)
+        assert same_weights(full, resumed)
+        # whole groups in every micro-batch, as in the uninterrupted run's last 8 - save micro-steps
+        assert all(torch.equal(a, b) for a, b in zip(resumed.micro_batch_groups, full.micro_batch_groups[save:],
+                                                      strict=True))
+
+    grpo_full, grpo_out = uninterrupted["grpo"]
+    grpo = train("grpo", tmp_path / "grpo", resume=grpo_out / "checkpoint-2", max_steps=8, save_steps=2)
+    (_, first), (_, second) = grpo_full.generations
+    assert [step for step, _ in grpo_full.generations] == [0, 4]
+    assert grpo.generations == [(2, first), (6, second)]
+    assert step_logs(grpo, 2) != step_logs(grpo_full, 2)
+    assert not same_weights(grpo_full, grpo)
 
 
-@pytest.mark.parametrize("name", list(TRAINERS))
-def test_resume_in_a_later_epoch_replays_the_first_epoch_order(name, tmp_path):
-    """RepeatSampler's shuffle generator is not checkpointed: resumed in epoch 1, the run draws epoch 0's prompt
-    order again (TRL behaviour, the same for both trainers), so it is not the uninterrupted run."""
-    common = dict(max_steps=5, save_steps=4, prompts=8)  # 8 prompts = one rollout = one epoch of 4 steps
-    full = train(name, tmp_path / "full", **common)
-    resumed = train(name, tmp_path / "resumed", resume=tmp_path / "full" / "checkpoint-4", **common)
-    (_, epoch0), (_, epoch1) = full.generations
+def test_resume_without_rollout_state_regenerates_as_trl_does(uninterrupted, tmp_path, caplog):
+    """A checkpoint without DFPO's rollout file (written by TRL's trainer, or by an earlier dfpo_trl): DFPOTrainer
+    resumes as TRL does, regenerating at the resume step, and says so in one warning."""
+    full, out = uninterrupted["dfpo"]
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(out / "checkpoint-2", checkpoint)
+    (checkpoint / "dfpo_rollout_state_0.pt").unlink()
+    with caplog.at_level("WARNING", logger="dfpo_trl.trl_hooks.resume"):
+        resumed = train("dfpo", tmp_path / "out", resume=checkpoint, max_steps=8, save_steps=2)
+    assert [step for step, _ in resumed.generations] == [2, 6]
+    assert not same_weights(full, resumed)
+    assert "regenerates it, as TRL does" in caplog.text
+
+
+def test_rollout_state_of_another_step_is_refused(uninterrupted, tmp_path):
+    """A rollout file that does not belong to the checkpoint's step (folders mixed by hand) is refused, naming
+    the file and both steps, before any step runs."""
+    _, out = uninterrupted["dfpo"]
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(out / "checkpoint-2", checkpoint)
+    shutil.copy(out / "checkpoint-6" / "dfpo_rollout_state_0.pt", checkpoint / "dfpo_rollout_state_0.pt")
+    with pytest.raises(ValueError, match=r"dfpo_rollout_state_0.pt was written at optimizer step 6.*says step 2"):
+        train("dfpo", tmp_path / "out", resume=checkpoint, max_steps=8, save_steps=2)
+
+
+def test_resume_in_a_later_epoch_is_exact_with_dfpo_and_replays_epoch_0_with_trl(tmp_path):
+    """8 prompts = one rollout = one epoch of 4 steps. TRL's RepeatSampler draws each epoch's order from a private
+    generator that no checkpoint holds: GRPOTrainer resumed in epoch 1 draws epoch 0's order again. DFPOTrainer
+    advances the new sampler past the epochs trained, so resumed at the epoch boundary (4) or inside epoch 1's
+    rollout (6) it trains on epoch 1's order and ends with the uninterrupted run's weights."""
+    common = dict(max_steps=8, save_steps=2, prompts=8)
+    runs = {name: train(name, tmp_path / f"full-{name}", **common) for name in TRAINERS}
+    (_, epoch0), (_, epoch1) = runs["grpo"].generations
     assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1
-    assert resumed.generations == [(4, epoch0)]
+    assert runs["dfpo"].generations == runs["grpo"].generations
+    grpo = train("grpo", tmp_path / "grpo", resume=tmp_path / "full-grpo" / "checkpoint-4", **common)
+    assert grpo.generations == [(4, epoch0)]
+    for save in (4, 6):
+        dfpo = train("dfpo", tmp_path / f"dfpo-{save}", resume=tmp_path / "full-dfpo" / f"checkpoint-{save}",
+                     **common)
+        assert dfpo.generations == ([(4, epoch1)] if save == 4 else [])
+        assert step_logs(dfpo, save) == step_logs(runs["dfpo"], save)
+        assert same_weights(runs["dfpo"], dfpo)
+
+
+def test_tied_weights_resume_without_a_missing_key_warning(tmp_path):
+    """A model whose LM head is its input embedding (as SmolLM2's): the checkpoint holds the tensor once, as
+    model.embed_tokens.weight. Resuming loads it into the shared tensor, so transformers' warning "There were missing
+    keys in the checkpoint model loaded: ['lm_head.weight']" said nothing true: DFPOTrainer leaves the tied key out
+    (the weights are the uninterrupted run's), and still warns about a key that is really missing."""
+    trainer_log = logging.getLogger("transformers.trainer")
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    trainer_log.addHandler(handler)
+    try:
+        full = train("dfpo", tmp_path / "full", tied=True, max_steps=3, save_steps=2)
+        resumed = train("dfpo", tmp_path / "resumed", resume=tmp_path / "full" / "checkpoint-2", tied=True,
+                        max_steps=3, save_steps=2)
+        assert not [r for r in records if "missing keys" in r]
+        assert same_weights(full, resumed)
+        model = resumed.model
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        held = {k: v for k, v in model.state_dict().items() if k not in ("lm_head.weight", "model.norm.weight")}
+        resumed._issue_warnings_after_load(model.load_state_dict(held, strict=False))
+        assert [r for r in records if "missing keys" in r] == [
+            "There were missing keys in the checkpoint model loaded: ['model.norm.weight']."
+        ]
+    finally:
+        trainer_log.removeHandler(handler)

@@ -21,14 +21,26 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def tiny_model(seed: int = 0, hidden: int = 32, layers: int = 2) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, hidden: int = 32, layers: int = 2, tied: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=tied,
     )
     return LlamaForCausalLM(config)
+
+
+def save_tiny_chat_model(path: Any, tied: bool = False) -> Any:
+    """A tiny random Llama and the word-level tokenizer with a chat template, saved to ``path`` as a real
+    checkpoint is (what ``--model_name_or_path`` reads); returns ``path``."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    model = tiny_model(tied=tied)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def addition_dataset(n: int = 16, seed: int = 0) -> Dataset:

@@ -13,7 +13,11 @@ from transformers import TrainerCallback
 
 from ..tasks import RewardFunc, Task
 
-__all__ = ["HeldoutAccuracyCallback", "greedy_accuracy"]
+__all__ = ["BEFORE_KEY", "HeldoutAccuracyCallback", "greedy_accuracy"]
+
+# The log-history key of the accuracy before training (with PROBLEMS_KEY, the number of problems it is over).
+BEFORE_KEY = "heldout/accuracy_before_training"
+PROBLEMS_KEY = "heldout/problems"
 
 
 def greedy_accuracy(
@@ -100,6 +104,13 @@ class HeldoutAccuracyCallback(TrainerCallback):
     ``{"n", "before", "after", "before_seconds", "after_seconds", "curve"}``, ``curve`` a list of ``[step,
     accuracy]`` (step 0 = before training). With a metric store (``metrics``), the periodic values are logged as
     ``heldout/accuracy`` at their step.
+
+    The accuracy before training also goes into the log history (:data:`BEFORE_KEY`, with the number of problems,
+    at step 0), so every checkpoint carries it. A resumed run (``train()`` starting at step k > 0) takes "before" and
+    the periodic values up to step k from there instead of measuring the resumed model and calling it "before";
+    ``results["resumed_at"]`` is k. When the checkpoint has no such row for as many problems (written by another
+    trainer, or with another ``eval_size``), it measures at step k: ``results["before"]`` is None and
+    ``results["at_resume"]`` holds that accuracy (docs/cli.md, "Resume").
     """
 
     def __init__(
@@ -121,7 +132,9 @@ class HeldoutAccuracyCallback(TrainerCallback):
         self.chat_template_kwargs = chat_template_kwargs
         self.every = every
         self.metrics = metrics
-        self.results: dict[str, Any] = {"n": len(problems), "before": None, "after": None, "curve": []}
+        self.results: dict[str, Any] = {
+            "n": len(problems), "before": None, "after": None, "curve": [], "resumed_at": None,
+        }
 
     def _accuracy(self, model: Any, processing_class: Any) -> tuple[float, float]:
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
@@ -157,7 +170,33 @@ class HeldoutAccuracyCallback(TrainerCallback):
             )
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step > 0:  # resumed from a checkpoint
+            self._resume(state, kwargs["model"], kwargs.get("processing_class"))
+            return
         self._measure("before", state, kwargs["model"], kwargs.get("processing_class"))
+        state.log_history.append({BEFORE_KEY: self.results["before"], PROBLEMS_KEY: len(self.problems), "step": 0})
+
+    def _resume(self, state: Any, model: Any, processing_class: Any) -> None:
+        """The accuracy before training and the periodic values up to the resume step, from the checkpoint's log
+        history; measured at the resume step, and said to be that, when the checkpoint does not have it."""
+        step, n = state.global_step, len(self.problems)
+        self.results["resumed_at"] = step
+        row = next((r for r in state.log_history if BEFORE_KEY in r and r.get(PROBLEMS_KEY) == n), None)
+        if row is not None:
+            self.results.update(before=row[BEFORE_KEY], before_seconds=0.0)
+            self._record(0, row[BEFORE_KEY])
+            said = f"before training: {row[BEFORE_KEY]:.3f} ({n} problems; from the checkpoint, resumed at step {step})"
+        for earlier in state.log_history:
+            if "heldout/accuracy" in earlier and earlier.get("step", step + 1) <= step:
+                self._record(earlier["step"], earlier["heldout/accuracy"])
+        if row is None:
+            accuracy, seconds = self._accuracy(model, processing_class)
+            self.results.update(at_resume=accuracy, before_seconds=round(seconds, 1))
+            self._record(step, accuracy)
+            said = (f"at resume (step {step}): {accuracy:.3f} ({n} problems, {seconds:.0f} s; the checkpoint holds no "
+                    "accuracy before training)")
+        if state.is_world_process_zero:
+            tqdm.write(f"held-out greedy accuracy {said}")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.every or state.global_step % self.every != 0 or state.global_step >= state.max_steps:

@@ -177,6 +177,21 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
+def _heldout_line(heldout: dict[str, Any]) -> str:
+    """Held-out accuracy before -> after training; for a resumed run, where "before" came from, or the accuracy at
+    the resume step, named as such, when the checkpoint did not hold the one before training (docs/cli.md)."""
+    before, after, resumed = heldout.get("before"), heldout.get("after"), heldout.get("resumed_at")
+    since, where = "", ""
+    if before is None and heldout.get("at_resume") is not None:
+        before, since = heldout["at_resume"], f" since step {resumed}"
+        where = "; measured at the resume, the checkpoint holds no accuracy before training"
+    elif resumed is not None:
+        where = f"; resumed at step {resumed}, the accuracy before training is the checkpoint's"
+    delta = after - before if before is not None and after is not None else None
+    return (f"held-out greedy accuracy   {_fmt(before)} -> {_fmt(after)}  ({_fmt(delta, '+.3f')}{since}, "
+            f"{heldout['n']} fixed problems{where})")
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The human-readable final summary printed at the end of a run."""
     lines = ["", "=" * 72, f"DFPO run summary: {summary['method']} on task {summary['task']!r}", "-" * 72]
@@ -184,12 +199,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append(f"optimizer steps            {summary['steps']}  (G = {summary['num_generations']})")
     heldout = summary.get("heldout")
     if heldout:
-        before, after = heldout.get("before"), heldout.get("after")
-        delta = after - before if before is not None and after is not None else None
-        lines.append(
-            f"held-out greedy accuracy   {_fmt(before)} -> {_fmt(after)}  ({_fmt(delta, '+.3f')}, "
-            f"{heldout['n']} fixed problems)"
-        )
+        lines.append(_heldout_line(heldout))
     per = "step" if summary.get("reward_curve") == "step_reward" else "rollout"
     lines.append(
         f"training reward, EMA {_fmt(summary.get('reward_ema_alpha'), 'g'):<5}{_fmt(summary.get('reward_ema_first'))} "

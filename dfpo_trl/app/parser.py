@@ -22,6 +22,7 @@ from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
 from .precheck import check_max_steps, recipe_argv, unknown_message, yaml_error
 from .precheck import field_origin as precheck_field_origin
+from .resume import imply_save_strategy
 
 
 class DFPOParser(TrlParser):
@@ -147,7 +148,7 @@ def parse_args(
     import yaml
 
     parser = parser or make_parser()
-    args = recipe_argv(sys.argv[1:] if argv is None else argv)
+    args = imply_save_strategy(parser, recipe_argv(sys.argv[1:] if argv is None else argv))
     recipe = args[args.index("--config") + 1] if "--config" in args else None
     flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
     try:

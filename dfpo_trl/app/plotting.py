@@ -78,17 +78,21 @@ def _keys_to_draw(history: History, keys: Sequence[str]) -> list[str]:
 
 
 def _accuracy_panel(ax: Any, heldout: Mapping[str, Mapping[str, Any]]) -> None:
-    """Grouped bars of held-out greedy accuracy before and after training, one pair per run."""
+    """Grouped bars of held-out greedy accuracy before and after training, one pair per run. A resumed run whose
+    checkpoint held no accuracy before training shows the one at the resume step instead, labelled so."""
     width = 0.8 / max(len(heldout), 1)
+    first = "before training"
     for run_index, (run, result) in enumerate(heldout.items()):
         values = [result.get("before"), result.get("after")]
+        if values[0] is None and result.get("at_resume") is not None:
+            values[0], first = result["at_resume"], f"at resume (step {result.get('resumed_at')})"
         xs = [i + (run_index - (len(heldout) - 1) / 2) * width for i in range(2)]
         drawn = [(x, v) for x, v in zip(xs, values, strict=True) if isinstance(v, (int, float))]
         ax.bar([x for x, _ in drawn], [v for _, v in drawn], width=width, color=f"C{run_index}", label=run or None)
         for x, v in drawn:
             ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=8)
     n = next((r.get("n") for r in heldout.values() if r.get("n")), None)
-    ax.set_xticks([0, 1], ["before training", "after training"])
+    ax.set_xticks([0, 1], [first, "after training"])
     ax.set_ylim(0, 1.08)
     ax.set_title(f"held-out greedy accuracy{f' ({n} problems)' if n else ''}", fontsize=10)
 

@@ -81,6 +81,16 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                ("advantages", "per_token_logps", "sampling_per_token_logps", "mask", "off_policy_threshold"), False,
                "TRL's off-policy sequence mask, which DFPO computes as TRL's loss will to fold it into the clip "
                "survivors U"),
+    # Resume (trl_hooks/resume.py): the rollout state written with each checkpoint and restored from it.
+    TouchPoint("_save_checkpoint", ("model", "trial"), True,
+               "each checkpoint, to which DFPO adds the rollout buffer and micro-step counter"),
+    TouchPoint("_get_output_dir", ("trial",), False, "the run folder holding the checkpoint folders"),
+    TouchPoint("_load_optimizer_and_scheduler", ("checkpoint",), True,
+               "the resume point where DFPO restores the rollout state and advances the prompt sampler"),
+    TouchPoint("_get_train_sampler", ("dataset",), True,
+               "TRL's prompt sampler, advanced past the epochs trained on resume"),
+    TouchPoint("_issue_warnings_after_load", ("load_result",), True,
+               "transformers' missing-key warning on resume, from which DFPO drops tied weights"),
 )
 
 # Attributes a constructed GRPOTrainer must have: the buffer and micro-step counter DFPO's layouts read, TRL's

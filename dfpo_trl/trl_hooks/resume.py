@@ -1,0 +1,98 @@
+"""What a DFPO checkpoint holds besides TRL's, so that a resumed run is the uninterrupted one at any step.
+
+transformers checkpoints the weights, the optimizer, the scheduler, ``TrainerState`` and the global RNG states (the
+latter restored right before the first resumed step, i.e. as they were when the checkpoint was written). TRL 1.16
+adds nothing about its rollout: the buffer ``_buffered_inputs`` (the completions, advantages and old log-probs of the
+current rollout, one slice per micro-step), the micro-step counter ``_step`` (which slice comes next, and when the
+next rollout is drawn) and the prompt sampler's shuffle generator are lost. So TRL regenerates at a checkpoint inside
+a rollout (with the resumed policy, restarting its generation schedule there) and, resumed in a later epoch, draws
+the first epoch's prompt order again. DFPO writes the first two with each checkpoint (one file per process:
+:data:`ROLLOUT_STATE_FILE`) and, on resume, restores them and advances the sampler past the epochs already trained
+(docs/decisions.md, "Resume").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from .compat import generate_every
+
+__all__ = ["ROLLOUT_STATE_FILE", "load_rollout_state", "replay_sampler_epochs", "rollout_state_path",
+           "save_rollout_state", "tied_missing_keys"]
+
+logger = logging.getLogger(__name__)
+
+# One file per process in each checkpoint folder, beside transformers' rng_state_<process>.pth.
+ROLLOUT_STATE_FILE = "dfpo_rollout_state_{process}.pt"
+
+
+def rollout_state_path(checkpoint: str, process_index: int) -> str:
+    """The file of process ``process_index``'s rollout state in the checkpoint folder ``checkpoint``."""
+    return os.path.join(checkpoint, ROLLOUT_STATE_FILE.format(process=process_index))
+
+
+def mid_rollout(trainer: Any) -> bool:
+    """True when the next micro-step reads TRL's buffer instead of drawing a new rollout (TRL 1.16's condition in
+    ``_prepare_inputs``, negated)."""
+    return trainer._buffered_inputs is not None and trainer._step % generate_every(trainer) != 0
+
+
+def save_rollout_state(trainer: Any, checkpoint: str) -> None:
+    """Write this process's micro-step counter and, inside a rollout, its buffer, to ``checkpoint``. At a rollout
+    boundary the buffer is spent (TRL draws the next rollout at the next micro-step) and is not written."""
+    state = {
+        "global_step": trainer.state.global_step,
+        "step": trainer._step,
+        "buffer": trainer._buffered_inputs if mid_rollout(trainer) else None,
+    }
+    os.makedirs(checkpoint, exist_ok=True)  # as transformers does for its RNG file: each process may write its own
+    torch.save(state, rollout_state_path(checkpoint, trainer.accelerator.process_index))
+
+
+def load_rollout_state(trainer: Any, checkpoint: str) -> bool:
+    """Restore this process's micro-step counter and buffer from ``checkpoint``; False (with a warning when the
+    checkpoint lies inside a rollout) when the checkpoint has no rollout state (written by TRL's own trainer, or by
+    an earlier dfpo_trl): the run then resumes as TRL's does."""
+    path = rollout_state_path(checkpoint, trainer.accelerator.process_index)
+    if not os.path.isfile(path):
+        steps = trainer.state.global_step * trainer.args.gradient_accumulation_steps
+        if steps % generate_every(trainer) != 0:
+            logger.warning(
+                "%s has no %s: resuming inside a rollout regenerates it, as TRL does, so the run will not continue "
+                "the interrupted one (checkpoints written by DFPOTrainer hold it).", checkpoint, os.path.basename(path)
+            )
+        return False
+    state = torch.load(path, map_location=trainer.accelerator.device, weights_only=True)
+    if state.get("global_step") != trainer.state.global_step:
+        raise ValueError(
+            f"{path} was written at optimizer step {state.get('global_step')}, but the checkpoint's trainer_state.json "
+            f"says step {trainer.state.global_step}: the folder mixes two checkpoints. Delete {os.path.basename(path)} "
+            "to resume as TRL does (regenerating the rollout), or resume from an intact checkpoint."
+        )
+    trainer._step = state["step"]
+    trainer._buffered_inputs = state["buffer"]
+    return True
+
+
+def replay_sampler_epochs(sampler: Any, epochs: int) -> None:
+    """Advance a freshly seeded prompt sampler past ``epochs`` epochs, drawing each epoch's order as the
+    uninterrupted run did (TRL's ``RepeatSampler`` draws one permutation from its own generator each time it is
+    iterated, once per epoch): the resumed epoch then gets its own order, not the first epoch's."""
+    if not getattr(sampler, "shuffle", False):
+        return  # an unshuffled order is the same every epoch
+    for _ in range(epochs):
+        next(iter(sampler), None)
+
+
+def tied_missing_keys(model: torch.nn.Module, missing: list[str]) -> list[str]:
+    """The keys of ``missing`` that name the same tensor as a key the checkpoint did hold: tied weights (e.g.
+    ``lm_head.weight``, shared with the input embedding), which ``save_pretrained`` writes once. Loading the key held
+    fills both names, so their absence from the checkpoint loses nothing."""
+    tensors = model.state_dict(keep_vars=True)  # a tied tensor appears under each of its names
+    absent = set(missing)
+    loaded = {id(tensor) for name, tensor in tensors.items() if name not in absent}
+    return [name for name in missing if name in tensors and id(tensors[name]) in loaded]
