@@ -244,7 +244,7 @@ class DFPOTrainer(GRPOTrainer):
                                      None if weights is None else weights.two_sided)
         if capture is not None:
             watch_gradient_energy(self.dfpo_metrics, model, logps, inputs, capture, self.temperature,
-                                  plan.energy_buckets)
+                                  plan.energy_buckets, plan.energy_form)
         return out
 
     # ------------------------------------------------------------------------------------------- logging
