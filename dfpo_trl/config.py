@@ -154,7 +154,8 @@ class DFPOConfig(GRPOConfig):
     )
     log_mechanism_metrics: bool = documented(
         True,
-        "Log the mechanism metrics `asym/*`, `transform/*`, `cancellation/shared_prefix_residual` every step.",
+        "Log the mechanism metrics `asym/*`, `transform/*`, `cancellation/*` and the diagnostics `diagnostics/*` "
+        "(φ off-policy, clip fraction among rows with signal, zero-signal steps, TRL's vLLM ratio spread) every step.",
         "DFPO eq. 23; docs/metrics.md",
     )
     log_energy_buckets: int = documented(

@@ -4,7 +4,7 @@ The per-position form (:mod:`dfpo_trl.metrics.energy`) sums ‖c_t ∂ log p_t/�
 group pushing one token type in opposite directions both count: cancellation is invisible by construction. The
 aggregate form takes the norm after the sum, per vocabulary entry v: the LM-head gradient row
 
-    G_v = ∂L/∂W_v = Σ_t c_t ∂ log p_t/∂W_v = Σ_t c_t (s/τ) d_{t,v} (δ_{v,y_t} − p_{t,v}) h_t,          (A1)
+    G_v = ∂L/∂W_v = Σ_t c_t ∂ log p_t/∂W_v = Σ_t c_t (s/τ) d_{t,v} (δ_{v,y_t} − p_{t,v}) h_t,          (E1)
 
 (W the LM-head weight, c_t = ∂L/∂ log p_t, d the softcapping derivative, 1 without it), and E_v = ‖G_v‖. Rows are
 those of the token types the micro-batch's loss tokens hold; each row takes its type's frequency bucket, and a bucket's
@@ -27,7 +27,7 @@ __all__ = ["RowFactors", "row_factors", "row_norms", "type_buckets"]
 
 
 class RowFactors(NamedTuple):
-    """What the aggregate needs from a forward: the present token types, P (positions × types, eq. A1's factor of
+    """What the aggregate needs from a forward: the present token types, P (positions × types, eq. E1's factor of
     h_t), and the positions' h; ``positions`` indexes the flattened (B·T) loss tokens they are."""
 
     type_ids: Tensor  # (U,) the distinct token ids of the loss tokens, ascending
@@ -57,7 +57,7 @@ def row_factors(
     bias: Tensor | None = None, logit_scale: float = 1.0, final_logit_softcapping: float | None = None,
     vocab_chunk_size: int = 8192,
 ) -> RowFactors:
-    """P_{t,v} of eq. A1 for the loss tokens (``mask`` ≠ 0) and their distinct types v, with h_t, under no grad.
+    """P_{t,v} of eq. E1 for the loss tokens (``mask`` ≠ 0) and their distinct types v, with h_t, under no grad.
 
     ``hidden`` (B, T, d) as TRL's fused head reads it, ``token_ids`` and ``mask`` (B, T). log Z_t comes from one pass
     over W in ``vocab_chunk_size`` rows (an online log-sum-exp: no positions × vocabulary tensor)."""
@@ -92,7 +92,7 @@ def row_factors(
 
 
 def row_norms(coefficients: Tensor, factors: RowFactors) -> Tensor:
-    """E_v = ‖Σ_t c_t P_{t,v} h_t‖ for each present type (eq. A1): ``coefficients`` are c (B, T), ∂L/∂ log p."""
+    """E_v = ‖Σ_t c_t P_{t,v} h_t‖ for each present type (eq. E1): ``coefficients`` are c (B, T), ∂L/∂ log p."""
     c = coefficients.detach().reshape(-1).to(factors.factors.device)[factors.positions].to(factors.factors.dtype)
     gradient_rows = (factors.factors * c.unsqueeze(1)).T @ factors.hidden  # (U, d): G restricted to present types
     return gradient_rows.norm(dim=1)

@@ -60,7 +60,7 @@ def watch_gradient_energy(
     ZeRO-3; ``model`` unwrapped) at this forward.
 
     ``form="aggregate"``: per token type v of the micro-batch, ‖Σ_t c_t ∂ log p_t/∂W_v‖, the norm of the LM-head
-    gradient row (metrics/energy_aggregate.py, eq. A1), so opposite pushes on one type cancel.
+    gradient row (metrics/energy_aggregate.py, eq. E1), so opposite pushes on one type cancel.
     ``form="per_position"``: Σ_t ‖∇_W ℓ_t‖ = Σ_t |c_t| · ‖∂ log p_t/∂W‖ over the bucket's positions."""
     hidden, capture.hidden = capture.hidden, None
     if hidden is None or not per_token_logps.requires_grad:
