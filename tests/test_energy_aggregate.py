@@ -80,7 +80,7 @@ def test_row_norms_are_the_autograd_lm_head_gradient_rows(dtype, extra):
     coefficients = torch.randn(3, 4, generator=g).to(dtype)
     present, want = autograd_rows(h, weight, bias, ids, mask, coefficients, 0.8, **extra)
     factors = row_factors(h, weight, ids, mask, 0.8, bias=bias, logit_scale=extra.get("logit_scale", 1.0),
-                          final_logit_softcapping=extra.get("softcap"), vocab_chunk_size=4)
+                          final_logit_softcapping=extra.get("softcap"), chunk_size=5, vocab_chunk_size=4)
     assert torch.equal(factors.type_ids, present)
     got = row_norms(coefficients, factors)
     assert got.dtype == dtype
@@ -132,3 +132,12 @@ def test_trainer_logs_the_aggregate_shares_of_an_autograd_computation(setting):
     expected = reference_aggregate_shares(off, batch, off.captured.grad.detach(), 3)
     logged = [on._metrics["train"][f"energy/freq_bucket_{b}"][0] for b in range(3)]
     assert logged == pytest.approx(expected, abs=1e-5)
+
+
+def test_row_factors_refuse_bad_shapes_and_settings():
+    weight, _ = head()
+    h, ids = torch.zeros(2, 3, WIDTH), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"hidden \(B, T, d\) and token_ids, mask \(B, T\)"):
+        row_factors(h, weight, ids, torch.ones(2, 4))
+    with pytest.raises(ValueError, match="temperature=0"):
+        row_factors(h, weight, ids, torch.ones(2, 3), 0.0)

@@ -55,18 +55,19 @@ def _logits(h: Tensor, w: Tensor, b: Tensor | None, logit_scale: float, softcap:
 def row_factors(
     hidden: Tensor, weight: Tensor, token_ids: Tensor, mask: Tensor, temperature: float = 1.0, *,
     bias: Tensor | None = None, logit_scale: float = 1.0, final_logit_softcapping: float | None = None,
-    vocab_chunk_size: int = 8192,
+    chunk_size: int = 1024, vocab_chunk_size: int = 8192,
 ) -> RowFactors:
     """P_{t,v} of eq. E1 for the loss tokens (``mask`` ≠ 0) and their distinct types v, with h_t, under no grad.
 
     ``hidden`` (B, T, d) as TRL's fused head reads it, ``token_ids`` and ``mask`` (B, T). log Z_t comes from one pass
-    over W in ``vocab_chunk_size`` rows (an online log-sum-exp: no positions × vocabulary tensor)."""
+    over W in ``vocab_chunk_size`` rows, ``chunk_size`` positions at a time (an online log-sum-exp: no positions ×
+    vocabulary tensor). P itself is (loss tokens × present types), kept until the backward."""
     if hidden.shape[:-1] != token_ids.shape or token_ids.shape != mask.shape:
         raise ValueError(f"row_factors expects hidden (B, T, d) and token_ids, mask (B, T); got "
                          f"{tuple(hidden.shape)}, {tuple(token_ids.shape)}, {tuple(mask.shape)}")
-    if not temperature > 0 or vocab_chunk_size < 1:
-        raise ValueError(f"row_factors needs temperature > 0 and vocab_chunk_size >= 1; got {temperature}, "
-                         f"{vocab_chunk_size}")
+    if not temperature > 0 or chunk_size < 1 or vocab_chunk_size < 1:
+        raise ValueError(f"row_factors needs temperature > 0 and chunk sizes >= 1; got temperature={temperature}, "
+                         f"chunk_size={chunk_size}, vocab_chunk_size={vocab_chunk_size}")
     device = weight.device
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     with torch.no_grad():
@@ -77,10 +78,11 @@ def row_factors(
         b_all = None if bias is None else bias.detach().to(dtype)
         log_z = torch.full((h.size(0),), float("-inf"), dtype=dtype, device=device)
         for v0 in range(0, weight.size(0), vocab_chunk_size):
-            z, _ = _logits(h, weight.detach()[v0:v0 + vocab_chunk_size].to(dtype),
-                           None if b_all is None else b_all[v0:v0 + vocab_chunk_size], logit_scale,
-                           final_logit_softcapping, temperature)
-            log_z = torch.logaddexp(log_z, torch.logsumexp(z, dim=1))
+            w = weight.detach()[v0:v0 + vocab_chunk_size].to(dtype)
+            b = None if b_all is None else b_all[v0:v0 + vocab_chunk_size]
+            for r0 in range(0, h.size(0), chunk_size):
+                z, _ = _logits(h[r0:r0 + chunk_size], w, b, logit_scale, final_logit_softcapping, temperature)
+                log_z[r0:r0 + chunk_size] = torch.logaddexp(log_z[r0:r0 + chunk_size], torch.logsumexp(z, dim=1))
         z, d = _logits(h, weight.detach()[type_ids].to(dtype), None if b_all is None else b_all[type_ids],
                        logit_scale, final_logit_softcapping, temperature)
         factors = -torch.exp(z - log_z.unsqueeze(1))
