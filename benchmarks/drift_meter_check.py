@@ -125,6 +125,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(args.seed)
     tokenizer, model, path = load(args.model, args.device, args.dtype)
+    if args.tokenizer_eos is not None:  # reproduce a reader's wrong end token (transformers 5.17: <|im_start|>)
+        tokenizer.eos_token = args.tokenizer_eos
     before = {"tokenizer_eos": [tokenizer.eos_token, tokenizer.eos_token_id],
               "generation_config_eos": model.generation_config.eos_token_id}
     align_special_tokens(model, tokenizer)  # what transformers' Trainer does to the model before training
@@ -145,6 +147,12 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         end_ids=end_ids,
     ).view(len(problems), -1)
     set_logp = equivalent_set_stats(per_form_logp)["set_logp"]
+    tokenizer_eos_only = None  # what the meter logged before it summed over TRL's end tokens
+    if len(end_ids) > 1:
+        tokenizer_eos_only = float(equivalent_set_stats(completion_log_probs(
+            model, tokenizer, [row["prompt"] for row in problems for _ in task.form_names],
+            [text for per_row in forms for text in per_row], temperature=args.temperature, batch_size=args.batch_size,
+        ).view(len(problems), -1))["set_logp"].mean())
     meter_seconds = time.monotonic() - start
 
     start = time.monotonic()
@@ -188,6 +196,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
                        "meter_warning": meter.results.get("end_token_warning")},
         "prompt_ids_as_meter": all(p["prompt_ids_as_meter"] for p in per_prompt),
         "meter_set_logp_mean": logged["set_logp_mean"],
+        "set_logp_mean_scoring_only_the_tokenizer_eos": tokenizer_eos_only,
         "log_mean_meter_probability": mean_prob,
         "sampled_hits": hits, "sampled_total": n, "sampled_frequency": freq,
         "log_sampled_frequency": log_freq,
@@ -212,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-eos", default=None,
+                        help="force the tokenizer's end token (e.g. '<|im_start|>', as transformers 5.17's GGUF reader "
+                             "sets it for SmolLM2) to check the meter under that fault")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/drift_meter_check_<device>"
                                                     ".json)")
     args = parser.parse_args(argv)

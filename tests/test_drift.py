@@ -145,6 +145,24 @@ def test_end_token_mismatch_names_both_tokens() -> None:
     assert message is not None and "'<eos>'" in message and "['is']" in message and "align_end_token" in message
 
 
+
+def test_end_token_mismatch_sees_the_template_after_trl_aligned_the_model():
+    """transformers' Trainer adds the tokenizer's end token to the generation config, so after alignment the
+    config lists both; the chat template still says which token ends a turn."""
+    tokenizer = tokenizer_with_template()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' }}{% endfor %}"
+    )
+    tokenizer.eos_token = "<|im_start|>"  # the GGUF reader's fault
+    ids = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    aligned = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=ids))
+    message = end_token_mismatch(tokenizer, aligned)
+    assert message is not None and "'<|im_start|>'" in message and "ends a turn with '<|im_end|>'" in message
+    tokenizer.eos_token = "<|im_end|>"
+    assert end_token_mismatch(tokenizer, aligned) is None
+
+
 class HandTask:
     """Two forms of the sum that differ in their first token only: 'the <s>' and 'so <s>'."""
 
@@ -209,7 +227,7 @@ def test_drift_meter_warns_when_the_tokenizer_ends_completions_elsewhere(caplog:
         meter.on_train_begin(None, SimpleNamespace(global_step=0, max_steps=2), None, model=model,
                              processing_class=tokenizer)
     assert "drift meter" in caplog.text and "'<eos>'" in caplog.text
-    assert "not the model's own" in meter.results["end_token_warning"]
+    assert "generation config" in meter.results["end_token_warning"]
     # uniform model: each form is two tokens then one of two end tokens, each 1/|V|
     vocab = len(WORDS)
     assert meter.results["curve"][0]["set_logp_mean"] == pytest.approx(math.log(2 * 2 / vocab**3), rel=1e-5)

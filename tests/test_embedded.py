@@ -11,6 +11,7 @@ import pytest
 
 from dfpo_trl.app import embedded
 from dfpo_trl.app.embedded import EMBEDDED_GGUF, embedded_model_path, find_embedded_gguf
+from dfpo_trl.metrics.drift import chat_end_of_turn_token
 
 # -- fast: no conversion -------------------------------------------------------------------------------
 
@@ -195,9 +196,9 @@ def _chatml_tokenizer_and_model(wrong_eos: bool):
 
 def test_chat_end_of_turn_token_is_read_from_the_template() -> None:
     tokenizer, _ = _chatml_tokenizer_and_model(wrong_eos=True)
-    assert embedded.chat_end_of_turn_token(tokenizer) == "<|im_end|>"
+    assert chat_end_of_turn_token(tokenizer) == "<|im_end|>"
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    assert embedded.chat_end_of_turn_token(tokenizer) is None  # nothing special closes a turn
+    assert chat_end_of_turn_token(tokenizer) is None  # nothing special closes a turn
 
 
 def test_conversion_takes_the_end_token_from_the_model_not_the_gguf_reader(

@@ -27,7 +27,6 @@ __all__ = [
     "EMBEDDED_GGUF",
     "EMBEDDED_PACKAGE",
     "align_end_token",
-    "chat_end_of_turn_token",
     "embedded_model_path",
     "find_embedded_gguf",
 ]
@@ -186,25 +185,6 @@ def _convert_quietly(gguf: Path, target: Path) -> None:
     tokenizer.save_pretrained(target)
 
 
-def chat_end_of_turn_token(tokenizer: Any) -> str | None:
-    """The special token the chat template closes an assistant turn with (ChatML's ``<|im_end|>``), or None.
-
-    Found by rendering a two-turn conversation whose assistant text is a marker and reading which of the
-    tokenizer's added tokens the template writes right after it (the longest that fits)."""
-    marker = "dfpo-end-of-turn-marker"
-    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception:  # a template that cannot render an assistant turn names no end-of-turn token
-        return None
-    if not isinstance(text, str) or marker not in text:
-        return None
-    after = text[text.rindex(marker) + len(marker):]
-    added = [str(token) for token in tokenizer.get_added_vocab()]
-    matches = [token for token in added if token and after.startswith(token)]
-    return max(matches, key=len) if matches else None
-
-
 def align_end_token(tokenizer: Any, model: Any) -> int:
     """Make the tokenizer's end token the model's own: its config's end-of-sequence id, which the chat template's
     end-of-turn token must be one of. Sets the tokenizer's, the config's and the generation config's end token to
@@ -219,6 +199,8 @@ def align_end_token(tokenizer: Any, model: Any) -> int:
     config_ids = [declared] if isinstance(declared, int) else [i for i in declared or [] if i is not None]
     if not config_ids:
         raise RuntimeError("the model's config has no eos_token_id: the end of a completion cannot be told")
+    from ..metrics.drift import chat_end_of_turn_token
+
     end_of_turn = chat_end_of_turn_token(tokenizer)
     eos_id = config_ids[0]
     if end_of_turn is not None:

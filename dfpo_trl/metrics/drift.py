@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "chat_end_of_turn_token",
     "completion_log_probs",
     "end_token_ids",
     "end_token_mismatch",
@@ -54,20 +55,45 @@ def end_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
     return ids + [i for i in _generation_eos_ids(model) if i not in ids]
 
 
-def end_token_mismatch(tokenizer: Any, model: Any) -> str | None:
-    """A warning when the tokenizer's end token is not one the model's generation config declares (the GGUF
-    reader's fault of transformers 5.17: ``<|im_start|>`` for SmolLM2's ``<|im_end|>``), else None. The meter stays
-    right (it scores every end token TRL stops at), but the run's completions and their mask end at a token the
-    model was not trained to end with."""
-    declared = _generation_eos_ids(model)
-    if not declared or tokenizer.eos_token_id in declared:
+def chat_end_of_turn_token(tokenizer: Any) -> str | None:
+    """The special token the chat template closes an assistant turn with (ChatML's ``<|im_end|>``), or None.
+
+    Found by rendering a two-turn conversation whose assistant text is a marker and reading which of the
+    tokenizer's added tokens the template writes right after it (the longest that fits)."""
+    marker = "dfpo-end-of-turn-marker"
+    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # no template, or one that cannot render an assistant turn: no end-of-turn token
         return None
-    names = tokenizer.convert_ids_to_tokens(declared)
+    if not isinstance(text, str) or marker not in text:
+        return None
+    after = text[text.rindex(marker) + len(marker):]
+    matches = [token for token in map(str, tokenizer.get_added_vocab()) if token and after.startswith(token)]
+    return max(matches, key=len) if matches else None
+
+
+def end_token_mismatch(tokenizer: Any, model: Any) -> str | None:
+    """A warning when the tokenizer's end token is neither the chat template's end-of-turn token (when the template
+    has one) nor among the model's generation config's end tokens, else None. That is the GGUF reader's fault of
+    transformers 5.17 (``<|im_start|>`` for SmolLM2's ``<|im_end|>``); the template check still sees it after
+    transformers' Trainer has aligned the generation config to the tokenizer. The meter stays right (it scores
+    every end token TRL stops at), but the run's completions and their mask may end at a token the model was not
+    trained to end a turn with."""
+    eos = tokenizer.eos_token
+    end_of_turn = chat_end_of_turn_token(tokenizer)
+    declared = _generation_eos_ids(model)
+    if end_of_turn is not None and end_of_turn != eos:
+        problem = f"the chat template ends a turn with {end_of_turn!r}"
+    elif declared and tokenizer.eos_token_id not in declared:
+        problem = f"the model's generation config ends with eos_token_id={declared} " \
+                  f"({tokenizer.convert_ids_to_tokens(declared)})"
+    else:
+        return None
     return (
-        f"the tokenizer's end token {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) is not the model's own "
-        f"(generation config eos_token_id={declared}, {names}); completions will also stop at it and TRL aligns the "
-        "model to the tokenizer. Set tokenizer.eos_token to the model's end-of-turn token (the embedded model's "
-        "conversion does: dfpo_trl.app.embedded.align_end_token)."
+        f"the tokenizer's end token is {eos!r} (id {tokenizer.eos_token_id}) but {problem}; completions stop at "
+        "every end token TRL lists, and the completion mask ends at the first. Set tokenizer.eos_token to the "
+        "model's end-of-turn token (the embedded model's conversion does: dfpo_trl.app.embedded.align_end_token)."
     )
 
 
