@@ -154,21 +154,17 @@ class DFPOConfig(GRPOConfig):
     )
     log_mechanism_metrics: bool = documented(
         True,
-        "Log the mechanism metrics `asym/*`, `transform/*`, `cancellation/*` and the diagnostics `diagnostics/*` "
-        "(φ off-policy, clip fraction among rows with signal, zero-signal steps, TRL's vLLM ratio spread) every step.",
+        "Log `asym/*`, `transform/*`, `cancellation/*`, `diagnostics/*`.",
         "DFPO eq. 23; docs/metrics.md",
     )
     log_energy_buckets: int = documented(
         0,
-        "Gradient energy on frequent tokens: `0` off; k ≥ 2 logs `energy/freq_bucket_0..k-1`, each frequency "
-        "bucket's share of the LM-head gradient energy (bucket 0: most frequent; what is summed: `energy_form`).",
+        "k ≥ 2 frequency buckets' energy shares; `0` off.",
         "DFPO eq. 24; docs/metrics.md",
     )
     energy_form: str = documented(
         "aggregate",
-        "What `energy/*` sums: `aggregate` (default) the norm of each token type's LM-head gradient row, "
-        "‖Σ_t c_t ∂ log p_t/∂W_v‖, so opposite pushes on one type cancel as they do in the update; `per_position` "
-        "the sum of per-position norms Σ_t ‖c_t ∂ log p_t/∂W‖, which no cancellation lowers.",
+        "`aggregate` (per token type) or `per_position`.",
         "DFPO eq. 24; docs/metrics.md",
     )
     token_weighting: str = documented(
