@@ -120,6 +120,8 @@ def test_conversion_loads_trainable_and_generates(converted: tuple[Path, float])
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert tokenizer.chat_template and tokenizer.pad_token is not None
+    # the model's own end token, whatever the GGUF reader of this transformers says (5.17: <|im_start|>)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config["eos_token_id"]
     assert getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False)
     assert model.dtype == torch.float32
 
