@@ -154,13 +154,17 @@ class DFPOConfig(GRPOConfig):
     )
     log_mechanism_metrics: bool = documented(
         True,
-        "Log the mechanism metrics `asym/*`, `transform/*`, `cancellation/shared_prefix_residual` every step.",
+        "Log `asym/*`, `transform/*`, `cancellation/*`, `diagnostics/*`.",
         "DFPO eq. 23; docs/metrics.md",
     )
     log_energy_buckets: int = documented(
         0,
-        "Gradient energy on frequent tokens: `0` off; k ≥ 2 logs `energy/freq_bucket_0..k-1`, each frequency "
-        "bucket's share of the per-token LM-head gradient norm (bucket 0: most frequent).",
+        "k ≥ 2 frequency buckets' energy shares; `0` off.",
+        "DFPO eq. 24; docs/metrics.md",
+    )
+    energy_form: str = documented(
+        "aggregate",
+        "`aggregate` (per token type) or `per_position`.",
         "DFPO eq. 24; docs/metrics.md",
     )
     token_weighting: str = documented(

@@ -26,6 +26,8 @@ GROUP_LAYOUTS = ("auto", "redistributed", "pre_pass")
 # TRL loss types whose policy term is TRL's clipped surrogate -min(r A, clip(r) A); DFPO rewrites only those.
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 TOKEN_WEIGHTINGS = ("none", "delta")
+# eq. 24's readings (docs/metrics.md): the norm of each token type's summed LM-head gradient row, or per position.
+ENERGY_FORMS = ("aggregate", "per_position")
 # Token-level clipped loss types DelTA weights, each with a known normalisation domain (delta_trainer).
 DELTA_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -176,6 +178,7 @@ FIELD_RULES: tuple[FieldRule, ...] = (
         "use 0 to turn the gradient-energy metric (eq. 24) off, or the number of frequency buckets k >= 2 (e.g. 3) "
         "to log energy/freq_bucket_0..k-1",
     ),
+    FieldRule("energy_form", one_of(ENERGY_FORMS), "is not valid", f"use {quoted(ENERGY_FORMS)}"),
     FieldRule("token_weighting", one_of(TOKEN_WEIGHTINGS), "is not valid", "use 'none' or 'delta' (DelTA)"),
     FieldRule(
         "delta_lambda_min",

@@ -26,11 +26,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from .config import DFPOConfig
+from .config_checks import CLIPPED_LOSS_TYPES
 from .delta.rollout import DELTA_WEIGHTS_KEY
 from .delta.weighting import DeltaWeighting
 from .groups.layout import GroupLayout
 from .groups.policy import describe_layout
-from .metrics.clip import CLIP_RATIO_METRICS, count_clip_fractions
+from .metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms, clipped_ratios, log_clip_fractions
+from .metrics.diagnostics import log_loss_diagnostics
 from .metrics.hooks import energy_capture, watch_gradient_energy, watch_token_coefficients
 from .metrics.store import MetricStore
 from .objectives.plan import ObjectivePlan
@@ -40,6 +42,7 @@ from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
     SUPPORTED_TRL_TEXT,
     TRLCompatibilityError,
+    applied_is_ratio,
     check_trainer_attributes,
     disable_gradient_checkpointing,
     generate_every,
@@ -224,10 +227,15 @@ class DFPOTrainer(GRPOTrainer):
         old = inputs.get("old_per_token_logps")
         if old is not None:
             old = inputs["old_per_token_logps"] = bounded_old_logps(logps, old, mask, plan.sequence_level)
-        if plan.recounts_clip_fractions:  # from TRL's inputs before the rewrite, with the clip DFPO applies
-            count_clip_fractions(self.dfpo_metrics, mode, logps, logps.detach() if old is None else old, advantages,
-                                 mask, sequence_level=plan.sequence_level, eps_low=self.epsilon_low,
-                                 eps_high=self.epsilon_high, symmetric=plan.form.grpo_fix, delta=self.args.delta)
+        diagnose = plan.group_metrics and self.model.training and self.loss_type in CLIPPED_LOSS_TYPES
+        if plan.recounts_clip_fractions or diagnose:  # from TRL's inputs before the rewrite, with DFPO's clip
+            clipped = clipped_ratios(logps, logps.detach() if old is None else old, advantages, mask,
+                                     sequence_level=plan.sequence_level, eps_low=self.epsilon_low,
+                                     eps_high=self.epsilon_high, symmetric=plan.form.grpo_fix, delta=self.args.delta)
+            if plan.recounts_clip_fractions:
+                log_clip_fractions(self.dfpo_metrics, mode, clip_fraction_terms(clipped, mask))
+            if diagnose:
+                log_loss_diagnostics(self.dfpo_metrics, mode, advantages, mask, clipped, applied_is_ratio(self, inputs))
         index = self.layout.group_index(inputs, mode) if plan.needs_groups else None
         weights, differentiate = None, plan.differentiates(index is not None)
         if plan.sequence_level and (index is not None or plan.rewrites_sequences):
@@ -247,7 +255,7 @@ class DFPOTrainer(GRPOTrainer):
                                      None if weights is None else weights.two_sided)
         if capture is not None:
             watch_gradient_energy(self.dfpo_metrics, model, logps, inputs, capture, self.temperature,
-                                  plan.energy_buckets)
+                                  plan.energy_buckets, plan.energy_form)
         return out
 
     # -------------------------------------------------------------------------------------------- resume

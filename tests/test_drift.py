@@ -16,7 +16,13 @@ import torch
 from tiny import WORDS, tiny_tokenizer
 
 from dfpo_trl.app.callbacks import DriftMeterCallback, FormShareReward
-from dfpo_trl.metrics.drift import completion_log_probs, equivalent_set_stats, summarise_equivalent_sets
+from dfpo_trl.metrics.drift import (
+    completion_log_probs,
+    end_token_ids,
+    end_token_mismatch,
+    equivalent_set_stats,
+    summarise_equivalent_sets,
+)
 from dfpo_trl.metrics.store import MetricStore
 from dfpo_trl.tasks import EquivalentFormsTask, get_task
 
@@ -106,6 +112,57 @@ def test_completion_log_probs_equal_a_bigram_models_exact_values(temperature: fl
     assert got.dtype == torch.float64 and model.training  # the model's mode is restored
 
 
+def test_a_completion_ends_with_any_of_the_end_tokens_trl_stops_at() -> None:
+    """With two end tokens (the tokenizer's and another the generation config lists, as TRL stops at both), the scored
+    end is log(π(e1) + π(e2)) after the completion: a sampled completion is the form whichever end comes."""
+    tokenizer = tokenizer_with_template()
+    table = torch.randn(len(WORDS), len(WORDS), generator=torch.Generator().manual_seed(3))
+    model = Bigram(table)
+    model.generation_config = SimpleNamespace(eos_token_id=[WORDS.index("so"), tokenizer.eos_token_id])
+    ends = end_token_ids(tokenizer, model)
+    assert ends == [tokenizer.eos_token_id, WORDS.index("so")]  # TRL's order: the tokenizer's first, no repeats
+    prompt, completion = "Compute 1 + 1 =", "the 2"
+    got = completion_log_probs(model, tokenizer, [prompt], [completion], end_ids=ends)
+    p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    body = exact_log_prob(table, p_ids, c_ids, 1.0)
+    last = torch.log_softmax(table[c_ids[-1]].double(), -1)
+    want = body + math.log(last[ends[0]].exp().item() + last[ends[1]].exp().item())
+    assert got.item() == pytest.approx(want, abs=64 * torch.finfo(torch.float32).eps * (1 + abs(want)))
+    only_tokenizer = completion_log_probs(model, tokenizer, [prompt], [completion])  # default: the tokenizer's end
+    assert only_tokenizer.item() == pytest.approx(body + last[ends[0]].item(), abs=1e-5 * (1 + abs(want)))
+    with pytest.raises(ValueError, match="end_ids is empty"):
+        completion_log_probs(model, tokenizer, [prompt], [completion], end_ids=[])
+
+
+def test_end_token_mismatch_names_both_tokens() -> None:
+    tokenizer = tokenizer_with_template()
+    agree = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=tokenizer.eos_token_id))
+    assert end_token_mismatch(tokenizer, agree) is None
+    assert end_token_mismatch(tokenizer, SimpleNamespace()) is None  # nothing declared: nothing to contradict
+    wrong = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[WORDS.index("is")]))
+    message = end_token_mismatch(tokenizer, wrong)
+    assert message is not None and "'<eos>'" in message and "['is']" in message and "align_end_token" in message
+
+
+
+def test_end_token_mismatch_sees_the_template_after_trl_aligned_the_model():
+    """transformers' Trainer adds the tokenizer's end token to the generation config, so after alignment the
+    config lists both; the chat template still says which token ends a turn."""
+    tokenizer = tokenizer_with_template()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' }}{% endfor %}"
+    )
+    tokenizer.eos_token = "<|im_start|>"  # the GGUF reader's fault
+    ids = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    aligned = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=ids))
+    message = end_token_mismatch(tokenizer, aligned)
+    assert message is not None and "'<|im_start|>'" in message and "ends a turn with '<|im_end|>'" in message
+    tokenizer.eos_token = "<|im_end|>"
+    assert end_token_mismatch(tokenizer, aligned) is None
+
+
 class HandTask:
     """Two forms of the sum that differ in their first token only: 'the <s>' and 'so <s>'."""
 
@@ -156,6 +213,24 @@ def test_drift_meter_follows_odds_moved_by_hand() -> None:
     q = 1 / (1 + math.exp(-delta))
     assert logged["drift/set_entropy"] == pytest.approx(-(q * math.log(q) + (1 - q) * math.log(1 - q)), abs=tolerance)
     assert [point["step"] for point in meter.results["curve"]] == [0, 2]
+
+
+def test_drift_meter_warns_when_the_tokenizer_ends_completions_elsewhere(caplog: pytest.LogCaptureFixture) -> None:
+    """The GGUF fault: the tokenizer's end token is not the model's. The meter warns once, records it, and scores
+    both end tokens (its number stays the sampling probability)."""
+    task = HandTask()
+    tokenizer = tokenizer_with_template()
+    model = Bigram(torch.zeros(len(WORDS), len(WORDS)))
+    model.generation_config = SimpleNamespace(eos_token_id=WORDS.index("is"))
+    meter = DriftMeterCallback(task, task.build_dataset("test"), every=2)
+    with caplog.at_level("WARNING", logger="dfpo_trl.app.callbacks"):
+        meter.on_train_begin(None, SimpleNamespace(global_step=0, max_steps=2), None, model=model,
+                             processing_class=tokenizer)
+    assert "drift meter" in caplog.text and "'<eos>'" in caplog.text
+    assert "generation config" in meter.results["end_token_warning"]
+    # uniform model: each form is two tokens then one of two end tokens, each 1/|V|
+    vocab = len(WORDS)
+    assert meter.results["curve"][0]["set_logp_mean"] == pytest.approx(math.log(2 * 2 / vocab**3), rel=1e-5)
 
 
 def test_drift_meter_refuses_what_it_cannot_measure() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from dfpo_trl.app import embedded
 from dfpo_trl.app.embedded import EMBEDDED_GGUF, embedded_model_path, find_embedded_gguf
+from dfpo_trl.metrics.drift import chat_end_of_turn_token
 
 # -- fast: no conversion -------------------------------------------------------------------------------
 
@@ -119,6 +120,8 @@ def test_conversion_loads_trainable_and_generates(converted: tuple[Path, float])
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert tokenizer.chat_template and tokenizer.pad_token is not None
+    # the model's own end token, whatever the GGUF reader of this transformers says (5.17: <|im_start|>)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config["eos_token_id"]
     assert getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False)
     assert model.dtype == torch.float32
 
@@ -163,3 +166,73 @@ def test_conversion_draws_no_progress_bars(tmp_path: Path, monkeypatch: pytest.M
     embedded._convert(tmp_path / EMBEDDED_GGUF, tmp_path)
     assert seen == [(False, True)]  # every bar off during the conversion
     assert hf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is plain  # restored after
+
+
+# -- the end token: the model's own, not the GGUF reader's ----------------------------------------------
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' "
+    "+ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _chatml_tokenizer_and_model(wrong_eos: bool):
+    """A tiny ChatML model as transformers 5.17's GGUF reader hands SmolLM2 over: the config's end token is
+    <|im_end|> (id 2), the tokenizer's (when ``wrong_eos``) <|im_start|> (id 1), no pad token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "hi", "8"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                        eos_token="<|im_start|>" if wrong_eos else "<|im_end|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    config = LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = 2
+    return tokenizer, model
+
+
+def test_chat_end_of_turn_token_is_read_from_the_template() -> None:
+    tokenizer, _ = _chatml_tokenizer_and_model(wrong_eos=True)
+    assert chat_end_of_turn_token(tokenizer) == "<|im_end|>"
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    assert chat_end_of_turn_token(tokenizer) is None  # nothing special closes a turn
+
+
+def test_conversion_takes_the_end_token_from_the_model_not_the_gguf_reader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conversion, with the GGUF reader forced to return the wrong end token (id 1): the saved checkpoint's
+    tokenizer, config and generation config all end completions with <|im_end|> (id 2), and pad falls back to
+    it; TRL's alignment then has nothing to change."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.trainer_utils import align_special_tokens
+
+    tokenizer, model = _chatml_tokenizer_and_model(wrong_eos=True)
+    assert tokenizer.eos_token_id == 1  # the fault, as the reader hands it over
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    embedded._convert_quietly(tmp_path / EMBEDDED_GGUF, tmp_path / "out")
+
+    saved = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert (saved.eos_token, saved.eos_token_id) == ("<|im_end|>", 2)
+    assert saved.pad_token_id == 2
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 2
+    assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == 2
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    align_special_tokens(reloaded, saved)
+    assert reloaded.generation_config.eos_token_id == 2 and reloaded.config.eos_token_id == 2
+
+
+def test_align_end_token_refuses_a_template_the_config_contradicts() -> None:
+    tokenizer, model = _chatml_tokenizer_and_model(wrong_eos=True)
+    model.config.eos_token_id = 6  # "8": neither the template's end of turn nor a special token
+    with pytest.raises(RuntimeError, match=r"'<\|im_end\|>' \(id 2\).*eos_token_id=6"):
+        embedded.align_end_token(tokenizer, model)
+    model.config.eos_token_id = None
+    with pytest.raises(RuntimeError, match="no eos_token_id"):
+        embedded.align_end_token(tokenizer, model)

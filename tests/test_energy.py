@@ -246,7 +246,7 @@ def reference_shares(trainer, batch, coefficients: torch.Tensor, num_buckets: in
 @pytest.mark.parametrize("setting", [GSPO, TOKEN], ids=["gspo", "token_dapo"])
 def test_energy_metric_keeps_loss_and_gradients_and_matches_autograd(setting):
     common = dict(**setting, steps_per_generation=2, temperature=0.7)
-    on = make_trainer(capturing(DFPOTrainer), DFPOConfig, **common, log_energy_buckets=3)
+    on = make_trainer(capturing(DFPOTrainer), DFPOConfig, **common, log_energy_buckets=3, energy_form="per_position")
     off = make_trainer(capturing(DFPOTrainer), DFPOConfig, **common)
     ids, mask, adv, log_ratio = random_batch(spread=0.1)
     batch = with_old_logps(off, ids, mask, adv, log_ratio)

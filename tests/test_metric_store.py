@@ -16,7 +16,7 @@ from dfpo_trl.metrics.store import MetricStore
 
 def _fill(store: MetricStore, generator: torch.Generator, entries: int) -> dict[str, list[tuple[float, float]]]:
     """Random entries of mixed dtypes and count types; returns what was added, for a direct reference."""
-    added: dict[str, list[tuple[float, float]]] = {"m": [], "n": [], "lo": [], "events": []}
+    added: dict[str, list[tuple[float, float]]] = {"m": [], "n": [], "lo": [], "hi": [], "events": [], "spread": []}
     for _ in range(entries):
         total = torch.rand((), generator=generator) * 10
         count = float(torch.randint(0, 4, (), generator=generator))
@@ -29,8 +29,13 @@ def _fill(store: MetricStore, generator: torch.Generator, entries: int) -> dict[
         low = torch.randn((), generator=generator, dtype=torch.float64)
         store.add_min("train", "lo", low, count)
         added["lo"].append((float(low), count))
+        store.add_max("train", "hi", -low, count)
+        added["hi"].append((float(-low), count))
         store.add_sum("train", "events", ints > 2)  # a bool count of events
         added["events"].append((float(ints > 2), 1.0))
+        values = 1 + 0.01 * torch.randn(int(count), generator=generator, dtype=torch.float64)  # ratios near 1
+        store.add_std("train", "spread", (values - 1).sum(), ((values - 1) ** 2).sum(), count)
+        added["spread"] += [(float(v), 1.0) for v in values]
     return added
 
 
@@ -39,18 +44,21 @@ def _reference(added: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
     for name in ("m", "n"):
         out[name] = sum(t for t, _ in added[name]) / sum(c for _, c in added[name])
     out["lo"] = min(t for t, c in added["lo"] if c > 0)
+    out["hi"] = max(t for t, c in added["hi"] if c > 0)
     out["events"] = sum(t for t, _ in added["events"])
+    out["spread"] = float(torch.tensor([v for v, _ in added["spread"]], dtype=torch.float64).std(correction=0))
     return out
 
 
-@pytest.mark.parametrize("compact_after", [4096, 7])
+@pytest.mark.parametrize("compact_after", [4096, 9])
 def test_flush_pools_every_entry(monkeypatch: pytest.MonkeyPatch, compact_after: int) -> None:
-    """Mean = Σ total / Σ count, min over entries with a count, sum of events; also across compactions."""
+    """Mean = Σ total / Σ count, min / max over entries with a count, sum of events, the population std of every
+    value added; also across compactions."""
     monkeypatch.setattr(metric_store, "COMPACT_AFTER", compact_after)
     store = MetricStore()
     added = _fill(store, torch.Generator().manual_seed(0), 25)
-    if compact_after == 7:
-        assert sum(len(p.totals) for p in store._entries["train"].values()) < 7
+    if compact_after == 9:  # 7 names (a std metric keeps two): folded to one entry each, then filling again
+        assert sum(len(p.totals) for p in store._entries["train"].values()) < 9
     out = store.flush("train", "cpu")
     reference = _reference(added)
     assert out.keys() == reference.keys()
@@ -62,6 +70,8 @@ def test_flush_pools_every_entry(monkeypatch: pytest.MonkeyPatch, compact_after:
 def test_min_without_count_and_mean_over_nothing_are_left_out() -> None:
     store = MetricStore()
     store.add_min("eval", "lo", torch.tensor(-5.0), 0.0)
+    store.add_max("eval", "hi", torch.tensor(5.0), 0.0)
+    store.add_std("eval", "spread", torch.tensor(0.0), torch.tensor(0.0), 0.0)
     store.add_mean("eval", "m", torch.tensor(0.0), torch.tensor(0))
     assert store.flush("eval", "cpu") == {}
 

@@ -9,6 +9,7 @@ one.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -16,9 +17,11 @@ import torch
 from transformers import TrainerCallback
 
 from ..metrics import curves
-from ..metrics.drift import completion_log_probs, summarise_equivalent_sets
+from ..metrics.drift import completion_log_probs, end_token_ids, end_token_mismatch, summarise_equivalent_sets
 
 __all__ = ["CurveMetricsCallback", "DriftMeterCallback", "FormShareReward"]
+
+logger = logging.getLogger(__name__)
 
 # The training-reward curve: one point per optimizer step when DFPOTrainer logs it, else TRL's per-rollout mean.
 STEP_REWARD_KEYS = ("step_reward", "reward")
@@ -70,7 +73,10 @@ class DriftMeterCallback(TrainerCallback):
     ``drift/log_odds_abs_mean``, ``drift/log_odds_abs_std``, ``drift/log_odds_mean``, ``drift/set_entropy``,
     ``drift/set_entropy_normalised`` and ``drift/set_logp_mean``; every measurement, step 0 included, is kept in
     ``self.results["curve"]`` (``{"step", **summary}`` per measurement; ``"seconds"``: their total time).
-    Log-probabilities are taken at ``temperature`` (TRL's: logits / the sampling temperature). Runs on every
+    Log-probabilities are taken at ``temperature`` (TRL's: logits / the sampling temperature); a canonical completion
+    ends with any of the end tokens TRL stops at (:func:`~dfpo_trl.metrics.drift.end_token_ids`). When the tokenizer's
+    end token is not the model's own (generation config), it warns once at train begin and goes on: its number
+    stays right, the run's completions end at the wrong token (``self.results["end_token_warning"]``). Runs on every
     process (a ZeRO-3 forward is collective); every process computes the same numbers.
     """
 
@@ -112,6 +118,7 @@ class DriftMeterCallback(TrainerCallback):
         logps = completion_log_probs(
             model, tokenizer, self.prompts, self.completions, temperature=self.temperature,
             batch_size=self.batch_size, chat_template_kwargs=self.chat_template_kwargs,
+            end_ids=end_token_ids(tokenizer, model),
         ).view(-1, self.num_forms)
         summary = summarise_equivalent_sets(logps)
         self.results["curve"].append({"step": step, **summary})
@@ -120,7 +127,12 @@ class DriftMeterCallback(TrainerCallback):
         return summary
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._measure(state.global_step, kwargs["model"], kwargs.get("processing_class"))
+        processing_class = kwargs.get("processing_class")
+        warning = end_token_mismatch(getattr(processing_class, "tokenizer", processing_class), kwargs["model"])
+        if warning is not None:
+            logger.warning("drift meter: %s", warning)
+            self.results["end_token_warning"] = warning
+        self._measure(state.global_step, kwargs["model"], processing_class)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step % self.every != 0 and state.global_step < state.max_steps:

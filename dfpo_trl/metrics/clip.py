@@ -18,7 +18,7 @@ trainer recounts here, from the inputs before the rewrite (docs/metrics.md "Clip
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,7 +32,6 @@ __all__ = [
     "ClippedRatios",
     "clip_fraction_terms",
     "clipped_ratios",
-    "count_clip_fractions",
     "log_clip_fractions",
 ]
 
@@ -119,16 +118,6 @@ def _nan_extreme(values: Tensor, *, largest: bool) -> Tensor:
     else:
         out = torch.where(valid, values, torch.inf).amin()
     return torch.where(valid.any(), out, torch.nan)
-
-
-def count_clip_fractions(
-    store: MetricStore, mode: str, per_token_logps: Tensor, old_per_token_logps: Tensor, advantages: Tensor,
-    mask: Tensor, **region: Any,
-) -> None:
-    """One loss call's clipped ratios (:func:`clipped_ratios`, ``region`` its keyword arguments), reduced and handed
-    to the store under TRL's names: the trainer's one call."""
-    log_clip_fractions(store, mode, clip_fraction_terms(
-        clipped_ratios(per_token_logps, old_per_token_logps, advantages, mask, **region), mask))
 
 
 def log_clip_fractions(store: MetricStore, mode: str, terms: ClipFractionTerms) -> None:

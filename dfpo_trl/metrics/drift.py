@@ -13,7 +13,11 @@ whose correct answer can be written in K ≥ 2 equivalent forms (a task's ``equi
 * D4, set mass:   M(x) = log Σ_f π(y_f | x)                                     (whether the set itself gains mass)
 
 Everything here is a pure function of tensors except :func:`completion_log_probs`, which runs one no-grad forward of
-a causal LM over (prompt, completion) pairs.
+a causal LM over (prompt, completion) pairs, and :func:`end_token_ids`, which reads the end tokens TRL stops at.
+
+A canonical completion y_f is the form's text followed by an end token: a sampled completion ends at the first of
+TRL's end tokens (the tokenizer's ``eos_token_id`` and the generation config's), so π(y_f | x) sums over them:
+π(text_f | x) · Σ_e π(e | x, text_f) (docs/metrics.md, "Equivalent-solution drift").
 """
 
 from __future__ import annotations
@@ -25,7 +29,72 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["completion_log_probs", "equivalent_set_stats", "summarise_equivalent_sets"]
+__all__ = [
+    "chat_end_of_turn_token",
+    "completion_log_probs",
+    "end_token_ids",
+    "end_token_mismatch",
+    "equivalent_set_stats",
+    "summarise_equivalent_sets",
+]
+
+
+def _generation_eos_ids(model: Any) -> list[int]:
+    generation_config = getattr(model, "generation_config", None)
+    declared = getattr(generation_config, "eos_token_id", None)
+    return [declared] if isinstance(declared, int) else [i for i in declared or [] if i is not None]
+
+
+def end_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
+    """The token ids that end a sampled completion, as TRL's trainer lists them: the tokenizer's ``eos_token_id``,
+    then the model's generation config's (TRL's ``GRPOTrainer.eos_token_ids``: generation stops at any of them, and
+    the completion mask ends there)."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos_token_id: a completion's end cannot be scored")
+    ids = [tokenizer.eos_token_id]
+    return ids + [i for i in _generation_eos_ids(model) if i not in ids]
+
+
+def chat_end_of_turn_token(tokenizer: Any) -> str | None:
+    """The special token the chat template closes an assistant turn with (ChatML's ``<|im_end|>``), or None.
+
+    Found by rendering a two-turn conversation whose assistant text is a marker and reading which of the
+    tokenizer's added tokens the template writes right after it (the longest that fits)."""
+    marker = "dfpo-end-of-turn-marker"
+    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # no template, or one that cannot render an assistant turn: no end-of-turn token
+        return None
+    if not isinstance(text, str) or marker not in text:
+        return None
+    after = text[text.rindex(marker) + len(marker):]
+    matches = [token for token in map(str, tokenizer.get_added_vocab()) if token and after.startswith(token)]
+    return max(matches, key=len) if matches else None
+
+
+def end_token_mismatch(tokenizer: Any, model: Any) -> str | None:
+    """A warning when the tokenizer's end token is neither the chat template's end-of-turn token (when the template
+    has one) nor among the model's generation config's end tokens, else None. That is the GGUF reader's fault of
+    transformers 5.17 (``<|im_start|>`` for SmolLM2's ``<|im_end|>``); the template check still sees it after
+    transformers' Trainer has aligned the generation config to the tokenizer. The meter stays right (it scores
+    every end token TRL stops at), but the run's completions and their mask may end at a token the model was not
+    trained to end a turn with."""
+    eos = tokenizer.eos_token
+    end_of_turn = chat_end_of_turn_token(tokenizer)
+    declared = _generation_eos_ids(model)
+    if end_of_turn is not None and end_of_turn != eos:
+        problem = f"the chat template ends a turn with {end_of_turn!r}"
+    elif declared and tokenizer.eos_token_id not in declared:
+        problem = f"the model's generation config ends with eos_token_id={declared} " \
+                  f"({tokenizer.convert_ids_to_tokens(declared)})"
+    else:
+        return None
+    return (
+        f"the tokenizer's end token is {eos!r} (id {tokenizer.eos_token_id}) but {problem}; completions stop at "
+        "every end token TRL lists, and the completion mask ends at the first. Set tokenizer.eos_token to the "
+        "model's end-of-turn token (the embedded model's conversion does: dfpo_trl.app.embedded.align_end_token)."
+    )
 
 
 def equivalent_set_stats(logps: Tensor) -> dict[str, Tensor]:
@@ -79,19 +148,24 @@ def completion_log_probs(
     temperature: float = 1.0,
     batch_size: int = 32,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    end_ids: Sequence[int] | None = None,
 ) -> Tensor:
-    """log π(completion | prompt) of each pair, summed over the completion's tokens and its end-of-sequence token.
+    """log π(completion, end | prompt) of each pair: the completion's tokens, then any one of the end tokens.
 
     ``prompts`` are conversational (a list of messages, rendered with the chat template and its generation prompt, as
-    TRL renders them) or plain strings; each completion is tokenized on its own and followed by the tokenizer's EOS
-    token, the token that ends a sampled completion. Logits are divided by ``temperature`` before the softmax, as
-    TRL's loss computes the policy's log-probabilities. Runs in eval mode and restores the model's mode. Returns a
-    float64 tensor (len(prompts),) on the CPU.
+    TRL renders them) or plain strings; each completion is tokenized on its own and followed by an end token, the
+    token that ends a sampled completion: ``end_ids`` (:func:`end_token_ids`, what TRL stops at; default the
+    tokenizer's EOS), whose probabilities are summed (log-sum-exp) since a sampled completion ends at whichever comes.
+    Logits are divided by ``temperature`` before the softmax, as TRL samples and computes the policy's
+    log-probabilities. Runs in eval mode and restores the model's mode. Returns a float64 tensor (len(prompts),) on
+    the CPU.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions")
-    if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos_token_id: a completion's end cannot be scored")
+    if end_ids is None:
+        end_ids = end_token_ids(tokenizer)
+    if not end_ids:
+        raise ValueError("end_ids is empty: a completion's end cannot be scored")
     rendered = [
         prompt
         if isinstance(prompt, str)
@@ -101,10 +175,9 @@ def completion_log_probs(
         for prompt in prompts
     ]
     prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
-    completion_ids = [
-        tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in completions
-    ]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    completion_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in completions]
+    ends = torch.tensor(list(end_ids), dtype=torch.long)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(ends[0])
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -119,13 +192,15 @@ def completion_log_probs(
             for i, row in enumerate(rows):  # right padding: positions stay those of an unpadded forward
                 ids[i, : len(row)] = torch.tensor(row)
                 attention[i, : len(row)] = 1
-            logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits.float()
-            log_probs = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
-            token_logps = log_probs.gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)
-            for i in range(len(rows)):
-                first = len(prompt_ids[start + i]) - 1  # the logit at position t predicts token t + 1
-                last = first + len(completion_ids[start + i])
-                out.append(token_logps[i, first:last].double().sum().cpu())
+            logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
+            for i, row in enumerate(rows):
+                # the logit at position t predicts token t + 1: the completion's tokens, then the end token
+                first = len(prompt_ids[start + i]) - 1
+                log_probs = torch.log_softmax(logits[i, first : len(row)].float() / temperature, dim=-1)
+                targets = torch.tensor(row[first + 1 :], dtype=torch.long, device=log_probs.device)
+                body = log_probs[:-1].gather(-1, targets.unsqueeze(-1)).double().sum()
+                end = torch.logsumexp(log_probs[-1, ends.to(log_probs.device)].double(), dim=0)
+                out.append((body + end).cpu())
     finally:
         model.train(was_training)
     return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)

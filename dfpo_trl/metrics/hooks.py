@@ -16,6 +16,7 @@ from torch import Tensor
 from ..objectives.weights import loss_mask
 from ..trl_hooks.lm_head import HiddenCapture, fused_lm_head, gathered_for_reading
 from .energy import energy_sums_by_bucket, frequency_buckets, lm_head_grad_scale
+from .energy_aggregate import row_factors, row_norms, type_buckets
 from .mechanism import shared_prefix_mask, shared_prefix_residual_sums
 from .store import MetricStore
 
@@ -52,26 +53,38 @@ def energy_capture(buckets: int, training: bool) -> HiddenCapture | None:
 
 def watch_gradient_energy(
     store: MetricStore, model: torch.nn.Module, per_token_logps: Tensor, inputs: dict[str, Any],
-    capture: HiddenCapture, temperature: float, num_buckets: int,
+    capture: HiddenCapture, temperature: float, num_buckets: int, form: str = "aggregate",
 ) -> None:
-    """Energy on frequent tokens (eq. 24, docs/metrics.md): ‖∇_W ℓ_t‖ = |c_t| · ‖∂ log p_t/∂W‖ with the scale from
-    this forward's h (no grad, the LM head gathered read-only under ZeRO-3; ``model`` unwrapped) and c_t =
-    ∂loss/∂log p_t read in the backward pass TRL already runs; logs each frequency bucket's share of Σ_t ‖∇_W ℓ_t‖."""
+    """Energy on frequent tokens (eq. 24, docs/metrics.md), logged as each frequency bucket's share, with c_t =
+    ∂loss/∂log p_t read in the backward pass TRL already runs and the LM head read (no grad, gathered read-only under
+    ZeRO-3; ``model`` unwrapped) at this forward.
+
+    ``form="aggregate"``: per token type v of the micro-batch, ‖Σ_t c_t ∂ log p_t/∂W_v‖, the norm of the LM-head
+    gradient row (metrics/energy_aggregate.py, eq. E1), so opposite pushes on one type cancel.
+    ``form="per_position"``: Σ_t ‖∇_W ℓ_t‖ = Σ_t |c_t| · ‖∂ log p_t/∂W‖ over the bucket's positions."""
     hidden, capture.hidden = capture.hidden, None
     if hidden is None or not per_token_logps.requires_grad:
         return
     completion_ids = inputs["completion_ids"]
     mask = loss_mask(inputs)
     head = fused_lm_head(model)
+    read = dict(bias=head.bias, logit_scale=head.logit_scale, final_logit_softcapping=head.final_logit_softcapping)
     with gathered_for_reading(head.weight, head.bias):
-        scale = lm_head_grad_scale(hidden, head.weight, completion_ids, temperature, bias=head.bias,
-                                   logit_scale=head.logit_scale, final_logit_softcapping=head.final_logit_softcapping)
+        if form == "aggregate":
+            factors = row_factors(hidden, head.weight, completion_ids, mask, temperature, **read)
+        else:
+            scale = lm_head_grad_scale(hidden, head.weight, completion_ids, temperature, **read)
     del hidden
     bucket = frequency_buckets(completion_ids, mask, num_buckets)
+    if form == "aggregate":
+        bucket = type_buckets(bucket, factors)
 
     def on_grad(grad: Tensor) -> None:
-        energy = grad.detach().float().abs() * scale.to(grad.device)
-        sums = energy_sums_by_bucket(energy, bucket.to(grad.device), num_buckets)
+        if form == "aggregate":
+            energy = row_norms(grad, factors)
+        else:
+            energy = grad.detach().float().abs() * scale.to(grad.device)
+        sums = energy_sums_by_bucket(energy, bucket.to(energy.device), num_buckets)
         total = sums.sum()  # each bucket's share of the energy pooled over micro-steps and processes
         for b in range(num_buckets):
             store.add_mean("train", f"energy/freq_bucket_{b}", sums[b], total)

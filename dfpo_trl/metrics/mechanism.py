@@ -147,9 +147,11 @@ def shared_prefix_residual_sums(
     return sums
 
 
-def log_group_metrics(store: MetricStore, mode: str, grouped: GroupedWeights) -> None:
+def log_group_metrics(store: MetricStore, mode: str, grouped: GroupedWeights, off_policy: bool = False) -> None:
     """The group metrics of one transformed set of whole groups, as device tensors pooled over groups (eq. 23/94,
-    the orthogonality residual, φ, and the share of one-sided groups of eq. C8)."""
+    the orthogonality residual, φ, and the share of one-sided groups of eq. C8); the diagnostics share of groups
+    without signal, and on an ``off_policy`` step (the rollout is an optimizer step old or more) φ again under
+    ``diagnostics/phi_*_off_policy``, where it can differ from 1."""
     s_bar, s_tilde, adv = grouped.s_bar.detach(), grouped.s_tilde.detach(), grouped.advantages.detach()
     sides, groups = grouped.sides, s_bar.size(0)
     # eq. C8: the share of groups with signal that no per-sequence weight can balance
@@ -160,3 +162,7 @@ def log_group_metrics(store: MetricStore, mode: str, grouped: GroupedWeights) ->
     phi_min, phi_mean = phi_stats(s_tilde, s_bar)
     store.add_min(mode, "transform/phi_min", phi_min, s_bar.numel())
     store.add_mean(mode, "transform/phi_mean", phi_mean * s_bar.numel(), s_bar.numel())
+    store.add_mean(mode, "diagnostics/zero_variance_groups", (~sides.has_signal).sum(), groups)
+    if off_policy:
+        store.add_min(mode, "diagnostics/phi_min_off_policy", phi_min, s_bar.numel())
+        store.add_mean(mode, "diagnostics/phi_mean_off_policy", phi_mean * s_bar.numel(), s_bar.numel())

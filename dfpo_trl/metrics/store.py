@@ -13,8 +13,10 @@ Per-add accumulation (a float64 cast, an add, a host float copied to the device,
 ~0.3% of a 1.7B model's loss + backward in launch overhead alone. A long logging interval is folded into one
 entry per metric every :data:`COMPACT_AFTER` entries, so memory stays bounded.
 
-Three pooled kinds: ``mean`` (Σ total / Σ count, pooled over micro-steps and processes), ``min`` (the minimum over
-entries with a positive count) and ``sum`` (a count of events). At TRL's ``log``, :meth:`MetricStore.flush_into`
+Five pooled kinds: ``mean`` (Σ total / Σ count, pooled over micro-steps and processes), ``min`` and ``max`` (the
+minimum / maximum over entries with a positive count), ``sum`` (a count of events) and ``std`` (the population
+standard deviation of the pooled values, from Σ (x − c), Σ (x − c)² and the count; c a centre near the values, so
+the difference of moments keeps its digits). At TRL's ``log``, :meth:`MetricStore.flush_into`
 appends one value per metric to TRL's own ``_metrics``, which TRL averages and logs with its own.
 
 Three per-call kinds, for values that stand in for a metric TRL itself logs once per loss call (the clip
@@ -38,10 +40,13 @@ import torch.distributed as dist
 from accelerate.utils import gather_object
 from torch import Tensor
 
-Kind = Literal["mean", "min", "sum", "call_mean", "call_min", "call_max"]
+Kind = Literal["mean", "min", "max", "sum", "std", "std_squares", "call_mean", "call_min", "call_max"]
 CALL_KINDS: tuple[Kind, ...] = ("call_mean", "call_min", "call_max")
 Name = tuple[str, str, int]  # (metric, kind, number of per-call values; 0 for the pooled kinds)
 NamesGather = Callable[[list[Name]], list[list[Name]]]
+EXTREMES: tuple[Kind, ...] = ("min", "max")
+STD_SQUARES = "\x00squares"
+"""Suffix of the hidden entry that holds a ``std`` metric's Σ (x − c)² (never logged under its own name)."""
 
 COMPACT_AFTER = 4096
 """Pending entries of one mode after which they are folded into one per metric (on the device, no host read)."""
@@ -64,6 +69,11 @@ class MetricStore:
         self._sizes: dict[str, int] = {"train": 0, "eval": 0}
 
     def _add(self, mode: str, name: str, kind: Kind, total: Tensor, count: Tensor | float) -> None:
+        self._append(mode, name, kind, total, count)
+        if self._sizes[mode] >= COMPACT_AFTER:
+            self._compact(mode)
+
+    def _append(self, mode: str, name: str, kind: Kind, total: Tensor, count: Tensor | float) -> None:
         store = self._entries.setdefault(mode, {})
         pending = store.get(name)
         if pending is None:
@@ -73,8 +83,6 @@ class MetricStore:
         pending.totals.append(total.detach())
         pending.counts.append(count.detach() if isinstance(count, Tensor) else float(count))
         self._sizes[mode] = self._sizes.get(mode, 0) + 1
-        if self._sizes[mode] >= COMPACT_AFTER:
-            self._compact(mode)
 
     def add_mean(self, mode: str, name: str, total: Tensor, count: Tensor | float) -> None:
         """Add Σ of ``count`` values (``total``) to a pooled mean."""
@@ -83,6 +91,16 @@ class MetricStore:
     def add_min(self, mode: str, name: str, value: Tensor, count: Tensor | float = 1.0) -> None:
         """Lower a running minimum by ``value`` (ignored when ``count`` is 0: no entries behind it)."""
         self._add(mode, name, "min", value, count)
+
+    def add_max(self, mode: str, name: str, value: Tensor, count: Tensor | float = 1.0) -> None:
+        """Raise a running maximum by ``value`` (ignored when ``count`` is 0: no entries behind it)."""
+        self._add(mode, name, "max", value, count)
+
+    def add_std(self, mode: str, name: str, deviations: Tensor, squares: Tensor, count: Tensor | float) -> None:
+        """Add ``count`` values to a pooled standard deviation: ``deviations`` = Σ (x − c), ``squares`` =
+        Σ (x − c)², for a centre c fixed for the metric (e.g. 1 for ratios)."""
+        self._add(mode, name, "std", deviations, count)
+        self._add(mode, name + STD_SQUARES, "std_squares", squares, count)
 
     def add_sum(self, mode: str, name: str, total: Tensor) -> None:
         """Add to a count of events."""
@@ -149,10 +167,11 @@ class MetricStore:
             pending = entries.get(name)
             if pending is None:
                 continue
-            if kind == "min":  # rare (one per micro-step): an entry without a count must not lower the minimum
+            if kind in EXTREMES:  # rare (one per micro-step): an entry without a count must not move the extreme
+                sign = 1.0 if kind == "min" else -1.0  # a maximum is kept as the minimum of the negated values
                 for total, count in zip(pending.totals, pending.counts, strict=True):
                     count_t = torch.as_tensor(count, dtype=torch.float64, device=device)
-                    candidate = torch.where(count_t > 0, total.to(device, torch.float64), torch.inf)
+                    candidate = torch.where(count_t > 0, sign * total.to(device, torch.float64), torch.inf)
                     minima[row] = torch.minimum(minima[row], candidate.reshape(()))
                     sums[2 * row + 1] += count_t
                 continue
@@ -188,8 +207,8 @@ class MetricStore:
         sums, minima = self._reduce_local(mode, names, device)
         self._entries[mode], self._sizes[mode] = calls, len(calls)
         for row, (name, kind) in enumerate(names):
-            total = minima[row] if kind == "min" else sums[row, 0]
-            self._add(mode, name, kind, total, sums[row, 1])
+            total = minima[row] if kind == "min" else -minima[row] if kind == "max" else sums[row, 0]
+            self._append(mode, name, kind, total, sums[row, 1])  # one entry per metric: no further compaction
 
     def flush(
         self, mode: str, device: torch.device | str, gather_names: NamesGather | None = None
@@ -217,11 +236,18 @@ class MetricStore:
         values = torch.cat([sums, lows]).cpu().tolist()  # the one host read
         sums_host, lows_host = values[: sums.numel()], values[sums.numel():]
         out: dict[str, float | list[float]] = {}
+        squares = {name.removesuffix(STD_SQUARES): sums_host[2 * row] for row, (name, kind) in enumerate(pooled)
+                   if kind == "std_squares"}
         for row, (name, kind) in enumerate(pooled):
             total, count, minimum = sums_host[2 * row], sums_host[2 * row + 1], lows_host[row]
-            if count <= 0:
+            if count <= 0 or kind == "std_squares":
                 continue
-            out[name] = minimum if kind == "min" else total if kind == "sum" else total / count
+            if kind == "std":
+                out[name] = math.sqrt(max(squares[name] / count - (total / count) ** 2, 0.0))
+            elif kind in EXTREMES:
+                out[name] = minimum if kind == "min" else -minimum
+            else:
+                out[name] = total if kind == "sum" else total / count
         call_sums_host, call_lows_host = sums_host[stats.numel():], lows_host[minima.numel():]
         for name, kind, calls in call_names:
             if kind == "call_mean":

@@ -61,6 +61,7 @@ class ObjectivePlan:
     loss_type: str  # TRL's loss type, for the aggregation factor c_i (eq. C3)
     group_metrics: bool  # log_mechanism_metrics
     energy_buckets: int  # log_energy_buckets (eq. 24), 0 = off
+    energy_form: str  # energy_form: "aggregate" (per token type's LM-head row) or "per_position"
     token_weighting: bool  # token_weighting="delta"
     active_options: str  # the DFPO options that are on, as set ("" when DFPO is off)
 
@@ -89,6 +90,7 @@ class ObjectivePlan:
             loss_type=config.loss_type,
             group_metrics=config.log_mechanism_metrics,
             energy_buckets=config.log_energy_buckets,
+            energy_form=config.energy_form,
             token_weighting=delta,
             active_options=config.describe_active_options(),
         )

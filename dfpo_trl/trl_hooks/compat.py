@@ -235,6 +235,21 @@ def generate_every(trainer: Any) -> int:
     return trainer.args.steps_per_generation * trainer.num_iterations
 
 
+def off_policy_step(trainer: Any) -> bool:
+    """Whether the current micro-step trains on a rollout the policy has taken an optimizer step since: TRL 1.16's
+    ``_step`` counts micro-steps (it is advanced after the loss), a rollout serves ``generate_every`` of them, and
+    its first ``gradient_accumulation_steps`` still run at the θ that generated it (ratios 1, φ = 1)."""
+    return trainer._step % generate_every(trainer) >= trainer.args.gradient_accumulation_steps
+
+
+def applied_is_ratio(trainer: Any, inputs: dict[str, Any]) -> Any:
+    """TRL's vLLM importance-sampling ratio where TRL 1.16's loss multiplies it in (after DFPO's rewrite), else
+    None: ``inputs["importance_sampling_ratio"]``, (B, T) in the token modes, (B, 1) in the sequence modes."""
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction and trainer.loss_type != "vespo":
+        return inputs.get("importance_sampling_ratio")
+    return None
+
+
 def trl_runs_old_logps_forward(trainer: Any) -> bool:
     """TRL 1.16's condition for computing old log-probs in the rollout (``_generate_and_score_completions``):
     the off-policy case, where θ can differ from θ_old and DFPO's transforms act."""
