@@ -184,7 +184,11 @@ def run_row(record: dict[str, Any], threshold: float, gates_state: dict[str, Any
 
 # ------------------------------------------------------------------------------------------------ design, gates
 def design_of(args: argparse.Namespace) -> dict[str, Any]:
-    recipe = str(pathlib.Path(args.recipe).resolve().relative_to(ROOT))
+    try:
+        recipe = str(pathlib.Path(args.recipe).resolve().relative_to(ROOT))
+    except ValueError:
+        raise SystemExit(f"--recipe {args.recipe} must be inside the repository ({ROOT}): the records name it from "
+                         "there") from None
     return {"task": TASK, "recipe": recipe, "model": args.model, "steps": args.steps,
             "steps_per_generation": args.steps_per_generation, "grad_accum": args.grad_accum,
             "learning_rate": args.learning_rate, "drift_every": args.drift_every, "use_vllm": args.vllm,
