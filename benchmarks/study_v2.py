@@ -126,8 +126,10 @@ def flag(record: dict[str, Any], name: str, default: Any = None) -> Any:
 
 
 def rollout_steps(record: dict[str, Any]) -> int:
-    """Optimizer steps per rollout: steps_per_generation / gradient_accumulation_steps."""
-    return max(1, int(flag(record, "steps_per_generation", 1)) // int(flag(record, "gradient_accumulation_steps", 1)))
+    """Optimizer steps per rollout: steps_per_generation × num_iterations / gradient_accumulation_steps (TRL
+    generates every steps_per_generation × num_iterations micro-steps)."""
+    micro = int(flag(record, "steps_per_generation", 1)) * int(flag(record, "num_iterations", 1))
+    return max(1, micro // int(flag(record, "gradient_accumulation_steps", 1)))
 
 
 def phi_offpolicy(record: dict[str, Any]) -> float | None:
@@ -540,6 +542,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
               f"not learned {entry['not_learned']}, off-policy φ {entry['diagnostics']['phi_offpolicy']}")
     for entry in study["comparisons"].values():
         print(entry["verdict"])
+    if study["stage"] == "main" and study["gates_before_stage"] is not True:
+        print("WARNING: the gates were not written before this stage started, or changed since (gates_before_stage)")
     return study
 
 

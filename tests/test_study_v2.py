@@ -98,6 +98,31 @@ def test_offpolicy_phi_skips_each_rollouts_first_step_and_prefers_the_logged_key
     assert d["zero_grad_share"] == pytest.approx(0.25) and d["clip_fraction"] == pytest.approx(0.1)
 
 
+def test_arms_parse_as_the_design_says(gpu_recipes_parse_here: None) -> None:
+    """Each arm's flags on the recipe give the config the design names: anchor on-policy (one rollout per optimizer
+    step), the others S micro-steps per rollout, the transform and target of each, scale's κ."""
+    from dfpo_trl.app.parser import parse_args
+
+    design = {"steps_per_generation": 16, "grad_accum": 2, "learning_rate": 1e-5, "drift_every": 8,
+              "use_vllm": False}
+    want = {"anchor": (2, "none", "weights"), "gspo": (16, "none", "weights"), "mr_w": (16, "min_replace", "weights"),
+            "mr_g": (16, "min_replace", "gradient"), "scale": (16, "scale", "weights")}
+    for arm, (spg, transform, target) in want.items():
+        _, config, _ = parse_args([str(study_v2.long_run.RECIPE), *study_v2.arm_flags(arm, design, 0.9)])
+        got = (config.steps_per_generation, config.group_transform, config.cancellation_target)
+        assert got == (spg, transform, target), arm
+        assert (config.gradient_accumulation_steps, config.learning_rate, config.use_vllm) == (2, 1e-5, False)
+        assert config.importance_sampling_level == "sequence" and config.epsilon == 3e-4
+    assert config.transform_scale == pytest.approx(0.9)
+    with pytest.raises(SystemExit, match="--kappa"):
+        study_v2.arm_flags("scale", design, None)
+    with pytest.raises(SystemExit, match="multiple of --grad-accum"):
+        study_v2.arm_flags("gspo", {**design, "steps_per_generation": 3}, None)
+    on_policy = record("anchor", 0, spg=2, phi_off=0.5)
+    on_policy["settings"]["flags"] = study_v2.arm_flags("anchor", design, None)
+    assert study_v2.rollout_steps(on_policy) == 1 and study_v2.phi_offpolicy(on_policy) is None
+
+
 # ------------------------------------------------------------------------------------------------ gates
 def test_gates_pass_and_fail() -> None:
     good = [record("gspo", s) for s in range(4)] + [record("mr_w", s, phi_off=0.9) for s in range(2)]
