@@ -1,15 +1,21 @@
 """Study v2: does DFPO's transform change equivalent-solution drift beyond the count effect?
 
-    # on the GPU machine: the pilot (4 seeds per arm), which writes the gates to OUT/gates.json when it ends
-    python benchmarks/study_v2.py --stage pilot --model /root/models/smollm2-135m-instruct --out-dir $OUT --parallel 12
-    python benchmarks/study_v2.py --write-gates --out-dir $OUT     # recompute the gates from OUT/pilot (refused
-                                                                   # once OUT/main holds a record)
-    # the main stage: refused unless OUT/gates.json exists, passed and has this design (--force overrides, recorded);
+    # on the GPU machine: the pilot (seeds 0-3 of anchor, gspo, mr_w, mr_g; scale too with --kappa), which writes
+    # the gates to /tmp/v2/gates.json once every pilot run has a record. A command starts no run that would end after
+    # --deadline-s; repeat it (finished runs are skipped) until nothing is left
+    python benchmarks/study_v2.py --stage pilot --model /root/models/smollm2-135m-instruct --out-dir /tmp/v2 \
+        --parallel 12 --deadline-s 540
+    # the gates again from /tmp/v2/pilot (refused once /tmp/v2/main holds a record)
+    python benchmarks/study_v2.py --write-gates --out-dir /tmp/v2
+    # the main stage: refused unless /tmp/v2/gates.json exists, passed and has this design (--force: recorded);
     # scale's κ: --kappa, else the pilot's mean off-policy φ of mr_w (matched φ)
-    python benchmarks/study_v2.py --stage main --model /root/models/smollm2-135m-instruct --out-dir $OUT --parallel 12
-    python benchmarks/study_v2.py --sd-check $OUT/main --effect 0.05  # after 10 seeds: SDs and the n needed (no means)
-    python benchmarks/study_v2.py --status $OUT/main
-    # here: the records copied into benchmarks/results/study_v2/ (gates.json, main/runs/*.json.gz, main/stage.json)
+    python benchmarks/study_v2.py --stage main --model /root/models/smollm2-135m-instruct --out-dir /tmp/v2 \
+        --parallel 12 --deadline-s 540 [--gpus 0 1 2 3]
+    python benchmarks/study_v2.py --sd-check /tmp/v2/main --effect 0.05  # after 10 seeds: SDs, n needed, no means
+    python benchmarks/study_v2.py --status /tmp/v2/main
+    # after each command: gates.json, pilot/ and main/ (stage.json, runs/) copied to $OUT; on a fresh machine copied
+    # back into /tmp/v2 first (the stage resumes: complete runs are skipped, its start time and gates kept)
+    # here: those files in benchmarks/results/study_v2/
     python benchmarks/study_v2.py --aggregate benchmarks/results/study_v2/main
     # CPU check of the whole pipeline (tiny random model, transformers' generate): pilot -> gates -> main -> aggregate
     python benchmarks/study_v2.py --smoke --out-dir /tmp/study-v2-smoke
