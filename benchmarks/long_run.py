@@ -72,7 +72,7 @@ METHODS: dict[str, tuple[list[str], str, str]] = {
 STEP_KEYS = ("step_reward", "reward", "entropy", "loss", "grad_norm", "completions/mean_length",
              "heldout/accuracy", "frac_reward_zero_std")
 STEP_PREFIXES = ("drift/", "energy/", "cancellation/", "asym/", "sampling/", "clip_ratio/", "transform/",
-                 "grpo_fix/")
+                 "grpo_fix/", "diagnostics/")
 # Predictions (DFPO paper §4.5 and Corollary 3.2): (name, metric, None = whole run or "last" checkpoint, direction).
 # direction -1: the method should be lower than its baseline; +1: higher.
 PREDICTIONS = (
@@ -91,10 +91,11 @@ PREDICTIONS = (
 
 # ------------------------------------------------------------------------------------------------ one run
 def run_flags(
-    args: argparse.Namespace, task: str, method: str, seed: int, output_dir: pathlib.Path, port: int = 29600
+    args: argparse.Namespace, task: str, method: str, seed: int, output_dir: pathlib.Path, port: int = 29600,
+    flags: list[str] | None = None,
 ) -> list[str]:
-    """The `dfpo-train` command line of one run."""
-    flags, _, _ = METHODS[method]
+    """The `dfpo-train` command line of one run (``flags``: the method's, default :data:`METHODS`')."""
+    flags = METHODS[method][0] if flags is None else flags
     launcher = [sys.executable, "-m", "dfpo_trl"]
     if args.via_accelerate:
         launcher = ["accelerate", "launch", "--num_processes", "1", "--main_process_port", str(port), "-m", "dfpo_trl"]
@@ -160,10 +161,12 @@ def card() -> str:
 
 # ------------------------------------------------------------------------------------------------ launcher
 class Run:
-    """One (task, method, seed) process of the launcher."""
+    """One (task, method, seed) process of the launcher; ``flags``: the method's (default :data:`METHODS`'), so
+    another study (study_v2.py) can launch its own arms."""
 
-    def __init__(self, task: str, method: str, seed: int) -> None:
+    def __init__(self, task: str, method: str, seed: int, flags: list[str] | None = None) -> None:
         self.task, self.method, self.seed = task, method, seed
+        self.flags = list(METHODS[method][0] if flags is None else flags)
         self.attempts = 0
         self.process: subprocess.Popen | None = None
         self.started = 0.0
@@ -197,8 +200,9 @@ def start(run: Run, args: argparse.Namespace, index: int) -> None:
     run.attempts += 1
     run.started = time.time()
     with open(run.log, "w") as log:
-        run.process = subprocess.Popen(run_flags(args, run.task, run.method, run.seed, output_dir, port), cwd=ROOT,
-                                       env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        command = run_flags(args, run.task, run.method, run.seed, output_dir, port, run.flags)
+        run.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
 
 
 def finish(run: Run, args: argparse.Namespace, code: int) -> dict[str, Any]:
@@ -206,7 +210,7 @@ def finish(run: Run, args: argparse.Namespace, code: int) -> dict[str, Any]:
     work = pathlib.Path(args.out_dir)
     key = {"task": run.task, "method": run.method, "seed": run.seed, "card": args.card, "versions": args.versions,
            "attempts": run.attempts, "wall_s": round(time.time() - run.started, 1), "exit_code": code,
-           "settings": {"recipe": str(pathlib.Path(args.recipe).relative_to(ROOT)), "flags": METHODS[run.method][0],
+           "settings": {"recipe": str(pathlib.Path(args.recipe).relative_to(ROOT)), "flags": run.flags,
                         "steps": args.steps, "extra": list(args.extra)}}
     summary_path = work / "work" / run.name / "dfpo_summary.json"
     if code == 0 and summary_path.exists():
@@ -220,7 +224,8 @@ def finish(run: Run, args: argparse.Namespace, code: int) -> dict[str, Any]:
     return record
 
 
-def launch(args: argparse.Namespace) -> None:
+def launch(args: argparse.Namespace, queue: list[Run] | None = None) -> None:
+    """Run ``queue`` (default: every seed x task x method of ``args``), ``args.parallel`` at a time."""
     args.card, args.versions = card(), versions()
     done_dir = pathlib.Path(args.out_dir) / "runs"
     skip = set()
@@ -228,7 +233,8 @@ def launch(args: argparse.Namespace) -> None:
         for path in [*directory.glob("*.json"), *directory.glob("*.json.gz")]:
             if read_record(str(path)).get("complete"):
                 skip.add(path.name.split(".json")[0])
-    queue = [Run(t, m, s) for s in args.seeds for t in args.tasks for m in args.methods]
+    if queue is None:
+        queue = [Run(t, m, s) for s in args.seeds for t in args.tasks for m in args.methods]
     queue = [r for r in queue if r.name not in skip]
     began, index, running, starting = time.time(), 0, [], None
     print(f"{len(queue)} runs to do ({len(skip)} already done), {args.parallel} at a time on {args.card}", flush=True)
@@ -426,13 +432,11 @@ SMOKE_FLAGS = ["--use_vllm", "false", "--use_cpu", "true", "--bf16", "false", "-
                "--log_energy_buckets", "2", "--train_size", "32", "--report_to", "none"]
 
 
-def smoke(args: argparse.Namespace) -> dict[str, Any]:
-    """The launcher and the aggregation on the CPU: a tiny random model (tests/tiny.py), transformers' generate,
-    one task x (GSPO, Min-Replace) x 2 seeds of 4 steps, two at a time."""
+def smoke_model(out: pathlib.Path) -> str:
+    """A tiny random model and its tokenizer (tests/tiny.py) saved in ``out/tiny_model``, for the CPU smoke runs."""
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny import tiny_model, tiny_tokenizer
 
-    out = pathlib.Path(args.out_dir)
     model_dir = out / "tiny_model"
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -440,7 +444,14 @@ def smoke(args: argparse.Namespace) -> dict[str, Any]:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    args.model, args.steps, args.parallel, args.vllm_memory, args.gpus = str(model_dir), 4, 2, None, []
+    return str(model_dir)
+
+
+def smoke(args: argparse.Namespace) -> dict[str, Any]:
+    """The launcher and the aggregation on the CPU: a tiny random model (tests/tiny.py), transformers' generate,
+    one task x (GSPO, Min-Replace) x 2 seeds of 4 steps, two at a time."""
+    out = pathlib.Path(args.out_dir)
+    args.model, args.steps, args.parallel, args.vllm_memory, args.gpus = smoke_model(out), 4, 2, None, []
     args.tasks, args.methods, args.seeds = ["two_forms"], ["gspo", "min_replace"], [0, 1]
     args.extra = SMOKE_FLAGS + list(args.extra)
     launch(args)
