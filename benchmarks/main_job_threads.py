@@ -26,21 +26,26 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SPIN = "while True: pass"
 
 
-def one_run(threads: int, busy: bool, work: pathlib.Path, extra: list[str]) -> dict[str, Any]:
+def one_run(threads: int, busy: bool, work: pathlib.Path, extra: list[str], timeout: float) -> dict[str, Any]:
     out = work / f"threads{threads}_{'busy' if busy else 'quiet'}"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     spinner = subprocess.Popen([sys.executable, "-c", SPIN]) if busy else None
     load_start = os.getloadavg()[0]
     start = time.monotonic()
+    timed_out = False
     try:
         code = subprocess.call([sys.executable, "-m", "dfpo_trl", "recipes/smollm2_cpu.yaml", "--output_dir", str(out),
-                                *extra], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                *extra], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               timeout=timeout)
+    except subprocess.TimeoutExpired:  # the wall time is then a lower bound
+        code, timed_out = None, True
     finally:
         if spinner is not None:
             spinner.kill()
             spinner.wait()
     wall = time.monotonic() - start
     record: dict[str, Any] = {"threads": threads, "busy_core": busy, "exit_code": code, "wall_s": round(wall, 1),
+                              "timed_out": timed_out,
                               "load_1min_start": round(load_start, 2), "load_1min_end": round(os.getloadavg()[0], 2)}
     summary_path = out / "dfpo_summary.json"
     if summary_path.exists():
@@ -56,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", default="/tmp/main_job_threads")
     p.add_argument("--conditions", nargs="+", default=["2:quiet", "1:quiet", "2:busy", "1:busy"],
                    help="THREADS:quiet|busy, run in this order")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take; then stopped (a lower bound)")
     p.add_argument("extra", nargs="*", help="more dfpo-train flags after --")
     args = p.parse_args(argv)
     runs = []
@@ -63,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         threads, load = condition.split(":")
         if load not in ("quiet", "busy"):
             p.error(f"condition {condition!r}: expected THREADS:quiet or THREADS:busy")
-        runs.append(one_run(int(threads), load == "busy", pathlib.Path(args.work), args.extra))
+        runs.append(one_run(int(threads), load == "busy", pathlib.Path(args.work), args.extra, args.timeout))
         print(json.dumps(runs[-1]), flush=True)
         pathlib.Path(args.out).write_text(json.dumps({"machine": {"cpus": os.cpu_count()}, "runs": runs}, indent=1)
                                           + "\n")

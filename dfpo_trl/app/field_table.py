@@ -79,6 +79,7 @@ FIELD_TABLE = {'versions': {'trl': '1.16.0', 'transformers': '5.24.0'},
                                            '--no-ds3-gather-for-generation'],
              'dtype': ['--dtype'],
              'enable_jit_checkpoint': ['--enable_jit_checkpoint', '--enable-jit-checkpoint'],
+             'energy_form': ['--energy_form', '--energy-form'],
              'entropy_coef': ['--entropy_coef', '--entropy-coef'],
              'entropy_coef_delta': ['--entropy_coef_delta', '--entropy-coef-delta'],
              'entropy_coef_max': ['--entropy_coef_max', '--entropy-coef-max'],
@@ -328,6 +329,7 @@ FIELD_TABLE = {'versions': {'trl': '1.16.0', 'transformers': '5.24.0'},
                  'prepass_batch_size',
                  'log_mechanism_metrics',
                  'log_energy_buckets',
+                 'energy_form',
                  'token_weighting',
                  'delta_lambda_min',
                  'delta_lambda_max',
@@ -464,15 +466,16 @@ FIELD_TABLE = {'versions': {'trl': '1.16.0', 'transformers': '5.24.0'},
                                             '`per_device_train_batch_size`. Source: docs/layouts.md.'},
              'log_mechanism_metrics': {'default': 'True',
                                        'negated': '--no_log_mechanism_metrics',
-                                       'help': 'Log the mechanism metrics `asym/*`, `transform/*`, '
-                                               '`cancellation/shared_prefix_residual` every step. Source: DFPO eq. '
-                                               '23; docs/metrics.md.'},
+                                       'help': 'Log `asym/*`, `transform/*`, `cancellation/*`, `diagnostics/*`. '
+                                               'Source: DFPO eq. 23; docs/metrics.md.'},
              'log_energy_buckets': {'default': '0',
                                     'negated': None,
-                                    'help': 'Gradient energy on frequent tokens: `0` off; k ≥ 2 logs '
-                                            "`energy/freq_bucket_0..k-1`, each frequency bucket's share of the "
-                                            'per-token LM-head gradient norm (bucket 0: most frequent). Source: '
-                                            'DFPO eq. 24; docs/metrics.md.'},
+                                    'help': "k ≥ 2 frequency buckets' energy shares; `0` off. Source: DFPO eq. 24; "
+                                            'docs/metrics.md.'},
+             'energy_form': {'default': "'aggregate'",
+                             'negated': None,
+                             'help': '`aggregate` (per token type) or `per_position`. Source: DFPO eq. 24; '
+                                     'docs/metrics.md.'},
              'token_weighting': {'default': "'none'",
                                  'negated': None,
                                  'help': '`"delta"`: DelTA\'s per-token weights λ̄ on the clipped surrogate (token '
