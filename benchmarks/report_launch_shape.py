@@ -198,7 +198,8 @@ def launch_shape_section(results: pathlib.Path, fig_dir: pathlib.Path, out: path
         lines += [
             "",
             f"The goal, ≤ 1.01×, is **not resolved** here: the intervals are up to {widest:.2f} wide, from "
-            "round-to-round spread of short runs (generation steps dominate and vary by ±20%); a 1% difference "
+            "round-to-round spread of short runs (see the grey points: the same method moves by tens of percent "
+            "between rounds); a 1% difference "
             "needs many more rounds or longer runs.",
             "",
         ]
