@@ -11,7 +11,17 @@ from collections import Counter
 
 import pytest
 import torch
-from tiny import WORDS, base_args, capturing, loss_and_grads, make_trainer, random_batch, tiny_model, with_old_logps
+from tiny import (
+    WORDS,
+    base_args,
+    capturing,
+    fused_completion_logps,
+    loss_and_grads,
+    make_trainer,
+    random_batch,
+    tiny_model,
+    with_old_logps,
+)
 from tolerance import assert_close_to_rounding
 from trl.trainer.utils import add_fused_lm_head
 
@@ -222,12 +232,7 @@ def reference_shares(trainer, batch, coefficients: torch.Tensor, num_buckets: in
     """Eq. 24 computed independently: per-token autograd of the LM-head weight gradient through the model's fused
     forward, times |c_t|, bucketed with a plain Counter."""
     model = trainer.model
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    length = batch["completion_ids"].size(1)
-    labels = ids.masked_fill(attention == 0, -100)
-    labels[:, :-length] = -100
-    logps = model(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True).log_probs[:, -length:]
+    logps = fused_completion_logps(model, batch)
     mask = batch["completion_mask"]
     norms = per_token_weight_grad_norms(logps, coefficients, model.lm_head.weight, mask)
     tokens = [(int(batch["completion_ids"][b, t]), float(norms[b, t])) for b, t in mask.nonzero().tolist()]

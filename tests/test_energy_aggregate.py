@@ -9,7 +9,15 @@ from collections import Counter
 import pytest
 import torch
 from test_energy import GSPO, TOKEN
-from tiny import base_args, capturing, loss_and_grads, make_trainer, random_batch, with_old_logps
+from tiny import (
+    base_args,
+    capturing,
+    fused_completion_logps,
+    loss_and_grads,
+    make_trainer,
+    random_batch,
+    with_old_logps,
+)
 from tolerance import assert_close_to_rounding
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
@@ -98,12 +106,7 @@ def reference_aggregate_shares(trainer, batch, coefficients: torch.Tensor, num_b
     """The aggregate eq. 24 computed independently: autograd of Σ c_t log p_t on the LM-head weight through the
     model's fused forward, each present type's row norm, bucketed with a plain Counter."""
     model = trainer.model
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    length = batch["completion_ids"].size(1)
-    labels = ids.masked_fill(attention == 0, -100)
-    labels[:, :-length] = -100
-    logps = model(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True).log_probs[:, -length:]
+    logps = fused_completion_logps(model, batch)
     mask = batch["completion_mask"]
     (grad,) = torch.autograd.grad((coefficients * logps * mask).sum(), model.lm_head.weight)
     tokens = [int(batch["completion_ids"][b, t]) for b, t in mask.nonzero().tolist()]

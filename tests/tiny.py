@@ -217,3 +217,14 @@ def end_rank(trainers: list[Any]) -> None:
     trainers.clear()
     gc.collect()
     del group_handle
+
+
+def fused_completion_logps(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """The completion tokens' log-probabilities through TRL's fused LM head (``fused_lm_head=True``), with their
+    autograd graph: the forward the trainer's loss takes, for tests that differentiate it themselves."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    length = batch["completion_ids"].size(1)
+    labels = ids.masked_fill(attention == 0, -100)
+    labels[:, :-length] = -100
+    return model(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True).log_probs[:, -length:]
