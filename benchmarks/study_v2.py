@@ -280,6 +280,30 @@ def check_gates(path: pathlib.Path, design: dict[str, Any], force: bool) -> dict
             "written_at": gates.get("written_at") if gates else None}
 
 
+def select_design(stage_dirs: list[pathlib.Path], root: pathlib.Path) -> dict[str, Any] | None:
+    """The design the main stage runs: the first of ``stage_dirs`` (in the order given, fixed before any pilot ran)
+    whose gates passed. None until every pilot has written its gates; writes ROOT/selection.json (every candidate's
+    gates and the rule) and ROOT/selected (the chosen folder, empty when none passed)."""
+    gates = {}
+    for folder in stage_dirs:
+        path = folder / "gates.json"
+        if not path.exists():
+            return None
+        gates[str(folder)] = json.loads(path.read_text())
+    chosen = next((name for name, g in gates.items() if g["passed"]), None)
+    selection = {"rule": "the first design in the listed order whose two gates passed (order fixed before the "
+                         "pilots ran)", "order": [str(f) for f in stage_dirs], "selected": chosen,
+                 "candidates": {name: {"design": g["design"], "passed": g["passed"],
+                                       "gspo_learned": [g["baseline_learns"]["learned"], g["baseline_learns"]["runs"]],
+                                       "mr_w_phi_offpolicy": g["transform_moves_weights"]["phi_offpolicy_mean"]}
+                                for name, g in gates.items()},
+                 "written_at": now()}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "selection.json").write_text(json.dumps(selection, indent=1) + "\n")
+    (root / "selected").write_text((chosen or "") + "\n")
+    return selection
+
+
 # ------------------------------------------------------------------------------------------------ launch
 def commit() -> str:
     try:
@@ -487,6 +511,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     mode.add_argument("--aggregate", metavar="STAGE_DIR", help="a stage folder with runs/ (and stage.json)")
     mode.add_argument("--sd-check", metavar="STAGE_DIR", help="SDs over the first --first seeds, n for --effect")
     mode.add_argument("--smoke", action="store_true", help="CPU check of the whole pipeline")
+    mode.add_argument("--select", nargs="+", metavar="PILOT_OUT_DIR",
+                      help="choose the main design among pilots (each an --out-dir): the first whose gates passed")
     p.add_argument("--recipe", default=str(long_run.RECIPE))
     p.add_argument("--model", default=None, help="model_name_or_path (default: the recipe's, the embedded model)")
     p.add_argument("--steps", type=int, default=64, help="optimizer steps per run")
@@ -534,6 +560,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         study = smoke(args)
     elif args.stage:
         return launch_stage(args)
+    elif args.select:
+        selection = select_design([pathlib.Path(d) for d in args.select], pathlib.Path(args.out_dir))
+        print(json.dumps(selection, indent=1) if selection else "not every pilot has written its gates yet")
+        return selection
     elif args.write_gates:
         return write_gates(pathlib.Path(args.out_dir), thresholds(args), force=args.force)
     elif args.status:

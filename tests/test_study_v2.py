@@ -164,6 +164,31 @@ def test_main_stage_refused_without_passed_gates(tmp_path: Path) -> None:
         study_v2.main(["--write-gates", *args])  # gates are never rewritten once a main outcome exists
 
 
+def test_design_selection_waits_for_every_pilot_and_takes_the_first_that_passed(tmp_path: Path) -> None:
+    designs = [tmp_path / name for name in ("s16_lr3e-5_n64", "s16_lr1e-4_n64", "s16_lr3e-4_n64")]
+    outcomes = {designs[0]: [record("gspo", s, after=0.2) for s in range(4)] + [record("mr_w", 0, phi_off=0.9)],
+                designs[1]: [record("gspo", s) for s in range(4)] + [record("mr_w", 0, phi_off=0.9)],
+                designs[2]: [record("gspo", s) for s in range(4)] + [record("mr_w", 0, phi_off=0.8)]}
+    for folder in designs[:2]:
+        write_stage(folder / "pilot", outcomes[folder], {"design": {"learning_rate": folder.name}})
+        study_v2.write_gates(folder, THRESHOLDS)
+    assert study_v2.select_design(designs, tmp_path) is None  # the third pilot has no gates yet
+    assert not (tmp_path / "selected").exists()
+    write_stage(designs[2] / "pilot", outcomes[designs[2]], {"design": {}})
+    study_v2.write_gates(designs[2], THRESHOLDS)
+    selection = study_v2.select_design(designs, tmp_path)
+    # the first design failed gate (a); the second is chosen although the third moved the weights more
+    assert selection["selected"] == str(designs[1])
+    assert (tmp_path / "selected").read_text().strip() == str(designs[1])
+    assert not selection["candidates"][str(designs[0])]["passed"]
+    assert json.loads((tmp_path / "selection.json").read_text())["order"] == [str(d) for d in designs]
+    for folder in designs[1:]:  # none passed: the selection says so and names no folder
+        gates = json.loads((folder / "gates.json").read_text())
+        (folder / "gates.json").write_text(json.dumps({**gates, "passed": False}))
+    assert study_v2.select_design(designs, tmp_path)["selected"] is None
+    assert (tmp_path / "selected").read_text().strip() == ""
+
+
 # ------------------------------------------------------------------------------------------------ aggregate
 def test_aggregation_on_synthetic_records(tmp_path: Path) -> None:
     gspo = [record("gspo", 100 + i, start=0.6, end=0.1 + 0.02 * i) for i in range(5)]

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Study v2 on a 4-GPU machine after the kit's setup (benchmarks/README.md, "Study v2"). Each call does what is left
+# within BUDGET_S seconds and packs the small files to $OUT/study_v2.tar.gz; repeat it while the machine is warm
+# (its state lives in /tmp/v2):
+#   bash benchmarks/study_v2.sh 500
+# 1. Pilots of the round-1 designs side by side (4 seeds x anchor, gspo, mr_w, mr_g each, on GPUs 0-3), each writing
+#    its gates. 2. The design: the first in the listed order whose gates passed (study_v2.py --select; order fixed
+#    here before any pilot ran); if none passed, the round-2 designs are piloted the same way. 3. The main stage of the
+#    chosen design (40 seeds of gspo and mr_w, 10 of the others), resumed by each later call.
+set -u
+export PYTHONUNBUFFERED=1
+BUDGET=${1:-500}
+START=$(date +%s)
+ROOT=/tmp/v2
+MODEL=${MODEL:-/root/models/smollm2-135m-instruct}
+OUT=${OUT:-/tmp/v2_out}
+mkdir -p "$ROOT" "$OUT"
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+# design folder names: s<steps per generation>_lr<learning rate>_n<optimizer steps>
+ROUND1="s16_lr3e-5_n64 s16_lr1e-4_n64 s16_lr3e-4_n64"
+ROUND2="s32_lr1e-4_n64 s32_lr3e-4_n64 s16_lr1e-4_n128"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$ROOT/cards.csv"
+
+design_flags() {  # folder name -> study_v2.py design flags
+  local name=$1 s lr n
+  s=${name#s}; s=${s%%_*}; lr=${name#*_lr}; lr=${lr%%_*}; n=${name##*_n}
+  echo "--steps-per-generation $s --learning-rate $lr --steps $n"
+}
+
+pilot_round() {  # pilots of the given designs side by side, then the selection among them
+  local names=$1 dirs=() name
+  for name in $names; do
+    dirs+=("$ROOT/$name")
+    [ -f "$ROOT/$name/gates.json" ] && continue
+    # shellcheck disable=SC2046
+    python benchmarks/study_v2.py --stage pilot --model "$MODEL" --out-dir "$ROOT/$name" $(design_flags "$name") \
+      --gpus 0 1 2 3 --parallel 16 --deadline-s "$(left)" >> "$ROOT/pilot_$name.log" 2>&1 &
+  done
+  wait
+  python benchmarks/study_v2.py --select "${dirs[@]}" --out-dir "$ROOT" >> "$ROOT/select.log" 2>&1
+}
+
+if [ ! -s "$ROOT/selected" ] && [ ! -f "$ROOT/selection_round1.json" ]; then
+  pilot_round "$ROUND1"
+  [ -f "$ROOT/selection.json" ] && cp "$ROOT/selection.json" "$ROOT/selection_round1.json"
+fi
+if [ ! -s "$ROOT/selected" ] && [ -f "$ROOT/selection_round1.json" ] && [ "$(left)" -gt 150 ]; then
+  pilot_round "$ROUND2"  # no round-1 design passed both gates
+fi
+
+if [ -s "$ROOT/selected" ] && [ "$(left)" -gt 60 ]; then
+  chosen=$(cat "$ROOT/selected")
+  # the first runs' expected length: the chosen pilot's median wall time
+  expected=$(python -c "import json,glob,statistics;w=[json.load(open(p))['wall_s'] for p in glob.glob('$chosen/pilot/runs/*.json')];print(round(statistics.median(w)))")
+  # shellcheck disable=SC2046
+  python benchmarks/study_v2.py --stage main --model "$MODEL" --out-dir "$chosen" $(design_flags "$(basename "$chosen")") \
+    --gpus 0 1 2 3 --parallel 48 --expected-run-s "$expected" --deadline-s "$(left)" >> "$ROOT/main.log" 2>&1
+  python benchmarks/study_v2.py --status "$chosen/main" >> "$ROOT/main.log" 2>&1
+fi
+
+tar czf "$OUT/study_v2.tar.gz" -C /tmp --exclude='*/work' --exclude='*/logs' v2
+ls -la "$OUT"
+tail -n 5 "$ROOT"/*.log
