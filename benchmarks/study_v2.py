@@ -150,10 +150,19 @@ def phi_offpolicy(record: dict[str, Any]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def learned(record: dict[str, Any], threshold: float) -> bool:
-    """Learned the format: complete, held-out greedy accuracy after training ≥ threshold."""
-    after = (record.get("heldout") or {}).get("after")
-    return bool(record.get("complete")) and after is not None and after >= threshold
+LearnedRule = tuple[float, float | None]  # (held-out after at least, gain over before at least: None = not used)
+
+
+def learned(record: dict[str, Any], rule: LearnedRule) -> bool:
+    """Learned (without diverging): complete, and held-out greedy accuracy after training ≥ ``rule[0]``, or, when
+    ``rule[1]`` is set, after − before ≥ ``rule[1]`` (accuracies are counts out of n: 1e-9 absorbs their rounding)."""
+    heldout = record.get("heldout") or {}
+    after, before = heldout.get("after"), heldout.get("before")
+    if not record.get("complete") or after is None:
+        return False
+    if rule[1] is not None:
+        return before is not None and after - before >= rule[1] - 1e-9
+    return after >= rule[0]
 
 
 def diagnostics(record: dict[str, Any]) -> dict[str, Any]:
@@ -178,7 +187,7 @@ def diagnostics(record: dict[str, Any]) -> dict[str, Any]:
             "is_ratio_std": mean("diagnostics/is_ratio_std")[0]}
 
 
-def run_row(record: dict[str, Any], threshold: float, gates_state: dict[str, Any]) -> dict[str, Any]:
+def run_row(record: dict[str, Any], threshold: LearnedRule, gates_state: dict[str, Any]) -> dict[str, Any]:
     curve = [[d["step"], d["set_entropy"]] for d in (record.get("drift") or {}).get("curve") or []]
     heldout = record.get("heldout") or {}
     return {"arm": record["method"], "seed": record["seed"], "card": record.get("card"),
@@ -226,7 +235,7 @@ def arm_flags(arm: str, design: dict[str, Any], kappa: float | None) -> list[str
 def compute_gates(records: list[dict[str, Any]], thresholds: dict[str, float]) -> dict[str, Any]:
     """Gate (a): gspo learned in ≥ min_learned_share of its pilot runs; gate (b): mr_w's mean off-policy φ ≤ max_phi."""
     base = [r for r in records if r["method"] == "gspo"]
-    n_learned = sum(learned(r, thresholds["learned_threshold"]) for r in base)
+    n_learned = sum(learned(r, learned_rule(thresholds)) for r in base)
     share = n_learned / len(base) if base else None
     phis = [p for r in records if r["method"] == "mr_w" and r.get("complete") and (p := phi_offpolicy(r)) is not None]
     phi = statistics.fmean(phis) if phis else None
@@ -354,25 +363,31 @@ def launch_stage(args: argparse.Namespace) -> None:
               f"{gates['transform_moves_weights']['phi_offpolicy_mean']}", flush=True)
 
 
-def thresholds(args: argparse.Namespace) -> dict[str, float]:
-    return {"learned_threshold": args.learned_threshold, "min_learned_share": args.min_learned_share,
+def learned_rule(thresholds: dict[str, Any]) -> LearnedRule:
+    return thresholds["learned_threshold"], thresholds.get("learned_gain")
+
+
+def thresholds(args: argparse.Namespace) -> dict[str, Any]:
+    return {"learned_threshold": args.learned_threshold, "learned_gain": args.learned_gain,
+            "min_learned_share": args.min_learned_share,
             "max_phi": args.max_phi}
 
 
 # ------------------------------------------------------------------------------------------------ aggregate
-def stage_context(stage_dir: pathlib.Path, gates_path: pathlib.Path | None, default_threshold: float
-                  ) -> tuple[dict[str, Any], dict[str, Any] | None, float]:
-    """The stage's launch record, the gates (None if absent) and the learned threshold (the gates', as recorded)."""
+def stage_context(stage_dir: pathlib.Path, gates_path: pathlib.Path | None, default_threshold: LearnedRule
+                  ) -> tuple[dict[str, Any], dict[str, Any] | None, LearnedRule]:
+    """The stage's launch record, the gates (None if absent) and the learned rule (the gates', as recorded)."""
     stage_file = stage_dir / "stage.json"
     stage = json.loads(stage_file.read_text()) if stage_file.exists() else {}
     path = gates_path or stage_dir.parent / "gates.json"
     gates = json.loads(path.read_text()) if path.exists() else None
-    threshold = gates["thresholds"]["learned_threshold"] if gates else default_threshold
+    threshold = learned_rule(gates["thresholds"]) if gates else default_threshold
     return stage, gates, threshold
 
 
 def aggregate(stage_dir: pathlib.Path, out: pathlib.Path, figures: pathlib.Path | None,
-              gates_path: pathlib.Path | None = None, default_threshold: float = 0.8) -> dict[str, Any]:
+              gates_path: pathlib.Path | None = None, default_threshold: LearnedRule = (0.8, None)
+              ) -> dict[str, Any]:
     """Per-run rows, per-arm summaries, the comparisons with their MDEs and verdicts, one figure per arm."""
     stage, gates, threshold = stage_context(stage_dir, gates_path, default_threshold)
     gates_state = stage.get("gates") or {"passed": bool(gates and gates["passed"]), "forced": False}
@@ -405,9 +420,10 @@ def aggregate(stage_dir: pathlib.Path, out: pathlib.Path, figures: pathlib.Path 
     study = {"study": "v2", "task": TASK, "stage": stage.get("stage"), "design": stage.get("design"),
              "kappa": stage.get("kappa"), "kappa_source": stage.get("kappa_source"), "stage_record": stage,
              "gates": gates, "gates_before_stage": gates_before(stage, gates_path or stage_dir.parent / "gates.json"),
-             "learned_threshold": threshold,
+             "learned_threshold": threshold[0], "learned_gain": threshold[1],
              "primary_metric": "area under drift set_entropy over optimizer steps (trapezoid) / step span, "
-                               "among runs with held-out after >= learned_threshold",
+                               "among runs that learned (held-out after >= learned_threshold, or after - before >= "
+                               "learned_gain when set)",
              "mde_power": 0.8, "alpha": 0.05, "card": sorted({str(r["card"]) for r in rows}),
              "arms": arms, "comparisons": comparisons, "figures": made, "runs": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -458,7 +474,7 @@ def plot_arms(rows: list[dict[str, Any]], folder: pathlib.Path) -> list[str]:
 
 
 def sd_check(stage_dir: pathlib.Path, effect: float, first: int, gates_path: pathlib.Path | None = None,
-             default_threshold: float = 0.8) -> dict[str, Any]:
+             default_threshold: LearnedRule = (0.8, None)) -> dict[str, Any]:
     """The SD of each arm's primary metric over its first ``first`` seeds (learned runs only) and the n per arm
     whose MDE is ``effect``; no means are shown, so reading it does not read an outcome."""
     _, _, threshold = stage_context(stage_dir, gates_path, default_threshold)
@@ -474,7 +490,8 @@ def sd_check(stage_dir: pathlib.Path, effect: float, first: int, gates_path: pat
     for a, b in COMPARISONS:
         if sds.get(a, {}).get("sd") is not None and sds.get(b, {}).get("sd") is not None:
             needs[f"{a} - {b}"] = n_needed(sds[a]["sd"], sds[b]["sd"], effect)
-    result = {"effect": effect, "first": first, "learned_threshold": threshold, "sd": sds, "n_per_arm": needs,
+    result = {"effect": effect, "first": first, "learned_threshold": threshold[0], "learned_gain": threshold[1],
+              "sd": sds, "n_per_arm": needs,
               "written_at": now()}
     (stage_dir / "sd_check.json").write_text(json.dumps(result, indent=1) + "\n")
     for arm, entry in sds.items():
@@ -529,6 +546,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--primary-seeds", type=int, default=40, help="main seeds of gspo and mr_w")
     p.add_argument("--secondary-seeds", type=int, default=10, help="main seeds of the other arms")
     p.add_argument("--learned-threshold", type=float, default=0.8, help="held-out after >= this: learned the format")
+    p.add_argument("--learned-gain", type=float, default=None,
+                   help="learned instead: held-out after - before >= this (replaces --learned-threshold)")
     p.add_argument("--min-learned-share", type=float, default=0.8, help="gate (a): share of gspo pilot runs learned")
     p.add_argument("--max-phi", type=float, default=0.95, help="gate (b): mr_w's mean off-policy φ at most this")
     p.add_argument("--force", action="store_true", help="start main without passed gates (recorded)")
@@ -569,10 +588,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     elif args.status:
         return long_run.status(args.status)
     elif args.sd_check:
-        return sd_check(pathlib.Path(args.sd_check), args.effect, args.first, gates, args.learned_threshold)
+        return sd_check(pathlib.Path(args.sd_check), args.effect, args.first, gates,
+                        (args.learned_threshold, args.learned_gain))
     else:
         study = aggregate(pathlib.Path(args.aggregate), pathlib.Path(args.out), pathlib.Path(args.figures_dir), gates,
-                          args.learned_threshold)
+                          (args.learned_threshold, args.learned_gain))
     for name, entry in study["arms"].items():
         print(f"{name:7s} runs {entry['runs']}, learned {entry['learned']}, failed {entry['failed_or_short']}, "
               f"not learned {entry['not_learned']}, off-policy φ {entry['diagnostics']['phi_offpolicy']}")

@@ -140,6 +140,17 @@ def test_gates_pass_and_fail() -> None:
     assert not study_v2.compute_gates(good[:4], THRESHOLDS)["passed"]  # no mr_w run: φ not measured
 
 
+def test_learned_by_gain_reads_before_and_after() -> None:
+    gain = {**THRESHOLDS, "learned_gain": 0.1}
+    # before 0.3 in every synthetic record: 0.4 is a gain of 0.1 up to float rounding (counted), 0.39 is not
+    runs = [record("gspo", 0, after=0.4), record("gspo", 1, after=0.39), record("gspo", 2, after=0.9),
+            record("gspo", 3, after=0.5, complete=False)]
+    assert [study_v2.learned(r, (0.8, 0.1)) for r in runs] == [True, False, True, False]
+    assert [study_v2.learned(r, (0.8, None)) for r in runs] == [False, False, True, False]
+    gates = study_v2.compute_gates([*runs, record("mr_w", 0, phi_off=0.9)], gain)
+    assert gates["baseline_learns"]["learned"] == 2 and gates["thresholds"]["learned_gain"] == 0.1
+
+
 def test_main_stage_refused_without_passed_gates(tmp_path: Path) -> None:
     args = ["--out-dir", str(tmp_path), "--model", "m"]
     with pytest.raises(SystemExit, match="no gates file"):
