@@ -1162,6 +1162,10 @@ def main(argv: list[str] | None = None) -> None:
 
     shape_lines = report_launch_shape.launch_shape_section(
         results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines))
+    import report_study_v2  # noqa: PLC0415 - beside its siblings
+
+    study_v2_lines = report_study_v2.study_v2_section(
+        results, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines))
     lines = [
         "# Benchmark results",
         "",
@@ -1176,7 +1180,7 @@ def main(argv: list[str] | None = None) -> None:
         "answer form, which put its `drift/set_logp_mean` several nats too low. Timings are unaffected in kind; "
         "rewards, completion lengths and the drift meter's log-probabilities are from that setting. The embedded "
         "model of the CPU main job takes its end token from the model's config (`dfpo_trl/app/embedded.py`). "
-        "Section 10 ran with the corrected kit.",
+        "Sections 10 and 11 ran with the corrected kit.",
         "",
         *overhead_section(overhead_entries(results)),
         *transforms_section(load(results / "transforms_timing.json")),
@@ -1190,6 +1194,7 @@ def main(argv: list[str] | None = None) -> None:
         *e2e_lines,
         *long_run_lines,
         *shape_lines,
+        *study_v2_lines,
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines).rstrip() + "\n")

@@ -1,0 +1,216 @@
+"""RESULTS.md's study v2 section, from results/study_v2.json, the pilots' selection files and the GPU drift-meter check.
+
+Called by report.py; reads JSON only (every number below is computed from the files at generation time).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pathlib
+import statistics
+from typing import Any
+
+ARM_ORDER = ("anchor", "gspo", "mr_w", "mr_g", "scale")
+
+
+def load(path: pathlib.Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def pilot_rounds(folder: pathlib.Path) -> list[tuple[str, dict[str, Any]]]:
+    """(round name, selection.json) of each pilot round, in order."""
+    return [(p.parent.name, load(p)) for p in sorted(folder.glob("round*/selection.json"))]
+
+
+def pilot_table(selection: dict[str, Any], folder: pathlib.Path, round_name: str) -> list[str]:
+    lines = ["| design (S, learning rate, steps) | `gspo` learned | rule | `mr_w` off-policy φ | gates |",
+             "| --- | --- | --- | --- | --- |"]
+    for name in selection["order"]:
+        short = pathlib.Path(name).name
+        gates = load(folder / round_name / short / "gates.json") or {}
+        c = selection["candidates"][name]
+        d, t = c["design"], gates.get("thresholds", {})
+        rule = (f"gain ≥ {t['learned_gain']}" if t.get("learned_gain") is not None
+                else f"after ≥ {t.get('learned_threshold')}")
+        lines.append(f"| {d['steps_per_generation']}, {d['learning_rate']:g}, {d['steps']} | {c['gspo_learned'][0]}/"
+                     f"{c['gspo_learned'][1]} | {rule} | {fmt(c['mr_w_phi_offpolicy'])} | "
+                     f"{'passed' if c['passed'] else 'failed'} |")
+    return lines
+
+
+def study_v2_section(results: pathlib.Path, number: int) -> list[str]:
+    study = load(results / "study_v2.json")
+    if not study:
+        return []
+    folder, meter = results / "study_v2", load(results / "drift_meter_check_gpu.json")
+    design, gates, arms = study["design"], study["gates"] or {}, study["arms"]
+    state = study["stage_record"].get("gates") or {}
+    seeds = {a: len(v) for a, v in study["stage_record"]["seeds"].items()}
+    lines = [f"## {number}. Study v2: the equivalent-set test redone (`study_v2.py`, `study_v2.sh`)", "",
+             f"{', '.join(study['card'])} (4 of them, one `dfpo-train` process per run, 48 at a time), "
+             f"{_versions(study)}, the corrected end token. Task `{study['task']}`, recipe `{design['recipe']}` with "
+             f"transformers' generation, {design['steps']} optimizer steps, GSPO's sequence-level ratio and clip "
+             "(ε 3e-4/4e-4), the drift meter every "
+             f"{design['drift_every']} steps, held-out greedy accuracy (100 problems) before and after. Arms: "
+             + "; ".join(f"`{a}` {arms[a]['label']}" for a in ARM_ORDER if a in arms)
+             + f". Primary metric: {study['primary_metric']}. Learned: {_rule(study)}.", ""]
+    rounds = pilot_rounds(folder)
+    if rounds:
+        lines += ["**Pilots** (4 seeds per arm, one table per round; a design passes when `gspo` learned in ≥ "
+                  f"{gates.get('thresholds', {}).get('min_learned_share')} of its runs and `mr_w`'s mean off-policy "
+                  f"φ ≤ {gates.get('thresholds', {}).get('max_phi')}; the main design is the first in the listed "
+                  "order that passes):", ""]
+        for name, selection in rounds:
+            lines += [f"{name.replace('round', 'Round ')}:", "", *pilot_table(selection, folder, name), ""]
+        change = _round_rule_change(folder, rounds)
+        lines += [*([change, ""] if change else []), _selection_sentence(rounds, study, state), ""]
+    sd = _sd_check(folder)
+    if sd:
+        lines += [sd, ""]
+    lines += [f"**Main stage** (seeds from 100; {', '.join(f'`{a}` {n}' for a, n in seeds.items())}; the gates file "
+              f"was written before the stage started and is unchanged: {str(study['gates_before_stage']).lower()}; "
+              f"`scale`'s κ = {fmt(study['kappa'])}, {study['kappa_source']}):", "",
+              "| arm | runs | learned | did not learn | area mean ± SD (nats) | off-policy φ | clipped among Â ≠ 0 "
+              "| zero-gradient steps | one-sided groups | zero-variance groups |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for a in ARM_ORDER:
+        if a not in arms:
+            continue
+        e, g = arms[a], arms[a]["diagnostics"]
+        lines.append(f"| `{a}` | {e['runs']} | {e['learned']} | {e['not_learned']} (failed {e['failed_or_short']}) | "
+                     f"{fmt(e['auc_mean'])} ± {fmt(e['auc_sd'])} | {fmt(g['phi_offpolicy'])} | "
+                     f"{fmt(g['clip_fraction'], 2)} | {fmt(g['zero_grad_share'], 3)} | {fmt(g['one_sided_groups'], 2)} "
+                     f"| {fmt(g['zero_variance_groups'], 2)} |")
+    lines += ["", "| comparison (learned runs) | difference [95% Welch interval] | n | MDE (80% power) | reading |",
+              "| --- | --- | --- | --- | --- |"]
+    for name, c in study["comparisons"].items():
+        w = c["welch"]
+        if w is None:
+            lines.append(f"| {name} | – | – | – | {c['verdict']} |")
+            continue
+        found = "detected" if w["low"] > 0 or w["high"] < 0 else f"not detected above {w['mde']:.3f}"
+        lines.append(f"| {name} | {w['difference']:+.3f} [{w['low']:+.3f}, {w['high']:+.3f}] | {w['n'][0]}, "
+                     f"{w['n'][1]} | {w['mde']:.3f} | {found} |")
+    for paragraph in _reading(study, meter, gates):
+        lines += ["", paragraph]
+    lines += [""]
+    lines += [f"![{a}](figures/study_v2_{a}.png)" for a in ARM_ORDER if a in arms] + [""]
+    return lines
+
+
+def _round_rule_change(folder: pathlib.Path, rounds: list[tuple[str, dict[str, Any]]]) -> str | None:
+    """Why the rule of "learned" changed between the first pilot round and the next, from round 1's records."""
+    if len(rounds) < 2:
+        return None
+    first, later = rounds[0][0], rounds[1][0]
+    thresholds = [load(p)["thresholds"] for p in sorted((folder / first).glob("*/gates.json"))]
+    first_label, later_label = (name.replace("round", "Round ") for name in (first, later))
+    records = [json.loads(gzip.decompress(p.read_bytes())) for p in sorted((folder / first).glob("*/pilot/runs/*.gz"))]
+    after = {arm: [r["heldout"]["after"] for r in records if r["method"] == arm] for arm in ("gspo", "anchor")}
+    if not thresholds or not after["gspo"] or not after["anchor"]:
+        return None
+    threshold = thresholds[0]["learned_threshold"]
+    later_gain = {load(p)["thresholds"].get("learned_gain") for p in sorted((folder / later).glob("*/gates.json"))}
+    reached = {arm: sum(a >= threshold for a in values) for arm, values in after.items()}
+    gains = ", ".join(str(g) for g in later_gain)
+    return (f"{first_label} counted a run as learned at held-out accuracy ≥ {threshold}: {reached['gspo']} of its "
+            f"{len(after['gspo'])} `gspo` runs got there (best {max(after['gspo']):.3f}), and {reached['anchor']} of "
+            f"its {len(after['anchor'])} on-policy `anchor` runs (median {statistics.median(after['anchor']):.3f}). "
+            f"{later_label}'s designs and its rule (a held-out gain of at least {gains}) were fixed in `study_v2.sh` "
+            f"before {later_label} ran.")
+
+
+def _sd_check(folder: pathlib.Path) -> str | None:
+    """The SD check over the main stage's first 10 seeds, as it was read (SDs and n only, no means)."""
+    path = next(iter(sorted(folder.glob("round*/*/main/sd_check.json"))), None)
+    sd = load(path) if path else None
+    if not sd:
+        return None
+    sds = ", ".join(f"`{a}` {e['sd']:.3f}" for a, e in sd["sd"].items() if e["sd"] is not None)
+    n = sd["n_per_arm"].get("mr_w - gspo")
+    return (f"**SD check** (first {sd['first']} main seeds, learned runs, no means shown): SD of the area {sds}; "
+            f"{n} runs per arm would detect {sd['effect']} nats in `mr_w` − `gspo` at 80% power. The primary arms "
+            "were then run to 80 seeds each (the design's minimum was 40), the other arms kept at 10, before any "
+            "mean was read.")
+
+
+def _versions(study: dict[str, Any]) -> str:
+    v = next((r["versions"] for r in study["runs"] if r.get("versions")), {}) or {}
+    return ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "trl") if k in v)
+
+
+def _rule(study: dict[str, Any]) -> str:
+    if study.get("learned_gain") is not None:
+        return (f"held-out accuracy after − before ≥ {study['learned_gain']} (the gates' rule; runs that did not "
+                "learn are counted, not averaged)")
+    return f"held-out accuracy after ≥ {study['learned_threshold']}"
+
+
+def _selection_sentence(rounds: list[tuple[str, dict[str, Any]]], study: dict[str, Any], state: dict[str, Any]
+                        ) -> str:
+    passed = [n for _, s in rounds for n, c in s["candidates"].items() if c["passed"]]
+    main = study["design"]
+    text = ("No design passed both gates. " if not passed
+            else f"Passed both gates: {', '.join(pathlib.Path(p).name for p in passed)}. ")
+    chosen = next((c for _, s in rounds for c in s["candidates"].values() if c["design"] == main), None)
+    if state.get("forced") and chosen:
+        learned, runs = chosen["gspo_learned"]
+        text += (f"The main stage ran on S {main['steps_per_generation']}, learning rate {main['learning_rate']:g} "
+                 f"with `--force`, recorded in its stage file: the first design of round 2's order, whose transform "
+                 f"acted (φ {fmt(chosen['mr_w_phi_offpolicy'])}) and whose `gspo` learned in {learned} of {runs} "
+                 "pilot runs, one short of the gate's share. The gate outcome stands as recorded (false); how the "
+                 "main stage's `gspo` runs learned is in the table below.")
+    return text
+
+
+def _reading(study: dict[str, Any], meter: dict[str, Any] | None, gates: dict[str, Any]) -> list[str]:
+    arms, comparisons = study["arms"], study["comparisons"]
+    out = []
+    primary = comparisons.get("mr_w - gspo", {}).get("welch")
+    if primary:
+        out.append(f"**Primary** (`mr_w` − `gspo`, {primary['n'][0]} and {primary['n'][1]} learned runs): "
+                   f"{primary['difference']:+.3f} nats [{primary['low']:+.3f}, {primary['high']:+.3f}] in the area "
+                   "under the equivalent-set entropy curve: "
+                   + ("a difference detected." if primary["low"] > 0 or primary["high"] < 0 else
+                      f"not detected above {primary['mde']:.3f} nats (80% power; `gspo`'s mean area is "
+                      f"{fmt(arms['gspo']['auc_mean'], 2)}, and ln 2 = 0.693 is the most two forms can have), "
+                      "with the transform acting "
+                      f"(mean off-policy φ {fmt(arms['mr_w']['diagnostics']['phi_offpolicy'])}) on the rows TRL's clip "
+                      f"left ({fmt(1 - arms['mr_w']['diagnostics']['clip_fraction'], 2)} of the rows with Â ≠ 0: in "
+                      "the ratio form a clipped row has no gradient whatever its weight)."))
+    anchor = comparisons.get("gspo - anchor", {}).get("welch")
+    design = study["design"]
+    rollouts = design["steps_per_generation"] // design["grad_accum"]
+    if anchor:
+        detected = anchor["low"] > 0 or anchor["high"] < 0
+        out.append(f"**Count effect** (`gspo` − `anchor`): {anchor['difference']:+.3f} [{anchor['low']:+.3f}, "
+                   f"{anchor['high']:+.3f}] ({anchor['n'][0]} and {anchor['n'][1]} learned runs): "
+                   + (f"the on-policy anchor, whose coupling term is 0 (φ ≡ 1), kept "
+                      f"{'less' if anchor['difference'] > 0 else 'more'} equivalent-set entropy than stale GSPO. The "
+                      "collapse does not need the coupling term. The two arms differ in more than the term: the "
+                      f"anchor generates before every step ({rollouts}× the rollouts) "
+                      f"and clips nothing, `gspo` clips {fmt(arms['gspo']['diagnostics']['clip_fraction'], 2)} of its "
+                      "rows with a signal." if detected else f"not detected above {anchor['mde']:.3f}."))
+    others = [f"`{n}`: {c['welch']['difference']:+.3f} [{c['welch']['low']:+.3f}, {c['welch']['high']:+.3f}], not "
+              f"detected above {c['welch']['mde']:.3f}" for n, c in comparisons.items()
+              if n not in ("mr_w - gspo", "gspo - anchor") and c["welch"]
+              and not (c["welch"]["low"] > 0 or c["welch"]["high"] < 0)]
+    if others:
+        out.append("Secondary arms (10 seeds each): " + "; ".join(others) + ".")
+    out.append("Runs that did not learn: " + ", ".join(f"`{a}` {arms[a]['not_learned']}/{arms[a]['runs']}"
+                                                       for a in ARM_ORDER if a in arms) + " (counts, no test).")
+    b = (gates.get("transform_moves_weights") or {})
+    gate_b = f"φ gate (pilot `mr_w` off-policy φ {fmt(b.get('phi_offpolicy_mean'))} ≤ " \
+             f"{gates.get('thresholds', {}).get('max_phi')}): {str(b.get('passed')).lower()}"
+    if meter:
+        out.append(f"Gates recorded: meter gate (`drift_meter_check_gpu.json`, {meter['device']}: set log-probability "
+                   f"{meter['meter_set_logp_mean']:.2f} against the log sampled frequency "
+                   f"{meter['log_sampled_frequency']:.2f}, within {meter['gate_nats']} nat): "
+                   f"{str(meter['gate_passed']).lower()}; {gate_b}; baseline-learns gate: "
+                   f"{str((gates.get('baseline_learns') or {}).get('passed')).lower()}.")
+    return out
