@@ -416,7 +416,7 @@ def aggregate(stage_dir: pathlib.Path, out: pathlib.Path, figures: pathlib.Path 
             name = f"{a} - {b}"
             result = welch(arms[a]["auc"], arms[b]["auc"])
             comparisons[name] = {"welch": result, "verdict": verdict(name, result)}
-    made = plot_arms(rows, figures) if figures is not None else []
+    made = [repo_relative(f) for f in plot_arms(rows, figures)] if figures is not None else []
     study = {"study": "v2", "task": TASK, "stage": stage.get("stage"), "design": stage.get("design"),
              "kappa": stage.get("kappa"), "kappa_source": stage.get("kappa_source"), "stage_record": stage,
              "gates": gates, "gates_before_stage": gates_before(stage, gates_path or stage_dir.parent / "gates.json"),
@@ -429,6 +429,12 @@ def aggregate(stage_dir: pathlib.Path, out: pathlib.Path, figures: pathlib.Path 
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(study) + "\n")
     return study
+
+
+def repo_relative(path: str) -> str:
+    """A path inside the repository as the repository names it (a results file names no machine's folders)."""
+    resolved = pathlib.Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path
 
 
 def gates_before(stage: dict[str, Any], path: pathlib.Path) -> bool | None:
