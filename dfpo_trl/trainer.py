@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -29,26 +29,32 @@ from .config import DFPOConfig
 from .config_checks import CLIPPED_LOSS_TYPES
 from .delta.rollout import DELTA_WEIGHTS_KEY
 from .delta.weighting import DeltaWeighting
+from .groups.choice import LAYOUT_PRE_PASS, choose_layout, describe_layout, refuse_multimodal_model
 from .groups.layout import GroupLayout
-from .groups.policy import describe_layout
+from .groups.prepass import PrePass, attach_pre_pass
+from .groups.shape import RunShape
 from .metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms, clipped_ratios, log_clip_fractions
 from .metrics.diagnostics import log_loss_diagnostics
 from .metrics.hooks import energy_capture, watch_gradient_energy, watch_token_coefficients
+from .metrics.mechanism import log_group_metrics
 from .metrics.store import MetricStore
 from .objectives.plan import ObjectivePlan
-from .objectives.rewrite import rewrite_loss_inputs
+from .objectives.step import ClipRange, StepObjective, WholeGroups, micro_step_objective
 from .objectives.weights import bounded_old_logps, loss_mask
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
     SUPPORTED_TRL_TEXT,
     TRLCompatibilityError,
     applied_is_ratio,
+    applies_is_ratio,
     check_trainer_attributes,
     disable_gradient_checkpointing,
     generate_every,
     metric_lengths,
+    off_policy_step,
     on_policy_identity_warning,
     remove_appended,
+    trl_runs_old_logps_forward,
 )
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
@@ -91,10 +97,17 @@ class DFPOTrainer(GRPOTrainer):
         if self.plan.form.grpo_fix:
             self.epsilon_low = 1.0  # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): eq. 79's lower bound
         self.dfpo_metrics = MetricStore()  # device tensors until a logging step
-        self.layout = GroupLayout(self, self.plan, self.dfpo_metrics)
+        self.objective_observers: list[Callable[[StepObjective], None]] = []  # see _rewrite_after_forward
+        shape = self.run_shape()
+        name = choose_layout(self.args, shape.num_processes)
+        refuse_multimodal_model(name, self.plan.active_options, self.accelerator.unwrap_model(self.model),
+                                self.processing_class)
+        self.layout = GroupLayout(name, shape, self.accelerator, self.plan.needs_groups, self.plan.active_options)
+        self.pre_pass = PrePass(shape, self.plan, self.accelerator, self._prepass_logps) \
+            if name == LAYOUT_PRE_PASS else None
         # every process: the layout, why it was chosen and what it costs, in one line
-        logger.info(describe_layout(self.layout.name, self.args, self.accelerator.num_processes))
-        self.delta = DeltaWeighting(self, self.dfpo_metrics) if self.plan.token_weighting else None
+        logger.info(describe_layout(name, self.args, shape.num_processes))
+        self.delta = DeltaWeighting(self.args, shape, self.dfpo_metrics) if self.plan.token_weighting else None
         warning = on_policy_identity_warning(self, self.plan.transform.name) if self.plan.rewrites_sequences else None
         if warning:
             logger.warning(warning)
@@ -106,9 +119,21 @@ class DFPOTrainer(GRPOTrainer):
         if DELTA_TAG in self._tag_names and self.is_world_process_zero():
             add_delta_to_card(os.path.join(self.args.output_dir, "README.md"))
 
+    def run_shape(self) -> RunShape:
+        """The run's shape as the group layout, the pre-pass and DelTA read it (groups/shape.py)."""
+        args, accelerator = self.args, self.accelerator
+        return RunShape(
+            num_generations=self.num_generations, num_generations_eval=self.num_generations_eval,
+            per_device_batch=args.per_device_train_batch_size, steps_per_generation=args.steps_per_generation,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, generate_every=generate_every(self),
+            seed=args.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+            prepass_batch_size=args.prepass_batch_size or 4 * args.per_device_train_batch_size,
+        )
+
     @property
     def group_layout(self) -> str:
-        """The name of the group layout this trainer chose (docs/layouts.md)."""
+        """The group layout this trainer resolved (docs/layouts.md): never ``"auto"``, unlike the config field of
+        that name, which says what was asked for."""
         return self.layout.name
 
     @property
@@ -130,13 +155,16 @@ class DFPOTrainer(GRPOTrainer):
         """TRL's rollout, plus DelTA's λ̄, each row's reward and its explicit group and row ids."""
         training = self.model.training
         weigh = self.delta is not None and training
-        capture = HiddenCapture() if weigh and self.delta.captures_trl_forward() else None
+        capture = HiddenCapture() if weigh and trl_runs_old_logps_forward(self) else None
         on_forward = partial(capture_log_prob_forward, capture) if capture is not None else None
         with self._expecting(PendingCall(on_forward, self.model)) as call:
             output = super()._generate_and_score_completions(inputs)
         if weigh:
+            every = max(1, int(getattr(self.state, "logging_steps", 0) or self.args.logging_steps or 1))
+            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
             self.delta.weigh(output, capture if capture is not None and capture.done else
-                             self.capture_hidden_states(output))
+                             self.capture_hidden_states(output), int(self.state.global_step), every,
+                             lambda i: tokenizer.decode([i]))
         attach_row_rewards(output, call.rewards, self.accelerator.process_index)
         self.layout.add_ids(output, "train" if self.model.training else "eval")
         return output
@@ -172,9 +200,40 @@ class DFPOTrainer(GRPOTrainer):
         if not self.model.training:
             return inputs
         if regenerated:
-            self._buffered_inputs = self.layout.regroup(self._buffered_inputs)
-        self.layout.before_micro_step(self._buffered_inputs, self._step)
+            self._buffered_inputs = self.layout.regroup(self._buffered_inputs, self.state.global_step)
+        if self.pre_pass is not None and self._step % self.args.gradient_accumulation_steps == 0:
+            self._run_pre_pass(self._buffered_inputs, self._step)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _run_pre_pass(self, buffered: list[dict[str, Any]], step: int) -> None:
+        """The pre-pass at the first micro-step of an optimizer step (pre-pass layout): s̄ and s̃ at its θ attached
+        to its micro-batches, its metrics logged. In the first optimizer step after a rollout θ = θ_old: no forward."""
+        assert self.pre_pass is not None
+        values = self.pre_pass.run(buffered, step, self._clip_range(), self.off_policy_mask_threshold,
+                                   applies_is_ratio(self),
+                                   policy_unchanged=step % self.layout.shape.generate_every == 0)
+        attach_pre_pass(buffered, step, values)
+        for flags in values.sanitised:
+            self.dfpo_metrics.add_sum("train", "transform/sanitised_weights", flags.sum())
+        self.dfpo_metrics.add_mean("train", "prepass/forward_skipped", torch.tensor(float(values.skipped)), 1.0)
+        if self.plan.group_metrics:
+            log_group_metrics(self.dfpo_metrics, "train", values.grouped,
+                              off_policy=self.model.training and off_policy_step(self))
+
+    @torch.no_grad()
+    def _prepass_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                       batch_size: int) -> torch.Tensor:
+        """The policy's per-token log-probs of a pre-pass chunk, through TRL's log-prob helper (no grad)."""
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                model=self.model, input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
+                batch_size=batch_size,
+            )
+        return logps
+
+    def _clip_range(self) -> ClipRange:
+        """TRL's clip settings as its loss reads them now."""
+        return ClipRange(self.epsilon_low, self.epsilon_high, self.args.delta)
 
     # ---------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
@@ -236,27 +295,40 @@ class DFPOTrainer(GRPOTrainer):
                 log_clip_fractions(self.dfpo_metrics, mode, clip_fraction_terms(clipped, mask))
             if diagnose:
                 log_loss_diagnostics(self.dfpo_metrics, mode, advantages, mask, clipped, applied_is_ratio(self, inputs))
-        index = self.layout.group_index(inputs, mode) if plan.needs_groups else None
-        weights, differentiate = None, plan.differentiates(index is not None)
-        if plan.sequence_level and (index is not None or plan.rewrites_sequences):
-            weights = self.layout.row_weights(inputs, logps, logps.detach() if old is None else old, mask,
-                                              advantages, index, mode, differentiate)
-        rewritten = rewrite_loss_inputs(logps, old, advantages, mask, plan.form, eps_high=self.epsilon_high,
-                                        weights=weights, differentiate=differentiate,
-                                        token_weights=inputs.get(DELTA_WEIGHTS_KEY) if plan.token_weighting else None)
+        groups = self.layout.whole_groups(inputs, mode) if plan.needs_groups else WholeGroups()
+        step = micro_step_objective(
+            plan, logps, old, advantages, mask, clip=self._clip_range(), groups=groups,
+            off_policy_threshold=self.off_policy_mask_threshold, sampling=inputs.get("sampling_per_token_logps"),
+            is_ratio=applied_is_ratio(self, inputs),
+            token_weights=inputs.get(DELTA_WEIGHTS_KEY) if plan.token_weighting else None,
+        )
+        for observe in self.objective_observers:
+            observe(step)
+        rewritten = step.loss_inputs
         inputs["advantages"] = rewritten.advantages
         if rewritten.old_per_token_logps is not None:
             inputs["old_per_token_logps"] = rewritten.old_per_token_logps
-        if rewritten.capped is not None:  # the fraction of scored tokens GRPO-fix capped, pooled over tokens
-            self.dfpo_metrics.add_mean(mode, "grpo_fix/negative_capped_fraction",
-                                       (rewritten.capped & mask.bool()).sum(), mask.sum())
-        if plan.group_metrics and index is not None and logps.requires_grad:
-            watch_token_coefficients(self.dfpo_metrics, mode, logps, inputs["completion_ids"], mask, index,
-                                     None if weights is None else weights.two_sided)
+        self._log_objective(mode, step, mask)
+        if plan.group_metrics and groups.index is not None and logps.requires_grad:
+            watch_token_coefficients(self.dfpo_metrics, mode, logps, inputs["completion_ids"], mask, groups.index,
+                                     None if step.weights is None else step.weights.two_sided)
         if capture is not None:
             watch_gradient_energy(self.dfpo_metrics, model, logps, inputs, capture, self.temperature,
                                   plan.energy_buckets, plan.energy_form)
         return out
+
+    def _log_objective(self, mode: str, step: StepObjective, mask: torch.Tensor) -> None:
+        """The metrics of one micro-step's objective, from its return value: the sanitised sequences, the group
+        metrics of the groups transformed here, the fraction of scored tokens GRPO-fix capped (pooled over tokens)."""
+        if step.sanitised is not None:
+            self.dfpo_metrics.add_sum(mode, "transform/sanitised_weights", step.sanitised.sum())
+        if step.grouped is not None and self.plan.group_metrics:
+            log_group_metrics(self.dfpo_metrics, mode, step.grouped,
+                              off_policy=mode == "train" and self.model.training and off_policy_step(self))
+        capped = step.loss_inputs.capped
+        if capped is not None:
+            self.dfpo_metrics.add_mean(mode, "grpo_fix/negative_capped_fraction", (capped & mask.bool()).sum(),
+                                       mask.sum())
 
     # -------------------------------------------------------------------------------------------- resume
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

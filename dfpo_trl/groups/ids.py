@@ -92,14 +92,6 @@ def positions_of(row_ids: torch.Tensor, all_row_ids: torch.Tensor) -> torch.Tens
     return order[torch.searchsorted(all_row_ids[order], row_ids.to(all_row_ids.device))]
 
 
-def scatter_from_groups(grouped: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``x[index]``: put (num_groups, G, ...) values back into row order (B, ...)."""
-    flat_index = index.reshape(-1)
-    out = torch.empty((flat_index.numel(), *grouped.shape[2:]), dtype=grouped.dtype, device=grouped.device)
-    out[flat_index] = grouped.reshape(flat_index.numel(), *grouped.shape[2:])
-    return out
-
-
 def group_granular_order(group_ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """A row order that shuffles whole groups and keeps each group's rows together.
 
