@@ -1,13 +1,15 @@
 """``DFPOTrainer``: TRL's ``GRPOTrainer`` with DFPO's objectives, wired into TRL's hooks and nothing else.
 
 Built from the config in ``__init__``: the :class:`~dfpo_trl.objectives.plan.ObjectivePlan` (the objective, every
-config string read once), the :class:`~dfpo_trl.groups.layout.GroupLayout` (how a transform gets whole groups), the
-:class:`~dfpo_trl.metrics.store.MetricStore` (the only path of DFPO's metrics into TRL's logs), the DelTA component
-(:class:`~dfpo_trl.delta.weighting.DeltaWeighting`, None when off) and the per-step reward
-(:mod:`dfpo_trl.trl_hooks.step_reward`). Each TRL hook below hands its call to them in a few lines. TRL's own
-``_compute_loss`` runs unchanged: DFPO enters through the advantages and old log-probs TRL reads after its policy
-forward (:func:`~dfpo_trl.objectives.rewrite.rewrite_loss_inputs`). Every touch point is declared and checked at
-import in :mod:`dfpo_trl.trl_hooks.compat`.
+config string read once), the run's shape (:class:`~dfpo_trl.groups.shape.RunShape`), the
+:class:`~dfpo_trl.groups.layout.GroupLayout` (which delivers each micro-batch's whole groups) and, in the pre-pass
+layout, the :class:`~dfpo_trl.groups.prepass.PrePass`, the :class:`~dfpo_trl.metrics.store.MetricStore` (the only
+path of DFPO's metrics into TRL's logs), the DelTA component (:class:`~dfpo_trl.delta.weighting.DeltaWeighting`,
+None when off) and the per-step reward (:mod:`dfpo_trl.trl_hooks.step_reward`). TRL's own ``_compute_loss`` runs
+unchanged: right after its policy forward, one call (:func:`~dfpo_trl.objectives.step.micro_step_objective`) turns
+the advantages and old log-probs TRL reads next into DFPO's objective, and the trainer logs the metrics from its
+return value (docs/README.md, "How a micro-step flows"). Every touch point is declared and checked at import in
+:mod:`dfpo_trl.trl_hooks.compat`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .delta.rollout import DELTA_WEIGHTS_KEY
 from .delta.weighting import DeltaWeighting
 from .groups.choice import LAYOUT_PRE_PASS, choose_layout, describe_layout, refuse_multimodal_model
 from .groups.layout import GroupLayout
-from .groups.prepass import PrePass, attach_pre_pass
+from .groups.prepass import PrePass, PrePassValues, attach_pre_pass
 from .groups.shape import RunShape
 from .metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms, clipped_ratios, log_clip_fractions
 from .metrics.diagnostics import log_loss_diagnostics
@@ -44,6 +46,7 @@ from .objectives.weights import bounded_old_logps, loss_mask
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
     SUPPORTED_TRL_TEXT,
+    OffPolicyKeep,
     TRLCompatibilityError,
     applied_is_ratio,
     applies_is_ratio,
@@ -54,6 +57,7 @@ from .trl_hooks.compat import (
     off_policy_step,
     on_policy_identity_warning,
     remove_appended,
+    trl_off_policy_keep,
     trl_runs_old_logps_forward,
 )
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
@@ -97,7 +101,12 @@ class DFPOTrainer(GRPOTrainer):
         if self.plan.form.grpo_fix:
             self.epsilon_low = 1.0  # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): eq. 79's lower bound
         self.dfpo_metrics = MetricStore()  # device tensors until a logging step
-        self.objective_observers: list[Callable[[StepObjective], None]] = []  # see _rewrite_after_forward
+        # Called with each loss micro-step's StepObjective and each pre-pass's PrePassValues, as returned (what the
+        # loss used: tests and benchmarks read the weights here).
+        self.objective_observers: list[Callable[[StepObjective | PrePassValues], None]] = []
+        # False: the pre-pass forwards even at an optimizer step that starts a rollout, where θ = θ_old and it skips
+        # the forward (for a hand-made rollout whose old log-probs are not this model's).
+        self.pre_pass_skips_at_old_policy = True
         shape = self.run_shape()
         name = choose_layout(self.args, shape.num_processes)
         refuse_multimodal_model(name, self.plan.active_options, self.accelerator.unwrap_model(self.model),
@@ -209,9 +218,12 @@ class DFPOTrainer(GRPOTrainer):
         """The pre-pass at the first micro-step of an optimizer step (pre-pass layout): s̄ and s̃ at its θ attached
         to its micro-batches, its metrics logged. In the first optimizer step after a rollout θ = θ_old: no forward."""
         assert self.pre_pass is not None
-        values = self.pre_pass.run(buffered, step, self._clip_range(), self.off_policy_mask_threshold,
+        values = self.pre_pass.run(buffered, step, self._clip_range(), self._off_policy_keep(),
                                    applies_is_ratio(self),
-                                   policy_unchanged=step % self.layout.shape.generate_every == 0)
+                                   policy_unchanged=self.pre_pass_skips_at_old_policy
+                                   and step % self.layout.shape.generate_every == 0)
+        for observe in self.objective_observers:
+            observe(values)
         attach_pre_pass(buffered, step, values)
         for flags in values.sanitised:
             self.dfpo_metrics.add_sum("train", "transform/sanitised_weights", flags.sum())
@@ -230,6 +242,11 @@ class DFPOTrainer(GRPOTrainer):
                 batch_size=batch_size,
             )
         return logps
+
+    def _off_policy_keep(self) -> OffPolicyKeep | None:
+        """The rows TRL's off-policy mask keeps, through this trainer's ``get_off_policy_mask``; None when off."""
+        threshold = self.off_policy_mask_threshold
+        return None if threshold is None else partial(trl_off_policy_keep, self.get_off_policy_mask, threshold)
 
     def _clip_range(self) -> ClipRange:
         """TRL's clip settings as its loss reads them now."""
@@ -267,8 +284,7 @@ class DFPOTrainer(GRPOTrainer):
 
     def unwrapped_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """``accelerator.unwrap_model(model)``, computed once per wrapper object: accelerate walks every submodule
-        (``has_compiled_regions``) and probes for packages on each call, which on a 1.7B model cost about 0.5% of
-        a loss + backward on the GPU when done every micro-step (benchmarks/results/NOTES.md, the restructure)."""
+        and probes for packages on each call (docs/decisions.md, "The loss path's cost")."""
         if self._unwrapped is None or self._unwrapped[0] is not model:
             self._unwrapped = (model, self.accelerator.unwrap_model(model))
         return self._unwrapped[1]
@@ -298,7 +314,7 @@ class DFPOTrainer(GRPOTrainer):
         groups = self.layout.whole_groups(inputs, mode) if plan.needs_groups else WholeGroups()
         step = micro_step_objective(
             plan, logps, old, advantages, mask, clip=self._clip_range(), groups=groups,
-            off_policy_threshold=self.off_policy_mask_threshold, sampling=inputs.get("sampling_per_token_logps"),
+            off_policy_keep=self._off_policy_keep(), sampling=inputs.get("sampling_per_token_logps"),
             is_ratio=applied_is_ratio(self, inputs),
             token_weights=inputs.get(DELTA_WEIGHTS_KEY) if plan.token_weighting else None,
         )

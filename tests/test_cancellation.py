@@ -6,11 +6,18 @@ import itertools
 
 import pytest
 import torch
-from tiny import capturing, loss_and_grads, make_trainer, random_batch, record_row_weights, with_old_logps
+from tiny import (
+    capturing,
+    loss_and_grads,
+    make_trainer,
+    random_batch,
+    record_row_weights,
+    shared_prefix_residual,
+    with_old_logps,
+)
 from tolerance import assert_close_to_rounding
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.metrics.mechanism import shared_prefix_residual
 from dfpo_trl.objectives.cancellation import (
     BALANCING_TRANSFORMS,
     aggregation_factor,

@@ -156,14 +156,7 @@ def test_a_sign_flipped_effective_advantage_is_counted_by_the_sign_of_a_hat():
     ratios, advantages = [0.01, 0.5, 10.0, 10.0], [3.0, -1.0, -1.0, -1.0]
     ours = make_trainer(DFPOTrainer, DFPOConfig, **GSPO, group_transform="orth_proj")
     rewritten: list[dict[str, Any]] = []
-    rewrite = ours._rewrite_after_forward
-
-    def keeping(inputs: dict[str, Any], *args: Any) -> Any:
-        out = rewrite(inputs, *args)
-        rewritten.append(dict(inputs))
-        return out
-
-    ours._rewrite_after_forward = keeping
+    ours.objective_observers.append(lambda step: rewritten.append(dict(advantages=step.loss_inputs.advantages)))
     batch = row_ratio_batch(ours, ratios, advantages)
     mine = logged_clip(ours, batch)
     assert rewritten[0]["advantages"][1] > 0  # the flip

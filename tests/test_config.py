@@ -176,13 +176,13 @@ def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, c
         return forward(model, input_ids, *args, **kwargs)
 
     trainer._get_per_token_logps_and_entropies = recording
-    s_bar, _ = trainer.layout.pre_pass.post_clip_weights(batch, torch.arange(8))
+    s_bar, _, _ = trainer.pre_pass.post_clip_weights(batch, torch.arange(8), trainer._clip_range(), None)
     assert seen == chunks
     trainer._get_per_token_logps_and_entropies = forward
     one_by_one = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace",
                               per_device_train_batch_size=2, num_generations=4, steps_per_generation=4,
                               gradient_accumulation_steps=2, prepass_batch_size=1)
-    reference, _ = one_by_one.layout.pre_pass.post_clip_weights(batch, torch.arange(8))
+    reference, _, _ = one_by_one.pre_pass.post_clip_weights(batch, torch.arange(8), one_by_one._clip_range(), None)
     assert_close_to_rounding(s_bar, reference)  # forwards of other batch sizes: equal up to float32 rounding
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from ..objectives.plan import ObjectivePlan
 from ..objectives.step import ClipRange, GroupedWeights, RowScalars, clip_weights, row_factors, transform_groups
 from ..objectives.weights import RowWeights, bounded_old_logps, loss_mask
-from ..trl_hooks.compat import trl_off_policy_keep
+from ..trl_hooks.compat import OffPolicyKeep
 from .batches import concat_sequence_dicts
 from .gather import gather_groups, gather_rows
 from .ids import GROUP_IDS_KEY, ROW_IDS_KEY, positions_of
@@ -37,10 +37,12 @@ PolicyLogps = Callable[[Tensor, Tensor, int, int], Tensor]
 
 class PrePassValues(NamedTuple):
     """What one pre-pass returns: the :class:`RowWeights` of each micro-batch of the optimizer step (in step
-    order), the transformed groups and the (rows,) sanitised flags of each forward chunk (for the metrics), and
-    whether the forward was skipped (θ = θ_old)."""
+    order); the global row ids (N,) of every row it transformed, on any process, and the transformed groups (rows in
+    that order), the (rows,) sanitised flags of each forward chunk (for the metrics), and whether the forward was
+    skipped (θ = θ_old)."""
 
     weights: list[RowWeights]
+    row_ids: Tensor
     grouped: GroupedWeights
     sanitised: list[Tensor]
     skipped: bool
@@ -54,7 +56,7 @@ class PrePass:
         self.shape, self.plan, self.accelerator, self.forward = shape, plan, accelerator, forward
 
     def run(
-        self, buffered: list[dict[str, Any]], step: int, clip: ClipRange, off_policy_threshold: float | None,
+        self, buffered: list[dict[str, Any]], step: int, clip: ClipRange, off_policy_keep: OffPolicyKeep | None,
         apply_is_ratio: bool, policy_unchanged: bool,
     ) -> PrePassValues:
         """At micro-step ``step``, the first of an optimizer step: s̄ at the step's θ for every member of every
@@ -62,7 +64,7 @@ class PrePass:
 
         Args:
             buffered: TRL's buffered rollout, one dict per micro-batch. clip: TRL's clip settings.
-            off_policy_threshold: TRL's ``off_policy_mask_threshold`` (None: off).
+            off_policy_keep: the rows TRL's off-policy mask keeps (trl_hooks/compat.py; None: the mask is off).
             apply_is_ratio: whether TRL's loss applies the vLLM importance-sampling ratio (c of eq. C3).
             policy_unchanged: θ = θ_old (the first optimizer step after a rollout): s = 1, no forward needed.
 
@@ -78,12 +80,12 @@ class PrePass:
         active = torch.unique(gather_rows(self.accelerator, window_groups.double().unsqueeze(1))[:, 0])
         rows = torch.isin(full[GROUP_IDS_KEY], active.to(torch.int64).to(full[GROUP_IDS_KEY].device))
         rows = rows.nonzero().squeeze(1)
-        survives = self.survivors_at_old_policy(full, rows, off_policy_threshold) if policy_unchanged else None
+        survives = self.survivors_at_old_policy(full, rows, off_policy_keep) if policy_unchanged else None
         skipped, sanitised = survives is not None, []
         if skipped:
             s_bar = torch.ones(rows.numel(), device=full["advantages"].device)
         else:
-            s_bar, survives, sanitised = self.post_clip_weights(full, rows, clip, off_policy_threshold)
+            s_bar, survives, sanitised = self.post_clip_weights(full, rows, clip, off_policy_keep)
         micro_tokens = torch.cat([loss_mask(micro).sum().expand(micro["advantages"].size(0)) for micro in buffered])
         ratio = full.get("importance_sampling_ratio") if apply_is_ratio else None
         factor = row_factors(self.plan, loss_mask(full), ratio, micro_tokens)[rows]
@@ -94,29 +96,31 @@ class PrePass:
                                    gathered.factor, gathered.index)
         weights = [RowWeights(*(values[positions_of(micro[ROW_IDS_KEY], gathered.row_ids)]
                                 for values in grouped.rows)) for micro in window]
-        return PrePassValues(weights, grouped, sanitised, skipped)
+        return PrePassValues(weights, gathered.row_ids, grouped, sanitised, skipped)
 
-    def survivors_at_old_policy(self, full: dict[str, Any], rows: Tensor, threshold: float | None) -> Tensor | None:
+    def survivors_at_old_policy(
+        self, full: dict[str, Any], rows: Tensor, off_policy_keep: OffPolicyKeep | None
+    ) -> Tensor | None:
         """U of the selected rows at θ = θ_old, without a forward: every s is 1, inside the clip, and TRL's
         off-policy mask (when on) reads the old log-probs as the current ones. None when that mask needs current
         log-probs the rollout did not keep (the sampler's log-probs without old ones): the pre-pass then forwards.
         The same answer on every process (it depends on the config only), so the forwards stay collective."""
         survives = torch.ones(rows.numel(), dtype=torch.bool, device=full["advantages"].device)
         old, sampling = full.get("old_per_token_logps"), full.get("sampling_per_token_logps")
-        if threshold is None:
+        if off_policy_keep is None:
             return survives
         if old is None and sampling is not None:
             return None
         mask = loss_mask(full)[rows]
         # without old log-probs TRL's mask compares the current log-probs with themselves: any equal pair will do
         current = torch.zeros(mask.shape, device=mask.device) if old is None else old[rows]
-        keep = trl_off_policy_keep(threshold, full["advantages"][rows], current, current,
-                                   None if sampling is None else sampling[rows], mask)
+        keep = off_policy_keep(full["advantages"][rows], current, current, None if sampling is None else sampling[rows],
+                               mask)
         return survives & keep
 
     @torch.no_grad()
     def post_clip_weights(
-        self, full: dict[str, Any], rows: Tensor, clip: ClipRange, threshold: float | None
+        self, full: dict[str, Any], rows: Tensor, clip: ClipRange, off_policy_keep: OffPolicyKeep | None
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         """s̄ and U of the selected rows of a rollout at the current θ, and each chunk's sanitised flags, forwarded
         through the policy in chunks of ``prepass_batch_size`` rows. Every process runs the same number of chunks (a
@@ -141,8 +145,9 @@ class PrePass:
             # the old log-probs as TRL's loss will read them (the trainer bounds them before the loss)
             old = logps if old is None else bounded_old_logps(logps, old[part], full_mask[part], sequence_level)
             mask, advantages = full_mask[part], full["advantages"][part]
-            keep = trl_off_policy_keep(threshold, advantages, logps.detach(), old,
-                                       None if sampling is None else sampling[part], mask)
+            keep = None if off_policy_keep is None else off_policy_keep(
+                advantages, logps.detach(), old, None if sampling is None else sampling[part], mask
+            )
             weights = clip_weights(self.plan, logps, old, mask, advantages, clip, keep)
             s_bars.append(weights.s_bar)
             survives.append(weights.survives)

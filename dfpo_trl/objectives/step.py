@@ -15,7 +15,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..trl_hooks.compat import trl_off_policy_keep
 from .cancellation import FACTOR_LOSS_TYPES, GroupSides, aggregation_factor, transform_group_weights
 from .plan import ObjectivePlan
 from .rewrite import LossInputs, rewrite_loss_inputs
@@ -164,7 +163,7 @@ def transform_groups(
 
 def micro_step_objective(
     plan: ObjectivePlan, logps: Tensor, old: Tensor | None, advantages: Tensor, mask: Tensor, *, clip: ClipRange,
-    groups: WholeGroups, off_policy_threshold: float | None = None, sampling: Tensor | None = None,
+    groups: WholeGroups, off_policy_keep: Callable[..., Tensor] | None = None, sampling: Tensor | None = None,
     is_ratio: Tensor | None = None, token_weights: Tensor | None = None,
 ) -> StepObjective:
     """DFPO's objective of one loss micro-step, expressed in the inputs TRL's loss reads next.
@@ -175,8 +174,9 @@ def micro_step_objective(
         old: the old log-probs (B, T) after the log-ratio bound; None on-policy (TRL uses sg(ℓ)).
         advantages: Â (B,). mask: the loss mask (B, T).
         clip: TRL's clip settings. groups: what the layout delivered (``WholeGroups()``: no group view).
-        off_policy_threshold: TRL's ``off_policy_mask_threshold`` (None: off); its mask, on ``sampling`` (the
-            sampler's log-probs (B, T), if any), narrows U. is_ratio: TRL's applied vLLM IS ratio or None.
+        off_policy_keep: the (B,) rows TRL's off-policy mask keeps, of (Â, ℓ, old, ``sampling``, mask) (None: the
+            mask is off); it narrows U. sampling: the sampler's log-probs (B, T), if any.
+        is_ratio: TRL's applied vLLM importance-sampling ratio or None.
         token_weights: DelTA's λ̄ (B, T) when token weighting is on, else None.
 
     Returns:
@@ -191,7 +191,8 @@ def micro_step_objective(
             current = logps if differentiate else logps.detach()
             read_old = logps.detach() if old is None else old
             with torch.set_grad_enabled(differentiate):
-                keep = trl_off_policy_keep(off_policy_threshold, advantages, logps.detach(), read_old, sampling, mask)
+                keep = None if off_policy_keep is None else off_policy_keep(advantages, logps.detach(), read_old,
+                                                                            sampling, mask)
                 post_clip = clip_weights(plan, current, read_old, mask, advantages, clip, keep)
                 factor = row_factors(plan, mask, is_ratio, mask.sum().expand(mask.size(0)))
                 rows = RowScalars(post_clip.s_bar, post_clip.survives, factor)

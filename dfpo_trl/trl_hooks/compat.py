@@ -210,26 +210,29 @@ def bind_call(method_name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return arguments
 
 
+#: The rows TRL's off-policy mask keeps, of (Â, current, old, sampler's log-probs or None, loss mask): see below.
+OffPolicyKeep = Callable[[Tensor, Tensor, Tensor, "Tensor | None", Tensor], Tensor]
+
+
 def trl_off_policy_keep(
-    threshold: float | None, advantages: Tensor, per_token_logps: Tensor, old_per_token_logps: Tensor,
-    sampling_per_token_logps: Tensor | None, mask: Tensor,
-) -> Tensor | None:
-    """The rows TRL 1.16's off-policy sequence mask keeps in ``_compute_loss``, from data alone.
+    get_off_policy_mask: Callable[..., Tensor], threshold: float, advantages: Tensor, per_token_logps: Tensor,
+    old_per_token_logps: Tensor, sampling_per_token_logps: Tensor | None, mask: Tensor,
+) -> Tensor:
+    """The rows TRL 1.16's off-policy sequence mask keeps in ``_compute_loss``.
 
     Args:
-        threshold: TRL's ``off_policy_mask_threshold`` (None: the mask is off, and so is this).
+        get_off_policy_mask: the trainer's ``get_off_policy_mask`` (TRL's static method, or a subclass's
+            override: not a copy, so either is followed). threshold: TRL's ``off_policy_mask_threshold``.
         advantages: Â (B,). per_token_logps: the current log-probs (B, T).
         old_per_token_logps: the old log-probs TRL's loss reads (B, T): the detached current ones when TRL
             computed none. sampling_per_token_logps: the sampler's (B, T), used instead where the rollout has them.
         mask: the loss mask (B, T).
 
     Returns:
-        (B,) bool, computed by TRL's static ``get_off_policy_mask`` (what TRL's loss calls); None when off.
+        (B,) bool, what the mask TRL's loss calls keeps.
     """
-    if threshold is None:
-        return None
     sampling = old_per_token_logps if sampling_per_token_logps is None else sampling_per_token_logps
-    keep = GRPOTrainer.get_off_policy_mask(
+    keep = get_off_policy_mask(
         advantages=advantages.unsqueeze(1), per_token_logps=per_token_logps, sampling_per_token_logps=sampling,
         mask=mask, off_policy_threshold=threshold,
     )
