@@ -172,7 +172,7 @@ class DFPOTrainer(GRPOTrainer):
             every = max(1, int(getattr(self.state, "logging_steps", 0) or self.args.logging_steps or 1))
             tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
             self.delta.weigh(output, capture if capture is not None and capture.done else
-                             self.capture_hidden_states(output), int(self.state.global_step), every,
+                             self.capture_hidden_states(output), loss_mask(output), int(self.state.global_step), every,
                              lambda i: tokenizer.decode([i]))
         attach_row_rewards(output, call.rewards, self.accelerator.process_index)
         self.layout.add_ids(output, "train" if self.model.training else "eval")
@@ -289,13 +289,15 @@ class DFPOTrainer(GRPOTrainer):
             self._unwrapped = (model, self.accelerator.unwrap_model(model))
         return self._unwrapped[1]
 
-    def _rewrite_after_forward(self, inputs: dict[str, Any], model: torch.nn.Module, call: Any, forward: Any):
+    def _rewrite_after_forward(
+        self, inputs: dict[str, Any], model: torch.nn.Module, arguments: Any, forward: Any
+    ) -> Any:
         """The loss's policy forward (h kept for the energy metric when it is on), the clip fractions of the inputs
         as they stand (when a rewrite is active), then DFPO's rewrite of the inputs TRL reads next, then the
         backward hooks of the token-coefficient metrics."""
         plan, mode = self.plan, "train" if self.model.training else "eval"
         capture = energy_capture(plan.energy_buckets, self.model.training)
-        out = forward() if capture is None else capture_log_prob_forward(capture, model, call, forward)
+        out = forward() if capture is None else capture_log_prob_forward(capture, model, arguments, forward)
         logps, mask, advantages = out[0], loss_mask(inputs), inputs["advantages"]
         if advantages.dim() != 1:
             raise ValueError("DFPO needs one advantage per sequence (shape (B,)), as TRL's rollout produces.")
@@ -306,7 +308,8 @@ class DFPOTrainer(GRPOTrainer):
         if plan.recounts_clip_fractions or diagnose:  # from TRL's inputs before the rewrite, with DFPO's clip
             clipped = clipped_ratios(logps, logps.detach() if old is None else old, advantages, mask,
                                      sequence_level=plan.sequence_level, eps_low=self.epsilon_low,
-                                     eps_high=self.epsilon_high, symmetric=plan.form.grpo_fix, delta=self.args.delta)
+                                     eps_high=self.epsilon_high, symmetric=plan.form.grpo_fix,
+                                     two_sided_cap=self.args.delta)
             if plan.recounts_clip_fractions:
                 log_clip_fractions(self.dfpo_metrics, mode, clip_fraction_terms(clipped, mask))
             if diagnose:

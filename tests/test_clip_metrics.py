@@ -81,7 +81,7 @@ def test_sequence_level_counts_the_length_normalised_ratio_and_trls_delta_cap():
     args = dict(sequence_level=True, eps_low=0.2, eps_high=0.28, symmetric=False)
     clipped = clipped_ratios(log_ratio, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), mask, **args)
     assert clipped.high.tolist() == [[True], [False]]  # exp(0.25) = 1.284 > 1.28; row 1: exp(0.2 / 3)
-    capped = clipped_ratios(log_ratio, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), mask, delta=1.25, **args)
+    capped = clipped_ratios(log_ratio, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), mask, two_sided_cap=1.25, **args)
     assert not capped.high.any()  # TRL caps the ratio at delta before it counts
 
 

@@ -34,7 +34,6 @@ from torch import Tensor
 from ..groups.ids import DELTA_RANDOM_STREAM, rollout_generator
 from ..groups.shape import RunShape
 from ..metrics.store import MetricStore
-from ..objectives.weights import loss_mask
 from ..trl_hooks.lm_head import HiddenCapture
 from .rollout import (
     DELTA_WEIGHTS_KEY,
@@ -65,15 +64,15 @@ class DeltaWeighting:
         self._last_table_step: int | None = None
 
     def weigh(
-        self, output: dict[str, Any], capture: HiddenCapture, step: int, table_every: int,
+        self, output: dict[str, Any], capture: HiddenCapture, mask: Tensor, step: int, table_every: int,
         decode: Callable[[int], str],
     ) -> None:
         """λ̄ of a training rollout from the h and log p of its ``capture``, stored in ``output["delta_weights"]``
-        (B, T). ``step``: the optimizer step; the token table is made at the first rollout of every ``table_every``
-        steps, its token ids read with ``decode``."""
+        (B, T). ``mask``: the rollout's loss mask (B, T); ``step``: the optimizer step; the token table is made at
+        the first rollout of every ``table_every`` steps, its token ids read with ``decode``."""
         config, shape = self.config, self.shape
         assert capture.hidden is not None and capture.logps is not None
-        mask, advantages = loss_mask(output), output["advantages"]
+        advantages = output["advantages"]
         hidden, capture.hidden = capture.hidden, None  # the (B, T, d) copy lives only until the weights exist
         generator = None
         if config.delta_random:  # seeded per rollout: no state a checkpoint would have to save

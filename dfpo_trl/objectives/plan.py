@@ -55,7 +55,7 @@ class ObjectivePlan:
     def from_config(cls, config: DFPOConfig) -> ObjectivePlan:
         """Hop 1: every DFPO field the objective reads, read here once (the config has validated them)."""
         gradient_target = config.cancellation_target == "gradient"
-        delta = config.token_weighting == "delta"
+        token_weighting = config.token_weighting == "delta"
         transform = get_transform(config.group_transform)  # the registry as it is now
         return cls(
             transform=transform,
@@ -68,7 +68,8 @@ class ObjectivePlan:
                 score_form=config.transform_gradient == "score",
                 transform_active=config.group_transform != "none",
                 flip_to_score=gradient_target and not transform.nonnegative,  # Orth-Proj's negative weights
-                renormalise_token_weights=delta and normalisation_domain(config.loss_type) == DOMAIN_MICRO_BATCH,
+                renormalise_token_weights=token_weighting
+                and normalisation_domain(config.loss_type) == DOMAIN_MICRO_BATCH,
             ),
             sequence_level=config.importance_sampling_level == "sequence",
             rewrites_sequences=config.sequence_rewrite_active,
@@ -77,7 +78,7 @@ class ObjectivePlan:
             group_metrics=config.log_mechanism_metrics,
             energy_buckets=config.log_energy_buckets,
             energy_form=config.energy_form,
-            token_weighting=delta,
+            token_weighting=token_weighting,
             active_options=config.describe_active_options(),
         )
 
