@@ -76,10 +76,17 @@ def rewrite_loss_inputs(
 ) -> LossInputs:
     """DFPO's objective expressed in TRL's loss inputs (module docstring).
 
-    ``per_token_logps`` ℓ(θ) (B, T) with its graph; ``old`` TRL's old log-probs after the log-ratio bound (None
-    on-policy); ``advantages`` Â (B,); ``mask`` the loss mask (B, T); ``eps_high`` TRL's ε_high. ``weights``: the
-    rows' s̄, s̃, U and two-sided flags at sequence level (None: no sequence-level rewrite); ``differentiate``:
-    the no-stop-gradient ablation, s̃(θ)/s̄(θ) with the graph kept; ``token_weights``: DelTA's λ̄ (B, T).
+    Args:
+        per_token_logps: ℓ(θ) (B, T) with its graph.
+        old: TRL's old log-probs (B, T) after the log-ratio bound; None on-policy.
+        advantages: Â (B,). mask: the loss mask (B, T). form: the rewrite's constants. eps_high: TRL's ε_high.
+        weights: the rows' s̄, s̃, U and two-sided flags (B,) each at sequence level (None: no sequence rewrite).
+        differentiate: the no-stop-gradient ablation, s̃(θ)/s̄(θ) with the graph kept.
+        token_weights: DelTA's λ̄ (B, T), or None.
+
+    Returns:
+        :class:`LossInputs`: the advantages ((B,), or (B, T) with DelTA), the old log-probs (None: unchanged) and
+        GRPO-fix's capped tokens (B, T) or None.
     """
     current_old = per_token_logps.detach() if old is None else old
     capped = None
