@@ -15,7 +15,7 @@ import torch
 from ..precision import compute_dtype as _compute_dtype
 
 if TYPE_CHECKING:
-    from ..objectives.plan import GroupedWeights
+    from ..objectives.step import GroupedWeights
     from .store import MetricStore
 
 __all__ = [
