@@ -104,8 +104,16 @@ class GroupLayout:
 
     # --------------------------------------------------------------------------------------------- loss
     def whole_groups(self, inputs: dict[str, Any], mode: str) -> WholeGroups:
-        """This micro-batch's whole groups: the (num_groups, G) index when it holds them, the pre-pass values when
-        attached, and otherwise a gather that completes its groups across processes."""
+        """This micro-batch's whole groups.
+
+        Args:
+            inputs: the micro-batch TRL's loss reads. mode: ``"train"`` or ``"eval"`` (G of that mode).
+
+        Returns:
+            :class:`~dfpo_trl.objectives.step.WholeGroups`: the (num_groups, G) index when it holds whole groups
+            (else None), the pre-pass values when attached, and otherwise a gather that completes its groups across
+            processes.
+        """
         index = self.group_index(inputs, mode)
         precomputed = RowWeights(*(inputs[key] for key in PRE_PASS_KEYS)) if PRE_PASS_KEYS[1] in inputs else None
         gather = None

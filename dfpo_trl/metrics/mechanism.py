@@ -130,7 +130,13 @@ def log_group_metrics(store: MetricStore, mode: str, grouped: GroupedWeights, of
     """The group metrics of one transformed set of whole groups, as device tensors pooled over groups (eq. 23/94,
     the orthogonality residual, φ, and the share of one-sided groups of eq. C8); the diagnostics share of groups
     without signal, and on an ``off_policy`` step (the rollout is an optimizer step old or more) φ again under
-    ``diagnostics/phi_*_off_policy``, where it can differ from 1."""
+    ``diagnostics/phi_*_off_policy``, where it can differ from 1.
+
+    Args:
+        store: the metric store. mode: ``"train"`` or ``"eval"``.
+        grouped: the transformed groups, (num_groups, G) views of s̄, s̃, Â and their sides (objectives/step.py).
+        off_policy: whether this step trains on a rollout an optimizer step old or more.
+    """
     s_bar, s_tilde, adv = grouped.s_bar.detach(), grouped.s_tilde.detach(), grouped.advantages.detach()
     sides, groups = grouped.sides, s_bar.size(0)
     # eq. C8: the share of groups with signal that no per-sequence weight can balance

@@ -165,9 +165,16 @@ def sequence_level_inputs(
 
 
 def token_weighted_advantages(advantages: Tensor, token_weights: Tensor, mask: Tensor, renormalise: bool) -> Tensor:
-    """Â_i → Â_i λ̄_{i,t} (B, T) (eq. DelTA-weighted-objective). ``renormalise`` (``loss_type="bnpo"``, normalised
-    by the micro-batch's own tokens): λ̄ first made to average 1 over this micro-batch's loss tokens
-    (docs/delta.md step 6). Applied after everything that reads the 1-D advantages."""
+    """Â_i → Â_i λ̄_{i,t} (eq. DelTA-weighted-objective), applied after everything that reads the 1-D advantages.
+
+    Args:
+        advantages: Â (B,) (or already (B, T)). token_weights: DelTA's λ̄ (B, T). mask: the loss mask (B, T).
+        renormalise: ``loss_type="bnpo"`` (normalised by the micro-batch's own tokens): λ̄ first made to average 1
+            over this micro-batch's loss tokens (docs/delta.md step 6).
+
+    Returns:
+        The token-weighted advantages (B, T).
+    """
     if renormalise:
         token_weights = self_normalise(token_weights, mask)
     if advantages.dim() == 1:

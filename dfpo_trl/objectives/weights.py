@@ -51,7 +51,15 @@ def bounded_old_logps(
 ) -> Tensor:
     """Old log-probs shifted so that TRL's log-ratio, ρ_i (eq. 44) at sequence level or ℓ − ℓ_old per token,
     lies in ±``max_log_ratio``: exp() never overflows and Â = 0 rows never give inf·0. Inside the bound the
-    shift is exactly 0 (the same values, no data-dependent branch); gradients are unchanged."""
+    shift is exactly 0 (the same values, no data-dependent branch); gradients are unchanged.
+
+    Args:
+        per_token_logps: ℓ(θ) (B, T). old: ℓ_old (B, T). mask: the loss mask (B, T).
+        sequence_level: bound ρ_i per row (TRL's sequence-level importance sampling) instead of each token's.
+
+    Returns:
+        The bounded old log-probs (B, T).
+    """
     log_ratio = per_token_logps.detach() - old
     if sequence_level:
         rho = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
@@ -137,7 +145,15 @@ def post_clip_weights(
     two_sided_cap: float | None = None, score_form: bool = False,
 ) -> PostClipWeights:
     """s̄ = sign-aware post-clip of s = exp(ρ) (eq. 44–47) and U, the rows whose gradient survives TRL's clip
-    (eq. C2; every row in the score form, which is never clipped). Differentiable in ``logps``."""
+    (eq. C2; every row in the score form, which is never clipped). Differentiable in ``logps``.
+
+    Args:
+        logps: ℓ(θ) (B, T). old: the old log-probs TRL's loss reads (B, T). mask: the loss mask (B, T).
+        advantages: Â (B,). eps_low, eps_high, two_sided_cap: TRL's clip settings. score_form: every row survives.
+
+    Returns:
+        :class:`PostClipWeights`: s̄, U and the sanitised flags, (B,) each.
+    """
     sanitised = (~torch.isfinite(logps.detach() - old) & (mask != 0)).any(-1)
     s = torch.exp(sequence_log_ratio(logps, old, mask))
     s_bar = sign_aware_post_clip(s, advantages, eps_low, eps_high)
