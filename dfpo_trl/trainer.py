@@ -1,13 +1,15 @@
 """``DFPOTrainer``: TRL's ``GRPOTrainer`` with DFPO's objectives, wired into TRL's hooks and nothing else.
 
 Built from the config in ``__init__``: the :class:`~dfpo_trl.objectives.plan.ObjectivePlan` (the objective, every
-config string read once), the :class:`~dfpo_trl.groups.layout.GroupLayout` (how a transform gets whole groups), the
-:class:`~dfpo_trl.metrics.store.MetricStore` (the only path of DFPO's metrics into TRL's logs), the DelTA component
-(:class:`~dfpo_trl.delta.weighting.DeltaWeighting`, None when off) and the per-step reward
-(:mod:`dfpo_trl.trl_hooks.step_reward`). Each TRL hook below hands its call to them in a few lines. TRL's own
-``_compute_loss`` runs unchanged: DFPO enters through the advantages and old log-probs TRL reads after its policy
-forward (:func:`~dfpo_trl.objectives.rewrite.rewrite_loss_inputs`). Every touch point is declared and checked at
-import in :mod:`dfpo_trl.trl_hooks.compat`.
+config string read once), the run's shape (:class:`~dfpo_trl.groups.shape.RunShape`), the
+:class:`~dfpo_trl.groups.layout.GroupLayout` (which delivers each micro-batch's whole groups) and, in the pre-pass
+layout, the :class:`~dfpo_trl.groups.prepass.PrePass`, the :class:`~dfpo_trl.metrics.store.MetricStore` (the only
+path of DFPO's metrics into TRL's logs), the DelTA component (:class:`~dfpo_trl.delta.weighting.DeltaWeighting`,
+None when off) and the per-step reward (:mod:`dfpo_trl.trl_hooks.step_reward`). TRL's own ``_compute_loss`` runs
+unchanged: right after its policy forward, one call (:func:`~dfpo_trl.objectives.step.micro_step_objective`) turns
+the advantages and old log-probs TRL reads next into DFPO's objective, and the trainer logs the metrics from its
+return value (docs/README.md, "How a micro-step flows"). Every touch point is declared and checked at import in
+:mod:`dfpo_trl.trl_hooks.compat`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -29,26 +31,34 @@ from .config import DFPOConfig
 from .config_checks import CLIPPED_LOSS_TYPES
 from .delta.rollout import DELTA_WEIGHTS_KEY
 from .delta.weighting import DeltaWeighting
+from .groups.choice import LAYOUT_PRE_PASS, choose_layout, describe_layout, refuse_multimodal_model
 from .groups.layout import GroupLayout
-from .groups.policy import describe_layout
+from .groups.prepass import PrePass, PrePassValues, attach_pre_pass
+from .groups.shape import RunShape
 from .metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms, clipped_ratios, log_clip_fractions
 from .metrics.diagnostics import log_loss_diagnostics
 from .metrics.hooks import energy_capture, watch_gradient_energy, watch_token_coefficients
+from .metrics.mechanism import log_group_metrics
 from .metrics.store import MetricStore
 from .objectives.plan import ObjectivePlan
-from .objectives.rewrite import rewrite_loss_inputs
+from .objectives.step import ClipRange, StepObjective, WholeGroups, micro_step_objective
 from .objectives.weights import bounded_old_logps, loss_mask
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
     SUPPORTED_TRL_TEXT,
+    OffPolicyKeep,
     TRLCompatibilityError,
     applied_is_ratio,
+    applies_is_ratio,
     check_trainer_attributes,
     disable_gradient_checkpointing,
     generate_every,
     metric_lengths,
+    off_policy_step,
     on_policy_identity_warning,
     remove_appended,
+    trl_off_policy_keep,
+    trl_runs_old_logps_forward,
 )
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
@@ -91,10 +101,22 @@ class DFPOTrainer(GRPOTrainer):
         if self.plan.form.grpo_fix:
             self.epsilon_low = 1.0  # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): eq. 79's lower bound
         self.dfpo_metrics = MetricStore()  # device tensors until a logging step
-        self.layout = GroupLayout(self, self.plan, self.dfpo_metrics)
+        # Called with each loss micro-step's StepObjective and each pre-pass's PrePassValues, as returned (what the
+        # loss used: tests and benchmarks read the weights here).
+        self.objective_observers: list[Callable[[StepObjective | PrePassValues], None]] = []
+        # False: the pre-pass forwards even at an optimizer step that starts a rollout, where θ = θ_old and it skips
+        # the forward (for a hand-made rollout whose old log-probs are not this model's).
+        self.pre_pass_skips_at_old_policy = True
+        shape = self.run_shape()
+        name = choose_layout(self.args, shape.num_processes)
+        refuse_multimodal_model(name, self.plan.active_options, self.accelerator.unwrap_model(self.model),
+                                self.processing_class)
+        self.layout = GroupLayout(name, shape, self.accelerator, self.plan.needs_groups, self.plan.active_options)
+        self.pre_pass = PrePass(shape, self.plan, self.accelerator, self._prepass_logps) \
+            if name == LAYOUT_PRE_PASS else None
         # every process: the layout, why it was chosen and what it costs, in one line
-        logger.info(describe_layout(self.layout.name, self.args, self.accelerator.num_processes))
-        self.delta = DeltaWeighting(self, self.dfpo_metrics) if self.plan.token_weighting else None
+        logger.info(describe_layout(name, self.args, shape.num_processes))
+        self.delta = DeltaWeighting(self.args, shape, self.dfpo_metrics) if self.plan.token_weighting else None
         warning = on_policy_identity_warning(self, self.plan.transform.name) if self.plan.rewrites_sequences else None
         if warning:
             logger.warning(warning)
@@ -106,9 +128,21 @@ class DFPOTrainer(GRPOTrainer):
         if DELTA_TAG in self._tag_names and self.is_world_process_zero():
             add_delta_to_card(os.path.join(self.args.output_dir, "README.md"))
 
+    def run_shape(self) -> RunShape:
+        """The run's shape as the group layout, the pre-pass and DelTA read it (groups/shape.py)."""
+        args, accelerator = self.args, self.accelerator
+        return RunShape(
+            num_generations=self.num_generations, num_generations_eval=self.num_generations_eval,
+            per_device_batch=args.per_device_train_batch_size, steps_per_generation=args.steps_per_generation,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, generate_every=generate_every(self),
+            seed=args.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+            prepass_batch_size=args.prepass_batch_size or 4 * args.per_device_train_batch_size,
+        )
+
     @property
     def group_layout(self) -> str:
-        """The name of the group layout this trainer chose (docs/layouts.md)."""
+        """The group layout this trainer resolved (docs/layouts.md): never ``"auto"``, unlike the config field of
+        that name, which says what was asked for."""
         return self.layout.name
 
     @property
@@ -130,13 +164,16 @@ class DFPOTrainer(GRPOTrainer):
         """TRL's rollout, plus DelTA's λ̄, each row's reward and its explicit group and row ids."""
         training = self.model.training
         weigh = self.delta is not None and training
-        capture = HiddenCapture() if weigh and self.delta.captures_trl_forward() else None
+        capture = HiddenCapture() if weigh and trl_runs_old_logps_forward(self) else None
         on_forward = partial(capture_log_prob_forward, capture) if capture is not None else None
         with self._expecting(PendingCall(on_forward, self.model)) as call:
             output = super()._generate_and_score_completions(inputs)
         if weigh:
+            every = max(1, int(getattr(self.state, "logging_steps", 0) or self.args.logging_steps or 1))
+            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
             self.delta.weigh(output, capture if capture is not None and capture.done else
-                             self.capture_hidden_states(output))
+                             self.capture_hidden_states(output), loss_mask(output), int(self.state.global_step), every,
+                             lambda i: tokenizer.decode([i]))
         attach_row_rewards(output, call.rewards, self.accelerator.process_index)
         self.layout.add_ids(output, "train" if self.model.training else "eval")
         return output
@@ -172,9 +209,48 @@ class DFPOTrainer(GRPOTrainer):
         if not self.model.training:
             return inputs
         if regenerated:
-            self._buffered_inputs = self.layout.regroup(self._buffered_inputs)
-        self.layout.before_micro_step(self._buffered_inputs, self._step)
+            self._buffered_inputs = self.layout.regroup(self._buffered_inputs, self.state.global_step)
+        if self.pre_pass is not None and self._step % self.args.gradient_accumulation_steps == 0:
+            self._run_pre_pass(self._buffered_inputs, self._step)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _run_pre_pass(self, buffered: list[dict[str, Any]], step: int) -> None:
+        """The pre-pass at the first micro-step of an optimizer step (pre-pass layout): s̄ and s̃ at its θ attached
+        to its micro-batches, its metrics logged. In the first optimizer step after a rollout θ = θ_old: no forward."""
+        assert self.pre_pass is not None
+        values = self.pre_pass.run(buffered, step, self._clip_range(), self._off_policy_keep(),
+                                   applies_is_ratio(self),
+                                   policy_unchanged=self.pre_pass_skips_at_old_policy
+                                   and step % self.layout.shape.generate_every == 0)
+        for observe in self.objective_observers:
+            observe(values)
+        attach_pre_pass(buffered, step, values)
+        for flags in values.sanitised:
+            self.dfpo_metrics.add_sum("train", "transform/sanitised_weights", flags.sum())
+        self.dfpo_metrics.add_mean("train", "prepass/forward_skipped", torch.tensor(float(values.skipped)), 1.0)
+        if self.plan.group_metrics:
+            log_group_metrics(self.dfpo_metrics, "train", values.grouped,
+                              off_policy=self.model.training and off_policy_step(self))
+
+    @torch.no_grad()
+    def _prepass_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                       batch_size: int) -> torch.Tensor:
+        """The policy's per-token log-probs of a pre-pass chunk, through TRL's log-prob helper (no grad)."""
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                model=self.model, input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
+                batch_size=batch_size,
+            )
+        return logps
+
+    def _off_policy_keep(self) -> OffPolicyKeep | None:
+        """The rows TRL's off-policy mask keeps, through this trainer's ``get_off_policy_mask``; None when off."""
+        threshold = self.off_policy_mask_threshold
+        return None if threshold is None else partial(trl_off_policy_keep, self.get_off_policy_mask, threshold)
+
+    def _clip_range(self) -> ClipRange:
+        """TRL's clip settings as its loss reads them now."""
+        return ClipRange(self.epsilon_low, self.epsilon_high, self.args.delta)
 
     # ---------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
@@ -208,19 +284,20 @@ class DFPOTrainer(GRPOTrainer):
 
     def unwrapped_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """``accelerator.unwrap_model(model)``, computed once per wrapper object: accelerate walks every submodule
-        (``has_compiled_regions``) and probes for packages on each call, which on a 1.7B model cost about 0.5% of
-        a loss + backward on the GPU when done every micro-step (benchmarks/results/NOTES.md, the restructure)."""
+        and probes for packages on each call (docs/decisions.md, "The loss path's cost")."""
         if self._unwrapped is None or self._unwrapped[0] is not model:
             self._unwrapped = (model, self.accelerator.unwrap_model(model))
         return self._unwrapped[1]
 
-    def _rewrite_after_forward(self, inputs: dict[str, Any], model: torch.nn.Module, call: Any, forward: Any):
+    def _rewrite_after_forward(
+        self, inputs: dict[str, Any], model: torch.nn.Module, arguments: Any, forward: Any
+    ) -> Any:
         """The loss's policy forward (h kept for the energy metric when it is on), the clip fractions of the inputs
         as they stand (when a rewrite is active), then DFPO's rewrite of the inputs TRL reads next, then the
         backward hooks of the token-coefficient metrics."""
         plan, mode = self.plan, "train" if self.model.training else "eval"
         capture = energy_capture(plan.energy_buckets, self.model.training)
-        out = forward() if capture is None else capture_log_prob_forward(capture, model, call, forward)
+        out = forward() if capture is None else capture_log_prob_forward(capture, model, arguments, forward)
         logps, mask, advantages = out[0], loss_mask(inputs), inputs["advantages"]
         if advantages.dim() != 1:
             raise ValueError("DFPO needs one advantage per sequence (shape (B,)), as TRL's rollout produces.")
@@ -231,32 +308,46 @@ class DFPOTrainer(GRPOTrainer):
         if plan.recounts_clip_fractions or diagnose:  # from TRL's inputs before the rewrite, with DFPO's clip
             clipped = clipped_ratios(logps, logps.detach() if old is None else old, advantages, mask,
                                      sequence_level=plan.sequence_level, eps_low=self.epsilon_low,
-                                     eps_high=self.epsilon_high, symmetric=plan.form.grpo_fix, delta=self.args.delta)
+                                     eps_high=self.epsilon_high, symmetric=plan.form.grpo_fix,
+                                     two_sided_cap=self.args.delta)
             if plan.recounts_clip_fractions:
                 log_clip_fractions(self.dfpo_metrics, mode, clip_fraction_terms(clipped, mask))
             if diagnose:
                 log_loss_diagnostics(self.dfpo_metrics, mode, advantages, mask, clipped, applied_is_ratio(self, inputs))
-        index = self.layout.group_index(inputs, mode) if plan.needs_groups else None
-        weights, differentiate = None, plan.differentiates(index is not None)
-        if plan.sequence_level and (index is not None or plan.rewrites_sequences):
-            weights = self.layout.row_weights(inputs, logps, logps.detach() if old is None else old, mask,
-                                              advantages, index, mode, differentiate)
-        rewritten = rewrite_loss_inputs(logps, old, advantages, mask, plan.form, eps_high=self.epsilon_high,
-                                        weights=weights, differentiate=differentiate,
-                                        token_weights=inputs.get(DELTA_WEIGHTS_KEY) if plan.token_weighting else None)
+        groups = self.layout.whole_groups(inputs, mode) if plan.needs_groups else WholeGroups()
+        step = micro_step_objective(
+            plan, logps, old, advantages, mask, clip=self._clip_range(), groups=groups,
+            off_policy_keep=self._off_policy_keep(), sampling=inputs.get("sampling_per_token_logps"),
+            is_ratio=applied_is_ratio(self, inputs),
+            token_weights=inputs.get(DELTA_WEIGHTS_KEY) if plan.token_weighting else None,
+        )
+        for observe in self.objective_observers:
+            observe(step)
+        rewritten = step.loss_inputs
         inputs["advantages"] = rewritten.advantages
         if rewritten.old_per_token_logps is not None:
             inputs["old_per_token_logps"] = rewritten.old_per_token_logps
-        if rewritten.capped is not None:  # the fraction of scored tokens GRPO-fix capped, pooled over tokens
-            self.dfpo_metrics.add_mean(mode, "grpo_fix/negative_capped_fraction",
-                                       (rewritten.capped & mask.bool()).sum(), mask.sum())
-        if plan.group_metrics and index is not None and logps.requires_grad:
-            watch_token_coefficients(self.dfpo_metrics, mode, logps, inputs["completion_ids"], mask, index,
-                                     None if weights is None else weights.two_sided)
+        self._log_objective(mode, step, mask)
+        if plan.group_metrics and groups.index is not None and logps.requires_grad:
+            watch_token_coefficients(self.dfpo_metrics, mode, logps, inputs["completion_ids"], mask, groups.index,
+                                     None if step.weights is None else step.weights.two_sided)
         if capture is not None:
             watch_gradient_energy(self.dfpo_metrics, model, logps, inputs, capture, self.temperature,
                                   plan.energy_buckets, plan.energy_form)
         return out
+
+    def _log_objective(self, mode: str, step: StepObjective, mask: torch.Tensor) -> None:
+        """The metrics of one micro-step's objective, from its return value: the sanitised sequences, the group
+        metrics of the groups transformed here, the fraction of scored tokens GRPO-fix capped (pooled over tokens)."""
+        if step.sanitised is not None:
+            self.dfpo_metrics.add_sum(mode, "transform/sanitised_weights", step.sanitised.sum())
+        if step.grouped is not None and self.plan.group_metrics:
+            log_group_metrics(self.dfpo_metrics, mode, step.grouped,
+                              off_policy=mode == "train" and self.model.training and off_policy_step(self))
+        capped = step.loss_inputs.capped
+        if capped is not None:
+            self.dfpo_metrics.add_mean(mode, "grpo_fix/negative_capped_fraction", (capped & mask.bool()).sum(),
+                                       mask.sum())
 
     # -------------------------------------------------------------------------------------------- resume
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

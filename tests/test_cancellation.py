@@ -6,11 +6,18 @@ import itertools
 
 import pytest
 import torch
-from tiny import capturing, loss_and_grads, make_trainer, random_batch, record_row_weights, with_old_logps
+from tiny import (
+    capturing,
+    loss_and_grads,
+    make_trainer,
+    random_batch,
+    record_row_weights,
+    shared_prefix_residual,
+    with_old_logps,
+)
 from tolerance import assert_close_to_rounding
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.metrics.mechanism import shared_prefix_residual
 from dfpo_trl.objectives.cancellation import (
     BALANCING_TRANSFORMS,
     aggregation_factor,
@@ -34,7 +41,7 @@ def test_clip_survivors_is_sign_aware_and_follows_delta():
     assert torch.equal(clip_survivors(s, adv, 0.2, 0.28), expected)
     # TRL's two-sided delta caps the unclipped branch for negative advantages above delta.
     expected_delta = torch.tensor([True, True, False, False, True, True, False])
-    assert torch.equal(clip_survivors(s, adv, 0.2, 0.28, delta=1.4), expected_delta)
+    assert torch.equal(clip_survivors(s, adv, 0.2, 0.28, two_sided_cap=1.4), expected_delta)
     # Boundaries keep their gradient in TRL's min.
     assert clip_survivors(torch.tensor([1.28, 0.8]), torch.tensor([1.0, -1.0]), 0.2, 0.28).all()
 

@@ -861,7 +861,7 @@ def test_layout_and_its_cost_are_said_at_start_up(
 
 
 def test_every_layout_has_a_start_up_line() -> None:
-    from dfpo_trl.groups.policy import (
+    from dfpo_trl.groups.choice import (
         LAYOUT_CROSS_PROCESS,
         LAYOUT_GROUP_GRANULAR,
         LAYOUT_PER_SAMPLE,

@@ -159,6 +159,7 @@ def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, c
     from tolerance import assert_close_to_rounding
 
     from dfpo_trl import DFPOTrainer
+    from dfpo_trl.groups.prepass import PrePass
 
     trainer = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace", per_device_train_batch_size=2,
                            num_generations=4, steps_per_generation=4, gradient_accumulation_steps=2,
@@ -169,20 +170,18 @@ def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, c
     batch = hand_batch(ids, torch.ones(8, 5, dtype=torch.long), torch.randn(8, generator=g),
                        -1.0 - 0.1 * torch.rand(8, 5, generator=g))
     seen: list[int] = []
-    forward = trainer._get_per_token_logps_and_entropies
 
-    def recording(model, input_ids, *args, **kwargs):  # noqa: ANN001, ANN202
+    def recording(input_ids, *args):  # noqa: ANN001, ANN202
         seen.append(input_ids.size(0))
-        return forward(model, input_ids, *args, **kwargs)
+        return trainer._prepass_logps(input_ids, *args)
 
-    trainer._get_per_token_logps_and_entropies = recording
-    s_bar, _ = trainer.layout.pre_pass.post_clip_weights(batch, torch.arange(8))
+    pre_pass = PrePass(trainer.layout.shape, trainer.plan, trainer.accelerator, recording)  # its forward: data in
+    s_bar, _, _ = pre_pass.post_clip_weights(batch, torch.arange(8), trainer._clip_range(), None)
     assert seen == chunks
-    trainer._get_per_token_logps_and_entropies = forward
     one_by_one = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace",
                               per_device_train_batch_size=2, num_generations=4, steps_per_generation=4,
                               gradient_accumulation_steps=2, prepass_batch_size=1)
-    reference, _ = one_by_one.layout.pre_pass.post_clip_weights(batch, torch.arange(8))
+    reference, _, _ = one_by_one.pre_pass.post_clip_weights(batch, torch.arange(8), one_by_one._clip_range(), None)
     assert_close_to_rounding(s_bar, reference)  # forwards of other batch sizes: equal up to float32 rounding
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny import shared_prefix_residual
 
 from dfpo_trl.metrics.curves import ema, jitter2, steps_to_threshold
-from dfpo_trl.metrics.mechanism import asym, orth_residual, phi_stats, shared_prefix_mask, shared_prefix_residual
+from dfpo_trl.metrics.mechanism import asym, orth_residual, phi_stats, shared_prefix_mask
 from dfpo_trl.objectives.transforms import apply_group_transform
 
 # ---------------------------------------------------------------------------------------------------

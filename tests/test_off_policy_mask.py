@@ -18,6 +18,7 @@ from tiny import (
     loss_and_grads,
     make_trainer,
     record_row_weights,
+    shared_prefix_residual,
     spawn_ranks,
     with_old_logps,
 )
@@ -26,7 +27,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.groups.ids import WHOLE_GROUPS_KEY, consecutive_group_ids
-from dfpo_trl.metrics.mechanism import shared_prefix_residual
+from dfpo_trl.groups.prepass import PrePassValues
 from dfpo_trl.objectives.cancellation import BALANCING_TRANSFORMS, aggregation_factor, gradient_coefficients
 from dfpo_trl.objectives.weights import loss_mask
 
@@ -205,16 +206,12 @@ def pre_pass_step(
     assert trainer.group_layout == "pre_pass"
     trainer.current_gradient_accumulation_steps = 2
     trainer._generate_and_score_completions = lambda _inputs: dict(batch)
-    if force_forward:  # θ ≠ θ_old in this batch: the pre-pass must forward
-        trainer.layout.pre_pass.policy_unchanged = lambda _step: False
+    trainer.pre_pass_skips_at_old_policy = not force_forward  # θ ≠ θ_old in this batch: the pre-pass must forward
     pre_passed = []
-    transform = trainer.layout.transform_across_processes
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        pre_passed.append(transform(*args, **kwargs))
-        return pre_passed[-1]
-
-    trainer.layout.transform_across_processes = recording
+    trainer.objective_observers.append(
+        lambda value: pre_passed.append((value.row_ids, value.grouped.rows)) if isinstance(value, PrePassValues)
+        else None
+    )
     used = record_row_weights(trainer)
     steps = []
     for _ in range(2):

@@ -109,17 +109,18 @@ def capturing(trainer_cls: type) -> type:
 
 
 def record_row_weights(trainer: Any) -> list[Any]:
-    """The sequence weights (s̄, s̃, U, two-sided flags) each loss of ``trainer`` uses, in order: what its group
-    layout's public ``row_weights`` returns, recorded as it returns it."""
+    """The sequence weights (s̄, s̃, U, two-sided flags) each loss of ``trainer`` uses, in order: the ``weights`` of
+    the :class:`~dfpo_trl.objectives.step.StepObjective` each micro-step returns (when it has any), recorded through
+    the trainer's ``objective_observers``."""
+    from dfpo_trl.objectives.step import StepObjective
+
     used: list[Any] = []
-    row_weights = trainer.layout.row_weights
 
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        weights = row_weights(*args, **kwargs)
-        used.append(weights)
-        return weights
+    def recording(value: Any) -> None:
+        if isinstance(value, StepObjective) and value.weights is not None:
+            used.append(value.weights)
 
-    trainer.layout.row_weights = recording
+    trainer.objective_observers.append(recording)
     return used
 
 
@@ -228,3 +229,16 @@ def fused_completion_logps(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     labels = ids.masked_fill(attention == 0, -100)
     labels[:, :-length] = -100
     return model(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True).log_probs[:, -length:]
+
+
+def shared_prefix_residual(
+    token_coefficients: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared-prefix residual (docs/metrics.md) of one set of whole groups, (value, count), as the trainer's
+    backward hook computes it (metrics/hooks.py): the mean over shared positions with Σ_i |c_{i,t}| > 0 of
+    |Σ_i c_{i,t}| / Σ_i |c_{i,t}| (0 when no position is used) and that count. Inputs are (num_groups, G, T)."""
+    from dfpo_trl.metrics.mechanism import shared_prefix_mask, shared_prefix_residual_sums
+
+    (total, count), = shared_prefix_residual_sums(token_coefficients, shared_prefix_mask(completion_ids,
+                                                                                          completion_mask))
+    return total / count.clamp(min=1).to(total.dtype), count

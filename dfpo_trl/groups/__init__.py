@@ -1,6 +1,7 @@
 """How a transform gets whole groups (docs/layouts.md).
 
-``ids`` (group and row ids, the (groups, G) index), ``batches`` (rollout dicts joined and reordered), ``policy``
-(which layout, why, at what cost), ``layout`` (the chosen layout at run time), ``redistribute``, ``prepass`` and
-``gather`` (the layouts' data movement).
+``ids`` (group and row ids, the (groups, G) index), ``batches`` (rollout dicts joined and reordered), ``shape`` (the
+run's shape, one frozen record), ``choice`` (which layout, why, at what cost), ``layout`` (the chosen layout at run
+time, delivering each micro-batch's whole groups), ``redistribute``, ``prepass`` and ``gather`` (the layouts' data
+movement).
 """

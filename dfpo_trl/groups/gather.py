@@ -11,7 +11,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["GatheredRows", "gather_row_scalars", "gather_rows"]
+from ..objectives.step import GatheredGroups, RowScalars
+from .ids import group_index, positions_of
+
+__all__ = ["GatheredRows", "gather_groups", "gather_row_scalars", "gather_rows"]
 
 
 def gather_rows(accelerator: Any, values: Tensor) -> Tensor:
@@ -55,3 +58,24 @@ def gather_row_scalars(
         gathered[:, 0].to(torch.int64), gathered[:, 1].to(torch.int64), gathered[:, 2].float(),
         gathered[:, 3].float(), gathered[:, 4] > 0.5, gathered[:, 5],
     )
+
+
+def gather_groups(
+    accelerator: Any, row_ids: Tensor, group_ids: Tensor, rows: RowScalars, advantages: Tensor, group_size: int,
+    equal_rows: bool = False,
+) -> GatheredGroups:
+    """Complete groups straddling processes: every process's (row id, group id, s̄, Â, U, c), grouped.
+
+    Args:
+        row_ids, group_ids: (B,) global ids of this process's rows. rows: their s̄, U and c. advantages: Â (B,).
+        group_size: G. equal_rows: groups whole across processes by construction (the redistributed layout), so
+            one plain all-gather, no group check and no host read.
+
+    Returns:
+        :class:`~dfpo_trl.objectives.step.GatheredGroups`, the same on every process but for ``position``.
+    """
+    gathered = gather_row_scalars(accelerator, row_ids, group_ids, rows.s_bar, advantages, rows.survives,
+                                  rows.factor, equal_rows)
+    index = group_index(gathered.group_ids, group_size, validate=not equal_rows)
+    return GatheredGroups(gathered.row_ids, gathered.s_bar, gathered.advantages, gathered.survives, gathered.factor,
+                          index, positions_of(row_ids, gathered.row_ids))

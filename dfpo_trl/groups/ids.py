@@ -49,9 +49,16 @@ def rollout_ids(
 def group_index(group_ids: torch.Tensor, group_size: int, validate: bool = True) -> torch.Tensor:
     """Row indices arranged as (num_groups, group_size), one row per group, groups in ascending id order.
 
-    Raises a ``ValueError`` that names the layout problem when a group does not have exactly ``group_size``
-    members in ``group_ids`` (a group cut apart by a per-sample shuffle or a split). ``validate=False`` skips
-    that check (it reads the device: a host sync) for ids already checked, e.g. once per rollout.
+    Args:
+        group_ids: (B,) int64, one id per row. group_size: G.
+        validate: check that every group has exactly G rows (it reads the device: a host sync); False for ids
+            already checked, e.g. once per rollout.
+
+    Returns:
+        (B // G, G) int64 row indices.
+
+    Raises:
+        ValueError: naming the layout problem when a group is cut apart (a per-sample shuffle or a split).
     """
     if group_ids.dim() != 1:
         raise ValueError(f"group_ids must be 1-D (one id per row), got shape {tuple(group_ids.shape)}.")
@@ -86,18 +93,17 @@ def holds_whole_groups(group_ids: torch.Tensor, group_size: int) -> bool:
 
 
 def positions_of(row_ids: torch.Tensor, all_row_ids: torch.Tensor) -> torch.Tensor:
-    """Where each of ``row_ids`` sits in ``all_row_ids`` (unique ids, any order, every ``row_ids`` present): the
-    index that takes per-row values gathered from all processes back to a micro-batch's rows."""
+    """Where each of ``row_ids`` sits in ``all_row_ids``: the index that takes per-row values gathered from all
+    processes back to a micro-batch's rows.
+
+    Args:
+        row_ids: (B,) the micro-batch's global row ids. all_row_ids: (N,) unique ids, any order, holding every one.
+
+    Returns:
+        (B,) int64 positions into ``all_row_ids``.
+    """
     order = torch.argsort(all_row_ids)
     return order[torch.searchsorted(all_row_ids[order], row_ids.to(all_row_ids.device))]
-
-
-def scatter_from_groups(grouped: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``x[index]``: put (num_groups, G, ...) values back into row order (B, ...)."""
-    flat_index = index.reshape(-1)
-    out = torch.empty((flat_index.numel(), *grouped.shape[2:]), dtype=grouped.dtype, device=grouped.device)
-    out[flat_index] = grouped.reshape(flat_index.numel(), *grouped.shape[2:])
-    return out
 
 
 def group_granular_order(group_ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

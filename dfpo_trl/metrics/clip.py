@@ -59,18 +59,19 @@ def clipped_ratios(
     eps_low: float,
     eps_high: float,
     symmetric: bool,
-    delta: float | None = None,
+    two_sided_cap: float | None = None,
 ) -> ClippedRatios:
     """The clipped ratios of one micro-batch (module docstring), with TRL's ratio arithmetic.
 
     ``old_per_token_logps`` and ``advantages`` ((B,) or (B, T)) are TRL's loss inputs before DFPO's rewrite;
-    ``mask`` TRL's loss mask; ``symmetric``: GRPO-fix's region (eq. 79) instead of PPO's."""
+    ``mask`` TRL's loss mask; ``symmetric``: GRPO-fix's region (eq. 79) instead of PPO's; ``two_sided_cap``: TRL's
+    ``delta``, the cap on the ratio (None: off)."""
     log_ratio = per_token_logps.detach() - old_per_token_logps
     if sequence_level:
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
-    if delta is not None:
-        ratio = torch.clamp(ratio, max=delta)
+    if two_sided_cap is not None:
+        ratio = torch.clamp(ratio, max=two_sided_cap)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     low = (ratio < 1 - eps_low) & (advantages < 0)

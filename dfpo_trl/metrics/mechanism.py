@@ -1,6 +1,6 @@
 """Mechanism metrics of DFPO's in-group transforms (docs/metrics.md; arXiv 2604.13088 eq. 23/94, 38).
 
-Asym, the orthogonality residual, φ and the shared-prefix cancellation residual take ``(num_groups, G)`` (or
+Asym, the orthogonality residual, φ and the shared-prefix cancellation residual's sums take ``(num_groups, G)`` (or
 ``(num_groups, G, T)``) tensors, compute in float32 (float64 when an input is float64) and return 0-dim tensors, so
 the trainer decides when to synchronise with the device; :func:`log_group_metrics` adds them to the metric store.
 None of them returns NaN for valid input: empty batches give 0.
@@ -15,7 +15,7 @@ import torch
 from ..precision import compute_dtype as _compute_dtype
 
 if TYPE_CHECKING:
-    from ..objectives.plan import GroupedWeights
+    from ..objectives.step import GroupedWeights
     from .store import MetricStore
 
 __all__ = [
@@ -24,7 +24,6 @@ __all__ = [
     "orth_residual",
     "phi_stats",
     "shared_prefix_mask",
-    "shared_prefix_residual",
     "shared_prefix_residual_sums",
 ]
 
@@ -104,32 +103,12 @@ def shared_prefix_mask(completion_ids: torch.Tensor, completion_mask: torch.Tens
     return same.to(torch.int8).cummin(dim=-1).values.bool()
 
 
-def shared_prefix_residual(
-    token_coefficients: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shared-token cancellation residual (docs/metrics.md): returns (value, count).
-
-    Over shared positions (see :func:`shared_prefix_mask`) with Σ_i |c_{i,t}| > 0, the mean of
-    |Σ_i c_{i,t}| / Σ_i |c_{i,t}|, where c_{i,t} is the effective scalar multiplying ∇ℓ_{i,t}. 0 means
-    the shared tokens' gradients cancel exactly, 1 that they all push the same way (the "learning tax").
-    ``count`` (int64 0-dim tensor) is the number of positions used; ``value`` is 0 when it is 0, so the
-    caller should check ``count`` before logging. Inputs are (num_groups, G, T).
-    """
-    if token_coefficients.shape != completion_ids.shape:
-        raise ValueError(
-            "shared_prefix_residual expects token_coefficients shaped like completion_ids; got "
-            f"{tuple(token_coefficients.shape)} and {tuple(completion_ids.shape)}"
-        )
-    (total, count), = shared_prefix_residual_sums(
-        token_coefficients, shared_prefix_mask(completion_ids, completion_mask)
-    )
-    return total / count.clamp(min=1).to(total.dtype), count
-
-
 def shared_prefix_residual_sums(
     token_coefficients: torch.Tensor, shared: torch.Tensor, *group_subsets: torch.Tensor
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(Σ ratio, count) of :func:`shared_prefix_residual` over all groups, then over each subset of groups.
+    """The shared-token cancellation residual (docs/metrics.md) as sums: over shared positions (``shared``) with
+    Σ_i |c_{i,t}| > 0, Σ |Σ_i c_{i,t}| / Σ_i |c_{i,t}| and the count of such positions (0 means the shared tokens'
+    gradients cancel exactly, 1 that they all push the same way), over all groups, then over each subset of groups.
 
     ``token_coefficients`` (num_groups, G, T); ``shared`` the (num_groups, T) mask of
     :func:`shared_prefix_mask`; each of ``group_subsets`` a (num_groups,) bool selecting groups (e.g. the two-sided
@@ -151,7 +130,13 @@ def log_group_metrics(store: MetricStore, mode: str, grouped: GroupedWeights, of
     """The group metrics of one transformed set of whole groups, as device tensors pooled over groups (eq. 23/94,
     the orthogonality residual, φ, and the share of one-sided groups of eq. C8); the diagnostics share of groups
     without signal, and on an ``off_policy`` step (the rollout is an optimizer step old or more) φ again under
-    ``diagnostics/phi_*_off_policy``, where it can differ from 1."""
+    ``diagnostics/phi_*_off_policy``, where it can differ from 1.
+
+    Args:
+        store: the metric store. mode: ``"train"`` or ``"eval"``.
+        grouped: the transformed groups, (num_groups, G) views of s̄, s̃, Â and their sides (objectives/step.py).
+        off_policy: whether this step trains on a rollout an optimizer step old or more.
+    """
     s_bar, s_tilde, adv = grouped.s_bar.detach(), grouped.s_tilde.detach(), grouped.advantages.detach()
     sides, groups = grouped.sides, s_bar.size(0)
     # eq. C8: the share of groups with signal that no per-sequence weight can balance

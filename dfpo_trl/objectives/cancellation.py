@@ -84,22 +84,22 @@ FACTOR_LOSS_TYPES: tuple[str, ...] = (*_PER_SEQUENCE_MEAN_LOSSES, *_MICRO_BATCH_
 def aggregation_factor(
     mask: torch.Tensor,
     loss_type: str,
-    token_weights: torch.Tensor | None = None,
+    is_ratio: torch.Tensor | None = None,
     micro_batch_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """c_i of eq. C3: the factor TRL's aggregation puts on member i's sequence term at each of its tokens.
 
     With sequence-level importance sampling ∂ρ_i/∂ℓ_{i,t} = 1/L_i, and member i's term enters the loss with the
-    weight W_i = Σ_t m_{i,t} w_{i,t} (``token_weights`` w: TRL's vLLM importance-sampling ratio where it
+    weight W_i = Σ_t m_{i,t} w_{i,t} (``is_ratio`` w: TRL's vLLM importance-sampling ratio where it
     applies it, else 1) times the loss type's normaliser, so c_i = W_i / L_i × (1/L_i for ``"grpo"``,
     1/N_mb for ``"bnpo"`` with N_mb the micro-batch's token count, 1 for ``"dapo"``, ``"dr_grpo"``,
-    ``"luspo"``, whose normalisers are shared by every row). Without ``token_weights`` W_i = L_i, so c is
+    ``"luspo"``, whose normalisers are shared by every row). Without ``is_ratio`` W_i = L_i, so c is
     1/L_i, 1/N_mb or exactly 1. Rows with L_i = 0 get c_i = 0. ``mask`` is (B, T) (completion × tool mask);
     ``micro_batch_tokens`` is (B,) and required for ``"bnpo"``.
     """
     m = mask.to(torch.float64)
     lengths = m.sum(-1)
-    weighted = lengths if token_weights is None else (m * token_weights.to(torch.float64)).sum(-1)
+    weighted = lengths if is_ratio is None else (m * is_ratio.to(torch.float64)).sum(-1)
     per_length = weighted / lengths.clamp(min=1.0)
     if loss_type in _PER_SEQUENCE_MEAN_LOSSES:
         return per_length / lengths.clamp(min=1.0)

@@ -1,48 +1,34 @@
 """ObjectivePlan: the config's objective resolved once into the functions and constants the math takes.
 
 A parameter goes from the config to the math in two hops a reader can follow: the config field is read here, once,
-when the trainer is built (:meth:`ObjectivePlan.from_config`, hop 1), and the plan hands the pure functions of
-``objectives/`` what they take (hop 2). ``group_transform``, for instance, becomes the transform's registry entry
-(:func:`~dfpo_trl.objectives.transforms.get_transform`, built-in or registered), whose properties (balance
-condition, non-negative weights, balanced form on the clip survivors) decide the rest, and
-:meth:`ObjectivePlan.transform_rows` calls :func:`~dfpo_trl.objectives.cancellation.transform_group_weights` with it,
-which calls the entry's function. This is the one place DFPO's objective compares a config string; the trainer and
-the layouts ask the plan.
+when the trainer is built (:meth:`ObjectivePlan.from_config`, hop 1), and the one call of a micro-step,
+:func:`~dfpo_trl.objectives.step.micro_step_objective`, reads the plan's fields (hop 2). ``group_transform``, for
+instance, becomes the transform's registry entry (:func:`~dfpo_trl.objectives.transforms.get_transform`, built-in
+or registered), whose properties (balance condition, non-negative weights, balanced form on the clip survivors)
+decide the rest, and :func:`~dfpo_trl.objectives.step.transform_groups` hands it to
+:func:`~dfpo_trl.objectives.cancellation.transform_group_weights`, which calls the entry's function. This is the one
+place DFPO's objective compares a config string; the trainer and the layouts ask the plan.
 
 TRL's own loss settings that TRL keeps on the trainer (ε_low, ε_high, the vLLM importance-sampling switch) are not
-in the plan: they are read from the trainer at each call, where TRL's loss reads them.
+in the plan: the trainer reads them at each call (:class:`~dfpo_trl.objectives.step.ClipRange`), where TRL's loss
+reads them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 
 from ..delta.rollout import DOMAIN_MICRO_BATCH, normalisation_domain
-from ..groups.ids import scatter_from_groups
-from .cancellation import FACTOR_LOSS_TYPES, GroupSides, aggregation_factor, transform_group_weights
 from .rewrite import RewriteForm
 from .transforms import GroupTransform, get_transform
-from .weights import PostClipWeights, RowWeights, post_clip_weights
 
 if TYPE_CHECKING:
     from ..config import DFPOConfig
 
-__all__ = ["GroupedWeights", "ObjectivePlan"]
-
-
-class GroupedWeights(NamedTuple):
-    """The transform of one set of whole groups: per row (:class:`RowWeights`), and the (num_groups, G) views of
-    s̄, s̃ and Â with the groups' sides (eq. C8) that the group metrics read."""
-
-    rows: RowWeights
-    s_bar: Tensor
-    s_tilde: Tensor
-    advantages: Tensor
-    sides: GroupSides
+__all__ = ["ObjectivePlan"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +55,7 @@ class ObjectivePlan:
     def from_config(cls, config: DFPOConfig) -> ObjectivePlan:
         """Hop 1: every DFPO field the objective reads, read here once (the config has validated them)."""
         gradient_target = config.cancellation_target == "gradient"
-        delta = config.token_weighting == "delta"
+        token_weighting = config.token_weighting == "delta"
         transform = get_transform(config.group_transform)  # the registry as it is now
         return cls(
             transform=transform,
@@ -82,7 +68,8 @@ class ObjectivePlan:
                 score_form=config.transform_gradient == "score",
                 transform_active=config.group_transform != "none",
                 flip_to_score=gradient_target and not transform.nonnegative,  # Orth-Proj's negative weights
-                renormalise_token_weights=delta and normalisation_domain(config.loss_type) == DOMAIN_MICRO_BATCH,
+                renormalise_token_weights=token_weighting
+                and normalisation_domain(config.loss_type) == DOMAIN_MICRO_BATCH,
             ),
             sequence_level=config.importance_sampling_level == "sequence",
             rewrites_sequences=config.sequence_rewrite_active,
@@ -91,7 +78,7 @@ class ObjectivePlan:
             group_metrics=config.log_mechanism_metrics,
             energy_buckets=config.log_energy_buckets,
             energy_form=config.energy_form,
-            token_weighting=delta,
+            token_weighting=token_weighting,
             active_options=config.describe_active_options(),
         )
 
@@ -110,36 +97,3 @@ class ObjectivePlan:
     def differentiates(self, whole_groups: bool) -> bool:
         """The no-stop-gradient ablation is differentiated here: whole groups in the micro-batch, grad enabled."""
         return not self.stop_gradient and whole_groups and torch.is_grad_enabled()
-
-    def post_clip_weights(
-        self, logps: Tensor, old: Tensor, mask: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
-        delta: float | None,
-    ) -> PostClipWeights:
-        """s̄ (eq. 44–47) and U (eq. C2) of rows, with TRL's clip range; every row survives in the score form."""
-        return post_clip_weights(logps, old, mask, advantages, eps_low, eps_high, delta,
-                                 score_form=self.form.score_form)
-
-    def aggregation_factor(self, mask: Tensor, token_weights: Tensor | None, micro_batch_tokens: Tensor) -> Tensor:
-        """c_i (eq. C3) of every row: TRL's per-member aggregation factor (``token_weights``: TRL's vLLM
-        importance-sampling ratio where TRL applies it). Loss types that are not a clipped surrogate (only
-        reachable with no transform, for the metrics) get c = 1."""
-        if self.loss_type not in FACTOR_LOSS_TYPES:
-            return torch.ones(mask.size(0), dtype=torch.float64, device=mask.device)
-        return aggregation_factor(mask, self.loss_type, token_weights, micro_batch_tokens)
-
-    def transform_rows(
-        self, s_bar: Tensor, advantages: Tensor, survives: Tensor, factor: Tensor, index: Tensor
-    ) -> GroupedWeights:
-        """Hop 2: the configured transform on the (num_groups, G) view given by ``index``, balancing Â
-        (``"weights"``) or the surviving gradient coefficients a = Â c 1[U] (``"gradient"``, eq. C1); rows back
-        in row order."""
-        s_bar_g, adv_g, survives_g = s_bar[index], advantages[index].to(s_bar.dtype), survives[index]
-        s_tilde_g, sides = transform_group_weights(
-            self.transform, s_bar_g, adv_g, survives_g, factor[index], self.cancellation_target, self.one_sided,
-            scale_factor=self.scale_factor, truncate_floor=self.truncate_floor,
-        )
-        two_sided_g = sides.two_sided.unsqueeze(-1).expand_as(survives_g)
-        rows = RowWeights(
-            s_bar, scatter_from_groups(s_tilde_g, index), survives, scatter_from_groups(two_sided_g, index)
-        )
-        return GroupedWeights(rows, s_bar_g, s_tilde_g, adv_g, sides)

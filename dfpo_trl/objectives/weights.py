@@ -51,7 +51,15 @@ def bounded_old_logps(
 ) -> Tensor:
     """Old log-probs shifted so that TRL's log-ratio, ρ_i (eq. 44) at sequence level or ℓ − ℓ_old per token,
     lies in ±``max_log_ratio``: exp() never overflows and Â = 0 rows never give inf·0. Inside the bound the
-    shift is exactly 0 (the same values, no data-dependent branch); gradients are unchanged."""
+    shift is exactly 0 (the same values, no data-dependent branch); gradients are unchanged.
+
+    Args:
+        per_token_logps: ℓ(θ) (B, T). old: ℓ_old (B, T). mask: the loss mask (B, T).
+        sequence_level: bound ρ_i per row (TRL's sequence-level importance sampling) instead of each token's.
+
+    Returns:
+        The bounded old log-probs (B, T).
+    """
     log_ratio = per_token_logps.detach() - old
     if sequence_level:
         rho = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
@@ -106,20 +114,21 @@ def sign_aware_post_clip(s: torch.Tensor, advantages: torch.Tensor, eps_low: flo
 
 
 def clip_survivors(
-    s: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float, delta: float | None = None
+    s: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float, two_sided_cap: float | None = None
 ) -> torch.Tensor:
     """U of eq. C2: members whose gradient survives TRL's clipped surrogate -min(s Â, clip(s) Â).
 
     Sign-aware, as eq. 46–47: for Â ≥ 0 the gradient is lost when s > 1 + ε_high; for Â < 0 when
-    s < 1 − ε_low, or, with TRL's two-sided ``delta`` (which caps s at δ for the unclipped branch), when s > δ.
+    s < 1 − ε_low, or, with TRL's two-sided cap δ (``two_sided_cap``: TRL's ``delta``, which caps s at δ for the
+    unclipped branch), when s > δ.
     At a boundary (s exactly 1 ± ε) TRL's min still passes the gradient, so boundaries count as surviving.
     Elementwise on any shape; returns a bool tensor.
     """
     positive = advantages >= 0
     survives_positive = s <= 1.0 + eps_high
     survives_negative = s >= 1.0 - eps_low
-    if delta is not None:
-        survives_negative = survives_negative & (s <= delta)
+    if two_sided_cap is not None:
+        survives_negative = survives_negative & (s <= two_sided_cap)
     return torch.where(positive, survives_positive, survives_negative)
 
 
@@ -133,16 +142,24 @@ class PostClipWeights(NamedTuple):
 
 def post_clip_weights(
     logps: Tensor, old: Tensor, mask: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
-    delta: float | None = None, score_form: bool = False,
+    two_sided_cap: float | None = None, score_form: bool = False,
 ) -> PostClipWeights:
     """s̄ = sign-aware post-clip of s = exp(ρ) (eq. 44–47) and U, the rows whose gradient survives TRL's clip
-    (eq. C2; every row in the score form, which is never clipped). Differentiable in ``logps``."""
+    (eq. C2; every row in the score form, which is never clipped). Differentiable in ``logps``.
+
+    Args:
+        logps: ℓ(θ) (B, T). old: the old log-probs TRL's loss reads (B, T). mask: the loss mask (B, T).
+        advantages: Â (B,). eps_low, eps_high, two_sided_cap: TRL's clip settings. score_form: every row survives.
+
+    Returns:
+        :class:`PostClipWeights`: s̄, U and the sanitised flags, (B,) each.
+    """
     sanitised = (~torch.isfinite(logps.detach() - old) & (mask != 0)).any(-1)
     s = torch.exp(sequence_log_ratio(logps, old, mask))
     s_bar = sign_aware_post_clip(s, advantages, eps_low, eps_high)
     if score_form:
         return PostClipWeights(s_bar, torch.ones_like(s, dtype=torch.bool), sanitised)
-    return PostClipWeights(s_bar, clip_survivors(s.detach(), advantages, eps_low, eps_high, delta), sanitised)
+    return PostClipWeights(s_bar, clip_survivors(s.detach(), advantages, eps_low, eps_high, two_sided_cap), sanitised)
 
 
 class RowWeights(NamedTuple):

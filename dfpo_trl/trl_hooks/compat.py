@@ -210,20 +210,29 @@ def bind_call(method_name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return arguments
 
 
+#: The rows TRL's off-policy mask keeps, of (Â, current, old, sampler's log-probs or None, loss mask): see below.
+OffPolicyKeep = Callable[[Tensor, Tensor, Tensor, "Tensor | None", Tensor], Tensor]
+
+
 def trl_off_policy_keep(
-    trainer: Any, advantages: Tensor, per_token_logps: Tensor, old_per_token_logps: Tensor,
-    sampling_per_token_logps: Tensor | None, mask: Tensor,
-) -> Tensor | None:
-    """The rows TRL 1.16's off-policy sequence mask keeps in ``_compute_loss``, as a (B,) bool tensor; None when
-    ``off_policy_mask_threshold`` is unset. Computed by the trainer's own ``get_off_policy_mask`` (what TRL's loss
-    calls) on the inputs TRL's loss hands it: the sampler's log-probs where the rollout has them, else the old
-    log-probs TRL's loss reads (``old_per_token_logps``: the detached current ones when TRL computed none), the
-    current log-probs ``per_token_logps`` and the loss mask. ``advantages`` is (B,)."""
-    threshold = trainer.off_policy_mask_threshold
-    if threshold is None:
-        return None
+    get_off_policy_mask: Callable[..., Tensor], threshold: float, advantages: Tensor, per_token_logps: Tensor,
+    old_per_token_logps: Tensor, sampling_per_token_logps: Tensor | None, mask: Tensor,
+) -> Tensor:
+    """The rows TRL 1.16's off-policy sequence mask keeps in ``_compute_loss``.
+
+    Args:
+        get_off_policy_mask: the trainer's ``get_off_policy_mask`` (TRL's static method, or a subclass's
+            override: not a copy, so either is followed). threshold: TRL's ``off_policy_mask_threshold``.
+        advantages: Â (B,). per_token_logps: the current log-probs (B, T).
+        old_per_token_logps: the old log-probs TRL's loss reads (B, T): the detached current ones when TRL
+            computed none. sampling_per_token_logps: the sampler's (B, T), used instead where the rollout has them.
+        mask: the loss mask (B, T).
+
+    Returns:
+        (B,) bool, what the mask TRL's loss calls keeps.
+    """
     sampling = old_per_token_logps if sampling_per_token_logps is None else sampling_per_token_logps
-    keep = trainer.get_off_policy_mask(
+    keep = get_off_policy_mask(
         advantages=advantages.unsqueeze(1), per_token_logps=per_token_logps, sampling_per_token_logps=sampling,
         mask=mask, off_policy_threshold=threshold,
     )
@@ -242,12 +251,15 @@ def off_policy_step(trainer: Any) -> bool:
     return trainer._step % generate_every(trainer) >= trainer.args.gradient_accumulation_steps
 
 
+def applies_is_ratio(trainer: Any) -> bool:
+    """Whether TRL 1.16's loss multiplies in its vLLM importance-sampling ratio (after DFPO's rewrite)."""
+    return bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction and trainer.loss_type != "vespo")
+
+
 def applied_is_ratio(trainer: Any, inputs: dict[str, Any]) -> Any:
     """TRL's vLLM importance-sampling ratio where TRL 1.16's loss multiplies it in (after DFPO's rewrite), else
     None: ``inputs["importance_sampling_ratio"]``, (B, T) in the token modes, (B, 1) in the sequence modes."""
-    if trainer.use_vllm and trainer.vllm_importance_sampling_correction and trainer.loss_type != "vespo":
-        return inputs.get("importance_sampling_ratio")
-    return None
+    return inputs.get("importance_sampling_ratio") if applies_is_ratio(trainer) else None
 
 
 def trl_runs_old_logps_forward(trainer: Any) -> bool:

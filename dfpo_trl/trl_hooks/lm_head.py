@@ -78,13 +78,13 @@ class HiddenCapture:
 
 
 def capture_log_prob_forward(
-    capture: HiddenCapture, model: torch.nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]],
+    capture: HiddenCapture, model: torch.nn.Module, arguments: tuple[tuple[Any, ...], dict[str, Any]],
     forward: Callable[[], Any],
 ) -> Any:
     """Run one call of TRL's ``_get_per_token_logps_and_entropies`` (``forward``) with ``capture`` hooked on the
-    backbone its fused head reads. ``model`` is the unwrapped policy; ``call`` the call's (args, kwargs), whose
+    backbone its fused head reads. ``model`` is the unwrapped policy; ``arguments`` the call's (args, kwargs), whose
     ``logits_to_keep`` is read by name. The one wiring DelTA's rollout forward and the energy metric share."""
-    args, kwargs = call
+    args, kwargs = arguments
     logits_to_keep = bind_call("_get_per_token_logps_and_entropies", *args, **kwargs)["logits_to_keep"]
     return capture.run(lm_head_input_module(model, capture.purpose), int(logits_to_keep), forward)
 

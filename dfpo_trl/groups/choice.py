@@ -1,4 +1,4 @@
-"""Which group layout a run uses (docs/layouts.md): the choice, its one-line description with cost, its refusals.
+"""The choice of a run's group layout (docs/layouts.md): the choice, its one-line description with cost, its refusals.
 
 A transform needs every member's s̄ at the same θ. :func:`choose_layout` picks the cheapest layout that makes the
 coefficients exact for the batch sizes and process count, and refuses only what no layout can make exact;
@@ -27,6 +27,7 @@ __all__ = [
     "model_is_multimodal",
     "multimodal_refusal",
     "refuse_multimodal_batch",
+    "refuse_multimodal_model",
     "regroups_batches",
 ]
 
@@ -148,6 +149,13 @@ def multimodal_refusal(layout: str, options: str, why: str) -> str:
         "image patches) and the pre-pass does not pass them to the model. Vision-language batches are not "
         "supported with this layout: use a text-only model, or turn the option off."
     )
+
+
+def refuse_multimodal_model(layout: str, options: str, model: Any, processing_class: Any) -> None:
+    """Raise :func:`multimodal_refusal`'s error at start-up when ``layout`` regroups the rollout and the
+    (unwrapped) model or its processor is multimodal."""
+    if regroups_batches(layout) and model_is_multimodal(model, processing_class):
+        raise ValueError(multimodal_refusal(layout, options, "the model or its processor is multimodal"))
 
 
 def refuse_multimodal_batch(batch: dict[str, Any], layout: str, options: str) -> None:
