@@ -408,12 +408,12 @@ FIELD_TABLE = {'versions': {'trl': '1.16.0', 'transformers': '5.24.0'},
              'group_transform': {'default': "'none'",
                                  'negated': None,
                                  'help': 'In-group transform of the post-clip sequence weights s̄ (stop-gradient): '
-                                         '`"none"` (GSPO), `"min_replace"`, `"orth_proj"`, `"positive_orth_proj"` '
-                                         '(exact QP), `"truncate_rebalance"`, `"scale"` (ablation), or one '
-                                         'registered by `register_transform`. Needs '
-                                         '`importance_sampling_level="sequence"`; acts only off-policy. Source: '
-                                         'DFPO eq. 47, 49, 50, 18, 51, 52–55, Table 3; docs/design.md, '
-                                         'docs/extending.md.'},
+                                         '`"none"` (GSPO, eq. 49), `"min_replace"` (eq. 50), `"orth_proj"` (eq. '
+                                         '18), `"positive_orth_proj"` (exact QP of eq. 51), `"truncate_rebalance"` '
+                                         '(eq. 52-55), `"scale"` (Table 3 ablation), or one registered by '
+                                         '`register_transform`. Needs `importance_sampling_level="sequence"`; acts '
+                                         'only off-policy. Source: DFPO eq. 47, 49, 50, 18, 51, 52–55, Table 3; '
+                                         'docs/design.md, docs/extending.md.'},
              'transform_scale': {'default': '0.5',
                                  'negated': None,
                                  'help': 'κ of the `"scale"` ablation, s̃ = κ s̄; finite and > 0. Source: DFPO '

@@ -18,24 +18,21 @@ and stores them per row in ``output["delta_weights"]`` (B, T), where the loss-in
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..options import DELTA_LOSS_TYPES, DOMAIN_SEQUENCE, LOSS_TYPES
+from ..options import DOMAIN_MICRO_BATCH as DOMAIN_MICRO_BATCH  # objectives/plan.py's import, until it reads options
 from ..precision import compute_dtype as _compute_dtype
+from ..rules import quoted
 from .centroids import Reducer
-from .weights import self_normalise, token_weights_from_hidden
-
-if TYPE_CHECKING:
-    from ..config import DFPOConfig
+from .weights import DeltaFields, self_normalise, token_weights_from_hidden
 
 __all__ = [
     "DELTA_WEIGHTS_KEY",
-    "DOMAIN_MICRO_BATCH",
-    "DOMAIN_ROLLOUT",
-    "DOMAIN_SEQUENCE",
     "coefficient_options",
     "delta_token_weights",
     "delta_weights",
@@ -50,12 +47,9 @@ __all__ = [
 
 DELTA_WEIGHTS_KEY = "delta_weights"
 TOKEN_TABLE_SIZE = 10
-DOMAIN_SEQUENCE = "sequence"  # loss_type="grpo": per-sequence token mean
-DOMAIN_MICRO_BATCH = "micro_batch"  # loss_type="bnpo": token mean of the local micro-batch
-DOMAIN_ROLLOUT = "rollout"  # loss_type="dapo" / "dr_grpo": tokens of the whole (global) rollout batch
 
 
-def coefficient_options(config: DFPOConfig) -> dict[str, Any]:
+def coefficient_options(config: DeltaFields) -> dict[str, Any]:
     """:func:`token_weights_from_hidden` keyword arguments from a ``DFPOConfig``'s ``delta_*`` fields.
 
     ``delta_scope`` is not among them: it decides whether the caller passes an ``all_reduce``.
@@ -79,7 +73,7 @@ def delta_weights(
     logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    config: DFPOConfig,
+    config: DeltaFields,
     *,
     per_sequence: bool = False,
     all_reduce: Reducer | None = None,
@@ -107,7 +101,7 @@ def delta_token_weights(
     logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    config: DFPOConfig,
+    config: DeltaFields,
     *,
     generator: torch.Generator | None = None,
 ) -> Tensor:
@@ -128,15 +122,22 @@ def normalisation_domain(loss_type: str) -> str:
 
     ``grpo`` divides each sequence by its length: per sequence. ``bnpo`` divides the micro-batch by its
     (local) token count: per micro-batch, done at loss time. ``dapo`` divides by the token count of the whole
-    generation batch over all processes, ``dr_grpo`` by a constant: over the global rollout batch.
+    generation batch over all processes, ``dr_grpo`` by a constant: over the global rollout batch (the
+    ``delta_domain`` column of :data:`dfpo_trl.options.LOSS_TYPES`).
+
+    Args:
+        loss_type: TRL's ``loss_type``.
+
+    Returns:
+        ``DOMAIN_SEQUENCE``, ``DOMAIN_MICRO_BATCH`` or ``DOMAIN_ROLLOUT`` of :mod:`dfpo_trl.options`.
     """
-    if loss_type == "grpo":
-        return DOMAIN_SEQUENCE
-    if loss_type == "bnpo":
-        return DOMAIN_MICRO_BATCH
-    if loss_type in ("dapo", "dr_grpo"):
-        return DOMAIN_ROLLOUT
-    raise ValueError(f"token_weighting='delta' has no normalisation domain for loss_type={loss_type!r}.")
+    entry = LOSS_TYPES.get(loss_type)
+    if entry is None or entry.delta_domain is None:
+        raise ValueError(
+            f"token_weighting='delta' has no normalisation domain for loss_type={loss_type!r}; use one of "
+            f"{quoted(DELTA_LOSS_TYPES, ', ')}."
+        )
+    return entry.delta_domain
 
 
 def sum_over_processes(t: Tensor) -> Tensor:
@@ -145,7 +146,7 @@ def sum_over_processes(t: Tensor) -> Tensor:
     return t
 
 
-def weight_reducer(args: Any, num_processes: int) -> Reducer | None:
+def weight_reducer(args: DeltaFields, num_processes: int) -> Reducer | None:
     """The ``all_reduce`` of the weights' statistics: over every process for ``delta_scope="global"``, none (each
     process's shard alone, the released code's scope) for ``"process"`` or a single process."""
     if num_processes > 1 and args.delta_scope == "global":
@@ -158,7 +159,7 @@ def rollout_weights(
     logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    args: Any,
+    args: DeltaFields,
     *,
     all_reduce: Reducer | None = None,
     generator: torch.Generator | None = None,

@@ -53,76 +53,100 @@ Conventions (the user documentation must state them):
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from ..options import ASSIGNMENTS, CONTRASTS, GAMMA_RULES, GAMMA_UPDATES, SCOPES, ZERO_ADVANTAGE_RULES
 from ..precision import compute_dtype as _compute_dtype
+from ..rules import FieldRule, finite, integer, one_of, problems, quoted
 from .centroids import Gamma, Reducer, all_reduced, refined_scores, side_sums
 
 __all__ = [
-    "GAMMA_RULES",
-    "GAMMA_UPDATES",
-    "SCOPES",
-    "ZERO_ADVANTAGE_RULES",
+    "DELTA_RULES",
+    "DeltaFields",
+    "read_gamma",
     "self_normalise",
     "token_weights",
     "token_weights_from_hidden",
 ]
 
-# Option values; the first of each is the default and the authors' released code's behaviour (docs/delta.md).
-GAMMA_RULES = ("std", "mean_abs")  # or a number: a fixed γ
-GAMMA_UPDATES = ("lagged", "current")
-ZERO_ADVANTAGE_RULES = ("lambda_min", "one")
-SCOPES = ("global", "process")  # "global" is ours (all processes); "process" is the released code's
-
-_ASSIGNMENTS = ("soft", "hard")
-_CONTRASTS = ("opposite", "within")
 _DEFAULT_CHUNK = 16384
 
 
-def _check_gamma(gamma: Any) -> None:
-    if gamma is None:
-        raise ValueError(
-            "gamma=None (the former adaptive mean-|margin| γ) is no longer accepted: use 'std' (the authors' released "
-            "code, the default) or 'mean_abs' (the former rule), or a number > 0 for a fixed γ."
-        )
-    if isinstance(gamma, str):
-        if gamma not in GAMMA_RULES:
-            raise ValueError(f"gamma must be one of {GAMMA_RULES} or a number > 0, got {gamma!r}")
-        return
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (math.isfinite(gamma) and gamma > 0):
-        raise ValueError(f"gamma must be a finite number > 0 (a fixed γ) or one of {GAMMA_RULES}, got {gamma!r}")
+class DeltaFields(Protocol):
+    """What DelTA reads of a ``DFPOConfig``: its ``delta_*`` fields (and, at rollout time, TRL's ``loss_type``)."""
+
+    loss_type: str
+    delta_lambda_min: float
+    delta_lambda_max: float
+    delta_refine_steps: int
+    delta_gamma: Gamma
+    delta_gamma_update: str
+    delta_zero_advantage: str
+    delta_scope: str
+    delta_assignment: str
+    delta_contrast: str
+    delta_random: bool
 
 
-def _check_options(
-    lambda_min: float,
-    lambda_max: float,
-    refine_steps: int,
-    gamma: Gamma,
-    gamma_update: str,
-    zero_advantage: str,
-    assignment: str,
-    contrast: str,
-    chunk_tokens: int,
-) -> None:
-    if not lambda_min <= lambda_max:
-        raise ValueError(f"lambda_min ({lambda_min}) must be <= lambda_max ({lambda_max})")
-    if refine_steps < 0:
-        raise ValueError(f"refine_steps must be >= 0, got {refine_steps}")
-    _check_gamma(gamma)
-    if gamma_update not in GAMMA_UPDATES:
-        raise ValueError(f"gamma_update must be one of {GAMMA_UPDATES}, got {gamma_update!r}")
-    if zero_advantage not in ZERO_ADVANTAGE_RULES:
-        raise ValueError(f"zero_advantage must be one of {ZERO_ADVANTAGE_RULES}, got {zero_advantage!r}")
-    if assignment not in _ASSIGNMENTS:
-        raise ValueError(f"assignment must be one of {_ASSIGNMENTS}, got {assignment!r}")
-    if contrast not in _CONTRASTS:
-        raise ValueError(f"contrast must be one of {_CONTRASTS}, got {contrast!r}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+def read_gamma(gamma: Any) -> Any:
+    """A fixed ``delta_gamma`` given as a numeric string (the command line) or an int becomes a float."""
+    if isinstance(gamma, str) and gamma not in GAMMA_RULES:
+        try:
+            return float(gamma)
+        except ValueError:
+            return gamma
+    if integer(gamma):
+        return float(gamma)
+    return gamma
+
+
+def _gamma_rule(value: Any, _: Any) -> str:
+    if value is None:
+        return "is no longer accepted (it meant the adaptive mean-|margin| gamma)"
+    return "is not valid: it must be 'std', 'mean_abs' or a finite number > 0 (a fixed gamma)"
+
+
+#: DelTA's options and their one rule each, under the config's field names; the functions below take the same
+#: options as keyword arguments without the ``delta_`` prefix and apply these rules to them.
+DELTA_RULES: tuple[FieldRule, ...] = (
+    FieldRule(
+        "delta_lambda_min",
+        lambda v, c: finite(v) and (not finite(c.delta_lambda_max) or 0 < v <= c.delta_lambda_max),
+        lambda _, c: f"with delta_lambda_max={c.delta_lambda_max!r} must be a finite number with "
+        "0 < delta_lambda_min <= delta_lambda_max (the weights multiply advantages and must stay positive)",
+        "the paper uses 0.8 and 1.2",
+    ),
+    FieldRule("delta_lambda_max", lambda v, _: finite(v), "must be a finite number", "the paper uses 0.8 and 1.2"),
+    FieldRule(
+        "delta_refine_steps", lambda v, _: integer(v) and v >= 0, "must be an integer >= 0", "the paper uses 1"
+    ),
+    FieldRule(
+        "delta_gamma", lambda v, _: v in GAMMA_RULES or finite(v) and v > 0, _gamma_rule,
+        "use 'std' (the authors' released code, the default), 'mean_abs' (the former rule) or a fixed number > 0",
+    ),
+    FieldRule("delta_gamma_update", one_of(GAMMA_UPDATES), "is not valid", f"use {quoted(GAMMA_UPDATES)}"),
+    FieldRule("delta_zero_advantage", one_of(ZERO_ADVANTAGE_RULES), "is not valid",
+              f"use {quoted(ZERO_ADVANTAGE_RULES)}"),
+    FieldRule("delta_scope", one_of(SCOPES), "is not valid", f"use {quoted(SCOPES)}"),
+    FieldRule("delta_assignment", one_of(ASSIGNMENTS), "is not valid", f"use {quoted(ASSIGNMENTS)}"),
+    FieldRule("delta_contrast", one_of(CONTRASTS), "is not valid", f"use {quoted(CONTRASTS)}"),
+)
+_FUNCTION_RULES = tuple(rule for rule in DELTA_RULES if rule.field != "delta_scope")  # scope: the caller's reducer
+
+
+def _check_options(chunk_tokens: int, **options: Any) -> None:
+    """:data:`DELTA_RULES` on a function's keyword arguments (``lambda_min`` for ``delta_lambda_min``, ...), every
+    problem at once, named as the function's arguments."""
+    holder = SimpleNamespace(**{f"delta_{name}": value for name, value in options.items()})
+    found = [p.replace("delta_", "") for p in problems(_FUNCTION_RULES, holder)]
+    if not (integer(chunk_tokens) and chunk_tokens >= 1):
+        found.append(f"chunk_tokens={chunk_tokens!r} must be an integer >= 1; the default is {_DEFAULT_CHUNK}")
+    if found:
+        raise ValueError("invalid DelTA option(s): " + " | ".join(found) + ".")
 
 
 @torch.no_grad()
@@ -146,7 +170,8 @@ def _weights_core(
 ) -> Tensor:
     """Shared implementation: proxy vectors are ``v = coef · h`` (coef = 1 for the vector path)."""
     _check_options(
-        lambda_min, lambda_max, refine_steps, gamma, gamma_update, zero_advantage, assignment, contrast, chunk_tokens
+        chunk_tokens, lambda_min=lambda_min, lambda_max=lambda_max, refine_steps=refine_steps, gamma=gamma,
+        gamma_update=gamma_update, zero_advantage=zero_advantage, assignment=assignment, contrast=contrast,
     )
     if h.dim() != 3:
         raise ValueError(f"expected (B, T, d) vectors/hidden states, got shape {tuple(h.shape)}")

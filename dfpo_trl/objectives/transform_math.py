@@ -24,11 +24,44 @@ The registry that names them, with the properties the objective reads, is :mod:`
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
 from ..precision import compute_dtype as _compute_dtype
 
+# The valid ranges of the two constants, one definition for the math below and the config's checks.
+SCALE_FACTOR_RULE = (
+    "must be a finite number > 0 (the factor κ of the 'scale' ablation: 0 drops every update, a negative κ "
+    "reverses it)"
+)
+SCALE_FACTOR_FIX = "the paper uses 0.5"
+TRUNCATE_FLOOR_RULE = (
+    "must be in (0, 1) (a floor far below the weights, which are 1 on-policy: a floor >= 1 would replace them)"
+)
+TRUNCATE_FLOOR_FIX = "the default is 1e-6"
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def valid_scale_factor(factor: Any) -> bool:
+    """Whether κ of the ``"scale"`` ablation (Table 3) is usable: a finite number > 0."""
+    return _real(factor) and factor > 0
+
+
+def valid_truncate_floor(floor: Any) -> bool:
+    """Whether ϵ of Truncate-and-Rebalance (eq. 52) is usable: in (0, 1), an underflow guard below the on-policy
+    weight 1."""
+    return _real(floor) and 0 < floor < 1
+
 __all__ = [
+    "SCALE_FACTOR_FIX",
+    "SCALE_FACTOR_RULE",
+    "TRUNCATE_FLOOR_FIX",
+    "TRUNCATE_FLOOR_RULE",
     "W_MAX",
     "min_replace",
     "min_replace_on_subset",
@@ -36,6 +69,8 @@ __all__ = [
     "positive_orth_proj",
     "scale",
     "truncate_rebalance",
+    "valid_scale_factor",
+    "valid_truncate_floor",
 ]
 
 
@@ -202,8 +237,8 @@ def truncate_rebalance(w: torch.Tensor, advantages: torch.Tensor, floor: float =
     by α or β < 1, scaled members can fall below ``floor``. The result is ≥ 0 and orthogonal to Â.
     """
     _check_groups(w, advantages)
-    if not (floor >= 0 and floor < float("inf")):
-        raise ValueError(f"truncate_floor must be a finite number >= 0, got {floor}")
+    if not valid_truncate_floor(floor):
+        raise ValueError(f"truncate_floor={floor!r} {TRUNCATE_FLOOR_RULE}; {TRUNCATE_FLOOR_FIX}")
     dtype = _compute_dtype(w, advantages)
     x = _sanitize_weights(w, dtype)
     a, _ = _normalized_advantages(advantages, dtype)
@@ -231,8 +266,8 @@ def scale(w: torch.Tensor, advantages: torch.Tensor, factor: float = 0.5) -> tor
     cancellation effect. ``advantages`` is unused.
     """
     _check_groups(w, advantages)
-    if not (factor >= 0 and factor < float("inf")):
-        raise ValueError(f"scale_factor must be a finite number >= 0, got {factor}")
+    if not valid_scale_factor(factor):
+        raise ValueError(f"scale_factor={factor!r} {SCALE_FACTOR_RULE}; {SCALE_FACTOR_FIX}")
     x = _sanitize_weights(w, _compute_dtype(w, advantages))
     return _to_output(x * factor, w.dtype)
 

@@ -41,9 +41,11 @@ __all__ = [
     "SubsetBalance",
     "W_MAX",
     "apply_group_transform",
+    "balancing_transforms",
     "get_transform",
     "min_replace",
     "min_replace_on_subset",
+    "not_retargetable",
     "orth_proj",
     "positive_orth_proj",
     "register_transform",
@@ -128,6 +130,30 @@ _BUILTINS: dict[str, GroupTransform] = {
 TRANSFORMS: dict[str, GroupTransform] = dict(_BUILTINS)
 #: The built-in names, in the order the docs list them (the registry now: :func:`registered_transforms`).
 GROUP_TRANSFORMS: tuple[str, ...] = tuple(_BUILTINS)
+
+
+def balancing_transforms() -> tuple[str, ...]:
+    """The registered transforms (built-in or not) that ``cancellation_target="gradient"`` can retarget, now."""
+    return tuple(name for name, entry in TRANSFORMS.items() if entry.retargetable)
+
+
+def not_retargetable(transform: GroupTransform) -> str:
+    """Why ``cancellation_target="gradient"`` cannot use ``transform``, and what to set instead.
+
+    Args:
+        transform: a registry entry whose :attr:`~GroupTransform.retargetable` is False.
+
+    Returns:
+        The message, naming the transforms that can be retargeted now.
+    """
+    names = ", ".join(repr(n) for n in balancing_transforms())
+    head = (f"cancellation_target='gradient' retargets a transform's balance condition, but group_transform="
+            f"{transform.name!r}")
+    if transform.balances:  # "equal" without its balanced form on the clip survivors
+        return (f"{head} declares balances={transform.balance!r} without a subset_balance, the balanced form on the "
+                "clip survivors that the gradient target needs; register one (docs/extending.md) or use one of "
+                f"{names}.")
+    return f"{head} has none; use one of {names}."
 
 
 def registered_transforms() -> tuple[str, ...]:
