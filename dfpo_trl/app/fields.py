@@ -15,64 +15,17 @@ import pprint
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from trl import GRPOConfig
-
-from ..config import DFPOConfig
-from ..objectives.transforms import TRANSFORMS
-from ..tasks import TASKS
+from ..config import dfpo_fields
 from .args import DFPOScriptArguments
 from .help import LEADING_FIELDS
+from .parser import DFPOParser, make_parser
 from .precheck import PRECHECKED_FIELDS, library_versions
 
-if TYPE_CHECKING:
-    from .parser import DFPOParser
-
-__all__ = ["TABLE_FILE", "build_field_table", "dfpo_field_names", "task_help", "transform_help", "write_table"]
+__all__ = ["TABLE_FILE", "build_field_table", "write_table"]
 
 TABLE_FILE = Path(__file__).with_name("field_table.py")
-
-# One line per built-in task in `--help`; a task registered without an entry here is described by the first
-# sentence of its factory's docstring.
-TASK_SUMMARIES = {
-    "arithmetic": "single-digit addition, reward on the last number of the completion; offline",
-    "sum_sentence": "the same problems answered in one required sentence: a group's completions share a long "
-    "prefix, where shared-token cancellation acts; offline",
-    "math": "any `datasets` dataset graded by math-verify; set dataset, problem_column and answer_column",
-}
-
-
-def task_help() -> str:
-    """The ``task`` field's help, listing every task registered in :data:`dfpo_trl.tasks.TASKS`."""
-
-    def summary(name: str) -> str:
-        if name in TASK_SUMMARIES:
-            return TASK_SUMMARIES[name]
-        doc = " ".join((getattr(TASKS[name], "__doc__", None) or "").split())
-        return doc.split(". ")[0].rstrip(".") or "registered with dfpo_trl.tasks.register_task"
-
-    listed = "; ".join(f"'{name}' ({summary(name)})" for name in TASKS)
-    return (
-        f"Task: {listed}; a name registered with dfpo_trl.tasks.register_task; or an import path "
-        "'package.module:factory' returning a dfpo_trl.tasks.Task."
-    )
-
-
-def transform_help() -> str:
-    """The ``group_transform`` field's help (it lists the built-ins), then every transform registered beyond them
-    (by a plugin, docs/extending.md) with its balance condition, as the registry holds them now."""
-    spec = next(f for f in fields(DFPOConfig) if f.name == "group_transform")
-    added = [f"'{name}' (balances: {entry.balance})" for name, entry in TRANSFORMS.items() if not entry.builtin]
-    extra = f" Registered by plugins: {', '.join(added)}." if added else ""
-    return spec.metadata["help"] + extra.replace("%", "%%")  # argparse formats help with %
-
-
-def dfpo_field_names() -> list[str]:
-    """The fields DFPOConfig adds to GRPOConfig, in declaration order."""
-    inherited = {f.name for f in fields(GRPOConfig)}
-    return [f.name for f in fields(DFPOConfig) if f.name not in inherited]
-
 
 def _entry(parser: DFPOParser, name: str) -> dict[str, Any]:
     """What ``--help`` shows of a field: its default (as repr, None when it has none), the flag that turns a True
@@ -90,7 +43,7 @@ def build_field_table(parser: DFPOParser) -> dict[str, Any]:
         if action.dest not in ("help", "config"):
             options.setdefault(action.dest, []).extend(action.option_strings)
     script = [f.name for f in fields(DFPOScriptArguments)]
-    dfpo = dfpo_field_names()
+    dfpo = [spec.name for spec in dfpo_fields()]
     shown = [*LEADING_FIELDS, *dfpo, *(n for n in script if n not in LEADING_FIELDS)]
     return {
         "versions": library_versions(),
@@ -114,8 +67,6 @@ def table_source(table: dict[str, Any]) -> str:
 
 def write_table(check: bool = False) -> int:
     """Write ``field_table.py`` from the parser (no plugins); with ``check``, only compare (1: it differs)."""
-    from .parser import make_parser
-
     text = table_source(build_field_table(make_parser()))
     if check:
         same = TABLE_FILE.is_file() and TABLE_FILE.read_text() == text
