@@ -119,9 +119,6 @@ class MetricStore:
         """Add one loss call's value of a per-call maximum over processes (NaN: no value on this process)."""
         self._add(mode, name, "call_max", value, 1.0)
 
-    def pending(self, mode: str) -> list[str]:
-        return sorted(self._entries.get(mode, {}))
-
     def _names(self, mode: str) -> list[Name]:
         """This process's pending metrics of ``mode``: name, kind and, for a per-call kind, its number of values."""
         return sorted(

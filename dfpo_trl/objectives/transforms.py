@@ -50,7 +50,6 @@ __all__ = [
     "GroupTransform",
     "SubsetBalance",
     "W_MAX",
-    "apply_group_transform",
     "balancing_transforms",
     "get_transform",
     "min_replace",
@@ -137,21 +136,6 @@ def get_transform(transform: str | GroupTransform) -> GroupTransform:
             "(register others with dfpo_trl.register_transform)"
         )
     return entry
-
-
-def apply_group_transform(
-    name: str | GroupTransform,
-    w: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    scale_factor: float = 0.5,
-    truncate_floor: float = 1e-6,
-) -> torch.Tensor:
-    """Apply the in-group transform ``name`` of the registry (docs/design.md) to ``w`` shaped (num_groups, G).
-
-    ``none`` returns ``w`` itself (no sanitization), so it reproduces GSPO exactly.
-    """
-    return get_transform(name).apply(w, advantages, scale_factor, truncate_floor)
 
 
 def register_transform(
