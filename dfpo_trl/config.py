@@ -45,8 +45,8 @@ def gradient_checkpointing_metadata(has_activation_checkpointing: bool) -> dict[
 
     With a ``None`` default (transformers >= 5.24) ``--gradient_checkpointing`` alone must still mean True, so the
     flag takes an optional value (``nargs``/``const``). With a ``True`` default (older 5.x) the parser adds those
-    itself and also a ``--no_gradient_checkpointing`` flag built from this metadata, where ``nargs`` is an error:
-    ``dfpo-train`` failed at start-up on transformers 5.17 until this was split."""
+    itself and also a ``--no_gradient_checkpointing`` flag built from this metadata, where ``nargs`` is an error
+    (docs/decisions.md, "TRL features on top")."""
     help_text = (
         "Activation checkpointing (trades compute for memory); default on, as in TRL. Same as "
         "activation_checkpointing on transformers >= 5.24; this name also works on older 5.x releases."

@@ -53,6 +53,12 @@ def coefficient_options(config: DeltaFields) -> dict[str, Any]:
     """:func:`token_weights_from_hidden` keyword arguments from a ``DFPOConfig``'s ``delta_*`` fields.
 
     ``delta_scope`` is not among them: it decides whether the caller passes an ``all_reduce``.
+
+    Args:
+        config: the ``delta_*`` fields (a ``DFPOConfig``).
+
+    Returns:
+        ``{"lambda_min": ..., "random_weights": ...}`` for :func:`token_weights_from_hidden`.
     """
     return dict(
         lambda_min=config.delta_lambda_min,
@@ -84,6 +90,19 @@ def delta_weights(
     λ from the proxy v = (1 − p) h with p = exp(``logprobs``); λ̄ = λ N / Z over the masked tokens of the whole
     batch (the token-mean loss's domain; over all processes through ``all_reduce``) or, with ``per_sequence``,
     of each row; λ̄ is 0 outside ``mask``. The trainer's weights come from here.
+
+    Args:
+        hidden: (B, T, d) LM-head inputs h.
+        logprobs: (B, T) the sampled tokens' log-probabilities at the sampling temperature.
+        advantages: (B,) Â.
+        mask: (B, T), nonzero on response tokens.
+        config: the ``delta_*`` fields.
+        per_sequence: λ̄ averages 1 per row instead of over the batch.
+        all_reduce: element-wise sum over processes (None: this process alone).
+        generator: the random-λ control's generator.
+
+    Returns:
+        (λ, λ̄), each (B, T); λ̄ is 0 outside ``mask``.
     """
     probs = logprobs.detach().to(_compute_dtype(hidden, logprobs)).exp()
     raw = token_weights_from_hidden(
@@ -113,6 +132,12 @@ def delta_token_weights(
     released code). Returns λ̄ = λ N / Z, N and Z summed over the batch's response tokens, 0 outside ``mask``
     (eq. DelTA-weighted-objective). One process, so ``delta_scope`` has no effect; ``generator`` feeds the
     random-λ control.
+
+    Args:
+        hidden, logprobs, advantages, mask, config, generator: as above.
+
+    Returns:
+        λ̄ (B, T).
     """
     return delta_weights(hidden, logprobs, advantages, mask, config, generator=generator)[1]
 
@@ -148,7 +173,15 @@ def sum_over_processes(t: Tensor) -> Tensor:
 
 def weight_reducer(args: DeltaFields, num_processes: int) -> Reducer | None:
     """The ``all_reduce`` of the weights' statistics: over every process for ``delta_scope="global"``, none (each
-    process's shard alone, the released code's scope) for ``"process"`` or a single process."""
+    process's shard alone, the released code's scope) for ``"process"`` or a single process.
+
+    Args:
+        args: the ``DFPOConfig`` (its ``delta_scope``).
+        num_processes: the run's process count.
+
+    Returns:
+        :func:`sum_over_processes`, or None.
+    """
     if num_processes > 1 and args.delta_scope == "global":
         return sum_over_processes
     return None
@@ -170,6 +203,13 @@ def rollout_weights(
     ``dapo``, ``dr_grpo`` and ``bnpo`` (whose micro-batch normalisation is redone at loss time, by
     :func:`~dfpo_trl.objectives.rewrite.token_weighted_advantages`). ``args`` is the ``DFPOConfig`` whose
     ``delta_*`` fields choose the rules.
+
+    Args:
+        hidden, logprobs, advantages, mask, all_reduce, generator: as in :func:`delta_weights`.
+        args: the ``DFPOConfig`` (its ``delta_*`` fields and ``loss_type``).
+
+    Returns:
+        (λ, λ̄), each (B, T).
     """
     per_sequence = normalisation_domain(args.loss_type) == DOMAIN_SEQUENCE
     return delta_weights(
@@ -181,7 +221,17 @@ def rollout_weights(
 def side_means(values: Tensor, advantages: Tensor, mask: Tensor, all_reduce: Reducer | None = None) -> Tensor:
     """Means of ``values`` ((B, T), or (k, B, T) for k quantities at once) over the loss tokens of the Â > 0
     and the Â < 0 rows, global through ``all_reduce`` (one collective): shape (2,) or (k, 2), [pos, neg],
-    NaN for an empty side."""
+    NaN for an empty side.
+
+    Args:
+        values: (B, T) or (k, B, T).
+        advantages: (B,) Â.
+        mask: (B, T), nonzero on loss tokens.
+        all_reduce: element-wise sum over processes (None: this process alone).
+
+    Returns:
+        (2,) or (k, 2) float64 means, [Â > 0, Â < 0].
+    """
     v = values.detach().to(torch.float64)
     single = v.dim() == 2
     if single:
@@ -208,7 +258,19 @@ def token_table(
 ) -> list[dict[str, Any]]:
     """The ``k`` token ids with the highest and the ``k`` with the lowest mean λ over the weighted tokens
     (loss tokens of Â ≠ 0 rows) of a batch: rows ``{"rank", "token", "token_id", "mean_lambda", "count"}``.
-    The paper's Figure 4 reports reasoning tokens ("prime", "=y", "forward") high and entity names low."""
+    The paper's Figure 4 reports reasoning tokens ("prime", "=y", "forward") high and entity names low.
+
+    Args:
+        weights: (B, T) λ.
+        completion_ids: (B, T) token ids.
+        advantages: (B,) Â.
+        mask: (B, T), nonzero on loss tokens.
+        decode: token id to text.
+        k: rows per end of the ranking.
+
+    Returns:
+        Up to 2k rows, the highest first, then the lowest.
+    """
     active = (mask != 0) & (advantages != 0)[:, None]
     ids, w = completion_ids[active], weights.detach()[active].to(torch.float64)
     if ids.numel() == 0:

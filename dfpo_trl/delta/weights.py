@@ -1,54 +1,10 @@
-"""DelTA token weights λ and λ̄ (docs/delta.md): the public functions, their options and conventions.
+"""DelTA token weights λ and λ̄ (docs/delta.md): the public pure functions and the rules of their options.
 
-A sequence-level RLVR update moves token probabilities like a linear discriminator between the positive-
-and negative-advantage centroids of token-gradient vectors (the DelTA paper's centroid decomposition and
-local discriminator score; docs/delta.md). DelTA scores each rollout token by how characteristic its proxy gradient
-vector is of its own side versus the opposite side (eq. DelTA-alpha), refines the centroids with those
-scores, maps the scores into bounded coefficients λ ∈ [λ_min, λ_max] and uses them, self-normalised,
-as stop-gradient per-token multipliers on the policy loss (eq. DelTA-weighted-objective).
-
-The paper leaves γ and the degenerate cases open; by default every rule below is the one of the authors'
-released code (docs/delta.md, "What the paper states, and what the released code does"), and our earlier
-rules are options. Everything here is a pure, ``no_grad`` function of detached tensors.
-
-Conventions (the user documentation must state them):
-
-* Support. Only *scored* tokens (``mask != 0``) of completions with ``Â ≠ 0`` enter the centroids and the γ
-  statistics. Tokens of zero-advantage completions get ``λ = λ_min`` (``zero_advantage="lambda_min"``, the
-  released code) or exactly ``λ = 1`` (``"one"``, our earlier rule); padding positions (``mask == 0``) get
-  ``λ = 1`` here and 0 in :func:`delta_token_weights`. Values of ``vectors`` / ``hidden`` / ``token_probs`` at
-  padding positions and in zero-advantage rows are never read, so even NaN or Inf there cannot influence a weight.
-* Centroids. ``μ_side = Σ w v / max(Σ w, 1e-8)`` over the side's tokens (w = |Â|, or α|Â| when refining), the
-  released code's guard: a side without tokens (one side empty over the batch) or without weight has the
-  zero centroid and the computation goes on. ``zero_advantage="one"`` restores our earlier rules for sides
-  without weight too: an empty side gives ``λ = 1`` to *every* token (no between-side contrast, also under
-  ``random_weights``), and a side whose refinement weights sum to 0 (hard assignment, sigmoid underflow) keeps
-  its previous centroid.
-* γ. ``gamma="std"`` (released code): the population standard deviation of the side's margins over its tokens,
-  unweighted, ``sqrt(max(var, 1e-8))``. ``"mean_abs"`` (our earlier rule): the unweighted mean of ``|margin|``,
-  1 if that is 0. A number: that fixed γ for both sides. The adaptive rules make the weights invariant to a
-  common positive rescaling of ``v`` (for ``"std"`` while the margins' variance exceeds the 1e-8 floor).
-* γ schedule (``gamma_update``). Refinement step k scores α^(k) with μ^(k) and γ^(k) and updates μ^(k+1).
-  ``"lagged"`` (released code): γ^(0) comes from the margins at μ^(0) and γ^(k+1) from the margins at μ^(k),
-  before the update, so the final α uses μ^(K) with γ^(K), which for K = 1 is the initial γ.
-  ``"current"`` (our earlier rule): γ^(k) from the margins at μ^(k).
-* Refinement. Both centroids are updated together from the previous scores with weights α|Â|.
-* ``contrast="within"`` (the paper's "within-side only" ablation): the score ignores the opposite side,
-  ``margin = D̄_own − ‖v − μ_own‖²`` with ``D̄_own`` the unweighted mean of ``‖v − μ_own‖²`` over the
-  side's tokens, so a token scores above 1/2 when it is closer to its own centroid than the side's
-  average token. γ is computed from these margins by the same rule.
-* ``assignment="hard"``: ``α = 1[margin > 0]`` (no γ; the "w/o h(α)" ablation).
-* ``random_weights=True``: ``λ ~ U[λ_min, λ_max]`` i.i.d. per (row, position) from ``generator``, drawn
-  over the full ``(B, T)`` grid and then restricted to the scored tokens of ``Â ≠ 0`` rows (so a token's draw
-  does not depend on the other tokens' masks); zero-advantage and empty-side tokens as above.
-* Precision. Everything is computed in float32 (float64 if the inputs are float64), also for bf16/fp16
-  inputs; the returned weights are float32 (float64).
-* Distributed. Centroid sums, side weights and the γ statistics go through ``all_reduce`` (a callable
-  that returns the element-wise sum over processes of the tensor it is given, e.g.
-  ``lambda t: (torch.distributed.all_reduce(t), t)[1]``). The number and shapes of reductions depend
-  only on the options, never on the local data, so a process with no scored token cannot deadlock the
-  others; the result equals the single-process computation on the concatenated batch. Without
-  ``all_reduce`` each process computes on its own shard (the released code's scope).
+Scores each rollout token by how characteristic its proxy gradient vector is of its own advantage side versus the
+other (eq. DelTA-alpha), maps the scores into λ ∈ [λ_min, λ_max] and self-normalises them into the stop-gradient
+multipliers λ̄ (eq. DelTA-weighted-objective). Defaults are the authors' released code's rules; the conventions
+(support, empty sides, precision, distributed reductions) are in docs/delta.md, "Conventions of the functions".
+Everything here is a ``no_grad`` function of detached tensors.
 """
 
 from __future__ import annotations
@@ -93,7 +49,14 @@ class DeltaFields(Protocol):
 
 
 def read_gamma(gamma: Any) -> Any:
-    """A fixed ``delta_gamma`` given as a numeric string (the command line) or an int becomes a float."""
+    """A fixed ``delta_gamma`` given as a numeric string (the command line) or an int becomes a float.
+
+    Args:
+        gamma: ``delta_gamma`` as given (a rule's name, a number, or a numeric string).
+
+    Returns:
+        The rule's name, or the fixed γ as a float (anything else unchanged, for the rule to refuse).
+    """
     if isinstance(gamma, str) and gamma not in GAMMA_RULES:
         try:
             return float(gamma)
@@ -243,10 +206,22 @@ def token_weights(
     side's scored tokens (docs/delta.md step 3); α = σ((‖v − μ_opp‖² − ‖v − μ_own‖²)/γ_side)
     (eq. DelTA-alpha; γ by ``gamma`` and ``gamma_update``); ``refine_steps`` times μ_side ← α|Â|-weighted mean
     and α recomputed; λ = λ_min + (λ_max − λ_min)α. ``advantages`` (B,) are the completions' Â, ``mask`` (B, T)
-    is nonzero on scored tokens. The defaults are the authors' released code. See the module docstring for
-    zero-advantage rows, padding, empty sides, the ablations (``assignment="hard"``, ``contrast="within"``,
-    ``random_weights``) and ``all_reduce``. ``chunk_tokens`` bounds the float32 temporaries to
-    ``chunk_tokens × d``.
+    is nonzero on scored tokens. The defaults are the authors' released code. Zero-advantage rows, padding,
+    empty sides, the ablations and ``all_reduce``: docs/delta.md, "Conventions of the functions".
+
+    Args:
+        vectors: (B, T, d) proxy token-gradient vectors v.
+        advantages: (B,) the completions' Â.
+        mask: (B, T), nonzero on scored (response) tokens.
+        lambda_min, lambda_max, refine_steps, gamma, gamma_update, zero_advantage, assignment, contrast: DelTA's
+            options (``DFPOConfig``'s ``delta_*`` fields without the prefix; checked by :data:`DELTA_RULES`).
+        generator: the random-λ control's generator (``random_weights=True``).
+        random_weights: λ ~ U[λ_min, λ_max] instead of the scores (control).
+        all_reduce: element-wise sum over processes of the statistics; None: this process's shard alone.
+        chunk_tokens: bounds the float32 temporaries to ``chunk_tokens × d``.
+
+    Returns:
+        λ (B, T): float32 (float64 for float64 input), 1 at padding positions.
     """
     return _weights_core(
         vectors, None, advantages, mask, lambda_min, lambda_max, refine_steps, gamma, gamma_update, zero_advantage,
@@ -280,6 +255,21 @@ def token_weights_from_hidden(
     Σ w (1 − p) h (matmuls over h), distances use ‖v − μ‖² = (1−p)²‖h‖² − 2(1−p) h·μ + ‖μ‖² (docs/delta.md);
     the only (tokens × d) temporaries are float32 copies of at most ``chunk_tokens`` rows of h.
     Equal to ``token_weights((1 - token_probs)[..., None] * hidden, ...)`` up to float rounding.
+
+    Args:
+        hidden: (B, T, d) LM-head inputs h.
+        token_probs: (B, T) the sampled tokens' probabilities p.
+        advantages: (B,) the completions' Â.
+        mask: (B, T), nonzero on scored (response) tokens.
+        lambda_min, lambda_max, refine_steps, gamma, gamma_update, zero_advantage, assignment, contrast: DelTA's
+            options (``DFPOConfig``'s ``delta_*`` fields without the prefix; checked by :data:`DELTA_RULES`).
+        generator: the random-λ control's generator (``random_weights=True``).
+        random_weights: λ ~ U[λ_min, λ_max] instead of the scores (control).
+        all_reduce: element-wise sum over processes of the statistics; None: this process's shard alone.
+        chunk_tokens: bounds the float32 temporaries to ``chunk_tokens × d``.
+
+    Returns:
+        λ (B, T): float32 (float64 for float64 input), 1 at padding positions.
     """
     coef = 1.0 - token_probs.detach().to(_compute_dtype(hidden))
     return _weights_core(
@@ -304,6 +294,15 @@ def self_normalise(
     along ``dim`` (e.g. ``dim=-1`` for per-sequence normalisation). Where Z ≤ 0 (no masked token)
     the weights are returned unchanged. Padding positions are scaled like the rest (they carry mask 0).
     Returns float32 (float64 for float64 input).
+
+    Args:
+        weights: λ, any shape.
+        mask: same shape, nonzero on the tokens that count.
+        dim: None for one domain over the whole tensor, else the dimension of each domain (e.g. -1: per sequence).
+        all_reduce: sums the packed (Z, N) over processes (``dim=None`` only).
+
+    Returns:
+        λ̄, ``weights``' shape, float32 (float64 for float64 input).
     """
     w = weights.detach().to(_compute_dtype(weights))
     m = mask.detach().to(device=w.device, dtype=w.dtype)

@@ -128,6 +128,14 @@ def frequency_buckets(token_ids: torch.Tensor, mask: torch.Tensor, num_buckets: 
     mass N/k, and an id belongs to the bucket of its first occurrence: bucket = ⌊(occurrences of more frequent
     ids) · k / N⌋. An id never straddles two buckets, so the buckets hold about (not exactly) N/k tokens each,
     and some may be empty; bucket 0 holds the most frequent ids. Returns int64, shaped like ``token_ids``.
+
+    Args:
+        token_ids: (B, T) token ids.
+        mask: (B, T), nonzero on the tokens that count.
+        num_buckets: k ≥ 1.
+
+    Returns:
+        (B, T) int64 bucket of each token, −1 outside ``mask``.
     """
     _check_bucket_inputs("frequency_buckets", ("token_ids", token_ids), ("mask", mask), num_buckets)
     valid = mask != 0
@@ -152,6 +160,14 @@ def energy_sums_by_bucket(token_energy: torch.Tensor, bucket: torch.Tensor, num_
     Tokens with bucket −1 count nowhere. No input checks and no host sync (bucket indices from
     :func:`frequency_buckets` are in range by construction), so it can run inside a backward hook; the trainer
     pools these sums over micro-steps and processes before dividing.
+
+    Args:
+        token_energy: per-token gradient norms ‖∇ℓ_t‖ ≥ 0, any shape.
+        bucket: the same shape, each token's bucket (−1: not counted).
+        num_buckets: k.
+
+    Returns:
+        (k,) sums, float32 (float64 for float64 input).
     """
     dtype = _compute_dtype(token_energy)
     used = bucket >= 0

@@ -124,6 +124,13 @@ def min_replace(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     """Min-Replace (eq. 50): every member gets the group minimum, so Σ_i s̃_i Â_i = s̄_min Σ_i Â_i = 0.
 
     ``advantages`` is unused; it is kept so all transforms share one signature.
+
+    Args:
+        w: (num_groups, G) post-clip sequence weights s̄.
+        advantages: (num_groups, G) Â.
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype.
     """
     _check_groups(w, advantages)
     x = _sanitize_weights(w, _compute_dtype(w, advantages))
@@ -135,6 +142,13 @@ def orth_proj(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
 
     Groups with no advantage (‖Â‖ ≈ 0) are returned unchanged. Entries may become negative; use
     :func:`positive_orth_proj` when that matters.
+
+    Args:
+        w: (num_groups, G) post-clip sequence weights s̄.
+        advantages: (num_groups, G) Â.
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype.
     """
     _check_groups(w, advantages)
     dtype = _compute_dtype(w, advantages)
@@ -192,8 +206,14 @@ def positive_orth_proj(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tenso
     evaluate g densely, larger ones through a sort (O(G log G)); both give the same bracket. The QP is
     always feasible (v = 0), so a root exists; when only one side of Â is non-empty, that side goes
     to 0. Members with Â_i = 0 get max(w_i, 0); groups with no advantage are returned unchanged
-    (sanitized). On GPU the cost is kernel launches (~50), not arithmetic: 0.45 ms for 10⁴ groups of 32
-    on an H200 whatever the batch size, 0.08 ms under ``torch.compile`` (benchmarks/bench_transforms.py).
+    (sanitized). Its cost on the GPU: docs/decisions.md, "Numerics".
+
+    Args:
+        w: (num_groups, G) post-clip sequence weights s̄.
+        advantages: (num_groups, G) Â.
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype.
     """
     _check_groups(w, advantages)
     dtype = _compute_dtype(w, advantages)
@@ -235,6 +255,14 @@ def truncate_rebalance(w: torch.Tensor, advantages: torch.Tensor, floor: float =
     ``floor`` (default 1e-6) only matters for weights ≤ floor; s̄ = exp(·) > 0, so it mostly guards
     generic inputs and keeps φ = s̃/s̄ well defined. The paper's claim "s̃ ⪰ ϵ" is false: after scaling
     by α or β < 1, scaled members can fall below ``floor``. The result is ≥ 0 and orthogonal to Â.
+
+    Args:
+        w: (num_groups, G) post-clip sequence weights s̄.
+        advantages: (num_groups, G) Â.
+        floor: ϵ of eq. 52, in (0, 1) (:func:`valid_truncate_floor`).
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype.
     """
     _check_groups(w, advantages)
     if not valid_truncate_floor(floor):
@@ -264,6 +292,14 @@ def scale(w: torch.Tensor, advantages: torch.Tensor, factor: float = 0.5) -> tor
 
     It shrinks updates without any in-group consistency, to separate "smaller steps" from the
     cancellation effect. ``advantages`` is unused.
+
+    Args:
+        w: (num_groups, G) post-clip sequence weights s̄.
+        advantages: (num_groups, G) Â, unused (shape-checked).
+        factor: κ > 0 (:func:`valid_scale_factor`).
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype.
     """
     _check_groups(w, advantages)
     if not valid_scale_factor(factor):
@@ -292,6 +328,14 @@ def min_replace_on_subset(w: torch.Tensor, a: torch.Tensor, members: torch.Tenso
     zero-a members of U get m. Groups whose U is one-sided or empty (no exact non-zero balance) are not
     handled here: see :func:`~dfpo_trl.objectives.cancellation.balance_group_weights`. Batched over groups, no
     Python loop, no host sync.
+
+    Args:
+        w: (num_groups, G) s̄.
+        a: (num_groups, G) the gradient coefficients a = Â c 1[U] (eq. C1).
+        members: (num_groups, G) bool, the clip survivors U.
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype; ``w`` outside U.
     """
     _check_groups(w, a)
     if members.shape != w.shape:

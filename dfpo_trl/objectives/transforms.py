@@ -126,7 +126,14 @@ def registered_transforms() -> tuple[str, ...]:
 
 
 def get_transform(transform: str | GroupTransform) -> GroupTransform:
-    """The registry entry of ``transform``: a registered name, or an entry, returned as it is."""
+    """The registry entry of ``transform``: a registered name, or an entry, returned as it is.
+
+    Args:
+        transform: a registered name or a :class:`GroupTransform`.
+
+    Returns:
+        The entry; its ``apply(w, Â, scale_factor, truncate_floor)`` maps (num_groups, G) to (num_groups, G).
+    """
     if isinstance(transform, GroupTransform):
         return transform
     entry = TRANSFORMS.get(transform) if isinstance(transform, str) else None
