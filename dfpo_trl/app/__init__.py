@@ -6,7 +6,7 @@ SIGTERM handled like Ctrl-C); ``train`` (the run, once those checks passed); ``a
 ``plugins`` (modules imported before the recipe is checked), ``parser`` (recipe and flags into dataclasses),
 ``model`` (which model to load), ``data`` (task, rewards, datasets), ``evaluation``, ``callbacks`` and
 ``progress`` (what a run measures and shows while it trains), ``outputs`` and ``plotting`` (what it writes),
-``embedded`` (the offline default model).
+``resume`` (checkpoints and resuming beyond the trainer), ``embedded`` (the offline default model).
 """
 
 import logging
