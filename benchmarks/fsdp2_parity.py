@@ -35,7 +35,7 @@ from zero3 import EPS_HIGH, EPS_LOW, SIZES, TRANSFORM, Recorder, fixed_batch, mo
 
 from dfpo_trl import DFPOConfig  # noqa: E402
 from dfpo_trl.groups.ids import consecutive_group_ids  # noqa: E402
-from dfpo_trl.objectives.transforms import apply_group_transform  # noqa: E402
+from dfpo_trl.objectives.transforms import get_transform  # noqa: E402
 from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip  # noqa: E402
 from dfpo_trl.tasks import get_task  # noqa: E402
 
@@ -115,7 +115,7 @@ def phase_reference(args: argparse.Namespace) -> None:
     rho = sequence_log_ratio(logps, batch["old_per_token_logps"], batch["completion_mask"])
     s_bar = sign_aware_post_clip(rho.exp(), batch["advantages"], EPS_LOW, EPS_HIGH)
     g = SIZES["num_generations"]
-    s_tilde = apply_group_transform(TRANSFORM, s_bar.view(-1, g), batch["advantages"].view(-1, g)).reshape(-1)
+    s_tilde = get_transform(TRANSFORM).apply(s_bar.view(-1, g), batch["advantages"].view(-1, g), 0.5, 1e-6).reshape(-1)
     single = one_step(args, batch, rank=0, world=1)
     torch.save({"batch": batch, "s_bar": s_bar, "s_tilde": s_tilde, "initial": initial, **single},
                args.out_dir / "fsdp2_reference.pt")

@@ -348,7 +348,7 @@ INTERVAL = "95% Student-t interval over seeds (mean); 95% Welch-t interval (diff
 
 def metric_stats(values: list[Any]) -> dict[str, Any] | None:
     """Mean, 95% t-interval and n of the non-null values; None when there are none."""
-    from report import mean_ci
+    from report_stats import mean_ci
 
     stats = mean_ci(values)
     if stats is None:
@@ -359,7 +359,7 @@ def metric_stats(values: list[Any]) -> dict[str, Any] | None:
 
 def difference_stats(a: list[Any], b: list[Any]) -> dict[str, Any] | None:
     """mean(a) − mean(b) with a 95% Welch interval and whether it excludes 0; None below 2 values a side."""
-    from report import diff_ci
+    from report_stats import diff_ci
 
     d = diff_ci(a, b)
     if d is None:

@@ -341,14 +341,14 @@ def run_metrics(record: dict[str, Any], steps: int, checkpoints: tuple[int, ...]
 
 def paired_interval(a: list[float | None], b: list[float | None]) -> dict[str, Any] | None:
     """mean(a_s − b_s) over seeds with both values, with a 95% paired t-interval; None for fewer than 2 pairs."""
-    import report  # noqa: PLC0415 - benchmarks/report.py, for its t quantile
+    from report_stats import t_quantile  # noqa: PLC0415 - benchmarks/report_stats.py
 
     pairs = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
     if len(pairs) < 2:
         return None
     d = [x - y for x, y in pairs]
     mean = statistics.fmean(d)
-    half = report.t_quantile(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    half = t_quantile(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
     return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(d)}
 
 

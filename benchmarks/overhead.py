@@ -165,13 +165,14 @@ def time_positive_orth_proj(device: str, groups: int, group_size: int) -> dict[s
     import torch.utils.benchmark as benchmark
     from bench_transforms import make_inputs
 
-    from dfpo_trl.objectives.transforms import apply_group_transform
+    from dfpo_trl.objectives.transforms import get_transform
 
     w, adv = make_inputs(groups, group_size, device, torch.float32)
     with torch.no_grad():
-        apply_group_transform("positive_orth_proj", w, adv)
+        apply = get_transform("positive_orth_proj").apply
+        apply(w, adv, 0.5, 1e-6)
         timer = benchmark.Timer(
-            stmt="f('positive_orth_proj', w, adv)", globals={"f": apply_group_transform, "w": w, "adv": adv}
+            stmt="f(w, adv, 0.5, 1e-6)", globals={"f": apply, "w": w, "adv": adv}
         )
         m = timer.blocked_autorange(min_run_time=0.5)
     return {"groups": groups, "G": group_size, "median_ms": m.median * 1e3, "iqr_ms": m.iqr * 1e3}

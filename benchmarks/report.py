@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import re
 import statistics
@@ -27,7 +26,11 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import report_launch_shape  # noqa: E402
+import report_long_run  # noqa: E402
+import report_study_v2  # noqa: E402
 from common import GSPO, METHODS  # noqa: E402
+from report_stats import clean, diff_ci, fmt, fmt_ci, mean_ci  # noqa: E402
 
 OVERHEAD_GOAL = 1.01
 REGRESSION = 1.02
@@ -35,63 +38,6 @@ DELTA_GOAL = 1.03
 POP_GOAL_MS = 1.0
 PAPER_COMPUTE_RATIO = 0.91  # DFPO paper Table 2: compute to threshold relative to GSPO
 TRANSFORMS = ("min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance")
-
-
-# ------------------------------------------------------------------------------------------------ stats
-def t_quantile(df: float) -> float:
-    """Two-sided 95% Student-t quantile."""
-    try:
-        from scipy import stats
-
-        return float(stats.t.ppf(0.975, df))
-    except ImportError:  # Cornish-Fisher expansion; within 0.2% of the exact value for df >= 2
-        z = 1.959964
-        g1 = (z**3 + z) / 4
-        g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-        g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-        return z + g1 / df + g2 / df**2 + g3 / df**3
-
-
-def clean(values: list[Any]) -> list[float]:
-    return [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-
-
-def mean_ci(values: list[Any]) -> tuple[float, float, float, int] | None:
-    """(mean, low, high, n) with a 95% t-interval; low = high = mean for n = 1; None when empty."""
-    v = clean(values)
-    if not v:
-        return None
-    m = statistics.fmean(v)
-    if len(v) < 2:
-        return m, m, m, 1
-    half = t_quantile(len(v) - 1) * statistics.stdev(v) / math.sqrt(len(v))
-    return m, m - half, m + half, len(v)
-
-
-def diff_ci(a: list[Any], b: list[Any]) -> tuple[float, float, float] | None:
-    """mean(a) - mean(b) with a 95% Welch interval; None unless both have >= 2 values."""
-    a, b = clean(a), clean(b)
-    if len(a) < 2 or len(b) < 2:
-        return None
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    d = statistics.fmean(a) - statistics.fmean(b)
-    se = math.sqrt(va + vb)
-    if se == 0:
-        return d, d, d
-    df = (va + vb) ** 2 / ((va**2 / (len(a) - 1)) + (vb**2 / (len(b) - 1)))
-    half = t_quantile(df) * se
-    return d, d - half, d + half
-
-
-def fmt(x: float | None, digits: int = 3) -> str:
-    return "–" if x is None else f"{x:.{digits}f}"
-
-
-def fmt_ci(stats: tuple[float, float, float, int] | None, digits: int = 3) -> str:
-    if stats is None:
-        return "–"
-    m, lo, hi, n = stats
-    return f"{m:.{digits}f}" if n < 2 else f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def label(method: str) -> str:
@@ -1149,7 +1095,6 @@ def main(argv: list[str] | None = None) -> None:
         loss = (dapo.get("settings") or {}).get("sequence_loss_type") or "grpo"
         energy_elsewhere = (f"§3, a rerun of {', '.join(label(m) for m in dapo['methods'])} with "
                             f"`loss_type=\"{loss}\"` and the metric on")
-    import report_long_run  # noqa: PLC0415 - it imports this module's helpers
 
     long_run_figures = report_long_run.plot_long_run(long_run, fig_dir, out) if long_run else {}
     # After the notes: the hand-written layout section (its measurements are in results/layouts/), then vLLM's.
@@ -1158,12 +1103,8 @@ def main(argv: list[str] | None = None) -> None:
     e2e_lines = report_long_run.e2e_section(e2e, vllm_number)
     long_run_lines = report_long_run.long_run_section(long_run, long_run_figures, vllm_number + bool(e2e_lines),
                                                       report_long_run.read_records(results / "long_run"))
-    import report_launch_shape  # noqa: PLC0415 - it imports this module's helpers
-
     shape_lines = report_launch_shape.launch_shape_section(
         results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines))
-    import report_study_v2  # noqa: PLC0415 - beside its siblings
-
     study_v2_lines = report_study_v2.study_v2_section(
         results, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines))
     lines = [

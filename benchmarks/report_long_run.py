@@ -9,7 +9,7 @@ import pathlib
 import statistics
 from typing import Any
 
-from report import fmt, mean_ci
+from report_stats import fmt, mean_ci
 
 # (metric in long_run.json, column title, digits)
 COLUMNS = (

@@ -59,7 +59,7 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import long_run  # noqa: E402
-import report  # noqa: E402 - its two-sided 95% t quantile
+from report_stats import t_quantile  # noqa: E402 - the two-sided 95% t quantile
 
 ROOT = long_run.ROOT
 TASK = "two_forms"
@@ -107,7 +107,7 @@ def welch(a: list[float], b: list[float]) -> dict[str, Any] | None:
     va, vb = sd_a**2 / len(a), sd_b**2 / len(b)
     diff, se = statistics.fmean(a) - statistics.fmean(b), math.sqrt(va + vb)
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
-    half = report.t_quantile(df) * se
+    half = t_quantile(df) * se
     return {"difference": diff, "low": diff - half, "high": diff + half, "df": df, "se": se, "n": [len(a), len(b)],
             "sd": [sd_a, sd_b], "mde": mde(sd_a, len(a), sd_b, len(b))}
 

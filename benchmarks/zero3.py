@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.groups.ids import consecutive_group_ids
-from dfpo_trl.objectives.transforms import apply_group_transform
+from dfpo_trl.objectives.transforms import get_transform
 from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
 from dfpo_trl.tasks import get_task
 
@@ -76,7 +76,7 @@ def phase_reference(args: argparse.Namespace) -> None:
     rho = sequence_log_ratio(logps, batch["old_per_token_logps"], batch["completion_mask"])
     s_bar = sign_aware_post_clip(rho.exp(), batch["advantages"], EPS_LOW, EPS_HIGH)
     g = SIZES["num_generations"]
-    s_tilde = apply_group_transform(TRANSFORM, s_bar.view(-1, g), batch["advantages"].view(-1, g)).reshape(-1)
+    s_tilde = get_transform(TRANSFORM).apply(s_bar.view(-1, g), batch["advantages"].view(-1, g), 0.5, 1e-6).reshape(-1)
     torch.save({"batch": batch, "s_bar": s_bar, "s_tilde": s_tilde}, args.out_dir / "zero3_reference.pt")
     print(f"reference: {s_bar.numel()} rows, transform changed {(s_tilde != s_bar).sum().item()} weights")
 

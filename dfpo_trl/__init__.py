@@ -4,6 +4,11 @@ The public names are imported on first use (PEP 562), so that ``dfpo-train --hel
 import ``dfpo_trl.app`` and so this package, answer in a fraction of a second instead of the seconds torch, TRL and
 transformers take to import (docs/cli.md). The first public name taken from here (``from dfpo_trl import
 DFPOConfig``) imports the trainer, and with it the checks of every TRL touch point (``trl_hooks/compat.py``).
+
+At the bottom of the import graph: ``options`` (each option's values, the loss-type table), ``rules`` (the shape of
+a validation rule) and ``method`` (the method a config trains with); above them ``config`` with ``config_checks``
+and ``config_combinations``; then the packages ``objectives``, ``delta``, ``groups``, ``metrics``, ``trl_hooks``,
+``tasks``; ``trainer`` wires them into TRL; ``app`` is the ``dfpo-train`` program (docs/README.md has the map).
 """
 
 from __future__ import annotations

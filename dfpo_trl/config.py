@@ -10,13 +10,29 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import Field, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
-from .config_checks import check_fields, read_delta_gamma
+from .config_checks import check_fields
 from .config_combinations import check_combinations
+from .delta.weights import read_gamma
+from .method import method_in_use
+from .objectives.transforms import GROUP_TRANSFORMS, TRANSFORMS
+from .options import (
+    Assignment,
+    CancellationTarget,
+    Contrast,
+    DeltaScope,
+    EnergyForm,
+    GammaUpdate,
+    GroupLayout,
+    OneSidedPolicy,
+    TokenWeighting,
+    TransformGradient,
+    ZeroAdvantageRule,
+)
 
 # transformers >= 5.24 renamed gradient_checkpointing to activation_checkpointing and warns whenever the old name
 # is set, which TRL's config does by default (True), so every run warned. Older 5.x releases know only the old name.
@@ -29,8 +45,8 @@ def gradient_checkpointing_metadata(has_activation_checkpointing: bool) -> dict[
 
     With a ``None`` default (transformers >= 5.24) ``--gradient_checkpointing`` alone must still mean True, so the
     flag takes an optional value (``nargs``/``const``). With a ``True`` default (older 5.x) the parser adds those
-    itself and also a ``--no_gradient_checkpointing`` flag built from this metadata, where ``nargs`` is an error:
-    ``dfpo-train`` failed at start-up on transformers 5.17 until this was split."""
+    itself and also a ``--no_gradient_checkpointing`` flag built from this metadata, where ``nargs`` is an error
+    (docs/decisions.md, "TRL features on top")."""
     help_text = (
         "Activation checkpointing (trades compute for memory); default on, as in TRL. Same as "
         "activation_checkpointing on transformers >= 5.24; this name also works on older 5.x releases."
@@ -44,6 +60,19 @@ def documented(default: Any, meaning: str, source: str) -> Any:
     """A DFPO field whose help (shown by ``dfpo-train --help``, the docstring and the README) is its meaning and
     its source; TRL's argument parser passes every metadata key to argparse, so both live in the one help."""
     return field(default=default, metadata={"help": f"{meaning}{SOURCE}{source}."})
+
+
+def builtin_transforms_help() -> str:
+    """The built-in transforms as ``group_transform``'s help lists them, each with its source, from the registry."""
+    return ", ".join(f'`"{name}"` ({TRANSFORMS[name].source})' for name in GROUP_TRANSFORMS)
+
+
+def annotation(name: str, hint: Any) -> str:
+    """A DFPO field's type as the docstring shows it: a ``Literal`` option as ``str`` with its values, any other as
+    written (transformers' argument parser rewrites ``spec.type``: int | None becomes int)."""
+    if get_origin(hint) is Literal:
+        return "`str`: " + ", ".join(f'`"{c}"`' for c in get_args(hint))
+    return " or ".join(f"`{t}`" for t in DFPOConfig.__annotations__[name].split(" | "))
 
 
 def dfpo_fields() -> list[Field]:
@@ -66,10 +95,10 @@ def render_default(value: Any) -> str:
 def parameters_section() -> str:
     """The docstring's ``Parameters:`` section, TRL's layout, one entry per DFPO field from its metadata."""
     lines = ["", "    Parameters:"]
+    hints = get_type_hints(DFPOConfig)
     for spec in dfpo_fields():
-        # The annotation as written: transformers' argument parser rewrites spec.type (int | None becomes int).
-        kind = " or ".join(f"`{t}`" for t in DFPOConfig.__annotations__[spec.name].split(" | "))
-        lines.append(f"        {spec.name} ({kind}, *optional*, defaults to `{render_default(spec.default)}`):")
+        kind, default = annotation(spec.name, hints[spec.name]), render_default(spec.default)
+        lines.append(f"        {spec.name} ({kind}, *optional*, defaults to `{default}`):")
         lines.append(textwrap.fill(spec.metadata["help"], width=120, initial_indent=" " * 12,
                                    subsequent_indent=" " * 12, break_on_hyphens=False))
     return "\n".join(lines) + "\n"
@@ -93,9 +122,8 @@ class DFPOConfig(GRPOConfig):
     )
     group_transform: str = documented(
         "none",
-        "In-group transform of the post-clip sequence weights s̄ (stop-gradient): `\"none\"` (GSPO), "
-        "`\"min_replace\"`, `\"orth_proj\"`, `\"positive_orth_proj\"` (exact QP), `\"truncate_rebalance\"`, "
-        "`\"scale\"` (ablation), or one registered by `register_transform`. Needs "
+        f"In-group transform of the post-clip sequence weights s̄ (stop-gradient): {builtin_transforms_help()}, "
+        "or one registered by `register_transform`. Needs "
         "`importance_sampling_level=\"sequence\"`; acts only off-policy.",
         "DFPO eq. 47, 49, 50, 18, 51, 52–55, Table 3; docs/design.md, docs/extending.md",
     )
@@ -107,7 +135,7 @@ class DFPOConfig(GRPOConfig):
         "ϵ of `\"truncate_rebalance\"`, s⁺ = max(s̄, ϵ): an underflow guard in (0, 1), below the on-policy weight 1.",
         "DFPO eq. 52 (no value given there)",
     )
-    transform_gradient: str = documented(
+    transform_gradient: TransformGradient = documented(
         "ratio",
         "`\"ratio\"`: J_i = Â_i φ_i s̄_i(θ), φ = sg(s̃/s̄), so `\"none\"` is TRL's GSPO; `\"score\"`: "
         "J_i = Â_i sg(s̃_i) ρ_i(θ), clipped sequences keep their gradient.",
@@ -118,13 +146,13 @@ class DFPOConfig(GRPOConfig):
         "`False` differentiates the transform, J_i = Â_i s̃_i(θ) (ratio form; needs whole groups).",
         "DFPO Table 3 (\"no stop-grad\")",
     )
-    cancellation_target: str = documented(
+    cancellation_target: CancellationTarget = documented(
         "weights",
         "What the transform balances: `\"weights\"` Σ_i Â_i s̃_i = 0 (the paper); `\"gradient\"` Σ_i a_i s̃_i = 0 "
         "over the gradients that survive the clip (a_i = Â_i c_i 1[i ∈ U]), exact on shared tokens.",
         "ours, docs/cancellation.md (C1–C7)",
     )
-    cancellation_one_sided: str = documented(
+    cancellation_one_sided: OneSidedPolicy = documented(
         "keep",
         "Under `\"gradient\"`, a group whose survivors share one sign keeps the `\"weights\"` result "
         "(`\"keep\"`) or gets s̃ = 0 (`\"zero\"`).",
@@ -141,7 +169,7 @@ class DFPOConfig(GRPOConfig):
         "(DFPO off = TRL's run bit for bit), `True` always (TRL's batch order changes), `False` never.",
         "ours, docs/layouts.md",
     )
-    group_layout: str = documented(
+    group_layout: GroupLayout = documented(
         "auto",
         "How a transform gets whole groups that a micro-batch lacks: `\"auto\"` (the cheapest exact way), "
         "`\"redistributed\"` (one all-to-all per rollout), `\"pre_pass\"` (an extra no-grad forward).",
@@ -162,12 +190,12 @@ class DFPOConfig(GRPOConfig):
         "k ≥ 2 frequency buckets' energy shares; `0` off.",
         "DFPO eq. 24; docs/metrics.md",
     )
-    energy_form: str = documented(
+    energy_form: EnergyForm = documented(
         "aggregate",
         "`aggregate` (per token type) or `per_position`.",
         "DFPO eq. 24; docs/metrics.md",
     )
-    token_weighting: str = documented(
+    token_weighting: TokenWeighting = documented(
         "none",
         "`\"delta\"`: DelTA's per-token weights λ̄ on the clipped surrogate (token level; loss types `grpo`, "
         "`bnpo`, `dr_grpo`, `dapo`).",
@@ -185,25 +213,25 @@ class DFPOConfig(GRPOConfig):
         "or a fixed number > 0.",
         "DelTA's released code; docs/delta.md",
     )
-    delta_gamma_update: str = documented(
+    delta_gamma_update: GammaUpdate = documented(
         "lagged",
         "Refinement takes γ from the margins before each update (`\"lagged\"`) or after it (`\"current\"`, ours).",
         "DelTA's released code; docs/delta.md",
     )
-    delta_zero_advantage: str = documented(
+    delta_zero_advantage: ZeroAdvantageRule = documented(
         "lambda_min",
         "Tokens of Â = 0 completions get λ_min (`\"lambda_min\"`) or 1 (`\"one\"`, ours).",
         "DelTA's released code; docs/delta.md",
     )
-    delta_scope: str = documented(
+    delta_scope: DeltaScope = documented(
         "global",
         "Centroids, γ and N/Z over all processes (`\"global\"`, ours) or per process (`\"process\"`).",
         "DelTA's released code; docs/delta.md",
     )
-    delta_assignment: str = documented(
+    delta_assignment: Assignment = documented(
         "soft", "α = σ(margin / γ) (`\"soft\"`) or 1[margin > 0] (`\"hard\"`).", "DelTA ablation"
     )
-    delta_contrast: str = documented(
+    delta_contrast: Contrast = documented(
         "opposite",
         "Margin to the opposite side's centroid (`\"opposite\"`) or own side only (`\"within\"`).",
         "DelTA ablation; docs/delta.md",
@@ -214,7 +242,7 @@ class DFPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         self._resolve_checkpointing_alias()
-        self.delta_gamma = read_delta_gamma(self.delta_gamma)
+        self.delta_gamma = read_gamma(self.delta_gamma)
         check_fields(self)  # every field's own rule first, all problems at once
         check_combinations(self)  # then the rules between fields, the first one broken
         super().__post_init__()
@@ -222,28 +250,11 @@ class DFPOConfig(GRPOConfig):
     @property
     def sequence_rewrite_active(self) -> bool:
         """Whether the sequence-level loss is rewritten (any transform, the score form, or no stop-gradient)."""
-        return (
-            self.group_transform != "none"
-            or self.transform_gradient == "score"
-            or not self.transform_stop_gradient
-        )
-
-    @property
-    def dfpo_options_active(self) -> bool:
-        """Whether any DFPO option changes the loss or needs the loss's policy forward (the trainer refuses to
-        go on when TRL's loss did not let DFPO rewrite its inputs)."""
-        return bool(self.describe_active_options())
+        return method_in_use(self).rewrites_sequences
 
     def describe_active_options(self) -> str:
-        """The DFPO options that are on, as they are set (empty when DFPO is off)."""
-        parts = [self.describe_sequence_options()] if self.sequence_rewrite_active else []
-        if self.symmetric_clip:
-            parts.append("symmetric_clip=True")
-        if self.token_weighting != "none":
-            parts.append(f"token_weighting={self.token_weighting!r}")
-        if self.log_energy_buckets:
-            parts.append(f"log_energy_buckets={self.log_energy_buckets}")
-        return ", ".join(parts)
+        """The DFPO options that are on, as they are set (empty when DFPO is off): :func:`method_in_use`'s."""
+        return method_in_use(self).active_options
 
     @property
     def wants_group_granular_batches(self) -> bool:
@@ -252,17 +263,6 @@ class DFPOConfig(GRPOConfig):
         if self.group_granular_batches is None:
             return self.sequence_rewrite_active
         return bool(self.group_granular_batches)
-
-    def describe_sequence_options(self) -> str:
-        """The options that rewrite the sequence-level loss, as they are set (for messages)."""
-        parts = []
-        if self.group_transform != "none":
-            parts.append(f"group_transform={self.group_transform!r}")
-        if self.transform_gradient == "score":
-            parts.append("transform_gradient='score'")
-        if not self.transform_stop_gradient:
-            parts.append("transform_stop_gradient=False")
-        return " with ".join(parts)
 
     def _resolve_checkpointing_alias(self) -> None:
         """Accept either checkpointing name without transformers' deprecation warning (TRL set the old name by

@@ -8,81 +8,40 @@ TRL fields DFPO relies on have a rule here too.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .delta import GAMMA_RULES, GAMMA_UPDATES, SCOPES, ZERO_ADVANTAGE_RULES
-from .objectives.cancellation import CANCELLATION_TARGETS, ONE_SIDED_POLICIES
+from .delta.weights import DELTA_RULES
+from .objectives.transform_math import (
+    SCALE_FACTOR_FIX,
+    SCALE_FACTOR_RULE,
+    TRUNCATE_FLOOR_FIX,
+    TRUNCATE_FLOOR_RULE,
+    valid_scale_factor,
+    valid_truncate_floor,
+)
 from .objectives.transforms import TRANSFORMS, registered_transforms
+from .options import (
+    CANCELLATION_TARGETS,
+    ENERGY_FORMS,
+    GROUP_LAYOUTS,
+    ONE_SIDED_POLICIES,
+    TOKEN_WEIGHTINGS,
+    TRANSFORM_GRADIENTS,
+)
+from .rules import FieldRule, finite, integer, one_of, optional, problems, quoted
 
-if TYPE_CHECKING:
-    from .config import DFPOConfig
+__all__ = ["FIELD_RULES", "check_fields"]
 
-TRANSFORM_GRADIENTS = ("ratio", "score")
-# docs/layouts.md: what group_layout may force ("auto": the cheapest exact layout for the batch sizes).
-GROUP_LAYOUTS = ("auto", "redistributed", "pre_pass")
-# TRL loss types whose policy term is TRL's clipped surrogate -min(r A, clip(r) A); DFPO rewrites only those.
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-TOKEN_WEIGHTINGS = ("none", "delta")
-# eq. 24's readings (docs/metrics.md): the norm of each token type's summed LM-head gradient row, or per position.
-ENERGY_FORMS = ("aggregate", "per_position")
-# Token-level clipped loss types DelTA weights, each with a known normalisation domain (delta_trainer).
-DELTA_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-
-Check = Callable[[Any, "DFPOConfig"], bool]
+# dfpo_trl/trainer.py still imports the table from here; once it imports dfpo_trl.options, drop this line.
+from .options import CLIPPED_LOSS_TYPES as CLIPPED_LOSS_TYPES  # noqa: E402
 
 
-def finite(x: Any) -> bool:
-    """A real number (not a bool) that is neither infinite nor NaN."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def integer(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def one_of(choices: tuple[Any, ...]) -> Check:
-    return lambda value, _: value in choices
-
-
-def optional(check: Check) -> Check:
-    """``check``, or unset (``None``)."""
-    return lambda value, config: value is None or check(value, config)
-
-
-def quoted(choices: tuple[str, ...], last: str = " or ") -> str:
-    """``'a', 'b' or 'c'`` (``last=", "``: ``'a', 'b', 'c'``)."""
-    *names, final = [repr(c) for c in choices]
-    return ", ".join(names) + last + final if names else final
-
-
-@dataclass(frozen=True)
-class FieldRule:
-    """The rule of one field: ``check(value, config)``, else the message ``{field}={value!r} {rule}; {fix}``
-    (``rule`` and ``fix`` may depend on the value and the config, or on what is registered when it runs)."""
-
-    field: str
-    check: Check
-    rule: str | Callable[[Any, DFPOConfig], str]
-    fix: str | Callable[[Any, DFPOConfig], str]
-
-    def problem(self, config: DFPOConfig) -> str | None:
-        value = getattr(config, self.field)
-        if self.check(value, config):
-            return None
-        rule = self.rule(value, config) if callable(self.rule) else self.rule
-        fix = self.fix(value, config) if callable(self.fix) else self.fix
-        return f"{self.field}={value!r} {rule}; {fix}"
-
-
-def registered_transform(value: Any, _: DFPOConfig) -> bool:
+def registered_transform(value: Any, _: Any) -> bool:
     """A name in the transform registry as it is now (built-ins and dfpo_trl.register_transform's)."""
     return isinstance(value, str) and value in TRANSFORMS
 
 
-def _transform_fix(_value: Any, _config: DFPOConfig) -> str:
+def _transform_fix(_value: Any, _config: Any) -> str:
     return (
         f"use one of {quoted(registered_transforms(), ', ')}, or register the transform first with "
         "dfpo_trl.register_transform (in dfpo-train: --plugins MODULE, docs/extending.md)"
@@ -91,12 +50,6 @@ def _transform_fix(_value: Any, _config: DFPOConfig) -> str:
 
 def _positive_integer(name: str) -> FieldRule:
     return FieldRule(name, lambda v, _: integer(v) and v >= 1, "must be an integer >= 1", f"set {name} >= 1")
-
-
-def _gamma_rule(value: Any, _: DFPOConfig) -> str:
-    if value is None:
-        return "is no longer accepted (it meant the adaptive mean-|margin| gamma)"
-    return "is not valid: it must be 'std', 'mean_abs' or a finite number > 0 (a fixed gamma)"
 
 
 FIELD_RULES: tuple[FieldRule, ...] = (
@@ -145,15 +98,9 @@ FIELD_RULES: tuple[FieldRule, ...] = (
     ),
     # ---- DFPO's fields, in declaration order
     FieldRule("group_transform", registered_transform, "is not a DFPO transform", _transform_fix),
+    FieldRule("transform_scale", lambda v, _: valid_scale_factor(v), SCALE_FACTOR_RULE, SCALE_FACTOR_FIX),
     FieldRule(
-        "transform_scale", lambda v, _: finite(v) and v > 0,
-        "must be a finite number > 0 (the factor κ of the 'scale' ablation: 0 drops every update, a negative κ "
-        "reverses it)", "the paper uses 0.5",
-    ),
-    FieldRule(
-        "transform_truncate_floor", lambda v, _: finite(v) and 0 < v < 1,
-        "must be in (0, 1) (a floor far below the weights, which are 1 on-policy: a floor >= 1 would replace "
-        "them)", "the default is 1e-6",
+        "transform_truncate_floor", lambda v, _: valid_truncate_floor(v), TRUNCATE_FLOOR_RULE, TRUNCATE_FLOOR_FIX
     ),
     FieldRule("transform_gradient", one_of(TRANSFORM_GRADIENTS), "is not valid", f"use {quoted(TRANSFORM_GRADIENTS)}"),
     FieldRule(
@@ -180,45 +127,14 @@ FIELD_RULES: tuple[FieldRule, ...] = (
     ),
     FieldRule("energy_form", one_of(ENERGY_FORMS), "is not valid", f"use {quoted(ENERGY_FORMS)}"),
     FieldRule("token_weighting", one_of(TOKEN_WEIGHTINGS), "is not valid", "use 'none' or 'delta' (DelTA)"),
-    FieldRule(
-        "delta_lambda_min",
-        lambda v, c: finite(v) and (not finite(c.delta_lambda_max) or 0 < v <= c.delta_lambda_max),
-        lambda _, c: f"with delta_lambda_max={c.delta_lambda_max!r} must be a finite number with "
-        "0 < delta_lambda_min <= delta_lambda_max (the weights multiply advantages and must stay positive)",
-        "the paper uses 0.8 and 1.2",
-    ),
-    FieldRule("delta_lambda_max", lambda v, _: finite(v), "must be a finite number", "the paper uses 0.8 and 1.2"),
-    FieldRule(
-        "delta_refine_steps", lambda v, _: integer(v) and v >= 0, "must be an integer >= 0", "the paper uses 1"
-    ),
-    FieldRule(
-        "delta_gamma", lambda v, _: v in GAMMA_RULES or finite(v) and v > 0, _gamma_rule,
-        "use 'std' (the authors' released code, the default), 'mean_abs' (the former rule) or a fixed number > 0",
-    ),
-    FieldRule("delta_gamma_update", one_of(GAMMA_UPDATES), "is not valid", f"use {quoted(GAMMA_UPDATES)}"),
-    FieldRule("delta_zero_advantage", one_of(ZERO_ADVANTAGE_RULES), "is not valid",
-              f"use {quoted(ZERO_ADVANTAGE_RULES)}"),
-    FieldRule("delta_scope", one_of(SCOPES), "is not valid", f"use {quoted(SCOPES)}"),
-    FieldRule("delta_assignment", one_of(("soft", "hard")), "is not valid", "use 'soft' or 'hard'"),
-    FieldRule("delta_contrast", one_of(("opposite", "within")), "is not valid", "use 'opposite' or 'within'"),
+    # ---- DelTA's fields: their rules are DelTA's own (dfpo_trl.delta.weights), shared with its functions
+    *DELTA_RULES,
 )
 
 
-def read_delta_gamma(gamma: Any) -> Any:
-    """A fixed delta_gamma given as a numeric string (the command line) or an int becomes a float."""
-    if isinstance(gamma, str) and gamma not in GAMMA_RULES:
-        try:
-            return float(gamma)
-        except ValueError:
-            return gamma
-    if integer(gamma):
-        return float(gamma)
-    return gamma
-
-
-def check_fields(config: DFPOConfig) -> None:
+def check_fields(config: Any) -> None:
     """Every field's rule, all problems reported at once (the rules between fields come after, in
     :mod:`dfpo_trl.config_combinations`)."""
-    problems = [p for rule in FIELD_RULES if (p := rule.problem(config)) is not None]
-    if problems:
-        raise ValueError("invalid value(s): " + " | ".join(problems) + ".")
+    found = problems(FIELD_RULES, config)
+    if found:
+        raise ValueError("invalid value(s): " + " | ".join(found) + ".")

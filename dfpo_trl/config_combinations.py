@@ -6,14 +6,14 @@ raises, naming the fields and the fix.
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import TYPE_CHECKING
+from typing import Any
 
-from .config_checks import CLIPPED_LOSS_TYPES, DELTA_LOSS_TYPES, quoted
-from .objectives.cancellation import not_retargetable
-from .objectives.transforms import get_transform
+from .method import method_in_use
+from .objectives.transforms import get_transform, not_retargetable
+from .options import CLIPPED_LOSS_TYPES, DELTA_LOSS_TYPES, TOKEN_LEVEL_CLIPPED_LOSS_TYPES
+from .rules import quoted
 
-if TYPE_CHECKING:
-    from .config import DFPOConfig
+DFPOConfig = Any  # the config being built: these rules read its fields (dfpo_trl.config imports this module)
 
 __all__ = ["check_combinations"]
 
@@ -72,9 +72,10 @@ def _group_granular(config: DFPOConfig) -> None:
 
 def _sequence_rewrite(config: DFPOConfig) -> None:
     """A transform, the score form or no stop-gradient: GSPO's sequence-level clipped loss only."""
-    if not config.sequence_rewrite_active:
+    method = method_in_use(config)
+    if not method.rewrites_sequences:
         return
-    what = config.describe_sequence_options()
+    what = method.sequence_options
     if config.importance_sampling_level != "sequence":
         raise ValueError(
             f"{what} acts on sequence weights and needs importance_sampling_level='sequence' (GSPO), but "
@@ -105,10 +106,10 @@ def _symmetric_clip(config: DFPOConfig) -> None:
             "transform_stop_gradient options, which are sequence-level; choose one of the two."
         )
     _require_clipped_loss_type(config, "symmetric_clip=True")
-    if config.loss_type == "luspo":
+    if config.loss_type not in TOKEN_LEVEL_CLIPPED_LOSS_TYPES:
         raise ValueError(
-            "symmetric_clip=True cannot be combined with loss_type='luspo' (a sequence-level loss); use "
-            "loss_type 'dapo', 'grpo', 'bnpo' or 'dr_grpo'."
+            f"symmetric_clip=True cannot be combined with loss_type={config.loss_type!r} (a sequence-level loss); "
+            f"use loss_type {quoted(TOKEN_LEVEL_CLIPPED_LOSS_TYPES)}."
         )
 
 

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import learning  # noqa: E402
 import report  # noqa: E402
+import report_stats  # noqa: E402
 
 SPG = 4  # optimizer steps per rollout in the synthetic runs
 GENERATIONS = 3
@@ -88,7 +89,7 @@ def test_cancellation_json_intervals_and_differences() -> None:
     d = result["tasks"]["arithmetic"]["vs_gspo"]["min_replace_grad"]["residual_off_policy"]
     va, vb = statistics.variance([0, 0.001, 0.002]) / 3, 0.01 / 3
     df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
-    expected_half = report.t_quantile(df) * math.sqrt(va + vb)
+    expected_half = report_stats.t_quantile(df) * math.sqrt(va + vb)
     assert d["difference"] == pytest.approx(0.001 - 0.6)
     assert d["high"] - d["difference"] == pytest.approx(expected_half)
     assert d["excludes_zero"] is True

@@ -235,15 +235,15 @@ def test_short_help_shows_every_default_the_dataclasses_have(capsys: pytest.Capt
 
     from trl import ModelConfig
 
-    from dfpo_trl.app.fields import dfpo_field_names
     from dfpo_trl.app.help import LEADING_FIELDS
+    from dfpo_trl.config import dfpo_fields
     from dfpo_trl.tasks import TASKS
 
     out = _help_text(capsys, "--help")
     entries = re.findall(r"^  --(\w+)(?: \(default: (.*?)[;)].*)?$", out, flags=re.MULTILINE)
     shown = dict(entries)
     assert len(entries) == len(shown)  # each field once
-    owner = {name: DFPOConfig for name in (*dfpo_field_names(), *LEADING_FIELDS)}
+    owner = {name: DFPOConfig for name in (*(f.name for f in dfpo_fields()), *LEADING_FIELDS)}
     owner.update({name: DFPOScriptArguments for name in DFPOScriptArguments.__dataclass_fields__})
     owner["model_name_or_path"] = ModelConfig
     assert set(shown) == set(owner)

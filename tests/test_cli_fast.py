@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 from dfpo_trl.app.args import RecipeError
-from dfpo_trl.app.field_table import FIELD_TABLE
 from dfpo_trl.app.fields import build_field_table, table_source
 from dfpo_trl.app.help import short_help
 from dfpo_trl.app.parser import make_parser, parse_args
-from dfpo_trl.app.precheck import library_versions, precheck, stored_field_table
+from dfpo_trl.app.precheck import TABLE_FILE, library_versions, precheck, read_field_table, stored_field_table
+
+FIELD_TABLE = read_field_table()
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "trl", "datasets", "accelerate")
@@ -29,8 +30,8 @@ def test_stored_field_table_is_what_the_parser_gives() -> None:
         assert stored_field_table() is None
         return
     built = build_field_table(make_parser())
-    assert built == FIELD_TABLE, "dfpo_trl/app/field_table.py is out of date: run python -m dfpo_trl.app.fields"
-    assert (ROOT / "dfpo_trl" / "app" / "field_table.py").read_text() == table_source(built)
+    assert built == FIELD_TABLE, "dfpo_trl/app/field_table.json is out of date: run python -m dfpo_trl.app.fields"
+    assert TABLE_FILE.read_text(encoding="utf-8") == table_source(built)
     assert stored_field_table() is FIELD_TABLE
 
 
@@ -103,8 +104,9 @@ def test_help_and_input_errors_import_no_torch(tmp_path: Path, live_table: dict)
     are other versions than it was built from: then the fast path stands aside, tested above)."""
     script = textwrap.dedent(f"""
         import contextlib, io, json, sys
-        import dfpo_trl.app.field_table
-        dfpo_trl.app.field_table.FIELD_TABLE = json.loads(sys.argv[2])
+        import dfpo_trl.app.precheck
+        table = json.loads(sys.argv[2])
+        dfpo_trl.app.precheck.read_field_table = lambda: table
         from dfpo_trl.app.main import main
         results = {{}}
         for name, argv in json.loads(sys.argv[1]).items():

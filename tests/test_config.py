@@ -206,17 +206,21 @@ def test_formerly_doubled_fields_have_one_rule(name, refused, accepted):
 
 def test_truncate_floor_must_stay_below_the_on_policy_weight():
     """Why transform_truncate_floor < 1: weights of s̄ near 1 (on-policy exactly 1) pass the floor ϵ untouched
-    only while ϵ < 1; a floor at or above 1 replaces weights that need no underflow guard (eq. 52)."""
+    only while ϵ < 1; a floor at or above 1 replaces weights that need no underflow guard (eq. 52). The math and the
+    config share the range, so the math refuses such a floor; s⁺ = max(s̄, 1) is what it would compute."""
     import torch
 
     from dfpo_trl.objectives.transforms import truncate_rebalance
 
     w = torch.tensor([[0.97, 1.0, 1.02, 0.99]], dtype=torch.float64)
     advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5]], dtype=torch.float64)
-    unguarded = truncate_rebalance(w, advantages, floor=0.0)
+    unguarded = truncate_rebalance(w, advantages, floor=1e-300)
     assert torch.equal(truncate_rebalance(w, advantages, floor=1e-6), unguarded)
     assert torch.equal(truncate_rebalance(w, advantages, floor=0.5), unguarded)
-    assert not torch.equal(truncate_rebalance(w, advantages, floor=1.0), unguarded)
+    assert not torch.equal(truncate_rebalance(w.clamp(min=1.0), advantages, floor=1e-6), unguarded)
+    for floor in (0.0, 1.0):
+        with pytest.raises(ValueError, match=r"truncate_floor=.* must be in \(0, 1\)"):
+            truncate_rebalance(w, advantages, floor=floor)
 
 
 def test_each_field_has_one_rule_and_its_message_names_the_field_rule_and_fix():

@@ -32,7 +32,7 @@ from trl import GRPOConfig, GRPOTrainer
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.groups.ids import consecutive_group_ids
 from dfpo_trl.objectives.cancellation import aggregation_factor, balance_group_weights, gradient_coefficients
-from dfpo_trl.objectives.transforms import apply_group_transform
+from dfpo_trl.objectives.transforms import get_transform
 from dfpo_trl.objectives.weights import clip_survivors, sequence_log_ratio, sign_aware_post_clip
 
 pytestmark = pytest.mark.distributed
@@ -76,7 +76,7 @@ def reference_weights(
     if target == "gradient":
         s_tilde, _ = balance_group_weights(TRANSFORM, *grouped, a.view(-1, group_size), survives.view(-1, group_size))
     else:
-        s_tilde = apply_group_transform(TRANSFORM, *grouped)
+        s_tilde = get_transform(TRANSFORM).apply(*grouped, 0.5, 1e-6)
     return s_bar, s_tilde.reshape(-1), a
 
 

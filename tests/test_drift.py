@@ -196,7 +196,7 @@ def test_drift_meter_follows_odds_moved_by_hand() -> None:
     first = meter.results["curve"][0]
     assert first["step"] == 0 and first["log_odds_abs_mean"] == 0.0
     assert first["set_entropy"] == pytest.approx(math.log(2.0), rel=1e-12)
-    assert store.pending("train") == []  # step 0 is kept in the curve, not logged at step 1
+    assert store.flush("train", "cpu") == {}  # step 0 is kept in the curve, not logged at step 1
     delta = 1.5
     with torch.no_grad():
         model.table[:, WORDS.index("the")] += delta

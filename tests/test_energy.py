@@ -27,7 +27,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 import dfpo_trl.metrics.hooks as hooks_module
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.metrics.energy import energy_by_bucket, frequency_buckets, lm_head_grad_scale
+from dfpo_trl.metrics.energy import energy_sums_by_bucket, frequency_buckets, lm_head_grad_scale
 from dfpo_trl.trl_hooks.lm_head import HiddenCapture, fused_lm_head, gathered_for_reading, lm_head_input_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -196,19 +196,30 @@ def test_frequency_buckets_never_split_an_id_and_allow_empty_buckets():
         frequency_buckets(ids, torch.ones_like(ids), 0)
 
 
-def test_energy_by_bucket_hand_values():
+def test_energy_shares_hand_values_as_the_trainer_computes_them():
+    """eq. 24 on the trainer's path: energy_sums_by_bucket's numerators, each divided by the counted total in the
+    metric store (the division the backward hook leaves to it), shares that sum to 1; a bucket of −1 counts
+    nowhere, and with no counted energy no share is logged (a share of nothing is not 0)."""
+    from dfpo_trl.metrics.store import MetricStore
+
     energy = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 100.0]])
     bucket = torch.tensor([[0, 0, 1, 2], [2, 1, 0, -1]])
-    shares = energy_by_bucket(energy, bucket, 3)
-    total = 1 + 2 + 3 + 4 + 5 + 6 + 7  # the −1 token is not counted
-    torch.testing.assert_close(shares, torch.tensor([1 + 2 + 7, 3 + 6, 4 + 5]) / total)
-    assert shares.sum().item() == pytest.approx(1.0)
-    assert energy_by_bucket(energy.double(), bucket, 4).dtype == torch.float64
-    zero = energy_by_bucket(torch.zeros(2, 4), bucket, 3)
-    assert torch.equal(zero, torch.zeros(3))
-    assert torch.equal(energy_by_bucket(energy, torch.full_like(bucket, -1), 3), torch.zeros(3))
-    with pytest.raises(ValueError, match="out of range"):
-        energy_by_bucket(energy, bucket, 2)
+    sums = energy_sums_by_bucket(energy, bucket, 3)
+    torch.testing.assert_close(sums, torch.tensor([1.0 + 2 + 7, 3 + 6, 4 + 5]))  # the −1 token is not counted
+    assert energy_sums_by_bucket(energy.double(), bucket, 4).dtype == torch.float64
+
+    def shares(sums: torch.Tensor) -> dict[str, float | list[float]]:
+        store = MetricStore()
+        for b in range(sums.numel()):
+            store.add_mean("train", f"energy/freq_bucket_{b}", sums[b], sums.sum())
+        return store.flush("train", "cpu")
+
+    total = 1 + 2 + 3 + 4 + 5 + 6 + 7
+    logged = shares(sums)
+    assert [logged[f"energy/freq_bucket_{b}"] for b in range(3)] == pytest.approx([10 / total, 9 / total, 9 / total])
+    assert sum(logged.values()) == pytest.approx(1.0)
+    assert shares(energy_sums_by_bucket(torch.zeros(2, 4), bucket, 3)) == {}
+    assert shares(energy_sums_by_bucket(energy, torch.full_like(bucket, -1), 3)) == {}
 
 
 # ------------------------------------------------------------------------------------------------- config

@@ -9,7 +9,7 @@ from tiny import shared_prefix_residual
 
 from dfpo_trl.metrics.curves import ema, jitter2, steps_to_threshold
 from dfpo_trl.metrics.mechanism import asym, orth_residual, phi_stats, shared_prefix_mask
-from dfpo_trl.objectives.transforms import apply_group_transform
+from dfpo_trl.objectives.transforms import get_transform
 
 # ---------------------------------------------------------------------------------------------------
 # asym, orth_residual, phi_stats
@@ -34,7 +34,7 @@ def test_asym_hand_value_and_min_replace_effect():
     # products (1, −3): mean −1, population variance ((2)² + (−2)²)/2 = 4
     assert asym(coef, adv).item() == pytest.approx(4.0)
     # equal coefficients leave only the variance of Â (eq. 23 after Min-Replace)
-    equal = apply_group_transform("min_replace", coef, adv)
+    equal = get_transform("min_replace").apply(coef, adv, 0.5, 1e-6)
     assert asym(equal, adv).item() == pytest.approx(1.0)
 
 
@@ -151,7 +151,7 @@ def test_shared_prefix_residual_paper_toy_eq38():
     mask = torch.ones_like(ids)
     expected_gspo = abs(big_a * rho1 * rho2 * (lam2 - lam1)) / (big_a * rho1 * rho2 * (lam1 + lam2))
     for name, expected in (("none", expected_gspo), ("min_replace", 0.0), ("orth_proj", 0.0)):
-        coefficients = (adv * apply_group_transform(name, s, adv))[..., None].expand(1, 2, 3)
+        coefficients = (adv * get_transform(name).apply(s, adv, 0.5, 1e-6))[..., None].expand(1, 2, 3)
         value, count = shared_prefix_residual(coefficients, ids, mask)
         assert count.item() == 2
         assert value.item() == pytest.approx(expected, abs=1e-12), name

@@ -1,6 +1,6 @@
 """``dfpo-train --help``: DFPO's fields and the script arguments with their defaults, and the task list.
 
-Rendered from a field table (:mod:`.fields`): the stored one (``field_table.py``), so that ``--help`` answers
+Rendered from a field table (:mod:`.fields`): the stored one (``field_table.json``), so that ``--help`` answers
 without importing torch or TRL, or, when ``--plugins`` may have registered transforms or tasks, one built from the
 parser after importing them. ``--help-all`` is argparse's own help over every field (TRL's GRPOConfig,
 transformers' TrainingArguments, ModelConfig).

@@ -15,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..method import method_in_use
 from . import logger
 from .files import PLOT_FILE, PREVIOUS_RUN_DIR, SUMMARY_FILE, set_aside_previous_outputs
 from .plotting import plot_metrics
@@ -31,17 +32,7 @@ __all__ = [
 
 def method_label(args: DFPOConfig) -> str:
     """The method a config trains with, as the summary and the figure name it (e.g. "DFPO min_replace")."""
-    if args.symmetric_clip:
-        method = "GRPO-fix (symmetric clip)"
-    elif args.importance_sampling_level == "sequence":
-        method = "GSPO" if args.group_transform == "none" else f"DFPO {args.group_transform}"
-        if args.transform_gradient == "score":
-            method += " (score form)"
-    else:
-        method = f"GRPO (loss_type={args.loss_type})"
-    if args.token_weighting == "delta":
-        method += " + DelTA"
-    return method
+    return method_in_use(args).label
 
 
 def _file_stamps(directory: str) -> dict[str, tuple[int, int]]:

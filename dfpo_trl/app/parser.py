@@ -15,14 +15,62 @@ from typing import Any
 
 from trl import ModelConfig, TrlParser
 
-from ..config import DFPOConfig
+from ..config import DFPOConfig, dfpo_fields
+from ..objectives.transforms import TRANSFORMS
+from ..tasks import TASKS
 from .args import DFPOScriptArguments, RecipeError
-from .fields import task_help, transform_help
 from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
 from .precheck import check_max_steps, recipe_argv, unknown_message, yaml_error
 from .precheck import field_origin as precheck_field_origin
 from .resume import imply_save_strategy
+
+# One line per built-in task in `--help`; a task registered without an entry here is described by the first
+# sentence of its factory's docstring.
+TASK_SUMMARIES = {
+    "arithmetic": "single-digit addition, reward on the last number of the completion; offline",
+    "sum_sentence": "the same problems answered in one required sentence: a group's completions share a long "
+    "prefix, where shared-token cancellation acts; offline",
+    "math": "any `datasets` dataset graded by math-verify; set dataset, problem_column and answer_column",
+}
+
+
+def task_help() -> str:
+    """The ``task`` field's help, listing every task registered in :data:`dfpo_trl.tasks.TASKS`."""
+
+    def summary(name: str) -> str:
+        if name in TASK_SUMMARIES:
+            return TASK_SUMMARIES[name]
+        doc = " ".join((getattr(TASKS[name], "__doc__", None) or "").split())
+        return doc.split(". ")[0].rstrip(".") or "registered with dfpo_trl.tasks.register_task"
+
+    listed = "; ".join(f"'{name}' ({summary(name)})" for name in TASKS)
+    return (
+        f"Task: {listed}; a name registered with dfpo_trl.tasks.register_task; or an import path "
+        "'package.module:factory' returning a dfpo_trl.tasks.Task."
+    )
+
+
+def transform_help() -> str:
+    """The ``group_transform`` field's help (it lists the built-ins), then every transform registered beyond them
+    (by a plugin, docs/extending.md) with its balance condition, as the registry holds them now."""
+    spec = next(f for f in dfpo_fields() if f.name == "group_transform")
+    added = [f"'{name}' (balances: {entry.balance})" for name, entry in TRANSFORMS.items() if not entry.builtin]
+    extra = f" Registered by plugins: {', '.join(added)}." if added else ""
+    return spec.metadata["help"] + extra.replace("%", "%%")  # argparse formats help with %
+
+
+def dfpo_fields_summary() -> str:
+    """DFPOConfig's own fields for the parser's description, from the config (names sharing a first word and a
+    ``_`` once more than one field has it, e.g. ``delta_*``)."""
+    names = [spec.name for spec in dfpo_fields()]
+    heads = [name.split("_")[0] for name in names]
+    shown: list[str] = []
+    for name, head in zip(names, heads, strict=True):
+        item = f"{head}_*" if heads.count(head) > 1 else name
+        if item not in shown:
+            shown.append(item)
+    return ", ".join(shown)
 
 
 class DFPOParser(TrlParser):
@@ -103,8 +151,7 @@ def make_parser(prog: str | None = "dfpo-train") -> DFPOParser:
         exit_on_error=False,  # a bad value raises ArgumentError, which names the flag: see parse_args
         description="Train with DFPO objectives (TRL GRPOTrainer subclass) from a YAML recipe. Usage: "
         "dfpo-train RECIPE.yaml [--field value ...]; every field below can be set in the recipe or overridden "
-        "here. DFPO's own fields: group_transform, transform_*, symmetric_clip, log_mechanism_metrics, "
-        "log_energy_buckets, token_weighting, delta_*. --plugins MODULE imports a module that registers "
+        "here. DFPO's own fields: " + dfpo_fields_summary() + ". --plugins MODULE imports a module that registers "
         "transforms, tasks or rewards first.",
     )
     parser.primary_action("task").help = task_help()

@@ -10,6 +10,8 @@ with the same messages for what both check.
 from __future__ import annotations
 
 import difflib
+import functools
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,8 +22,11 @@ from .paths import check_output_dir, resolve_resume_checkpoint
 
 __all__ = [
     "PRECHECKED_FIELDS", "RENAMED_FIELDS", "check_max_steps", "field_origin", "library_versions", "precheck",
-    "recipe_argv", "stored_field_table", "unknown_message", "yaml_error",
+    "read_field_table", "recipe_argv", "stored_field_table", "unknown_message", "yaml_error",
 ]  # fmt: skip
+
+#: The stored field table: package data (pyproject.toml), written by ``python -m dfpo_trl.app.fields``.
+TABLE_FILE = Path(__file__).with_name("field_table.json")
 
 # The fields whose values precheck reads (their defaults are in the field table).
 PRECHECKED_FIELDS = ("max_steps", "output_dir", "resume_from_checkpoint")
@@ -44,11 +49,16 @@ def library_versions() -> dict[str, str]:
     return {name: version(name) for name in ("trl", "transformers")}
 
 
+@functools.cache
+def read_field_table() -> dict[str, Any]:
+    """The stored field table (``field_table.json``, written by ``python -m dfpo_trl.app.fields``), read once."""
+    return json.loads(TABLE_FILE.read_text(encoding="utf-8"))
+
+
 def stored_field_table() -> dict[str, Any] | None:
     """The stored field table when it was built with the installed TRL and transformers, else None."""
-    from .field_table import FIELD_TABLE
-
-    return FIELD_TABLE if FIELD_TABLE.get("versions") == library_versions() else None
+    table = read_field_table()
+    return table if table.get("versions") == library_versions() else None
 
 
 def recipe_argv(argv: Sequence[str]) -> list[str]:

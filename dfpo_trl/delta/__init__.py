@@ -15,10 +15,9 @@ from .rollout import side_means as side_means
 from .rollout import sum_over_processes as sum_over_processes
 from .rollout import token_table as token_table
 from .rollout import weight_reducer as weight_reducer
-from .weights import GAMMA_RULES as GAMMA_RULES
-from .weights import GAMMA_UPDATES as GAMMA_UPDATES
-from .weights import SCOPES as SCOPES
-from .weights import ZERO_ADVANTAGE_RULES as ZERO_ADVANTAGE_RULES
+from .weights import DELTA_RULES as DELTA_RULES
+from .weights import DeltaFields as DeltaFields
+from .weights import read_gamma as read_gamma
 from .weights import self_normalise as self_normalise
 from .weights import token_weights as token_weights
 from .weights import token_weights_from_hidden as token_weights_from_hidden

@@ -18,24 +18,21 @@ and stores them per row in ``output["delta_weights"]`` (B, T), where the loss-in
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..options import DELTA_LOSS_TYPES, DOMAIN_SEQUENCE, LOSS_TYPES
+from ..options import DOMAIN_MICRO_BATCH as DOMAIN_MICRO_BATCH  # objectives/plan.py's import, until it reads options
 from ..precision import compute_dtype as _compute_dtype
+from ..rules import quoted
 from .centroids import Reducer
-from .weights import self_normalise, token_weights_from_hidden
-
-if TYPE_CHECKING:
-    from ..config import DFPOConfig
+from .weights import DeltaFields, self_normalise, token_weights_from_hidden
 
 __all__ = [
     "DELTA_WEIGHTS_KEY",
-    "DOMAIN_MICRO_BATCH",
-    "DOMAIN_ROLLOUT",
-    "DOMAIN_SEQUENCE",
     "coefficient_options",
     "delta_token_weights",
     "delta_weights",
@@ -50,15 +47,18 @@ __all__ = [
 
 DELTA_WEIGHTS_KEY = "delta_weights"
 TOKEN_TABLE_SIZE = 10
-DOMAIN_SEQUENCE = "sequence"  # loss_type="grpo": per-sequence token mean
-DOMAIN_MICRO_BATCH = "micro_batch"  # loss_type="bnpo": token mean of the local micro-batch
-DOMAIN_ROLLOUT = "rollout"  # loss_type="dapo" / "dr_grpo": tokens of the whole (global) rollout batch
 
 
-def coefficient_options(config: DFPOConfig) -> dict[str, Any]:
+def coefficient_options(config: DeltaFields) -> dict[str, Any]:
     """:func:`token_weights_from_hidden` keyword arguments from a ``DFPOConfig``'s ``delta_*`` fields.
 
     ``delta_scope`` is not among them: it decides whether the caller passes an ``all_reduce``.
+
+    Args:
+        config: the ``delta_*`` fields (a ``DFPOConfig``).
+
+    Returns:
+        ``{"lambda_min": ..., "random_weights": ...}`` for :func:`token_weights_from_hidden`.
     """
     return dict(
         lambda_min=config.delta_lambda_min,
@@ -79,7 +79,7 @@ def delta_weights(
     logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    config: DFPOConfig,
+    config: DeltaFields,
     *,
     per_sequence: bool = False,
     all_reduce: Reducer | None = None,
@@ -90,6 +90,19 @@ def delta_weights(
     λ from the proxy v = (1 − p) h with p = exp(``logprobs``); λ̄ = λ N / Z over the masked tokens of the whole
     batch (the token-mean loss's domain; over all processes through ``all_reduce``) or, with ``per_sequence``,
     of each row; λ̄ is 0 outside ``mask``. The trainer's weights come from here.
+
+    Args:
+        hidden: (B, T, d) LM-head inputs h.
+        logprobs: (B, T) the sampled tokens' log-probabilities at the sampling temperature.
+        advantages: (B,) Â.
+        mask: (B, T), nonzero on response tokens.
+        config: the ``delta_*`` fields.
+        per_sequence: λ̄ averages 1 per row instead of over the batch.
+        all_reduce: element-wise sum over processes (None: this process alone).
+        generator: the random-λ control's generator.
+
+    Returns:
+        (λ, λ̄), each (B, T); λ̄ is 0 outside ``mask``.
     """
     probs = logprobs.detach().to(_compute_dtype(hidden, logprobs)).exp()
     raw = token_weights_from_hidden(
@@ -107,7 +120,7 @@ def delta_token_weights(
     logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    config: DFPOConfig,
+    config: DeltaFields,
     *,
     generator: torch.Generator | None = None,
 ) -> Tensor:
@@ -119,6 +132,12 @@ def delta_token_weights(
     released code). Returns λ̄ = λ N / Z, N and Z summed over the batch's response tokens, 0 outside ``mask``
     (eq. DelTA-weighted-objective). One process, so ``delta_scope`` has no effect; ``generator`` feeds the
     random-λ control.
+
+    Args:
+        hidden, logprobs, advantages, mask, config, generator: as above.
+
+    Returns:
+        λ̄ (B, T).
     """
     return delta_weights(hidden, logprobs, advantages, mask, config, generator=generator)[1]
 
@@ -128,15 +147,22 @@ def normalisation_domain(loss_type: str) -> str:
 
     ``grpo`` divides each sequence by its length: per sequence. ``bnpo`` divides the micro-batch by its
     (local) token count: per micro-batch, done at loss time. ``dapo`` divides by the token count of the whole
-    generation batch over all processes, ``dr_grpo`` by a constant: over the global rollout batch.
+    generation batch over all processes, ``dr_grpo`` by a constant: over the global rollout batch (the
+    ``delta_domain`` column of :data:`dfpo_trl.options.LOSS_TYPES`).
+
+    Args:
+        loss_type: TRL's ``loss_type``.
+
+    Returns:
+        ``DOMAIN_SEQUENCE``, ``DOMAIN_MICRO_BATCH`` or ``DOMAIN_ROLLOUT`` of :mod:`dfpo_trl.options`.
     """
-    if loss_type == "grpo":
-        return DOMAIN_SEQUENCE
-    if loss_type == "bnpo":
-        return DOMAIN_MICRO_BATCH
-    if loss_type in ("dapo", "dr_grpo"):
-        return DOMAIN_ROLLOUT
-    raise ValueError(f"token_weighting='delta' has no normalisation domain for loss_type={loss_type!r}.")
+    entry = LOSS_TYPES.get(loss_type)
+    if entry is None or entry.delta_domain is None:
+        raise ValueError(
+            f"token_weighting='delta' has no normalisation domain for loss_type={loss_type!r}; use one of "
+            f"{quoted(DELTA_LOSS_TYPES, ', ')}."
+        )
+    return entry.delta_domain
 
 
 def sum_over_processes(t: Tensor) -> Tensor:
@@ -145,9 +171,17 @@ def sum_over_processes(t: Tensor) -> Tensor:
     return t
 
 
-def weight_reducer(args: Any, num_processes: int) -> Reducer | None:
+def weight_reducer(args: DeltaFields, num_processes: int) -> Reducer | None:
     """The ``all_reduce`` of the weights' statistics: over every process for ``delta_scope="global"``, none (each
-    process's shard alone, the released code's scope) for ``"process"`` or a single process."""
+    process's shard alone, the released code's scope) for ``"process"`` or a single process.
+
+    Args:
+        args: the ``DFPOConfig`` (its ``delta_scope``).
+        num_processes: the run's process count.
+
+    Returns:
+        :func:`sum_over_processes`, or None.
+    """
     if num_processes > 1 and args.delta_scope == "global":
         return sum_over_processes
     return None
@@ -158,7 +192,7 @@ def rollout_weights(
     logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    args: Any,
+    args: DeltaFields,
     *,
     all_reduce: Reducer | None = None,
     generator: torch.Generator | None = None,
@@ -169,6 +203,13 @@ def rollout_weights(
     ``dapo``, ``dr_grpo`` and ``bnpo`` (whose micro-batch normalisation is redone at loss time, by
     :func:`~dfpo_trl.objectives.rewrite.token_weighted_advantages`). ``args`` is the ``DFPOConfig`` whose
     ``delta_*`` fields choose the rules.
+
+    Args:
+        hidden, logprobs, advantages, mask, all_reduce, generator: as in :func:`delta_weights`.
+        args: the ``DFPOConfig`` (its ``delta_*`` fields and ``loss_type``).
+
+    Returns:
+        (λ, λ̄), each (B, T).
     """
     per_sequence = normalisation_domain(args.loss_type) == DOMAIN_SEQUENCE
     return delta_weights(
@@ -180,7 +221,17 @@ def rollout_weights(
 def side_means(values: Tensor, advantages: Tensor, mask: Tensor, all_reduce: Reducer | None = None) -> Tensor:
     """Means of ``values`` ((B, T), or (k, B, T) for k quantities at once) over the loss tokens of the Â > 0
     and the Â < 0 rows, global through ``all_reduce`` (one collective): shape (2,) or (k, 2), [pos, neg],
-    NaN for an empty side."""
+    NaN for an empty side.
+
+    Args:
+        values: (B, T) or (k, B, T).
+        advantages: (B,) Â.
+        mask: (B, T), nonzero on loss tokens.
+        all_reduce: element-wise sum over processes (None: this process alone).
+
+    Returns:
+        (2,) or (k, 2) float64 means, [Â > 0, Â < 0].
+    """
     v = values.detach().to(torch.float64)
     single = v.dim() == 2
     if single:
@@ -207,7 +258,19 @@ def token_table(
 ) -> list[dict[str, Any]]:
     """The ``k`` token ids with the highest and the ``k`` with the lowest mean λ over the weighted tokens
     (loss tokens of Â ≠ 0 rows) of a batch: rows ``{"rank", "token", "token_id", "mean_lambda", "count"}``.
-    The paper's Figure 4 reports reasoning tokens ("prime", "=y", "forward") high and entity names low."""
+    The paper's Figure 4 reports reasoning tokens ("prime", "=y", "forward") high and entity names low.
+
+    Args:
+        weights: (B, T) λ.
+        completion_ids: (B, T) token ids.
+        advantages: (B,) Â.
+        mask: (B, T), nonzero on loss tokens.
+        decode: token id to text.
+        k: rows per end of the ranking.
+
+    Returns:
+        Up to 2k rows, the highest first, then the lowest.
+    """
     active = (mask != 0) & (advantages != 0)[:, None]
     ids, w = completion_ids[active], weights.detach()[active].to(torch.float64)
     if ids.numel() == 0:

@@ -1,6 +1,7 @@
 """DFPO's metrics (docs/metrics.md).
 
-``store`` (the only path into TRL's logs), ``mechanism`` (Asym, residuals, φ), ``energy`` (eq. 24), ``curves``
-(EMA, Jitter₂, steps to threshold), ``drift`` (D1–D4), ``clip`` (TRL's clip fractions, counted before DFPO's
-rewrite) and ``hooks`` (the backward hooks that read the token coefficients).
+``store`` (the only path into TRL's logs), ``mechanism`` (Asym, residuals, φ), ``diagnostics`` (whether the
+transform acted at all), ``energy`` and ``energy_aggregate`` (eq. 24, per position and per token
+type), ``curves`` (EMA, Jitter₂, steps to threshold), ``drift`` (D1–D4), ``clip`` (TRL's clip fractions, counted
+before DFPO's rewrite) and ``hooks`` (the backward hooks that read the token coefficients).
 """

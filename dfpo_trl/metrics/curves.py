@@ -26,6 +26,12 @@ def jitter2(curve: Sequence[float] | torch.Tensor) -> float:
     difference of a training curve: 0 for a straight line, large for short-term oscillation.
 
     Raises ValueError for fewer than 3 points (the metric is undefined; we never log NaN).
+
+    Args:
+        curve: T ≥ 3 values m_t.
+
+    Returns:
+        Jitter₂.
     """
     m = _as_float_list(curve, "jitter2")
     if len(m) < 3:
@@ -35,7 +41,15 @@ def jitter2(curve: Sequence[float] | torch.Tensor) -> float:
 
 def ema(curve: Sequence[float] | torch.Tensor, alpha: float = 0.3) -> list[float]:
     """Exponential moving average e_0 = m_0, e_t = α m_t + (1 − α) e_{t−1}, used to smooth a reward
-    curve before thresholding (eq. 19) so a single lucky step does not count as reaching the threshold."""
+    curve before thresholding (eq. 19) so a single lucky step does not count as reaching the threshold.
+
+    Args:
+        curve: the values m_t.
+        alpha: α in (0, 1].
+
+    Returns:
+        e_t, one per value.
+    """
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"alpha must be in (0, 1], got {alpha}")
     out: list[float] = []
@@ -48,7 +62,16 @@ def steps_to_threshold(
     curve: Sequence[float] | torch.Tensor, threshold: float, alpha: float = 0.3
 ) -> int | None:
     """Steps(Score ≥ κ) (eq. 19): the first 0-based index where the EMA of ``curve`` is ≥ ``threshold``,
-    or None if it never gets there."""
+    or None if it never gets there.
+
+    Args:
+        curve: the values m_t.
+        threshold: κ.
+        alpha: the EMA's α.
+
+    Returns:
+        The first index whose EMA is ≥ κ, or None.
+    """
     for index, value in enumerate(ema(curve, alpha=alpha)):
         if value >= threshold:
             return index

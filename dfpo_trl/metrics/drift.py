@@ -124,7 +124,14 @@ def summarise_equivalent_sets(logps: Tensor) -> dict[str, float]:
     ``log_odds_abs_mean`` / ``log_odds_abs_std`` are the mean and (population) standard deviation over prompts of
     the spread D2 (|o| for two forms), ``log_odds_mean`` the signed mean of D1 (which form is winning),
     ``set_entropy`` the mean of D3 and ``set_entropy_normalised`` that over log K (1 = the forms equally likely, 0 =
-    one form has all of the set's mass), ``set_logp_mean`` the mean of D4."""
+    one form has all of the set's mass), ``set_logp_mean`` the mean of D4.
+
+    Args:
+        logps: (P, K) log π(y_f | x_p), K ≥ 2, finite.
+
+    Returns:
+        The six metrics above, as floats.
+    """
     stats = equivalent_set_stats(logps)
     spread = stats["spread"]
     forms = logps.size(1)

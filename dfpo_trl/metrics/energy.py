@@ -2,7 +2,7 @@
 
 ‖∇_W ℓ_t‖ = |c_t| · ‖∂ log p_t/∂W‖ per token, W the LM-head weight, c_t = ∂loss/∂log p_t: :func:`lm_head_grad_scale`
 gives the second factor from h (no autograd graph), :func:`frequency_buckets` the token sets B_b, and
-:func:`energy_sums_by_bucket` / :func:`energy_by_bucket` each bucket's sum and share. The trainer's backward hook
+:func:`energy_sums_by_bucket` each bucket's sum (its share: divided by the total in the metric store). The backward hook
 (:mod:`dfpo_trl.metrics.hooks`) multiplies by |c_t|. Float32 throughout (float64 for float64 input).
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from ..precision import compute_dtype as _compute_dtype
 
-__all__ = ["energy_by_bucket", "energy_sums_by_bucket", "frequency_buckets", "lm_head_grad_scale"]
+__all__ = ["energy_sums_by_bucket", "frequency_buckets", "lm_head_grad_scale"]
 
 
 def lm_head_grad_scale(
@@ -128,6 +128,14 @@ def frequency_buckets(token_ids: torch.Tensor, mask: torch.Tensor, num_buckets: 
     mass N/k, and an id belongs to the bucket of its first occurrence: bucket = ⌊(occurrences of more frequent
     ids) · k / N⌋. An id never straddles two buckets, so the buckets hold about (not exactly) N/k tokens each,
     and some may be empty; bucket 0 holds the most frequent ids. Returns int64, shaped like ``token_ids``.
+
+    Args:
+        token_ids: (B, T) token ids.
+        mask: (B, T), nonzero on the tokens that count.
+        num_buckets: k ≥ 1.
+
+    Returns:
+        (B, T) int64 bucket of each token, −1 outside ``mask``.
     """
     _check_bucket_inputs("frequency_buckets", ("token_ids", token_ids), ("mask", mask), num_buckets)
     valid = mask != 0
@@ -146,11 +154,20 @@ def frequency_buckets(token_ids: torch.Tensor, mask: torch.Tensor, num_buckets: 
 
 
 def energy_sums_by_bucket(token_energy: torch.Tensor, bucket: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Σ_{t∈B_b} ‖∇ℓ_t‖ for b = 0..num_buckets−1, the numerators of eq. 24 (:func:`energy_by_bucket`).
+    """Σ_{t∈B_b} ‖∇ℓ_t‖ for b = 0..num_buckets−1, the numerators of eq. 24;
+    each bucket's share is its sum over the counted total, divided when the metric store flushes.
 
     Tokens with bucket −1 count nowhere. No input checks and no host sync (bucket indices from
     :func:`frequency_buckets` are in range by construction), so it can run inside a backward hook; the trainer
     pools these sums over micro-steps and processes before dividing.
+
+    Args:
+        token_energy: per-token gradient norms ‖∇ℓ_t‖ ≥ 0, any shape.
+        bucket: the same shape, each token's bucket (−1: not counted).
+        num_buckets: k.
+
+    Returns:
+        (k,) sums, float32 (float64 for float64 input).
     """
     dtype = _compute_dtype(token_energy)
     used = bucket >= 0
@@ -158,20 +175,3 @@ def energy_sums_by_bucket(token_energy: torch.Tensor, bucket: torch.Tensor, num_
     energy = torch.where(used, token_energy.detach().to(dtype), torch.zeros((), dtype=dtype, device=bucket.device))
     sums = torch.zeros(num_buckets, dtype=dtype, device=token_energy.device)
     return sums.index_add_(0, index.to(token_energy.device), energy.reshape(-1).to(token_energy.device))
-
-
-def energy_by_bucket(token_energy: torch.Tensor, bucket: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Energy(B_b) = Σ_{t∈B_b} ‖∇ℓ_t‖ / Σ_t ‖∇ℓ_t‖ for b = 0..num_buckets−1 (eq. 24, docs/metrics.md).
-
-    ``token_energy`` holds non-negative per-token gradient norms, ``bucket`` the bucket of each token (−1 =
-    not counted, see :func:`frequency_buckets`), same shape. Returns the (num_buckets,) shares, summing to 1,
-    or zeros when the counted energy is 0 (float32, float64 for float64 input).
-    """
-    _check_bucket_inputs("energy_by_bucket", ("token_energy", token_energy), ("bucket", bucket), num_buckets)
-    used = bucket >= 0
-    if used.any() and int(bucket[used].max()) >= num_buckets:
-        raise ValueError(f"bucket index {int(bucket[used].max())} is out of range for num_buckets={num_buckets}")
-    sums = energy_sums_by_bucket(token_energy, bucket, num_buckets)
-    total = sums.sum()
-    positive = total > 0
-    return torch.where(positive, sums / torch.where(positive, total, torch.ones_like(total)), torch.zeros_like(sums))

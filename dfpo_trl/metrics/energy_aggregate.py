@@ -61,7 +61,20 @@ def row_factors(
 
     ``hidden`` (B, T, d) as TRL's fused head reads it, ``token_ids`` and ``mask`` (B, T). log Z_t comes from one pass
     over W in ``vocab_chunk_size`` rows, ``chunk_size`` positions at a time (an online log-sum-exp: no positions ×
-    vocabulary tensor). P itself is (loss tokens × present types), kept until the backward."""
+    vocabulary tensor). P itself is (loss tokens × present types), kept until the backward.
+
+    Args:
+        hidden: (B, T, d) the LM head's inputs.
+        weight: (V, d) the LM-head weight W.
+        token_ids: (B, T) sampled ids y_t.
+        mask: (B, T), nonzero on loss tokens.
+        temperature, bias, logit_scale, final_logit_softcapping: the logits TRL's fused head computes.
+        chunk_size, vocab_chunk_size: the positions and vocabulary rows per pass.
+
+    Returns:
+        :class:`RowFactors`: (U,) present types, (N, U) factors P, (N, d) h, (N,) positions, (N,) type column, for the
+        N loss tokens.
+    """
     if hidden.shape[:-1] != token_ids.shape or token_ids.shape != mask.shape:
         raise ValueError(f"row_factors expects hidden (B, T, d) and token_ids, mask (B, T); got "
                          f"{tuple(hidden.shape)}, {tuple(token_ids.shape)}, {tuple(mask.shape)}")
@@ -94,7 +107,15 @@ def row_factors(
 
 
 def row_norms(coefficients: Tensor, factors: RowFactors) -> Tensor:
-    """E_v = ‖Σ_t c_t P_{t,v} h_t‖ for each present type (eq. E1): ``coefficients`` are c (B, T), ∂L/∂ log p."""
+    """E_v = ‖Σ_t c_t P_{t,v} h_t‖ for each present type (eq. E1): ``coefficients`` are c (B, T), ∂L/∂ log p.
+
+    Args:
+        coefficients: (B, T) c = ∂L/∂ log p.
+        factors: :func:`row_factors`' result for the same batch.
+
+    Returns:
+        (U,) E_v, one per present type.
+    """
     c = coefficients.detach().reshape(-1).to(factors.factors.device)[factors.positions].to(factors.factors.dtype)
     gradient_rows = (factors.factors * c.unsqueeze(1)).T @ factors.hidden  # (U, d): G restricted to present types
     return gradient_rows.norm(dim=1)
@@ -102,6 +123,14 @@ def row_norms(coefficients: Tensor, factors: RowFactors) -> Tensor:
 
 def type_buckets(token_bucket: Tensor, factors: RowFactors) -> Tensor:
     """The frequency bucket of each present type (:func:`~dfpo_trl.metrics.energy.frequency_buckets` gives every
-    occurrence of an id the same bucket), shaped (U,)."""
+    occurrence of an id the same bucket), shaped (U,).
+
+    Args:
+        token_bucket: (B, T) :func:`~dfpo_trl.metrics.energy.frequency_buckets`' result.
+        factors: :func:`row_factors`' result for the same batch.
+
+    Returns:
+        (U,) the bucket of each present type.
+    """
     bucket = token_bucket.reshape(-1).to(factors.positions.device)[factors.positions]
     return torch.zeros_like(factors.type_ids).scatter(0, factors.column, bucket.to(factors.type_ids.dtype))

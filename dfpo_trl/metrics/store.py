@@ -8,10 +8,9 @@ size: the mean over every group (or token, or shared position) of the logging in
 one process's view.
 
 Adding launches no device work at all: an entry is kept as the (detached) tensor the caller made, and every
-entry of the interval is reduced at once at the flush, a few kernels per dtype however many entries there are.
-Per-add accumulation (a float64 cast, an add, a host float copied to the device, per metric and micro-step) cost
-~0.3% of a 1.7B model's loss + backward in launch overhead alone. A long logging interval is folded into one
-entry per metric every :data:`COMPACT_AFTER` entries, so memory stays bounded.
+entry of the interval is reduced at once at the flush, a few kernels per dtype however many entries there are
+(why not per add: docs/decisions.md, "Metrics"). A long logging interval is folded into one entry per metric every
+:data:`COMPACT_AFTER` entries, so memory stays bounded.
 
 Five pooled kinds: ``mean`` (Σ total / Σ count, pooled over micro-steps and processes), ``min`` and ``max`` (the
 minimum / maximum over entries with a positive count), ``sum`` (a count of events) and ``std`` (the population
@@ -118,9 +117,6 @@ class MetricStore:
     def add_call_max(self, mode: str, name: str, value: Tensor) -> None:
         """Add one loss call's value of a per-call maximum over processes (NaN: no value on this process)."""
         self._add(mode, name, "call_max", value, 1.0)
-
-    def pending(self, mode: str) -> list[str]:
-        return sorted(self._entries.get(mode, {}))
 
     def _names(self, mode: str) -> list[Name]:
         """This process's pending metrics of ``mode``: name, kind and, for a per-call kind, its number of values."""

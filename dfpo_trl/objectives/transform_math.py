@@ -24,11 +24,44 @@ The registry that names them, with the properties the objective reads, is :mod:`
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
 from ..precision import compute_dtype as _compute_dtype
 
+# The valid ranges of the two constants, one definition for the math below and the config's checks.
+SCALE_FACTOR_RULE = (
+    "must be a finite number > 0 (the factor κ of the 'scale' ablation: 0 drops every update, a negative κ "
+    "reverses it)"
+)
+SCALE_FACTOR_FIX = "the paper uses 0.5"
+TRUNCATE_FLOOR_RULE = (
+    "must be in (0, 1) (a floor far below the weights, which are 1 on-policy: a floor >= 1 would replace them)"
+)
+TRUNCATE_FLOOR_FIX = "the default is 1e-6"
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def valid_scale_factor(factor: Any) -> bool:
+    """Whether κ of the ``"scale"`` ablation (Table 3) is usable: a finite number > 0."""
+    return _real(factor) and factor > 0
+
+
+def valid_truncate_floor(floor: Any) -> bool:
+    """Whether ϵ of Truncate-and-Rebalance (eq. 52) is usable: in (0, 1), an underflow guard below the on-policy
+    weight 1."""
+    return _real(floor) and 0 < floor < 1
+
 __all__ = [
+    "SCALE_FACTOR_FIX",
+    "SCALE_FACTOR_RULE",
+    "TRUNCATE_FLOOR_FIX",
+    "TRUNCATE_FLOOR_RULE",
     "W_MAX",
     "min_replace",
     "min_replace_on_subset",
@@ -36,6 +69,8 @@ __all__ = [
     "positive_orth_proj",
     "scale",
     "truncate_rebalance",
+    "valid_scale_factor",
+    "valid_truncate_floor",
 ]
 
 
@@ -89,6 +124,13 @@ def min_replace(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     """Min-Replace (eq. 50): every member gets the group minimum, so Σ_i s̃_i Â_i = s̄_min Σ_i Â_i = 0.
 
     ``advantages`` is unused; it is kept so all transforms share one signature.
+
+    Args:
+        w: (num_groups, G) post-clip sequence weights s̄.
+        advantages: (num_groups, G) Â.
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype.
     """
     _check_groups(w, advantages)
     x = _sanitize_weights(w, _compute_dtype(w, advantages))
@@ -100,6 +142,13 @@ def orth_proj(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
 
     Groups with no advantage (‖Â‖ ≈ 0) are returned unchanged. Entries may become negative; use
     :func:`positive_orth_proj` when that matters.
+
+    Args:
+        w: (num_groups, G) post-clip sequence weights s̄.
+        advantages: (num_groups, G) Â.
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype.
     """
     _check_groups(w, advantages)
     dtype = _compute_dtype(w, advantages)
@@ -157,8 +206,14 @@ def positive_orth_proj(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tenso
     evaluate g densely, larger ones through a sort (O(G log G)); both give the same bracket. The QP is
     always feasible (v = 0), so a root exists; when only one side of Â is non-empty, that side goes
     to 0. Members with Â_i = 0 get max(w_i, 0); groups with no advantage are returned unchanged
-    (sanitized). On GPU the cost is kernel launches (~50), not arithmetic: 0.45 ms for 10⁴ groups of 32
-    on an H200 whatever the batch size, 0.08 ms under ``torch.compile`` (benchmarks/bench_transforms.py).
+    (sanitized). Its cost on the GPU: docs/decisions.md, "Numerics".
+
+    Args:
+        w: (num_groups, G) post-clip sequence weights s̄.
+        advantages: (num_groups, G) Â.
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype.
     """
     _check_groups(w, advantages)
     dtype = _compute_dtype(w, advantages)
@@ -200,10 +255,18 @@ def truncate_rebalance(w: torch.Tensor, advantages: torch.Tensor, floor: float =
     ``floor`` (default 1e-6) only matters for weights ≤ floor; s̄ = exp(·) > 0, so it mostly guards
     generic inputs and keeps φ = s̃/s̄ well defined. The paper's claim "s̃ ⪰ ϵ" is false: after scaling
     by α or β < 1, scaled members can fall below ``floor``. The result is ≥ 0 and orthogonal to Â.
+
+    Args:
+        w: (num_groups, G) post-clip sequence weights s̄.
+        advantages: (num_groups, G) Â.
+        floor: ϵ of eq. 52, in (0, 1) (:func:`valid_truncate_floor`).
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype.
     """
     _check_groups(w, advantages)
-    if not (floor >= 0 and floor < float("inf")):
-        raise ValueError(f"truncate_floor must be a finite number >= 0, got {floor}")
+    if not valid_truncate_floor(floor):
+        raise ValueError(f"truncate_floor={floor!r} {TRUNCATE_FLOOR_RULE}; {TRUNCATE_FLOOR_FIX}")
     dtype = _compute_dtype(w, advantages)
     x = _sanitize_weights(w, dtype)
     a, _ = _normalized_advantages(advantages, dtype)
@@ -229,10 +292,18 @@ def scale(w: torch.Tensor, advantages: torch.Tensor, factor: float = 0.5) -> tor
 
     It shrinks updates without any in-group consistency, to separate "smaller steps" from the
     cancellation effect. ``advantages`` is unused.
+
+    Args:
+        w: (num_groups, G) post-clip sequence weights s̄.
+        advantages: (num_groups, G) Â, unused (shape-checked).
+        factor: κ > 0 (:func:`valid_scale_factor`).
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype.
     """
     _check_groups(w, advantages)
-    if not (factor >= 0 and factor < float("inf")):
-        raise ValueError(f"scale_factor must be a finite number >= 0, got {factor}")
+    if not valid_scale_factor(factor):
+        raise ValueError(f"scale_factor={factor!r} {SCALE_FACTOR_RULE}; {SCALE_FACTOR_FIX}")
     x = _sanitize_weights(w, _compute_dtype(w, advantages))
     return _to_output(x * factor, w.dtype)
 
@@ -257,6 +328,14 @@ def min_replace_on_subset(w: torch.Tensor, a: torch.Tensor, members: torch.Tenso
     zero-a members of U get m. Groups whose U is one-sided or empty (no exact non-zero balance) are not
     handled here: see :func:`~dfpo_trl.objectives.cancellation.balance_group_weights`. Batched over groups, no
     Python loop, no host sync.
+
+    Args:
+        w: (num_groups, G) s̄.
+        a: (num_groups, G) the gradient coefficients a = Â c 1[U] (eq. C1).
+        members: (num_groups, G) bool, the clip survivors U.
+
+    Returns:
+        s̃ (num_groups, G), ``w``'s dtype; ``w`` outside U.
     """
     _check_groups(w, a)
     if members.shape != w.shape:

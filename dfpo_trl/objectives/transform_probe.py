@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .transforms import BALANCE_EQUAL, BALANCE_ZERO_SUM, GroupTransform
+from .transform_entry import BALANCE_EQUAL, BALANCE_ZERO_SUM, GroupTransform
 
 __all__ = ["probe_problem"]
 

@@ -11,11 +11,20 @@ shares (sanitised weights, advantages scaled by the group's max, float32 or floa
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ..precision import compute_dtype as _compute_dtype
+from .transform_entry import (
+    BALANCE_CONDITIONS,
+    BALANCE_EQUAL,
+    BALANCE_NONE,
+    BALANCE_ZERO_SUM,
+    GroupFunction,
+    GroupTransform,
+    SubsetBalance,
+)
 from .transform_math import (
     W_MAX,
     _check_groups,
@@ -28,6 +37,7 @@ from .transform_math import (
     scale,
     truncate_rebalance,
 )
+from .transform_probe import probe_problem
 
 __all__ = [
     "BALANCE_CONDITIONS",
@@ -40,10 +50,11 @@ __all__ = [
     "GroupTransform",
     "SubsetBalance",
     "W_MAX",
-    "apply_group_transform",
+    "balancing_transforms",
     "get_transform",
     "min_replace",
     "min_replace_on_subset",
+    "not_retargetable",
     "orth_proj",
     "positive_orth_proj",
     "register_transform",
@@ -56,51 +67,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------
 # The registry: built-in and user-registered transforms (docs/extending.md)
 # --------------------------------------------------------------------------------------------------
-
-#: No balance condition (GSPO's ``none``, the ``scale`` ablation): ``cancellation_target="gradient"`` refuses it.
-BALANCE_NONE = "none"
-#: Σ_i Â_i s̃_i = 0 for every advantage vector with both signs, centred or not, so the gradient target can run the
-#: transform on a_i = Â_i c_i 1[i ∈ U] instead of Â (eq. C1): Orth-Proj, Positive Orth-Proj, Truncate-and-Rebalance.
-BALANCE_ZERO_SUM = "zero_sum"
-#: s̃ is one value per group, so Σ_i Â_i s̃_i = s̃ Σ_i Â_i = 0 because TRL centres Â in each group (Min-Replace,
-#: eq. 50). The a_i do not sum to 0, so the gradient target needs the transform's own ``subset_balance``.
-BALANCE_EQUAL = "equal"
-BALANCE_CONDITIONS: tuple[str, ...] = (BALANCE_NONE, BALANCE_ZERO_SUM, BALANCE_EQUAL)
-
-#: A group function as users write it: (w, Â), both (num_groups, G), to s̃ of the same shape.
-GroupFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-#: A transform's balanced form on the survivors U for ``cancellation_target="gradient"``: (w, a, members) → s̃,
-#: with Σ_{i∈U} a_i s̃_i = 0 for two-sided U and s̃_i = w_i outside U (as :func:`min_replace_on_subset`).
-SubsetBalance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class GroupTransform(NamedTuple):
-    """One entry of the registry: what the objective, the config checks and the metrics read about a transform.
-
-    ``apply`` takes (w, Â, scale_factor, truncate_floor) on (num_groups, G) tensors; ``balance`` is one of
-    :data:`BALANCE_CONDITIONS`; ``nonnegative``: s̃ ≥ 0 whenever w > 0 (otherwise the gradient target hands TRL
-    the rows whose φ < 0 in the score representation, docs/cancellation.md); ``subset_balance``: the balanced
-    form on U that the gradient target uses instead of running ``apply`` on a; ``source`` the equation (or who
-    registered it); ``builtin``: shipped with dfpo_trl."""
-
-    name: str
-    apply: Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]
-    balance: str
-    source: str
-    nonnegative: bool = True
-    subset_balance: SubsetBalance | None = None
-    builtin: bool = False
-
-    @property
-    def balances(self) -> bool:
-        """Whether the transform guarantees Σ_i Â_i s̃_i = 0 (the condition that restores cancellation)."""
-        return self.balance != BALANCE_NONE
-
-    @property
-    def retargetable(self) -> bool:
-        """Whether ``cancellation_target="gradient"`` can balance a instead of Â with it (eq. C1)."""
-        return self.balance == BALANCE_ZERO_SUM or (self.balances and self.subset_balance is not None)
-
 
 def _identity(w: torch.Tensor, advantages: torch.Tensor, _scale: float, _floor: float) -> torch.Tensor:
     _check_groups(w, advantages)
@@ -130,13 +96,44 @@ TRANSFORMS: dict[str, GroupTransform] = dict(_BUILTINS)
 GROUP_TRANSFORMS: tuple[str, ...] = tuple(_BUILTINS)
 
 
+def balancing_transforms() -> tuple[str, ...]:
+    """The registered transforms (built-in or not) that ``cancellation_target="gradient"`` can retarget, now."""
+    return tuple(name for name, entry in TRANSFORMS.items() if entry.retargetable)
+
+
+def not_retargetable(transform: GroupTransform) -> str:
+    """Why ``cancellation_target="gradient"`` cannot use ``transform``, and what to set instead.
+
+    Args:
+        transform: a registry entry whose :attr:`~GroupTransform.retargetable` is False.
+
+    Returns:
+        The message, naming the transforms that can be retargeted now.
+    """
+    names = ", ".join(repr(n) for n in balancing_transforms())
+    head = (f"cancellation_target='gradient' retargets a transform's balance condition, but group_transform="
+            f"{transform.name!r}")
+    if transform.balances:  # "equal" without its balanced form on the clip survivors
+        return (f"{head} declares balances={transform.balance!r} without a subset_balance, the balanced form on the "
+                "clip survivors that the gradient target needs; register one (docs/extending.md) or use one of "
+                f"{names}.")
+    return f"{head} has none; use one of {names}."
+
+
 def registered_transforms() -> tuple[str, ...]:
     """Every name ``group_transform`` accepts now: the built-ins, then the registered ones in registration order."""
     return tuple(TRANSFORMS)
 
 
 def get_transform(transform: str | GroupTransform) -> GroupTransform:
-    """The registry entry of ``transform``: a registered name, or an entry, returned as it is."""
+    """The registry entry of ``transform``: a registered name, or an entry, returned as it is.
+
+    Args:
+        transform: a registered name or a :class:`GroupTransform`.
+
+    Returns:
+        The entry; its ``apply(w, Â, scale_factor, truncate_floor)`` maps (num_groups, G) to (num_groups, G).
+    """
     if isinstance(transform, GroupTransform):
         return transform
     entry = TRANSFORMS.get(transform) if isinstance(transform, str) else None
@@ -146,21 +143,6 @@ def get_transform(transform: str | GroupTransform) -> GroupTransform:
             "(register others with dfpo_trl.register_transform)"
         )
     return entry
-
-
-def apply_group_transform(
-    name: str | GroupTransform,
-    w: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    scale_factor: float = 0.5,
-    truncate_floor: float = 1e-6,
-) -> torch.Tensor:
-    """Apply the in-group transform ``name`` of the registry (docs/design.md) to ``w`` shaped (num_groups, G).
-
-    ``none`` returns ``w`` itself (no sanitization), so it reproduces GSPO exactly.
-    """
-    return get_transform(name).apply(w, advantages, scale_factor, truncate_floor)
 
 
 def register_transform(
@@ -204,8 +186,6 @@ def register_transform(
     )
     _check_properties(entry, subset_balance)
     if check:
-        from .transform_probe import probe_problem  # imports this module's names: loaded on first use
-
         problem = probe_problem(entry)
         if problem is not None:
             raise ValueError(f"register_transform({name!r}): {problem}")

@@ -1,0 +1,82 @@
+"""The shape of a validation rule (:class:`FieldRule`) and its small predicates, shared by the modules that own a
+field's rule: :mod:`dfpo_trl.config_checks` (TRL's and DFPO's fields) and :mod:`dfpo_trl.delta.weights` (DelTA's).
+It imports nothing from ``dfpo_trl``, so both can use it without importing each other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Check", "FieldRule", "finite", "integer", "one_of", "optional", "problems", "quoted"]
+
+Check = Callable[[Any, Any], bool]  # (value, the object holding it) -> whether the value is valid
+
+
+def finite(x: Any) -> bool:
+    """A real number (not a bool) that is neither infinite nor NaN."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def integer(x: Any) -> bool:
+    """An int that is not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def one_of(choices: tuple[Any, ...]) -> Check:
+    """The check that a value is one of ``choices``."""
+    return lambda value, _: value in choices
+
+
+def optional(check: Check) -> Check:
+    """``check``, or unset (``None``)."""
+    return lambda value, holder: value is None or check(value, holder)
+
+
+def quoted(choices: tuple[Any, ...], last: str = " or ") -> str:
+    """``'a', 'b' or 'c'`` (``last=", "``: ``'a', 'b', 'c'``): how messages list an option's values."""
+    *names, final = [repr(c) for c in choices]
+    return ", ".join(names) + last + final if names else final
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """The rule of one field: ``check(value, holder)``, else the message ``{field}={value!r} {rule}; {fix}``
+    (``rule`` and ``fix`` may depend on the value and the object holding it, or on what is registered when it runs).
+    """
+
+    field: str
+    check: Check
+    rule: str | Callable[[Any, Any], str]
+    fix: str | Callable[[Any, Any], str]
+
+    def problem(self, holder: Any) -> str | None:
+        """The message for ``holder``'s value of the field, None when the value is valid.
+
+        Args:
+            holder: the object with the field as an attribute (a ``DFPOConfig``, or the options of a function).
+
+        Returns:
+            ``"{field}={value!r} {rule}; {fix}"``, or None.
+        """
+        value = getattr(holder, self.field)
+        if self.check(value, holder):
+            return None
+        rule = self.rule(value, holder) if callable(self.rule) else self.rule
+        fix = self.fix(value, holder) if callable(self.fix) else self.fix
+        return f"{self.field}={value!r} {rule}; {fix}"
+
+
+def problems(rules: tuple[FieldRule, ...], holder: Any) -> list[str]:
+    """Every rule's message for ``holder``, in the rules' order (all problems at once).
+
+    Args:
+        rules: the rules to apply.
+        holder: the object whose fields they check.
+
+    Returns:
+        The messages of the broken rules (empty when every value is valid).
+    """
+    return [p for rule in rules if (p := rule.problem(holder)) is not None]
