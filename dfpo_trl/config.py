@@ -252,10 +252,6 @@ class DFPOConfig(GRPOConfig):
         """Whether the sequence-level loss is rewritten (any transform, the score form, or no stop-gradient)."""
         return method_in_use(self).rewrites_sequences
 
-    def describe_active_options(self) -> str:
-        """The DFPO options that are on, as they are set (empty when DFPO is off): :func:`method_in_use`'s."""
-        return method_in_use(self).active_options
-
     @property
     def wants_group_granular_batches(self) -> bool:
         """Whether the group shuffle should run when the batch sizes allow it: forced on, or automatic with a

@@ -32,8 +32,6 @@ from .rules import FieldRule, finite, integer, one_of, optional, problems, quote
 
 __all__ = ["FIELD_RULES", "check_fields"]
 
-# dfpo_trl/trainer.py still imports the table from here; once it imports dfpo_trl.options, drop this line.
-from .options import CLIPPED_LOSS_TYPES as CLIPPED_LOSS_TYPES  # noqa: E402
 
 
 def registered_transform(value: Any, _: Any) -> bool:

@@ -28,7 +28,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from .config import DFPOConfig
-from .config_checks import CLIPPED_LOSS_TYPES
 from .delta.rollout import DELTA_WEIGHTS_KEY
 from .delta.weighting import DeltaWeighting
 from .groups.choice import LAYOUT_PRE_PASS, choose_layout, describe_layout, refuse_multimodal_model
@@ -43,6 +42,7 @@ from .metrics.store import MetricStore
 from .objectives.plan import ObjectivePlan
 from .objectives.step import ClipRange, StepObjective, WholeGroups, micro_step_objective
 from .objectives.weights import bounded_old_logps, loss_mask
+from .options import CLIPPED_LOSS_TYPES
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
     SUPPORTED_TRL_TEXT,

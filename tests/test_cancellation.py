@@ -19,7 +19,6 @@ from tolerance import assert_close_to_rounding
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.objectives.cancellation import (
-    BALANCING_TRANSFORMS,
     aggregation_factor,
     balance_group_weights,
     gradient_coefficients,
@@ -27,8 +26,11 @@ from dfpo_trl.objectives.cancellation import (
     min_replace_on_subset,
     transform_group_weights,
 )
-from dfpo_trl.objectives.transforms import get_transform
+from dfpo_trl.objectives.transforms import GROUP_TRANSFORMS, TRANSFORMS, get_transform
 from dfpo_trl.objectives.weights import clip_survivors
+
+# the built-in transforms whose balance condition cancellation_target="gradient" can retarget
+BALANCING_TRANSFORMS = tuple(name for name in GROUP_TRANSFORMS if TRANSFORMS[name].retargetable)
 
 GSPO = dict(importance_sampling_level="sequence", epsilon=0.2, epsilon_high=0.28, steps_per_generation=2)
 

@@ -28,8 +28,12 @@ from trl import GRPOConfig, GRPOTrainer
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.groups.ids import WHOLE_GROUPS_KEY, consecutive_group_ids
 from dfpo_trl.groups.prepass import PrePassValues
-from dfpo_trl.objectives.cancellation import BALANCING_TRANSFORMS, aggregation_factor, gradient_coefficients
+from dfpo_trl.objectives.cancellation import aggregation_factor, gradient_coefficients
+from dfpo_trl.objectives.transforms import GROUP_TRANSFORMS, TRANSFORMS
 from dfpo_trl.objectives.weights import loss_mask
+
+# the built-in transforms whose balance condition cancellation_target="gradient" can retarget
+BALANCING_TRANSFORMS = tuple(name for name in GROUP_TRANSFORMS if TRANSFORMS[name].retargetable)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -80,4 +80,4 @@ def test_method_in_use_describes_the_config_once(overrides, label, active):
     cfg = config(**overrides)
     method = method_in_use(cfg)
     assert (method.label, method.active_options) == (label, active)
-    assert cfg.describe_active_options() == active and cfg.sequence_rewrite_active == method.rewrites_sequences
+    assert method.active_options == active and cfg.sequence_rewrite_active == method.rewrites_sequences

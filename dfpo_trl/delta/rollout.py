@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..options import DELTA_LOSS_TYPES, DOMAIN_SEQUENCE, LOSS_TYPES
-from ..options import DOMAIN_MICRO_BATCH as DOMAIN_MICRO_BATCH  # objectives/plan.py's import, until it reads options
 from ..precision import compute_dtype as _compute_dtype
 from ..rules import quoted
 from .centroids import Reducer

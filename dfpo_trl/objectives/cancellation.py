@@ -23,62 +23,26 @@ from typing import NamedTuple
 
 import torch
 
-from .transforms import (
-    GROUP_TRANSFORMS,
-    TRANSFORMS,
-    GroupTransform,
-    _check_groups,
-    get_transform,
-    min_replace_on_subset,
+from ..options import (
+    AGGREGATION_CONSTANT,
+    AGGREGATION_MICRO_BATCH_TOKENS,
+    AGGREGATION_SEQUENCE_MEAN,
+    CLIPPED_LOSS_TYPES,
+    LOSS_TYPES,
+    CancellationTarget,
+    OneSidedPolicy,
 )
+from .transforms import GroupTransform, _check_groups, get_transform, min_replace_on_subset, not_retargetable
 
 __all__ = [
-    "BALANCING_TRANSFORMS",
-    "CANCELLATION_TARGETS",
-    "FACTOR_LOSS_TYPES",
-    "ONE_SIDED_POLICIES",
     "GroupSides",
     "aggregation_factor",
     "balance_group_weights",
-    "balancing_transforms",
     "transform_group_weights",
     "gradient_coefficients",
     "group_sides",
     "min_replace_on_subset",
-    "not_retargetable",
 ]
-
-CANCELLATION_TARGETS: tuple[str, ...] = ("weights", "gradient")
-ONE_SIDED_POLICIES: tuple[str, ...] = ("keep", "zero")
-# The built-in transforms whose balance condition "gradient" can retarget ("none" and "scale" have none).
-BALANCING_TRANSFORMS: tuple[str, ...] = tuple(name for name in GROUP_TRANSFORMS if TRANSFORMS[name].retargetable)
-
-
-def balancing_transforms() -> tuple[str, ...]:
-    """The registered transforms (built-in or not) that ``cancellation_target="gradient"`` can retarget, now."""
-    return tuple(name for name, entry in TRANSFORMS.items() if entry.retargetable)
-
-
-def not_retargetable(transform: GroupTransform) -> str:
-    """Why ``cancellation_target="gradient"`` cannot use ``transform``, and what to set instead."""
-    names = ", ".join(repr(n) for n in balancing_transforms())
-    head = (f"cancellation_target='gradient' retargets a transform's balance condition, but group_transform="
-            f"{transform.name!r}")
-    if transform.balances:  # "equal" without its balanced form on the clip survivors
-        return (f"{head} declares balances={transform.balance!r} without a subset_balance, the balanced form on the "
-                "clip survivors that the gradient target needs; register one (docs/extending.md) or use one of "
-                f"{names}.")
-    return f"{head} has none; use one of {names}."
-
-
-# Loss types whose per-token coefficient carries the per-sequence mean's 1/L_i (TRL 1.16's "grpo").
-_PER_SEQUENCE_MEAN_LOSSES = ("grpo",)
-# Loss types normalised by the micro-batch's own token count (TRL 1.16's "bnpo").
-_MICRO_BATCH_TOKEN_LOSSES = ("bnpo",)
-# Token-sum losses with a normaliser shared by every row of a group.
-_CONSTANT_FACTOR_LOSSES = ("dapo", "dr_grpo", "luspo")
-#: TRL's clipped-surrogate loss types, each with a known aggregation factor c_i.
-FACTOR_LOSS_TYPES: tuple[str, ...] = (*_PER_SEQUENCE_MEAN_LOSSES, *_MICRO_BATCH_TOKEN_LOSSES, *_CONSTANT_FACTOR_LOSSES)
 
 
 def aggregation_factor(
@@ -101,17 +65,19 @@ def aggregation_factor(
     lengths = m.sum(-1)
     weighted = lengths if is_ratio is None else (m * is_ratio.to(torch.float64)).sum(-1)
     per_length = weighted / lengths.clamp(min=1.0)
-    if loss_type in _PER_SEQUENCE_MEAN_LOSSES:
+    aggregation = LOSS_TYPES[loss_type].aggregation if loss_type in LOSS_TYPES else None  # options.py's table
+    if aggregation == AGGREGATION_SEQUENCE_MEAN:
         return per_length / lengths.clamp(min=1.0)
-    if loss_type in _MICRO_BATCH_TOKEN_LOSSES:
+    if aggregation == AGGREGATION_MICRO_BATCH_TOKENS:
         if micro_batch_tokens is None:
-            raise ValueError("aggregation_factor for loss_type='bnpo' needs micro_batch_tokens (one count per row).")
+            raise ValueError(f"aggregation_factor for loss_type={loss_type!r} needs micro_batch_tokens (one count per "
+                             "row).")
         return per_length / micro_batch_tokens.to(torch.float64).clamp(min=1.0)
-    if loss_type in _CONSTANT_FACTOR_LOSSES:
+    if aggregation == AGGREGATION_CONSTANT:
         return per_length
     raise ValueError(
         f"cancellation_target='gradient' has no aggregation factor for loss_type={loss_type!r}; use one of "
-        f"{', '.join(repr(t) for t in FACTOR_LOSS_TYPES)}."
+        f"{', '.join(repr(t) for t in CLIPPED_LOSS_TYPES)}."
     )
 
 
@@ -143,7 +109,7 @@ def balance_group_weights(
     advantages: torch.Tensor,
     a: torch.Tensor,
     survives: torch.Tensor,
-    one_sided: str = "keep",
+    one_sided: OneSidedPolicy = "keep",
     *,
     scale_factor: float = 0.5,
     truncate_floor: float = 1e-6,
@@ -158,10 +124,8 @@ def balance_group_weights(
     either way).
     """
     transform = get_transform(transform)
-    if not transform.retargetable:
+    if not transform.retargetable:  # the config refuses this combination (config_combinations.py); a direct call too
         raise ValueError(not_retargetable(transform))
-    if one_sided not in ONE_SIDED_POLICIES:
-        raise ValueError(f"cancellation_one_sided={one_sided!r} is not valid; use 'keep' or 'zero'.")
     _check_groups(s_bar, advantages)
     sides = group_sides(advantages, a)
     by_weights = transform.apply(s_bar, advantages, scale_factor, truncate_floor)
@@ -173,6 +137,8 @@ def balance_group_weights(
     s_tilde = torch.where(two_sided, by_gradient, by_weights)
     if one_sided == "zero":
         s_tilde = torch.where(sides.one_sided.unsqueeze(-1), torch.zeros_like(s_tilde), s_tilde)
+    elif one_sided != "keep":  # options.OneSidedPolicy; the config validates it, so only a direct call gets here
+        raise ValueError(f"cancellation_one_sided={one_sided!r} is not valid; use 'keep' or 'zero'.")
     return s_tilde, sides
 
 
@@ -182,8 +148,8 @@ def transform_group_weights(
     advantages: torch.Tensor,
     survives: torch.Tensor,
     factor: torch.Tensor,
-    target: str = "weights",
-    one_sided: str = "keep",
+    target: CancellationTarget = "weights",
+    one_sided: OneSidedPolicy = "keep",
     *,
     scale_factor: float = 0.5,
     truncate_floor: float = 1e-6,
@@ -195,12 +161,12 @@ def transform_group_weights(
     survive the clip (eq. C1, :func:`balance_group_weights`), with ``factor`` = c (eq. C3) and ``survives`` = U
     (eq. C2). The sides are reported under either target.
     """
-    if target not in CANCELLATION_TARGETS:
-        raise ValueError(f"cancellation_target={target!r} is not valid; use 'weights' or 'gradient'.")
     transform = get_transform(transform)
     a = gradient_coefficients(advantages.detach(), factor, survives)
-    options = dict(scale_factor=scale_factor, truncate_floor=truncate_floor)
     if target == "gradient":
-        return balance_group_weights(transform, s_bar, advantages, a, survives, one_sided, **options)
+        return balance_group_weights(transform, s_bar, advantages, a, survives, one_sided, scale_factor=scale_factor,
+                                     truncate_floor=truncate_floor)
+    if target != "weights":  # options.CancellationTarget; the config validates it, so only a direct call gets here
+        raise ValueError(f"cancellation_target={target!r} is not valid; use 'weights' or 'gradient'.")
     by_weights = transform.apply(s_bar, advantages, scale_factor, truncate_floor)
     return by_weights, group_sides(advantages.detach(), a)

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..delta.rollout import DOMAIN_MICRO_BATCH, normalisation_domain
+from ..method import method_in_use
+from ..options import DOMAIN_MICRO_BATCH, LOSS_TYPES
 from .rewrite import RewriteForm
 from .transforms import GroupTransform, get_transform
 
@@ -54,9 +55,9 @@ class ObjectivePlan:
     @classmethod
     def from_config(cls, config: DFPOConfig) -> ObjectivePlan:
         """Hop 1: every DFPO field the objective reads, read here once (the config has validated them)."""
-        gradient_target = config.cancellation_target == "gradient"
-        token_weighting = config.token_weighting == "delta"
+        method = method_in_use(config)  # which options are on, described once (dfpo_trl/method.py)
         transform = get_transform(config.group_transform)  # the registry as it is now
+        loss_type = LOSS_TYPES.get(config.loss_type)
         return cls(
             transform=transform,
             scale_factor=config.transform_scale,
@@ -64,22 +65,23 @@ class ObjectivePlan:
             cancellation_target=config.cancellation_target,
             one_sided=config.cancellation_one_sided,
             form=RewriteForm(
-                grpo_fix=config.symmetric_clip,
-                score_form=config.transform_gradient == "score",
-                transform_active=config.group_transform != "none",
-                flip_to_score=gradient_target and not transform.nonnegative,  # Orth-Proj's negative weights
-                renormalise_token_weights=token_weighting
-                and normalisation_domain(config.loss_type) == DOMAIN_MICRO_BATCH,
+                grpo_fix=method.symmetric_clip,
+                score_form=method.score_form,
+                transform_active=method.transform_active,
+                # Orth-Proj's negative weights under the gradient target
+                flip_to_score=config.cancellation_target == "gradient" and not transform.nonnegative,
+                renormalise_token_weights=method.delta and loss_type is not None
+                and loss_type.delta_domain == DOMAIN_MICRO_BATCH,
             ),
-            sequence_level=config.importance_sampling_level == "sequence",
-            rewrites_sequences=config.sequence_rewrite_active,
-            stop_gradient=config.transform_stop_gradient,
+            sequence_level=method.sequence_level,
+            rewrites_sequences=method.rewrites_sequences,
+            stop_gradient=method.stop_gradient,
             loss_type=config.loss_type,
             group_metrics=config.log_mechanism_metrics,
             energy_buckets=config.log_energy_buckets,
             energy_form=config.energy_form,
-            token_weighting=token_weighting,
-            active_options=config.describe_active_options(),
+            token_weighting=method.delta,
+            active_options=method.active_options,
         )
 
     @property

@@ -15,7 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .cancellation import FACTOR_LOSS_TYPES, GroupSides, aggregation_factor, transform_group_weights
+from ..options import CLIPPED_LOSS_TYPES
+from .cancellation import GroupSides, aggregation_factor, transform_group_weights
 from .plan import ObjectivePlan
 from .rewrite import LossInputs, rewrite_loss_inputs
 from .weights import PostClipWeights, RowWeights, post_clip_weights
@@ -134,7 +135,7 @@ def row_factors(plan: ObjectivePlan, mask: Tensor, is_ratio: Tensor | None, micr
         mask: the loss mask (B, T). is_ratio: TRL's vLLM importance-sampling ratio where its loss applies it.
         micro_batch_tokens: (B,) the loss tokens of each row's micro-batch (``loss_type="bnpo"``).
     """
-    if plan.loss_type not in FACTOR_LOSS_TYPES:
+    if plan.loss_type not in CLIPPED_LOSS_TYPES:
         return torch.ones(mask.size(0), dtype=torch.float64, device=mask.device)
     return aggregation_factor(mask, plan.loss_type, is_ratio, micro_batch_tokens)
 
