@@ -344,7 +344,7 @@ def test_transform_group_weights_is_the_configured_transform(target):
     adv = torch.randn(3, 4, generator=g)
     survives = torch.rand(3, 4, generator=g) > 0.2
     factor = torch.full((3, 4), 0.25, dtype=torch.float64)
-    s_tilde, sides = transform_group_weights("orth_proj", s_bar, adv, survives, factor, target)
+    s_tilde, sides = transform_group_weights(get_transform("orth_proj"), s_bar, adv, survives, factor, target)
     a = gradient_coefficients(adv, factor, survives)
     if target == "weights":
         assert torch.equal(s_tilde, get_transform("orth_proj").apply(s_bar, adv, 0.5, 1e-6))

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..objectives.plan import ObjectivePlan
-from ..objectives.step import ClipRange, GroupedWeights, RowScalars, clip_weights, row_factors, transform_groups
+from ..objectives.step import ClipRange, GroupedWeights, RowScalars, aggregation_factors, clip_weights, transform_groups
 from ..objectives.weights import RowWeights, bounded_old_logps, loss_mask
 from ..trl_hooks.compat import OffPolicyKeep
 from .batches import concat_sequence_dicts
@@ -88,7 +88,7 @@ class PrePass:
             s_bar, survives, sanitised = self.post_clip_weights(full, rows, clip, off_policy_keep)
         micro_tokens = torch.cat([loss_mask(micro).sum().expand(micro["advantages"].size(0)) for micro in buffered])
         ratio = full.get("importance_sampling_ratio") if apply_is_ratio else None
-        factor = row_factors(self.plan, loss_mask(full), ratio, micro_tokens)[rows]
+        factor = aggregation_factors(self.plan, loss_mask(full), ratio, micro_tokens)[rows]
         gathered = gather_groups(self.accelerator, full[ROW_IDS_KEY][rows], full[GROUP_IDS_KEY][rows],
                                  RowScalars(s_bar, survives, factor), full["advantages"][rows],
                                  shape.num_generations)

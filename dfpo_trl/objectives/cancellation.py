@@ -123,7 +123,15 @@ def balance_group_weights(
     group's update this step). Groups without signal keep the ``"weights"`` result (their policy gradient is 0
     either way).
     """
-    transform = get_transform(transform)
+    return _balanced(get_transform(transform), s_bar, advantages, a, survives, one_sided, scale_factor,
+                     truncate_floor)
+
+
+def _balanced(
+    transform: GroupTransform, s_bar: torch.Tensor, advantages: torch.Tensor, a: torch.Tensor, survives: torch.Tensor,
+    one_sided: OneSidedPolicy, scale_factor: float, truncate_floor: float,
+) -> tuple[torch.Tensor, GroupSides]:
+    """:func:`balance_group_weights` with the registry entry already looked up."""
     if not transform.retargetable:  # the config refuses this combination (config_combinations.py); a direct call too
         raise ValueError(not_retargetable(transform))
     _check_groups(s_bar, advantages)
@@ -143,7 +151,7 @@ def balance_group_weights(
 
 
 def transform_group_weights(
-    transform: str | GroupTransform,
+    transform: GroupTransform,
     s_bar: torch.Tensor,
     advantages: torch.Tensor,
     survives: torch.Tensor,
@@ -156,16 +164,15 @@ def transform_group_weights(
 ) -> tuple[torch.Tensor, GroupSides]:
     """s̃ of the configured transform for (num_groups, G) tensors, and the groups' sides (eq. C8).
 
-    ``transform``: an entry of the registry (or its name). ``target="weights"``: the paper's transform, balancing
+    ``transform``: an entry of the registry (:func:`~dfpo_trl.objectives.transforms.get_transform`, which the
+    objective's plan looks up once). ``target="weights"``: the paper's transform, balancing
     Σ_i Â_i s̃_i = 0; ``"gradient"``: it balances the coefficients a_i = Â_i c_i 1[i ∈ U] of the gradients that
     survive the clip (eq. C1, :func:`balance_group_weights`), with ``factor`` = c (eq. C3) and ``survives`` = U
     (eq. C2). The sides are reported under either target.
     """
-    transform = get_transform(transform)
     a = gradient_coefficients(advantages.detach(), factor, survives)
     if target == "gradient":
-        return balance_group_weights(transform, s_bar, advantages, a, survives, one_sided, scale_factor=scale_factor,
-                                     truncate_floor=truncate_floor)
+        return _balanced(transform, s_bar, advantages, a, survives, one_sided, scale_factor, truncate_floor)
     if target != "weights":  # options.CancellationTarget; the config validates it, so only a direct call gets here
         raise ValueError(f"cancellation_target={target!r} is not valid; use 'weights' or 'gradient'.")
     by_weights = transform.apply(s_bar, advantages, scale_factor, truncate_floor)

@@ -30,7 +30,7 @@ __all__ = [
     "WholeGroups",
     "micro_step_objective",
     "clip_weights",
-    "row_factors",
+    "aggregation_factors",
     "scatter_from_groups",
     "transform_groups",
 ]
@@ -128,7 +128,7 @@ def clip_weights(
     return weights if keep is None else weights._replace(survives=weights.survives & keep)
 
 
-def row_factors(plan: ObjectivePlan, mask: Tensor, is_ratio: Tensor | None, micro_batch_tokens: Tensor) -> Tensor:
+def aggregation_factors(plan: ObjectivePlan, mask: Tensor, is_ratio: Tensor | None, micro_batch_tokens: Tensor) -> Tensor:
     """c_i (eq. C3) of every row, (B,) float64; 1 for loss types without a known factor (no transform reaches them).
 
     Args:
@@ -195,7 +195,7 @@ def micro_step_objective(
                 keep = None if off_policy_keep is None else off_policy_keep(advantages, logps.detach(), read_old,
                                                                             sampling, mask)
                 post_clip = clip_weights(plan, current, read_old, mask, advantages, clip, keep)
-                factor = row_factors(plan, mask, is_ratio, mask.sum().expand(mask.size(0)))
+                factor = aggregation_factors(plan, mask, is_ratio, mask.sum().expand(mask.size(0)))
                 rows = RowScalars(post_clip.s_bar, post_clip.survives, factor)
                 sanitised = post_clip.sanitised
                 if groups.index is not None:
