@@ -128,7 +128,9 @@ def clip_weights(
     return weights if keep is None else weights._replace(survives=weights.survives & keep)
 
 
-def aggregation_factors(plan: ObjectivePlan, mask: Tensor, is_ratio: Tensor | None, micro_batch_tokens: Tensor) -> Tensor:
+def aggregation_factors(
+    plan: ObjectivePlan, mask: Tensor, is_ratio: Tensor | None, micro_batch_tokens: Tensor
+) -> Tensor:
     """c_i (eq. C3) of every row, (B,) float64; 1 for loss types without a known factor (no transform reaches them).
 
     Args:
