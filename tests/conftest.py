@@ -1,11 +1,17 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and this folder on the import path: the tests live in sub-folders that
+mirror the package (``tests/objectives/`` for ``dfpo_trl/objectives/``, ...) and share ``tiny`` and ``tolerance``
+from here."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(scope="module")

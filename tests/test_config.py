@@ -118,7 +118,7 @@ def test_checkpointing_default_on_and_either_name_without_a_deprecation_warning(
 def test_every_builtin_transform_is_validated_and_documented():
     """One registry (dfpo_trl.objectives.transforms.TRANSFORMS) feeds config validation, the trainer and the docs: every
     built-in name is accepted by DFPOConfig and listed in its docstring and in the README's field table (registered
-    ones: tests/test_register_transform.py)."""
+    ones: tests/objectives/test_register_transform.py)."""
     from pathlib import Path
 
     from dfpo_trl.objectives.transforms import GROUP_TRANSFORMS

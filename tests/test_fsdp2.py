@@ -1,5 +1,5 @@
 """DFPO under FSDP2 (torch's ``fully_shard``, applied by accelerate) on two CPU processes (gloo), against the
-single-process reference of ``tests/test_distributed.py``.
+single-process reference of ``tests/groups/test_distributed.py``.
 
 accelerate 1.15 never enters FSDP mode on CPU processes: ``AcceleratorState.__init__`` sets
 ``distributed_type = FSDP`` and keeps the FSDP plugin only inside ``if self.distributed_type in [MULTI_GPU, MULTI_MLU,

@@ -6,7 +6,7 @@ defaults, the help of the fields ``--help`` shows) is kept in ``field_table.json
 parser the full path uses, with the TRL and transformers versions it was built with: under other versions the
 fast path is skipped (the full parse checks everything anyway) and ``--help`` is built from the parser.
 ``python -m dfpo_trl.app.fields`` rewrites it; ``--check`` exits 1 when it differs from what the installed TRL and
-transformers give (tests/test_cli_fast.py checks the same, so it cannot drift).
+transformers give (tests/app/test_cli_fast.py checks the same, so it cannot drift).
 """
 
 from __future__ import annotations

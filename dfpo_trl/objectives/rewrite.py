@@ -3,7 +3,7 @@
 TRL's ``_compute_loss`` runs unchanged; DFPO enters only through the two inputs TRL reads after its policy forward
 ℓ(θ): the advantages and the old log-probabilities. :func:`rewrite_loss_inputs` maps TRL's inputs and the sequence
 weights of :class:`~dfpo_trl.objectives.weights.RowWeights` to the inputs of DFPO's objective, tensors in, tensors
-out (tests/test_loss_inputs.py):
+out (tests/objectives/test_loss_inputs.py):
 
 * ratio form (docs/design.md): Â_i → Â_i φ_i with φ_i = s̃_i / s̄_i under stop-gradient. For φ_i ≥ 0, TRL's
   -min(s Â φ, c Â φ) = -φ Â s̄(θ), which is eq. 59–62; φ ≡ 1 for ``"none"``, so that is GSPO exactly;

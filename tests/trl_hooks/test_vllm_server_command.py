@@ -20,7 +20,7 @@ import pytest
 import yaml
 from trl.scripts import vllm_serve as trl_serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import vllm_server  # noqa: E402

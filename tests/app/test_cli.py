@@ -18,7 +18,7 @@ from dfpo_trl.app.main import main
 from dfpo_trl.app.model import ModelUnavailableError, resolve_model
 from dfpo_trl.app.parser import parse_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 ACCELERATE = ROOT / "recipes" / "accelerate"
 

@@ -336,7 +336,7 @@ def test_the_worked_example_of_the_docs_registers_what_it_says():
     non-negative, and it is the toy the trainer tests above use."""
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "extending.md").read_text()
     module = next(b for b in re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL) if "@register_transform" in b)
     namespace: dict = {}
     exec(compile(module, "docs/extending.md", "exec"), namespace)

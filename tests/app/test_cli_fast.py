@@ -20,7 +20,7 @@ from dfpo_trl.app.precheck import TABLE_FILE, library_versions, precheck, read_f
 
 FIELD_TABLE = read_field_table()
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "trl", "datasets", "accelerate")
 
 

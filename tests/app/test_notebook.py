@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "dfpo_quickstart.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "dfpo_quickstart.ipynb"
 FLOAT_ROUNDING = 1e-6  # the orthogonality residual of a balancing transform, as the notebook's text states
 
 

@@ -10,7 +10,7 @@ import yaml
 
 from dfpo_trl.app.parser import parse_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import recipe_smoke  # noqa: E402
