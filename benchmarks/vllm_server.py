@@ -15,8 +15,9 @@ device, so the server and the trainer need a GPU each. The script:
    arithmetic task, G = 8, ``vllm_mode: server``, Min-Replace, ``steps_per_generation`` > accumulation so the
    transform acts off-policy, a few rollouts);
 2. starts the server on GPU 1 (:func:`benchmark_server_command`: the flags TRL 1.16's own ``build_command`` writes
-   for the same arguments, tests/trl_hooks/test_vllm_server_command.py; as ``python3 -m vllm.entrypoints.cli.main serve``,
-   since the kit has no ``vllm`` console script), waits for ``/health``;
+   for the same arguments, tests/trl_hooks/test_vllm_server_command.py; as
+   ``python3 -m vllm.entrypoints.cli.main serve``, since the kit has no ``vllm`` console script), waits for
+   ``/health``;
 3. runs the recipe with ``dfpo_trl``'s own ``run`` on GPU 0, counting and timing TRL's weight syncs; then the same
    recipe with DFPO off and with TRL's ``GRPOTrainer`` (per-step rewards and losses side by side);
 4. checks the weight transfer: each run ends with one more weight push (``final_sync.py``: TRL pushes at the start
@@ -68,8 +69,8 @@ def server_command(
 ) -> list[str]:
     """``vllm serve`` as TRL 1.16's ``trl.scripts.vllm_serve.build_command`` writes it for the same arguments.
 
-    The keywords are TRL's ``ScriptArguments`` fields, so that tests/trl_hooks/test_vllm_server_command.py can hold the two
-    builders equal; ``scale_out`` stands for TRL's "vLLM >= 0.30 installed" check (pass :func:`vllm_has_scale_out`
+    The keywords are TRL's ``ScriptArguments`` fields, so that tests/trl_hooks/test_vllm_server_command.py can hold
+    the two builders equal; ``scale_out`` stands for TRL's "vLLM >= 0.30 installed" check (pass :func:`vllm_has_scale_out`
     where vLLM runs), off by default so that a printed line works on every vLLM TRL 1.16 supports. With ``python``
     the head is ``python -m vllm.entrypoints.cli.main serve`` (a kit without the console script); run the command
     with :data:`SERVER_ENV`.

@@ -304,6 +304,7 @@ class DFPOTrainer(GRPOTrainer):
         old = inputs.get("old_per_token_logps")
         if old is not None:
             old = inputs["old_per_token_logps"] = bounded_old_logps(logps, old, mask, plan.sequence_level)
+        is_ratio = applied_is_ratio(self, inputs)  # TRL's vLLM importance-sampling ratio where its loss applies it
         diagnose = plan.group_metrics and self.model.training and self.loss_type in CLIPPED_LOSS_TYPES
         if plan.recounts_clip_fractions or diagnose:  # from TRL's inputs before the rewrite, with DFPO's clip
             clipped = clipped_ratios(logps, logps.detach() if old is None else old, advantages, mask,
@@ -313,12 +314,12 @@ class DFPOTrainer(GRPOTrainer):
             if plan.recounts_clip_fractions:
                 log_clip_fractions(self.dfpo_metrics, mode, clip_fraction_terms(clipped, mask))
             if diagnose:
-                log_loss_diagnostics(self.dfpo_metrics, mode, advantages, mask, clipped, applied_is_ratio(self, inputs))
+                log_loss_diagnostics(self.dfpo_metrics, mode, advantages, mask, clipped, is_ratio)
         groups = self.layout.whole_groups(inputs, mode) if plan.needs_groups else WholeGroups()
         step = micro_step_objective(
             plan, logps, old, advantages, mask, clip=self._clip_range(), groups=groups,
             off_policy_keep=self._off_policy_keep(), sampling=inputs.get("sampling_per_token_logps"),
-            is_ratio=applied_is_ratio(self, inputs),
+            is_ratio=is_ratio,
             token_weights=inputs.get(DELTA_WEIGHTS_KEY) if plan.token_weighting else None,
         )
         for observe in self.objective_observers:
