@@ -259,17 +259,10 @@ def token_weights_from_hidden(
     Args:
         hidden: (B, T, d) LM-head inputs h.
         token_probs: (B, T) the sampled tokens' probabilities p.
-        advantages: (B,) the completions' Â.
-        mask: (B, T), nonzero on scored (response) tokens.
-        lambda_min, lambda_max, refine_steps, gamma, gamma_update, zero_advantage, assignment, contrast: DelTA's
-            options (``DFPOConfig``'s ``delta_*`` fields without the prefix; checked by :data:`DELTA_RULES`).
-        generator: the random-λ control's generator (``random_weights=True``).
-        random_weights: λ ~ U[λ_min, λ_max] instead of the scores (control).
-        all_reduce: element-wise sum over processes of the statistics; None: this process's shard alone.
-        chunk_tokens: bounds the float32 temporaries to ``chunk_tokens × d``.
+        advantages, mask, and the keyword options: as :func:`token_weights`.
 
     Returns:
-        λ (B, T): float32 (float64 for float64 input), 1 at padding positions.
+        λ (B, T), as :func:`token_weights` returns it.
     """
     coef = 1.0 - token_probs.detach().to(_compute_dtype(hidden))
     return _weights_core(
