@@ -26,6 +26,7 @@ __all__ = [
     "describe_layout",
     "model_is_multimodal",
     "multimodal_refusal",
+    "pre_pass_rows",
     "refuse_multimodal_batch",
     "refuse_multimodal_model",
     "regroups_batches",
@@ -110,20 +111,51 @@ def describe_layout(layout: str, args: DFPOConfig, processes: int) -> str:
     if layout == LAYOUT_PRE_PASS:
         why = f"per_device_train_batch_size {b} is not a multiple of num_generations {G}"
         fix = f"a per_device_train_batch_size that is a multiple of {G} makes the layout free (group_granular)"
-        steps = S // A  # optimizer steps per rollout; the first of each runs at θ_old and needs no pre-pass
-        if steps <= 1:
+        rows = pre_pass_rows(b, A, S, G, args.num_iterations)
+        forwarding = [r for r in rows if r > 0]
+        if not forwarding:
             return f"{head} ({why}): no extra forward, every optimizer step is the first of its rollout; {fix}"
         trained = A * b  # rows an optimizer step trains on, per process
-        forwarded = min(b * S, trained * G)  # at most: every local member of every group the step touches
-        low, high = 100 / 3, 100 * forwarded / (3 * trained)  # a no-grad forward ~ 1/3 of forward + backward
         gather = " and an all-gather of 6 floats per sequence" if processes > 1 else ""
+        if (b * S) % G == 0:
+            mean = sum(forwarding) / len(forwarding)
+            share = 100 * mean / (3 * trained)  # a no-grad forward ~ 1/3 of a forward + backward
+            amount = f"{mean:.3g} rows per process ({trained} trained), about +{share:.0f}% of their compute"
+        else:  # groups straddle processes: a step may also forward the local members of another process's groups
+            high = 100 * b * S / (3 * trained)
+            amount = f"{trained}-{b * S} rows per process, about +33% to +{high:.0f}% of their compute"
         return (
-            f"{head} ({why}): {steps - 1} of every {steps} optimizer steps add a no-grad forward over {trained}"
-            f"-{forwarded} rows per process{gather}, about +{low:.0f}% to +{high:.0f}% of their compute "
-            f"(docs/layouts.md, the pre-pass and its cost); {fix}"
+            f"{head} ({why}): {len(forwarding)} of every {len(rows)} optimizer steps add a no-grad forward over "
+            f"{amount}{gather} (docs/layouts.md, the pre-pass and its cost); {fix}"
         )
     return (f"{head} (no in-group transform active: TRL's batch order): no extra cost; group metrics only on "
             "micro-batches that hold whole groups (group_granular_batches: true gives them every step)")
+
+
+def pre_pass_rows(
+    per_device: int, accumulation: int, steps_per_generation: int, group_size: int, iterations: int = 1
+) -> list[int]:
+    """Rows the pre-pass forwards on one process at each optimizer step of a rollout (docs/layouts.md, "The
+    pre-pass and its cost"), for a process that holds whole groups (per-device batch × steps_per_generation a
+    multiple of G). The layout lays each group's rows consecutively, so the step that trains rows [kR, (k+1)R)
+    (R = accumulation × per-device batch) forwards every row of the groups those rows touch: G·⌈R/G⌉ when R is a
+    multiple of G or G of R, at most G more otherwise. The first step after a rollout forwards none (θ = θ_old);
+    with ``iterations`` > 1 the buffer is trained again from its first row.
+
+    Returns:
+        One count per optimizer step of the rollout, in order.
+    """
+    trained, local = accumulation * per_device, per_device * steps_per_generation
+    per_pass = steps_per_generation // accumulation  # optimizer steps per pass over the buffer
+    rows = []
+    for k in range(per_pass * iterations):
+        if k == 0:
+            rows.append(0)
+            continue
+        start = (k % per_pass) * trained
+        touched = (start + trained - 1) // group_size - start // group_size + 1
+        rows.append(min(touched * group_size, local))
+    return rows
 
 
 def regroups_batches(layout: str) -> bool:

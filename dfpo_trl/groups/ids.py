@@ -20,6 +20,7 @@ WHOLE_GROUPS_KEY = "dfpo_whole_groups"
 DELTA_RANDOM_STREAM = 0  # DelTA's random-λ control
 GROUP_SHUFFLE_STREAM = 1  # the group-granular layout's group order
 REDISTRIBUTION_STREAM = 2  # the redistributed layout's group order: one draw shared by every process
+PRE_PASS_ORDER_STREAM = 3  # the pre-pass layout's group order: each process's groups in consecutive rows
 
 
 def consecutive_group_ids(
@@ -107,10 +108,11 @@ def positions_of(row_ids: torch.Tensor, all_row_ids: torch.Tensor) -> torch.Tens
 
 
 def group_granular_order(group_ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """A row order that shuffles whole groups and keeps each group's rows together.
+    """A row order that shuffles whole groups and keeps each group's rows together (in their current order).
 
     Replaces TRL's per-sample shuffle so that splitting the generation batch into equal micro-batches of a
-    multiple of G rows keeps every group whole (the group-granular layout of docs/layouts.md).
+    multiple of G rows keeps every group whole (the group-granular layout of docs/layouts.md), and, in the
+    pre-pass layout, so that an optimizer step's rows come from as few groups as its size allows.
     """
     unique_ids, inverse = torch.unique(group_ids.cpu(), return_inverse=True)
     perm = torch.randperm(unique_ids.numel(), generator=generator)

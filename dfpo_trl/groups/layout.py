@@ -22,6 +22,7 @@ from ..trl_hooks.compat import split_tensor_dict
 from .batches import concat_sequence_dicts, permute_sequence_dict
 from .choice import (
     LAYOUT_GROUP_GRANULAR,
+    LAYOUT_PRE_PASS,
     LAYOUT_REDISTRIBUTED,
     refuse_multimodal_batch,
     regroups_batches,
@@ -30,6 +31,7 @@ from .gather import gather_groups
 from .ids import (
     GROUP_IDS_KEY,
     GROUP_SHUFFLE_STREAM,
+    PRE_PASS_ORDER_STREAM,
     ROW_IDS_KEY,
     WHOLE_GROUPS_KEY,
     consecutive_group_ids,
@@ -67,15 +69,20 @@ class GroupLayout:
 
     def regroup(self, buffered: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
         """TRL's buffered rollout as this layout trains on it, once per rollout generated at optimizer step
-        ``step``: TRL's per-sample shuffle replaced by a group-granular one, or the rollout redistributed over
-        processes; each micro-batch marked with whether it holds whole groups."""
+        ``step``: TRL's per-sample shuffle replaced by a shuffle of whole groups (group-granular and pre-pass
+        layouts), or the rollout redistributed over processes; each micro-batch marked with whether it holds whole
+        groups."""
         shape = self.shape
         if regroups_batches(self.name):
             refuse_multimodal_batch(buffered[0], self.name, self.options)
-        if self.name == LAYOUT_GROUP_GRANULAR:
+        if self.name in (LAYOUT_GROUP_GRANULAR, LAYOUT_PRE_PASS):
+            # Whole groups in consecutive rows, groups in a random order: every micro-batch holds whole groups
+            # (group_granular), or an optimizer step's rows come from as few groups as its size allows, the only
+            # ones the pre-pass forwards (pre_pass; docs/layouts.md, "The pre-pass and its cost").
+            stream = GROUP_SHUFFLE_STREAM if self.name == LAYOUT_GROUP_GRANULAR else PRE_PASS_ORDER_STREAM
             full = concat_sequence_dicts(buffered)
             generator = rollout_generator(  # DFPO's own draw: torch's global RNG stream stays TRL's
-                shape.seed, shape.process_index, step, stream=GROUP_SHUFFLE_STREAM
+                shape.seed, shape.process_index, step, stream=stream
             )
             buffered = split_tensor_dict(permute_sequence_dict(full, group_granular_order(full[GROUP_IDS_KEY],
                                                                                           generator)),
