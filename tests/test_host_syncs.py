@@ -1,7 +1,8 @@
 """No host syncs on DFPO's loss path, and no silent sanitising.
 
-A host read of a device tensor (``.item()``, ``.tolist()``, ``float(t)``, ``int(t)``, ``bool(t)``) makes the host
-wait for the device; per micro-step it stalls the pipeline, inside a backward hook it stalls DDP's overlapped
+A host read of a device tensor (``.item()``, ``.tolist()``, ``float(t)``, ``int(t)``, ``bool(t)``), or a tensor
+built from host data on the device (``torch.tensor(x, device=...)``, a blocking copy), makes the host wait for the
+device; per micro-step it stalls the pipeline, inside a backward hook it stalls DDP's overlapped
 backward. DFPO keeps its metrics as device tensors until a logging step. Checked here by recording every such
 read whose caller is DFPO code during the loss and backward of buffered training micro-batches.
 """
@@ -43,13 +44,24 @@ def host_reads_from_dfpo() -> Iterator[list[str]]:
 
         return read
 
+    build = torch.tensor
+
+    def copying(*args: Any, **kwargs: Any) -> torch.Tensor:
+        """``torch.tensor(data, device=...)`` copies host data to the device: on a GPU the host waits for it."""
+        caller = sys._getframe(1)
+        if kwargs.get("device") is not None and caller.f_code.co_filename.startswith(PACKAGE):
+            seen.append(f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno} torch.tensor(device=...)")
+        return build(*args, **kwargs)
+
     for name in HOST_READS:
         setattr(torch.Tensor, name, recording(name))
+    torch.tensor = copying
     try:
         yield seen
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        torch.tensor = build
 
 
 def rollout(trainer: DFPOTrainer, rows: int) -> dict[str, Any]:
