@@ -116,7 +116,7 @@ def describe_layout(layout: str, args: DFPOConfig, processes: int) -> str:
         if not forwarding:
             return f"{head} ({why}): no extra forward, every optimizer step is the first of its rollout; {fix}"
         trained = A * b  # rows an optimizer step trains on, per process
-        gather = " and an all-gather of 6 floats per sequence" if processes > 1 else ""
+        gather = ", and an all-gather of 6 floats per sequence" if processes > 1 else ""
         if (b * S) % G == 0:
             mean = sum(forwarding) / len(forwarding)
             share = 100 * mean / (3 * trained)  # a no-grad forward ~ 1/3 of a forward + backward

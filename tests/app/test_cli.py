@@ -843,7 +843,8 @@ def test_layout_and_its_cost_are_said_at_start_up(
     tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """3 rows per process and G = 4: groups straddle micro-steps on one process, so the trainer takes the pre-pass;
-    the CLI says so in one line with its cost (3 of every 4 steps re-forward 3 to 12 rows: +33% to +133%)."""
+    the CLI says so in one line with its cost (3 of every 4 steps re-forward the groups their 3 rows touch, laid out
+    in consecutive rows: 8, 8 and 4 rows, 6.67 on average: +74%)."""
     import logging
 
     recipe = write_recipe(tmp_path, TINY_RUN + "skip_eval: true\nplot: false\n")
@@ -854,7 +855,7 @@ def test_layout_and_its_cost_are_said_at_start_up(
     layout = [r.getMessage() for r in caplog.records if "group layout" in r.getMessage()]
     assert layout == [
         "DFPO group layout: pre_pass (per_device_train_batch_size 3 is not a multiple of num_generations 4): 3 of "
-        "every 4 optimizer steps add a no-grad forward over 3-12 rows per process, about +33% to +133% of their "
+        "every 4 optimizer steps add a no-grad forward over 6.67 rows per process (3 trained), about +74% of their "
         "compute (docs/layouts.md, the pre-pass and its cost); a per_device_train_batch_size that is a multiple of 4 "
         "makes the layout free (group_granular)"
     ]
@@ -879,9 +880,9 @@ def test_every_layout_has_a_start_up_line() -> None:
     }  # fmt: skip
     for layout, line in lines.items():
         assert line.startswith(f"DFPO group layout: {layout} (") and "\n" not in line
-    # b = 1, A = 2, S = 8: 3 of 4 steps re-forward the step's 2 rows up to the process's 8 (2 x G = 8): +33..133%
-    assert "3 of every 4 optimizer steps" in lines[LAYOUT_PRE_PASS] and "over 2-8 rows" in lines[LAYOUT_PRE_PASS]
-    assert "+33% to +133%" in lines[LAYOUT_PRE_PASS] and "all-gather" in lines[LAYOUT_PRE_PASS]
+    # b = 1, A = 2, S = 8: 3 of 4 steps re-forward the one group (G = 4 rows) their 2 rows belong to: +67%
+    assert "3 of every 4 optimizer steps" in lines[LAYOUT_PRE_PASS] and "over 4 rows" in lines[LAYOUT_PRE_PASS]
+    assert "+67%" in lines[LAYOUT_PRE_PASS] and "all-gather" in lines[LAYOUT_PRE_PASS]
     assert "no extra forward" in lines[LAYOUT_REDISTRIBUTED] and "no extra cost" in lines[LAYOUT_GROUP_GRANULAR]
 
 
