@@ -15,6 +15,8 @@ import torch
 from tiny import capturing, record_row_weights
 
 from dfpo_trl import DFPOTrainer
+from dfpo_trl.objectives.step import StepObjective
+from dfpo_trl.trl_hooks.step_reward import ROW_REWARD_KEY
 
 
 class RecordingTrainer(capturing(DFPOTrainer)):  # type: ignore[misc]
@@ -43,6 +45,22 @@ def start_recording(trainer: RecordingTrainer) -> RecordingTrainer:
     trainer.records = []
     trainer.used_weights = record_row_weights(trainer)
     return trainer
+
+
+class GroupRecorder:
+    """Every transformed set of whole groups (an observer of the trainer's objective) in a layout whose
+    micro-batches hold whole groups, with the advantages and row rewards of the micro-batch it came from arranged as
+    (num_groups, G)."""
+
+    def __init__(self, trainer: RecordingTrainer) -> None:
+        self.trainer, self.seen = trainer, []
+        trainer.objective_observers.append(self)
+
+    def __call__(self, value: Any) -> None:
+        if isinstance(value, StepObjective) and value.grouped is not None:
+            inputs = self.trainer._micro
+            index = self.trainer.layout.group_index(inputs, "train")
+            self.seen.append((value.grouped, inputs["advantages"][index], inputs[ROW_REWARD_KEY][index]))
 
 
 def post_clip(s: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:

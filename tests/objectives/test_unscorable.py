@@ -23,12 +23,11 @@ from typing import Any
 
 import pytest
 import torch
-from masked_loss import RecordingTrainer, check_token_gradient, start_recording
+from masked_loss import GroupRecorder, RecordingTrainer, check_token_gradient, start_recording
 from tiny import addition_dataset, base_args, tiny_model, tiny_tokenizer
 from tolerance import assert_close_to_rounding
 
 from dfpo_trl import DFPOConfig
-from dfpo_trl.objectives.step import StepObjective
 from dfpo_trl.trl_hooks.step_reward import ROW_REWARD_KEY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,21 +48,6 @@ def digits_or_none(completions: list[str], **_: Any) -> list[float | None]:
     """A second objective: the digits written; None where the first is None, and on others too."""
     return [None if i % 3 == 0 or i % 4 == 1 else float(sum(ch.isdigit() for ch in comp))
             for i, comp in enumerate(completions)]
-
-
-class GroupRecorder:
-    """Every transformed set of whole groups (an observer of the trainer's objective), with the micro-batch it
-    came from arranged as (num_groups, G)."""
-
-    def __init__(self, trainer: RecordingTrainer) -> None:
-        self.trainer, self.seen = trainer, []
-        trainer.objective_observers.append(self)
-
-    def __call__(self, value: Any) -> None:
-        if isinstance(value, StepObjective) and value.grouped is not None:
-            inputs = self.trainer._micro
-            index = self.trainer.layout.group_index(inputs, "train")
-            self.seen.append((value.grouped, inputs["advantages"][index], inputs[ROW_REWARD_KEY][index]))
 
 
 @pytest.mark.parametrize("transform", ["min_replace", "truncate_rebalance"])
