@@ -68,11 +68,19 @@ OPTIONS: dict[str, tuple[dict[str, Any], list[Any], bool, Any]] = {
     "cast_lm_head_to_fp32": (dict(cast_lm_head_to_fp32=True), [last_digit_reward], True, addition_dataset),
     "iterable dataset": (dict(max_steps=4), [last_digit_reward], True, iterable_addition),
     "beta=0.04 (reference model)": (dict(beta=0.04), [last_digit_reward], False, addition_dataset),
+    "sync_ref_model": (dict(beta=0.04, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5),
+                       [last_digit_reward], False, addition_dataset),
+    "use_transformers_continuous_batching": (dict(use_transformers_continuous_batching=True), [last_digit_reward],
+                                             True, addition_dataset),
     "top_entropy_quantile=0.5": (dict(top_entropy_quantile=0.5), [last_digit_reward], False, addition_dataset),
 }
 
 
-@pytest.mark.parametrize("option", list(OPTIONS))
+SLOW = {"use_transformers_continuous_batching"}  # about 90 s on a shared 2-core CPU: its batching threads poll
+
+
+@pytest.mark.parametrize("option", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
+                                    for name in OPTIONS])
 def test_trl_option_keeps_dfpos_objective(option: str, tmp_path: Path) -> None:
     fields, rewards, exact, dataset = OPTIONS[option]
     # TRL loads the reference model from the policy's checkpoint: a saved one where β > 0
