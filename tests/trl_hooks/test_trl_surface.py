@@ -111,3 +111,27 @@ def test_peft_extra_starts_at_or_above_trls() -> None:
 
     ours = _extra([f"{line}; extra == 'peft'" for line in _our_extras()["peft"]], "peft")["peft"]
     assert lowest(ours) >= lowest(_extra(requires("trl") or [], "peft")["peft"])
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "vespo"])
+def test_loss_types_without_the_clipped_surrogate_are_refused_with_a_transform(loss_type: str) -> None:
+    from dfpo_trl.options import CLIPPED_LOSS_TYPES
+
+    assert loss_type not in CLIPPED_LOSS_TYPES
+    with pytest.raises(ValueError, match=rf"loss_type='{loss_type}' does not use.*Set loss_type to one of"):
+        DFPOConfig(**base_args(importance_sampling_level="sequence", loss_type=loss_type,
+                               group_transform="min_replace"))
+
+
+def test_every_test_the_readme_table_names_exists() -> None:
+    """The README's "TRL features and versions" names its tests as `file.py::test_name` under tests/: each file
+    exists and defines that test, so the table cannot point at a test that was renamed or removed."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## TRL features and versions")
+    section = readme[start:readme.index("\n## ", start + 1)]
+    named = re.findall(r"`([\w/]+\.py)::(\w+)`", section)
+    assert len(named) >= 20, named
+    missing = [f"{path}::{name}" for path, name in named
+               if not (ROOT / "tests" / path).is_file()
+               or not re.search(rf"^def {name}\(", (ROOT / "tests" / path).read_text(), flags=re.MULTILINE)]
+    assert not missing, missing
