@@ -219,6 +219,12 @@ def random_config(name: str, tokenizer: Any) -> Any:
             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
             rms_norm_eps=1e-6, tie_word_embeddings=True, **ids,
         )
+    if name == "smollm2-135m":  # SmolLM2-135M's architecture (Llama, hidden 576, 30 layers, 9 heads, 3 KV heads)
+        return LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+            rms_norm_eps=1e-5, tie_word_embeddings=True, **ids,
+        )
     if name == "smollm2-1.7b":
         return LlamaConfig(
             vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
@@ -228,7 +234,7 @@ def random_config(name: str, tokenizer: Any) -> Any:
     raise SystemExit(f"unknown --random-config {name!r}; use one of {', '.join(RANDOM_CONFIGS)}")
 
 
-RANDOM_CONFIGS = ("tiny", "qwen3-1.7b", "smollm2-1.7b")
+RANDOM_CONFIGS = ("tiny", "qwen3-1.7b", "smollm2-1.7b", "smollm2-135m")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
