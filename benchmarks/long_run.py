@@ -39,6 +39,9 @@ import sys
 import time
 from typing import Any
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import checkout_state  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2_gpu_vllm.yaml"
 CHECKPOINTS = (100, 200, 300)
@@ -171,6 +174,7 @@ class Run:
         self.process: subprocess.Popen | None = None
         self.started = 0.0
         self.log: pathlib.Path | None = None
+        self.checkout: dict[str, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -199,6 +203,7 @@ def start(run: Run, args: argparse.Namespace, index: int) -> None:
         env["CUDA_VISIBLE_DEVICES"] = str(args.gpus[index % len(args.gpus)])
     run.attempts += 1
     run.started = time.time()
+    run.checkout = checkout_state(ROOT)  # the code this process runs (cwd=ROOT), read as it starts
     with open(run.log, "w") as log:
         command = run_flags(args, run.task, run.method, run.seed, output_dir, port, run.flags)
         run.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -210,6 +215,7 @@ def finish(run: Run, args: argparse.Namespace, code: int) -> dict[str, Any]:
     work = pathlib.Path(args.out_dir)
     key = {"task": run.task, "method": run.method, "seed": run.seed, "card": args.card, "versions": args.versions,
            "attempts": run.attempts, "wall_s": round(time.time() - run.started, 1), "exit_code": code,
+           "checkout": run.checkout,
            "settings": {"recipe": str(pathlib.Path(args.recipe).relative_to(ROOT)), "flags": run.flags,
                         "steps": args.steps, "extra": list(args.extra)}}
     summary_path = work / "work" / run.name / "dfpo_summary.json"

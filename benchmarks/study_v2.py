@@ -53,13 +53,13 @@ import json
 import math
 import pathlib
 import statistics
-import subprocess
 import sys
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import long_run  # noqa: E402
-from report_stats import t_quantile  # noqa: E402 - the two-sided 95% t quantile
+from provenance import checkout_state  # noqa: E402
+from report_stats import mde_t, t_quantile  # noqa: E402 - the two-sided 95% t quantile, the MDE with t
 
 ROOT = long_run.ROOT
 TASK = "two_forms"
@@ -100,7 +100,9 @@ def n_needed(sd_a: float, sd_b: float, effect: float) -> int:
 
 
 def welch(a: list[float], b: list[float]) -> dict[str, Any] | None:
-    """mean(a) − mean(b) with a Welch 95% interval (Welch–Satterthwaite df) and the MDE; None below 2 runs a side."""
+    """mean(a) − mean(b) with a Welch 95% interval (Welch–Satterthwaite df) and the MDE (``mde``: Student t at the
+    Welch df; ``mde_z``: the normal approximation, which understates it with few runs a side); None below 2 runs a
+    side."""
     if len(a) < 2 or len(b) < 2:
         return None
     sd_a, sd_b = statistics.stdev(a), statistics.stdev(b)
@@ -109,7 +111,7 @@ def welch(a: list[float], b: list[float]) -> dict[str, Any] | None:
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
     half = t_quantile(df) * se
     return {"difference": diff, "low": diff - half, "high": diff + half, "df": df, "se": se, "n": [len(a), len(b)],
-            "sd": [sd_a, sd_b], "mde": mde(sd_a, len(a), sd_b, len(b))}
+            "sd": [sd_a, sd_b], "mde": mde_t(se, df) if se > 0 else 0.0, "mde_z": mde(sd_a, len(a), sd_b, len(b))}
 
 
 def verdict(name: str, result: dict[str, Any] | None) -> str:
@@ -119,7 +121,7 @@ def verdict(name: str, result: dict[str, Any] | None) -> str:
     d, lo, hi, m = result["difference"], result["low"], result["high"], result["mde"]
     found = "detected (the interval excludes 0)" if lo > 0 or hi < 0 else f"not detected above MDE {m:.3g}"
     return (f"{name}: {d:+.3g} [{lo:+.3g}, {hi:+.3g}], {found} (n = {result['n'][0]}, {result['n'][1]}; "
-            f"MDE {m:.3g} at 80% power, two-sided α = 0.05)")
+            f"MDE {m:.3g} at 80% power, two-sided α = 0.05, t at Welch's df)")
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -314,13 +316,6 @@ def select_design(stage_dirs: list[pathlib.Path], root: pathlib.Path) -> dict[st
 
 
 # ------------------------------------------------------------------------------------------------ launch
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def launch_stage(args: argparse.Namespace) -> None:
     """Run one stage's queue through long_run's launcher (seed-major, so a stopped stage stays balanced)."""
     out = pathlib.Path(args.out_dir)
@@ -345,7 +340,7 @@ def launch_stage(args: argparse.Namespace) -> None:
     stage = {"stage": args.stage, "design": design, "arms": arms, "seeds": seeds, "kappa": kappa,
              "kappa_source": kappa_source if "scale" in arms else None, "gates": gates_state,
              "started_at": before.get("started_at", now()), "launches": [*before.get("launches", []), now()],
-             "commit": commit(), "flags": flags}
+             "checkout": checkout_state(ROOT), "flags": flags}
     stage_file.write_text(json.dumps(stage, indent=1) + "\n")
     queue = [long_run.Run(TASK, a, s, flags[a]) for s in sorted({s for v in seeds.values() for s in v})
              for a in arms if s in seeds[a]]

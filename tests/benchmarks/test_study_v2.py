@@ -76,6 +76,17 @@ def test_welch_interval_matches_scipy() -> None:
     assert study_v2.welch(a, [0.2]) is None
 
 
+def test_welch_mde_uses_t_at_the_welch_df() -> None:
+    # 10 runs against 75: the MDE with t at Welch's df is (t_0.975,df + t_0.8,df) SE, above the z approximation
+    stats = pytest.importorskip("scipy.stats")
+    a = [0.31, 0.12, 0.45, 0.22, 0.38, 0.05, 0.29, 0.41, 0.18, 0.35]
+    b = [0.3 + 0.01 * ((7 * i) % 13 - 6) for i in range(75)]
+    result = study_v2.welch(a, b)
+    t_mde = (stats.t.ppf(0.975, result["df"]) + stats.t.ppf(0.8, result["df"])) * result["se"]
+    assert result["mde"] == pytest.approx(t_mde, rel=1e-9)
+    assert result["mde"] > result["mde_z"] * 1.05  # df ≈ 9.5: t's quantiles are visibly wider than z's
+
+
 def test_verdict_says_not_detected_above_the_mde_for_a_null() -> None:
     null = study_v2.welch([0.3, 0.5, 0.4], [0.35, 0.45, 0.5])
     text = study_v2.verdict("mr_w - gspo", null)
