@@ -26,7 +26,8 @@ Design. Task ``two_forms``, recipe ``recipes/smollm2_gpu_vllm.yaml`` with transf
 ratio and clip (long_run.SEQUENCE_GSPO) and group-granular batches; they differ only in (:func:`arm_flags`):
 
 * ``anchor``: on-policy GSPO, ``steps_per_generation`` = gradient accumulation, so φ ≡ 1 and the coupling term is 0;
-* ``gspo``: stale GSPO, ``steps_per_generation`` S (16), ``group_transform none``: the count effect alone;
+* ``gspo``: stale GSPO, ``steps_per_generation`` S (16), ``group_transform none`` (the baseline; it differs from
+  ``anchor`` in rollout size and clipping too, so ``gspo`` − ``anchor`` isolates neither the term nor a count effect);
 * ``mr_w`` / ``mr_g``: stale Min-Replace, weights / gradient cancellation target;
 * ``scale``: s̃ = κ s̄ off-policy with κ = the pilot's mean off-policy φ of ``mr_w`` (matched φ, no balancing).
 
