@@ -1,5 +1,5 @@
 """benchmarks/provenance.py: a run's record names the code that ran (commit, dirty flag, source hash), read from the
-checkout the run starts in, and long_run's launcher puts it in every record."""
+checkout the run starts in, and the launcher (common.finish) puts it in every record."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-import long_run  # noqa: E402
+import common  # noqa: E402
 import provenance  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -47,13 +47,13 @@ def test_without_git_the_commit_is_unknown_but_the_sources_are_hashed(tmp_path: 
 
 
 def test_every_launcher_record_carries_the_checkout_read_at_start(tmp_path: pathlib.Path) -> None:
-    run = long_run.Run("two_forms", "gspo", 3, ["--seed", "3"])
+    run = common.Run("two_forms", "gspo", 3, ["--seed", "3"])
     run.log = tmp_path / "run.log"
     run.log.write_text("Traceback: CUDA out of memory\n")
-    run.checkout = provenance.checkout_state(long_run.ROOT)
+    run.checkout = provenance.checkout_state(common.ROOT)
     run.started = 0.0
-    args = argparse.Namespace(out_dir=str(tmp_path), card="cpu", versions={}, recipe=str(long_run.RECIPE), steps=2,
+    args = argparse.Namespace(out_dir=str(tmp_path), card="cpu", versions={}, recipe=str(common.RECIPE), steps=2,
                               extra=[])
-    record = long_run.finish(run, args, 1)
+    record = common.finish(run, args, 1)
     assert record["checkout"] == run.checkout and record["checkout"]["source_sha256"]
     assert record["complete"] is False and "out of memory" in record["log_tail"]

@@ -24,7 +24,7 @@ THRESHOLDS = {"learned_threshold": 0.8, "min_learned_share": 0.8, "max_phi": 0.9
 def record(arm: str, seed: int, after: float | None = 0.9, start: float = 0.6, end: float = 0.2,
            complete: bool = True, phi_off: float = 1.0, spg: int = 16, extra_series: dict | None = None
            ) -> dict[str, Any]:
-    """A run record as long_run.finish writes it: a linear set-entropy curve from ``start`` to ``end`` (its AUC is
+    """A run record as common.finish writes it: a linear set-entropy curve from ``start`` to ``end`` (its AUC is
     exactly their mean), φ = 1 on the first step of each rollout and ``phi_off`` on the others."""
     steps = list(range(0, STEPS + 1, 8))
     curve = [{"step": s, "set_entropy": start + (end - start) * s / STEPS} for s in steps]
@@ -119,7 +119,7 @@ def test_arms_parse_as_the_design_says(gpu_recipes_parse_here: None) -> None:
     want = {"anchor": (2, "none", "weights"), "gspo": (16, "none", "weights"), "mr_w": (16, "min_replace", "weights"),
             "mr_g": (16, "min_replace", "gradient"), "scale": (16, "scale", "weights")}
     for arm, (spg, transform, target) in want.items():
-        _, config, _ = parse_args([str(study_v2.long_run.RECIPE), *study_v2.arm_flags(arm, design, 0.9)])
+        _, config, _ = parse_args([str(study_v2.common.RECIPE), *study_v2.arm_flags(arm, design, 0.9)])
         got = (config.steps_per_generation, config.group_transform, config.cancellation_target)
         assert got == (spg, transform, target), arm
         assert (config.gradient_accumulation_steps, config.learning_rate, config.use_vllm) == (2, 1e-5, False)
