@@ -99,6 +99,21 @@ def crashes(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "which": sorted(f"{r['_design']} {r['method']} s{r['seed']}" for r in failed)}
 
 
+def paired_sd(study: dict[str, Any], a: str = "mr_w", b: str = "gspo") -> dict[str, Any]:
+    """SD over seeds of a − b in the primary metric (the same seed gives both arms the same problems): over all
+    completed pairs and over pairs where both runs learned; study v3 sizes its seeds from such an SD."""
+    by: dict[str, dict[int, dict[str, Any]]] = {}
+    for row in study["runs"]:
+        by.setdefault(row["arm"], {})[row["seed"]] = row
+    out = {}
+    for name, keep in (("all_pairs", lambda r: r["complete"]), ("learned_pairs", lambda r: r["learned"])):
+        d = [by[a][s]["auc_set_entropy"] - by[b][s]["auc_set_entropy"] for s in sorted(set(by[a]) & set(by[b]))
+             if keep(by[a][s]) and keep(by[b][s]) and by[a][s]["auc_set_entropy"] is not None
+             and by[b][s]["auc_set_entropy"] is not None]
+        out[name] = {"n": len(d), "sd": statistics.stdev(d) if len(d) > 1 else None}
+    return out
+
+
 def rollouts(record: dict[str, Any], batch: int) -> dict[str, int]:
     """How a run generated: completions per rollout (per-device batch × steps_per_generation) and rollouts in the
     run (optimizer steps / optimizer steps per rollout)."""
@@ -178,6 +193,7 @@ def findings(results: pathlib.Path = RESULTS) -> dict[str, Any]:
         "mde_welch_t": {name: {"t": mde_t(c["welch"]["se"], c["welch"]["df"]), "z": c["welch"].get("mde_z"),
                                "df": c["welch"]["df"]}
                         for name, c in study["comparisons"].items() if c["welch"]},
+        "paired_sd_mr_w_gspo": paired_sd(study),
         "round2_pilot_crashes": crashes(round2),
         "round2_designs": {d.name: pilot_design(d, gain) for d in sorted((folder / "round2").glob("s*_n*"))},
         "sd_check": sd_check_timing(main),
