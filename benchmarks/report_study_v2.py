@@ -254,8 +254,8 @@ def _reading(study: dict[str, Any], meter: dict[str, Any] | None, gates: dict[st
         if roll and "anchor" in roll and "gspo" in roll:
             text += (f" The anchor also differs from `gspo` in more than the coupling term: {roll['anchor']['count']} "
                      f"rollouts of {roll['anchor']['size']} against {roll['gspo']['count']} of "
-                     f"{roll['gspo']['size']}, and no clipping. This comparison is therefore no measurement of a "
-                     "count effect and does not isolate the term.")
+                     f"{roll['gspo']['size']}, and it clips nothing (its ratios are 1). This comparison is "
+                     "therefore no measurement of a count effect and does not isolate the term.")
         out.append(text)
     others = [f"`{n}`: {c['welch']['difference']:+.3f} [{c['welch']['low']:+.3f}, {c['welch']['high']:+.3f}], not "
               f"detected above {c['welch']['mde']:.3f}" for n, c in comparisons.items()

@@ -10,7 +10,9 @@ Why a reward and not a weight: with ``scale_rewards none`` TRL's advantage is r 
 below make it exactly w_f (1 − p) for a rewarded row of form f and −p for the others (p: the group's rewarded share),
 with w_f = n_R / (m n_f): each of the m forms present among the n_R rewarded rows gets the same total advantage, the
 group's mean reward is unchanged, and no trainer code changes. Groups are the runs of equal ``row_id`` (TRL repeats
-each dataset row ``num_generations`` times in a row; a row id is unique, so adjacent groups never merge).
+each dataset row ``num_generations`` times in a row; a row id is unique, so adjacent groups never merge). That holds
+for one training process, as study v3 launches every run; under data parallelism a group cut across processes would
+be equalised part by part, so the arm is defined for one process only.
 """
 
 from __future__ import annotations
