@@ -58,3 +58,26 @@ def test_the_committed_findings_are_what_the_records_give() -> None:
         pytest.skip("study v2's records are not in this checkout")
     committed = json.loads((results / "study_v2_findings.json").read_text())
     assert f.findings(results) == json.loads(json.dumps(committed))
+
+
+def test_readme_and_metrics_doc_quote_the_findings() -> None:
+    """README.md and docs/metrics.md type study v2's numbers by hand; each must be what the findings file says."""
+    results = f.RESULTS
+    found = json.loads((results / "study_v2_findings.json").read_text())
+    mass, signal = found["mass_and_credit"], found["off_policy_signal"]
+    g, w, a = mass["gspo"], mass["mr_w"], mass["anchor"]
+    clipped = {round(100 * signal[k]["clipped_share_signal_rows"]) for k in ("gspo", "mr_w")}
+    one_sided = sorted(round(100 * signal[k]["one_sided_share_signal_groups"]) for k in ("gspo", "mr_w"))
+    quotes = [f"{100 * g['set_mass_median']:.1f}%", f"{100 * w['set_mass_median']:.1f}%",
+              f"{g['heldout_below_0_6']} of {g['runs']}", f"{w['heldout_below_0_6']} of {w['runs']}",
+              f"{clipped.pop()}% of the rows with a signal" if len(clipped) == 1 else "clipped shares differ",
+              f"{one_sided[0]}–{one_sided[1]}%", f"{a['set_logp_below_step0']} of",
+              f"−{abs(a['set_logp_final_median']):.1f}", f"−{abs(g['set_logp_final_median']):.1f}",
+              f"{found['mde_welch_t']['gspo - anchor']['t']:.3f}",
+              f"{found['rollouts']['anchor']['count']} rollouts of {found['rollouts']['anchor']['size']} against "
+              f"{found['rollouts']['gspo']['count']} of {found['rollouts']['gspo']['size']}",
+              f"{found['round2_pilot_crashes']['failed']} of"]
+    for name in ("README.md", "docs/metrics.md"):
+        text = " ".join((f.ROOT / name).read_text().split())
+        missing = [q for q in quotes if q not in text and not (name == "docs/metrics.md" and q.endswith(" of"))]
+        assert not missing, f"{name} does not quote {missing}"
