@@ -257,6 +257,26 @@ def _reading(study: dict[str, Any], meter: dict[str, Any] | None, gates: dict[st
                      f"{roll['gspo']['size']}, and it clips nothing (its ratios are 1). This comparison is "
                      "therefore no measurement of a count effect and does not isolate the term.")
         out.append(text)
+    count = found.get("count_effect_exploratory") or {}
+    if count.get("gspo") and count.get("mr_w"):
+        g, w, d, raw = count["gspo"], count["mr_w"], count.get("mr_w - gspo"), count.get("raw_share") or {}
+        text = ("**Exploratory** (an analysis chosen after the data were seen: to test, not to claim; "
+                "`count_effect.py`): the within-run slope of the change in log-odds (sum vs answer) between two drift "
+                "measurements on the rollout's sampling surprise (its sampled share of the sum form among rewarded "
+                "completions minus the share the odds predicted) was "
+                f"{g['slope']:+.2f} [{g['low']:+.2f}, {g['high']:+.2f}] for `gspo` and "
+                f"{w['slope']:+.2f} [{w['low']:+.2f}, {w['high']:+.2f}] for `mr_w` (95% intervals resampling runs)")
+        if d:
+            text += f", `mr_w` − `gspo` {d['slope']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}]"
+        excludes = [f"`{a}`" for a, e in (("gspo", g), ("mr_w", w)) if e["low"] > 0 or e["high"] < 0]
+        text += (". A positive slope is a count effect (the form sampled more gains log-odds); the interval excludes "
+                 f"0 for {' and '.join(excludes) if excludes else 'neither arm'}"
+                 + (", and the estimate is not smaller under Min-Replace." if d and d["slope"] >= 0 else "."))
+        if raw.get("within_runs") is not None:
+            text += (f" The estimate depends on the analysis: on the raw share (not corrected for the odds) the "
+                     f"`gspo` slope is {raw['within_runs']:+.2f} within runs and {raw['across_runs']:+.2f} across "
+                     "them. Study v3 pre-registers the surprise estimator and adds arms that equalise the counts.")
+        out.append(text)
     others = [f"`{n}`: {c['welch']['difference']:+.3f} [{c['welch']['low']:+.3f}, {c['welch']['high']:+.3f}], not "
               f"detected above {c['welch']['mde']:.3f}" for n, c in comparisons.items()
               if n not in ("mr_w - gspo", "gspo - anchor") and c["welch"]

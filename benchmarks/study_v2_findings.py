@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from count_effect import count_pairs, slope_interval, within_run_slope  # noqa: E402
 from report_stats import mde_t  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -97,6 +98,23 @@ def crashes(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "out_of_memory": sum("OutOfMemoryError" in (r.get("log_tail") or "") for r in failed),
             "cublas_alloc": sum("CUBLAS_STATUS_ALLOC_FAILED" in (r.get("log_tail") or "") for r in failed),
             "which": sorted(f"{r['_design']} {r['method']} s{r['seed']}" for r in failed)}
+
+
+def exploratory_count_effect(rows: list[dict[str, Any]], window: int) -> dict[str, Any]:
+    """count_effect.py's slope on study v2's complete runs (windows between drift measurements `window` apart; one
+    rollout each in the stale arms): exploratory, the analysis was chosen after the data were seen."""
+    pairs: dict[str, dict[int, Any]] = {}
+    for r in rows:
+        if r.get("complete"):
+            pairs.setdefault(r["method"], {})[int(r["seed"])] = count_pairs(r, window)
+    out: dict[str, Any] = {a: slope_interval(p) for a, p in sorted(pairs.items()) if a != "anchor"}
+    if "gspo" in pairs and "mr_w" in pairs:
+        out["mr_w - gspo"] = slope_interval(pairs["mr_w"], pairs["gspo"])
+    raw = {int(r["seed"]): count_pairs(r, window, surprise=False) for r in rows
+           if r.get("complete") and r["method"] == "gspo"}
+    out["raw_share"] = {"arm": "gspo", "within_runs": within_run_slope(list(raw.values())),
+                        "across_runs": within_run_slope([[p for v in raw.values() for p in v]])}
+    return out
 
 
 def paired_sd(study: dict[str, Any], a: str = "mr_w", b: str = "gspo") -> dict[str, Any]:
@@ -194,6 +212,7 @@ def findings(results: pathlib.Path = RESULTS) -> dict[str, Any]:
                                "df": c["welch"]["df"]}
                         for name, c in study["comparisons"].items() if c["welch"]},
         "paired_sd_mr_w_gspo": paired_sd(study),
+        "count_effect_exploratory": exploratory_count_effect(rows, rollout_steps),
         "round2_pilot_crashes": crashes(round2),
         "round2_designs": {d.name: pilot_design(d, gain) for d in sorted((folder / "round2").glob("s*_n*"))},
         "sd_check": sd_check_timing(main),

@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402 - the launcher (one dfpo-train process per run, records with their checkout)
+from count_effect import count_pairs, slope_interval  # noqa: E402
 from provenance import checkout_state  # noqa: E402
 from report_stats import mde_t, t_ppf  # noqa: E402
 
@@ -60,9 +61,11 @@ PREREGISTERED: dict[str, Any] = {
                "entropy (set_entropy × exp(set_logp_mean) at each drift measurement, trapezoid / step span); "
                "co-primary analyses: all completed pairs, and pairs where both runs learned",
     "secondary": ["the same for |log-odds| (log_odds_abs_mean)", "gspo_eq − gspo, mr_w_eq − mr_w, anchor − gspo"],
-    "count_effect": "confirmatory: per run the least-squares slope of the next rollout's change in log-odds (sum vs "
-                    "answer) on the rollout's sampled share of the sum form among rewarded completions; predicted "
-                    "> 0 in gspo (mean over runs, 95% t interval) and gspo − gspo_eq > 0 (paired)",
+    "count_effect": "confirmatory (count_effect.py): the within-run pooled slope of the change in log-odds (sum vs "
+                    "answer) between two drift measurements on the sampling surprise (the sampled share of the sum "
+                    "form among rewarded completions minus σ(log-odds at the start)), 95% interval resampling "
+                    "seeds (2000 draws, seed 0); predicted > 0 in gspo and mr_w, and gspo − gspo_eq > 0 and "
+                    "mr_w − mr_w_eq > 0 (paired by seed): equalising the counts removes it",
     "mde": 0.05, "power": 0.8, "alpha": 0.05,
     "seeds": "main seeds per arm: the smallest n whose paired MDE (t) from the pilot's paired SD of the primary metric "
              "is ≤ mde, at least 10",
@@ -115,22 +118,6 @@ def off_policy_mean(record: dict[str, Any], key: str, rollout_steps: int) -> flo
     return statistics.fmean(values) if values else None
 
 
-def count_slope(record: dict[str, Any], window: int) -> float | None:
-    """Least-squares slope, over the windows (j·window, (j + 1)·window] between two drift measurements, of the change
-    in log-odds (sum vs answer) on the sampled share of the sum form among rewarded completions in the window (the
-    mean of the shares logged there: one rollout in a stale arm, ``window`` rollouts in the anchor)."""
-    odds = dict(curve(record, "log_odds_mean"))
-    shares: dict[int, list[float]] = {}
-    for k, share in (record.get("series") or {}).get("drift/form_share/sum", []):
-        shares.setdefault((int(k) - 1) // window, []).append(float(share))
-    pairs = [(statistics.fmean(v), odds[(j + 1) * window] - odds[j * window]) for j, v in sorted(shares.items())
-             if j * window in odds and (j + 1) * window in odds]
-    if len(pairs) < 3 or len({x for x, _ in pairs}) < 2:
-        return None
-    mx, my = statistics.fmean(x for x, _ in pairs), statistics.fmean(y for _, y in pairs)
-    return sum((x - mx) * (y - my) for x, y in pairs) / sum((x - mx) ** 2 for x, _ in pairs)
-
-
 def run_row(record: dict[str, Any], design: dict[str, Any]) -> dict[str, Any]:
     """A run's record reduced to what the study reads; a crash keeps its log tail and nothing else."""
     window, complete = int(design["rollout_steps"]), bool(record.get("complete"))
@@ -152,7 +139,7 @@ def run_row(record: dict[str, Any], design: dict[str, Any]) -> dict[str, Any]:
                             "one_sided_share": off_policy_mean(record, "cancellation/one_sided_groups", s),
                             "clipped_share": off_policy_mean(record, "diagnostics/clip_fraction_signal", s),
                             "phi_offpolicy": off_policy_mean(record, "transform/phi_mean", s),
-                            "count_slope": count_slope(record, window)}}
+                            "count_pairs": count_pairs(record, window)}}
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -311,7 +298,7 @@ def designs(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------ aggregate
 def aggregate(out_dir: pathlib.Path, out: pathlib.Path, figures: pathlib.Path | None) -> dict[str, Any]:
     """Per-run rows (seed, card, versions, checkout, gates, diagnostics), per-arm counts, the paired comparisons with
-    intervals and MDEs (all pairs and learned pairs), the count-effect test, one figure per arm."""
+    intervals and MDEs (all pairs and learned pairs), the count-effect slopes, one figure per arm."""
     result = json.loads((out_dir / "pilot_gates.json").read_text())
     entry = result["designs"][result["chosen"]] if result.get("chosen") else None
     if entry is None:
@@ -334,12 +321,10 @@ def aggregate(out_dir: pathlib.Path, out: pathlib.Path, figures: pathlib.Path | 
         comparisons[f"{a} - {b}"] = {key: {"all_pairs": paired(metric(a, key, False), metric(b, key, False)),
                                            "learned_pairs": both_learned(a, b, key)}
                                      for key in ("primary", "abs_log_odds_area")}
-    slopes = {a: [r["diagnostics"]["count_slope"] for r in by[a].values()
-                  if r["diagnostics"]["count_slope"] is not None] for a in ARMS}
-    count = {a: mean_interval(v) for a, v in slopes.items()}
-    slope_by_seed = {a: {s: r["diagnostics"]["count_slope"] for s, r in by[a].items()
-                         if r["diagnostics"]["count_slope"] is not None} for a in ("gspo", "gspo_eq")}
-    count["gspo - gspo_eq"] = paired(slope_by_seed["gspo"], slope_by_seed["gspo_eq"])
+    pairs = {a: {s: r["diagnostics"]["count_pairs"] for s, r in by[a].items()} for a in ARMS}
+    count: dict[str, Any] = {a: slope_interval(pairs[a]) for a in ARMS}
+    for a, b in (("gspo", "gspo_eq"), ("mr_w", "mr_w_eq")):
+        count[f"{a} - {b}"] = slope_interval(pairs[a], pairs[b])
     arms = {a: {"runs": sum(r["arm"] == a for r in rows), "complete": len(by[a]),
                 "crashed": sum(r["arm"] == a and not r["complete"] for r in rows),
                 "learned": sum(r["learned"] for r in by[a].values()),
@@ -364,15 +349,6 @@ def mean(values: list[float | None]) -> float | None:
 def median(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return statistics.median(kept) if kept else None
-
-
-def mean_interval(values: list[float]) -> dict[str, Any] | None:
-    """Mean with a 95% t interval over runs; None below 2."""
-    if len(values) < 2:
-        return None
-    m, se = statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
-    half = t_ppf(0.975, len(values) - 1) * se
-    return {"mean": m, "low": m - half, "high": m + half, "n": len(values)}
 
 
 def plot_arms(rows: list[dict[str, Any]], folder: pathlib.Path) -> list[str]:
