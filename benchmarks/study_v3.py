@@ -332,10 +332,15 @@ def aggregate(out_dir: pathlib.Path, out: pathlib.Path, figures: pathlib.Path | 
                 "one_sided_share_mean": mean([r["diagnostics"]["one_sided_share"] for r in by[a].values()]),
                 "clipped_share_mean": mean([r["diagnostics"]["clipped_share"] for r in by[a].values()])}
             for a in ARMS}
+    stage = json.loads((out_dir / "main" / "stage.json").read_text()) if (out_dir / "main" / "stage.json").exists() \
+        else {}
+    gates_file = hashlib.sha256((out_dir / "pilot_gates.json").read_bytes()).hexdigest()
     made = plot_arms(rows, figures) if figures is not None else []
+    unchanged = (stage.get("pilot_gates_sha256") == gates_file
+                 and result.get("written_at", "") <= stage.get("started_at", ""))  # gates before main, untouched
     study = {"study": "v3", "preregistered": PREREGISTERED, "preregistration_sha256": preregistration_sha(),
-             "pilot_gates": result, "design": design, "arms": arms, "comparisons": comparisons,
-             "count_effect": count, "figures": made, "runs": rows}
+             "pilot_gates": result, "gates_before_main_unchanged": unchanged, "design": design, "arms": arms,
+             "comparisons": comparisons, "count_effect": count, "figures": made, "runs": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(study) + "\n")
     return study

@@ -129,9 +129,14 @@ def test_aggregate_pairs_by_seed_and_counts_crashes(tmp_path: pathlib.Path) -> N
             record = synthetic_record(arm, seed, entropy, after=0.5 if (arm, seed) == ("gspo", 5) else 0.9,
                                       complete=(arm, seed) != ("mr_w_eq", 0))
             (runs / f"v3__{arm}__s{seed}.json").write_text(json.dumps(record))
-    (tmp_path / "pilot_gates.json").write_text(json.dumps({"chosen": DESIGN["name"], "designs": {
-        DESIGN["name"]: {"design": DESIGN, "gates": {"passed": True}}}}))
+    (tmp_path / "pilot_gates.json").write_text(json.dumps({"chosen": DESIGN["name"], "written_at": "2026-01-01",
+                                                          "designs": {DESIGN["name"]: {"design": DESIGN,
+                                                                                       "gates": {"passed": True}}}}))
+    gates_bytes = (tmp_path / "pilot_gates.json").read_bytes()
+    (tmp_path / "main" / "stage.json").write_text(json.dumps({
+        "pilot_gates_sha256": study_v3.hashlib.sha256(gates_bytes).hexdigest(), "started_at": "2026-01-02"}))
     study = study_v3.aggregate(tmp_path, tmp_path / "study_v3.json", None)
+    assert study["gates_before_main_unchanged"] is True
     primary = study["comparisons"]["mr_w - gspo"]["primary"]
     # the mass-weighted entropy is 0.8 × entropy at every step: mr_w − gspo = 0.8 × (0.05 + 0.002 on odd seeds)
     assert primary["all_pairs"]["n"] == 6 and primary["learned_pairs"]["n"] == 5  # gspo s5 did not learn
