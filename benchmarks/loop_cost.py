@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if "trl" not in args.methods:
         p.error("--methods must include trl, the baseline of every ratio")
-    from long_run import versions
+    from common import installed_versions as versions
 
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = out / "random-qwen3"
     result: dict[str, Any] = {"cards": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                               "model": make_model(args.tokenizer, model_dir)}
-    from long_run import versions
+    from common import installed_versions as versions
 
     result["versions"] = versions()
     tp = len(args.server_gpus.split(","))

@@ -9,7 +9,7 @@ import math
 import statistics
 from typing import Any
 
-__all__ = ["clean", "diff_ci", "fmt", "fmt_ci", "mean_ci", "t_quantile"]
+__all__ = ["clean", "diff_ci", "fmt", "fmt_ci", "mean_ci", "mde_t", "t_ppf", "t_quantile"]
 
 
 def t_quantile(df: float) -> float:
@@ -24,6 +24,29 @@ def t_quantile(df: float) -> float:
         g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
         g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
         return z + g1 / df + g2 / df**2 + g3 / df**3
+
+
+def t_ppf(p: float, df: float) -> float:
+    """The p quantile of Student's t with ``df`` degrees of freedom (power calculations need p = 0.8 as well as
+    0.975). scipy when installed, else the Cornish-Fisher expansion around the normal quantile."""
+    if not 0 < p < 1 or not df > 0:
+        raise ValueError(f"t_ppf needs 0 < p < 1 and df > 0, got p={p}, df={df}")
+    try:
+        from scipy import stats
+
+        return float(stats.t.ppf(p, df))
+    except ImportError:
+        z = statistics.NormalDist().inv_cdf(p)
+        g1 = (z**3 + z) / 4
+        g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+        g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+        return z + g1 / df + g2 / df**2 + g3 / df**3
+
+
+def mde_t(se: float, df: float, power: float = 0.8) -> float:
+    """Minimum detectable difference at ``power``, two-sided α = 0.05, for a difference with standard error ``se``
+    and (Welch) ``df`` degrees of freedom: (t_0.975,df + t_power,df) · se. With few runs a side z understates it."""
+    return (t_ppf(0.975, df) + t_ppf(power, df)) * se
 
 
 def clean(values: list[Any]) -> list[float]:

@@ -23,10 +23,11 @@
 Design. Task ``two_forms``, recipe ``recipes/smollm2_gpu_vllm.yaml`` with transformers' generation
 (``--use_vllm false``; ``--vllm`` for colocated vLLM), ``--steps`` optimizer steps (64), the drift meter every
 ``--drift-every`` steps (8), held-out greedy accuracy before and after only. Every arm has GSPO's sequence-level
-ratio and clip (long_run.SEQUENCE_GSPO) and group-granular batches; they differ only in (:func:`arm_flags`):
+ratio and clip (common.SEQUENCE_GSPO) and group-granular batches; they differ only in (:func:`arm_flags`):
 
 * ``anchor``: on-policy GSPO, ``steps_per_generation`` = gradient accumulation, so φ ≡ 1 and the coupling term is 0;
-* ``gspo``: stale GSPO, ``steps_per_generation`` S (16), ``group_transform none``: the count effect alone;
+* ``gspo``: stale GSPO, ``steps_per_generation`` S (16), ``group_transform none`` (the baseline; it differs from
+  ``anchor`` in rollout size and clipping too, so ``gspo`` − ``anchor`` isolates neither the term nor a count effect);
 * ``mr_w`` / ``mr_g``: stale Min-Replace, weights / gradient cancellation target;
 * ``scale``: s̃ = κ s̄ off-policy with κ = the pilot's mean off-policy φ of ``mr_w`` (matched φ, no balancing).
 
@@ -53,15 +54,15 @@ import json
 import math
 import pathlib
 import statistics
-import subprocess
 import sys
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import long_run  # noqa: E402
-from report_stats import t_quantile  # noqa: E402 - the two-sided 95% t quantile
+import common  # noqa: E402 - the launcher
+from provenance import checkout_state  # noqa: E402
+from report_stats import mde_t, t_quantile  # noqa: E402 - the two-sided 95% t quantile, the MDE with t
 
-ROOT = long_run.ROOT
+ROOT = common.ROOT
 TASK = "two_forms"
 ARMS = {"anchor": "on-policy GSPO (φ ≡ 1)", "gspo": "stale GSPO", "mr_w": "stale Min-Replace (weights)",
         "mr_g": "stale Min-Replace (gradient)", "scale": "stale scale at matched φ"}
@@ -100,7 +101,9 @@ def n_needed(sd_a: float, sd_b: float, effect: float) -> int:
 
 
 def welch(a: list[float], b: list[float]) -> dict[str, Any] | None:
-    """mean(a) − mean(b) with a Welch 95% interval (Welch–Satterthwaite df) and the MDE; None below 2 runs a side."""
+    """mean(a) − mean(b) with a Welch 95% interval (Welch–Satterthwaite df) and the MDE (``mde``: Student t at the
+    Welch df; ``mde_z``: the normal approximation, which understates it with few runs a side); None below 2 runs a
+    side."""
     if len(a) < 2 or len(b) < 2:
         return None
     sd_a, sd_b = statistics.stdev(a), statistics.stdev(b)
@@ -109,7 +112,7 @@ def welch(a: list[float], b: list[float]) -> dict[str, Any] | None:
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
     half = t_quantile(df) * se
     return {"difference": diff, "low": diff - half, "high": diff + half, "df": df, "se": se, "n": [len(a), len(b)],
-            "sd": [sd_a, sd_b], "mde": mde(sd_a, len(a), sd_b, len(b))}
+            "sd": [sd_a, sd_b], "mde": mde_t(se, df) if se > 0 else 0.0, "mde_z": mde(sd_a, len(a), sd_b, len(b))}
 
 
 def verdict(name: str, result: dict[str, Any] | None) -> str:
@@ -119,7 +122,7 @@ def verdict(name: str, result: dict[str, Any] | None) -> str:
     d, lo, hi, m = result["difference"], result["low"], result["high"], result["mde"]
     found = "detected (the interval excludes 0)" if lo > 0 or hi < 0 else f"not detected above MDE {m:.3g}"
     return (f"{name}: {d:+.3g} [{lo:+.3g}, {hi:+.3g}], {found} (n = {result['n'][0]}, {result['n'][1]}; "
-            f"MDE {m:.3g} at 80% power, two-sided α = 0.05)")
+            f"MDE {m:.3g} at 80% power, two-sided α = 0.05, t at Welch's df)")
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -219,7 +222,7 @@ def arm_flags(arm: str, design: dict[str, Any], kappa: float | None) -> list[str
     if spg % ga:
         raise SystemExit(f"--steps-per-generation {spg} must be a multiple of --grad-accum {ga} (TRL's rule)")
     transform = {"anchor": "none", "gspo": "none", "mr_w": "min_replace", "mr_g": "min_replace", "scale": "scale"}
-    flags = [*long_run.SEQUENCE_GSPO, "--group_granular_batches", "true", "--steps_per_generation", str(spg),
+    flags = [*common.SEQUENCE_GSPO, "--group_granular_batches", "true", "--steps_per_generation", str(spg),
              "--gradient_accumulation_steps", str(ga), "--learning_rate", str(design["learning_rate"]),
              "--drift_every", str(design["drift_every"]), "--eval_every", "0", "--logging_steps", "1",
              "--use_vllm", "true" if design["use_vllm"] else "false", "--group_transform", transform[arm]]
@@ -249,7 +252,7 @@ def compute_gates(records: list[dict[str, Any]], thresholds: dict[str, float]) -
 
 def records_in(stage_dir: pathlib.Path) -> list[dict[str, Any]]:
     paths = sorted([*(stage_dir / "runs").glob("*.json"), *(stage_dir / "runs").glob("*.json.gz")])
-    return [long_run.read_record(str(p)) for p in paths]
+    return [common.read_record(str(p)) for p in paths]
 
 
 def now() -> str:
@@ -314,15 +317,8 @@ def select_design(stage_dirs: list[pathlib.Path], root: pathlib.Path) -> dict[st
 
 
 # ------------------------------------------------------------------------------------------------ launch
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def launch_stage(args: argparse.Namespace) -> None:
-    """Run one stage's queue through long_run's launcher (seed-major, so a stopped stage stays balanced)."""
+    """Run one stage's queue through the launcher (common.launch) (seed-major, so a stopped stage stays balanced)."""
     out = pathlib.Path(args.out_dir)
     design, gates_state, kappa, kappa_source = design_of(args), None, args.kappa, "--kappa"
     arms = args.arms or (list(ARMS) if args.stage == "main" or args.kappa else [a for a in ARMS if a != "scale"])
@@ -345,12 +341,12 @@ def launch_stage(args: argparse.Namespace) -> None:
     stage = {"stage": args.stage, "design": design, "arms": arms, "seeds": seeds, "kappa": kappa,
              "kappa_source": kappa_source if "scale" in arms else None, "gates": gates_state,
              "started_at": before.get("started_at", now()), "launches": [*before.get("launches", []), now()],
-             "commit": commit(), "flags": flags}
+             "checkout": checkout_state(ROOT), "flags": flags}
     stage_file.write_text(json.dumps(stage, indent=1) + "\n")
-    queue = [long_run.Run(TASK, a, s, flags[a]) for s in sorted({s for v in seeds.values() for s in v})
+    queue = [common.Run(TASK, a, s, flags[a]) for s in sorted({s for v in seeds.values() for s in v})
              for a in arms if s in seeds[a]]
     args.out_dir, args.vllm_memory = str(stage_dir), args.vllm_memory if args.vllm else None
-    long_run.launch(args, queue)
+    common.launch(args, queue)
     args.out_dir = str(out)
     done = {(r["method"], r["seed"]) for r in records_in(stage_dir)}
     left = [r.name for r in queue if (r.method, r.seed) not in done]
@@ -509,14 +505,14 @@ def sd_check(stage_dir: pathlib.Path, effect: float, first: int, gates_path: pat
 
 # ------------------------------------------------------------------------------------------------ smoke, main
 def smoke(args: argparse.Namespace) -> dict[str, Any]:
-    """The whole pipeline on the CPU: a tiny random model (long_run.smoke_model), transformers' generate, 4 steps
+    """The whole pipeline on the CPU: a tiny random model (common.smoke_model), transformers' generate, 4 steps
     with a rollout every 2; pilot (gspo, mr_w, seed 0) -> gates -> main (every arm, 2 seeds) -> SD check ->
     aggregate. The tiny model learns nothing, so the smoke gates are learned_threshold 0 and max_phi 1 (recorded)."""
     out = pathlib.Path(args.out_dir)
-    args.model = long_run.smoke_model(out)
+    args.model = common.smoke_model(out)
     args.steps, args.steps_per_generation, args.grad_accum, args.drift_every, args.vllm = 4, 2, 1, 2, False
     args.parallel, args.gpus, args.learned_threshold, args.max_phi = 2, [], 0.0, 1.0
-    args.extra = [*long_run.SMOKE_FLAGS, "--eval_every", "0", *args.extra]
+    args.extra = [*common.SMOKE_FLAGS, "--eval_every", "0", *args.extra]
     args.stage, args.arms, args.pilot_seeds = "pilot", ["gspo", "mr_w"], [0]
     launch_stage(args)
     args.stage, args.arms, args.primary_seeds, args.secondary_seeds = "main", None, 2, 2
@@ -536,7 +532,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     mode.add_argument("--smoke", action="store_true", help="CPU check of the whole pipeline")
     mode.add_argument("--select", nargs="+", metavar="PILOT_OUT_DIR",
                       help="choose the main design among pilots (each an --out-dir): the first whose gates passed")
-    p.add_argument("--recipe", default=str(long_run.RECIPE))
+    p.add_argument("--recipe", default=str(common.RECIPE))
     p.add_argument("--model", default=None, help="model_name_or_path (default: the recipe's, the embedded model)")
     p.add_argument("--steps", type=int, default=64, help="optimizer steps per run")
     p.add_argument("--steps-per-generation", type=int, default=16, help="S of the stale arms")
@@ -592,7 +588,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     elif args.write_gates:
         return write_gates(pathlib.Path(args.out_dir), thresholds(args), force=args.force)
     elif args.status:
-        return long_run.status(args.status)
+        return common.status(args.status)
     elif args.sd_check:
         return sd_check(pathlib.Path(args.sd_check), args.effect, args.first, gates,
                         (args.learned_threshold, args.learned_gain))

@@ -10,6 +10,8 @@
 # "Learned" is a held-out gain of at least 0.1 over the run (--learned-gain): the first pilot round (three learning
 # rates at S 16; benchmarks/results/study_v2/pilot_round1) showed held-out accuracy at 64 steps near 0.5 for every arm
 # that learned, the on-policy anchor included, so an absolute 0.8 failed gate (a) at every learning rate.
+# (A misreading, kept as it ran: held-out accuracy is the mean reward and 0.5 is the credit for the right sum in
+# another wording, not the format learned; RESULTS.md §11.)
 set -u
 export PYTHONUNBUFFERED=1
 BUDGET=${1:-500}

@@ -33,7 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from long_run import card, versions  # noqa: E402 - the card and package versions every vLLM result records
+from common import card  # noqa: E402 - the card and package versions every vLLM result records
+from common import installed_versions as versions  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "smollm2_gpu_vllm.yaml"
 PARITY_KEYS = ("loss", "reward", "reward_std", "entropy", "grad_norm", "completions/mean_length",

@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "runs": {},
     }
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from long_run import versions  # the package versions every vLLM result records
+    from common import installed_versions as versions  # the package versions every vLLM result records
 
     result["versions"] = versions()
     token_ids, prompt_tokens = check_tokens(args.model)

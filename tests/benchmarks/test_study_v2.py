@@ -24,7 +24,7 @@ THRESHOLDS = {"learned_threshold": 0.8, "min_learned_share": 0.8, "max_phi": 0.9
 def record(arm: str, seed: int, after: float | None = 0.9, start: float = 0.6, end: float = 0.2,
            complete: bool = True, phi_off: float = 1.0, spg: int = 16, extra_series: dict | None = None
            ) -> dict[str, Any]:
-    """A run record as long_run.finish writes it: a linear set-entropy curve from ``start`` to ``end`` (its AUC is
+    """A run record as common.finish writes it: a linear set-entropy curve from ``start`` to ``end`` (its AUC is
     exactly their mean), φ = 1 on the first step of each rollout and ``phi_off`` on the others."""
     steps = list(range(0, STEPS + 1, 8))
     curve = [{"step": s, "set_entropy": start + (end - start) * s / STEPS} for s in steps]
@@ -76,6 +76,17 @@ def test_welch_interval_matches_scipy() -> None:
     assert study_v2.welch(a, [0.2]) is None
 
 
+def test_welch_mde_uses_t_at_the_welch_df() -> None:
+    # 10 runs against 75: the MDE with t at Welch's df is (t_0.975,df + t_0.8,df) SE, above the z approximation
+    stats = pytest.importorskip("scipy.stats")
+    a = [0.31, 0.12, 0.45, 0.22, 0.38, 0.05, 0.29, 0.41, 0.18, 0.35]
+    b = [0.3 + 0.01 * ((7 * i) % 13 - 6) for i in range(75)]
+    result = study_v2.welch(a, b)
+    t_mde = (stats.t.ppf(0.975, result["df"]) + stats.t.ppf(0.8, result["df"])) * result["se"]
+    assert result["mde"] == pytest.approx(t_mde, rel=1e-9)
+    assert result["mde"] > result["mde_z"] * 1.05  # df ≈ 9.5: t's quantiles are visibly wider than z's
+
+
 def test_verdict_says_not_detected_above_the_mde_for_a_null() -> None:
     null = study_v2.welch([0.3, 0.5, 0.4], [0.35, 0.45, 0.5])
     text = study_v2.verdict("mr_w - gspo", null)
@@ -108,7 +119,7 @@ def test_arms_parse_as_the_design_says(gpu_recipes_parse_here: None) -> None:
     want = {"anchor": (2, "none", "weights"), "gspo": (16, "none", "weights"), "mr_w": (16, "min_replace", "weights"),
             "mr_g": (16, "min_replace", "gradient"), "scale": (16, "scale", "weights")}
     for arm, (spg, transform, target) in want.items():
-        _, config, _ = parse_args([str(study_v2.long_run.RECIPE), *study_v2.arm_flags(arm, design, 0.9)])
+        _, config, _ = parse_args([str(study_v2.common.RECIPE), *study_v2.arm_flags(arm, design, 0.9)])
         got = (config.steps_per_generation, config.group_transform, config.cancellation_target)
         assert got == (spg, transform, target), arm
         assert (config.gradient_accumulation_steps, config.learning_rate, config.use_vllm) == (2, 1e-5, False)
