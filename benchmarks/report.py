@@ -29,6 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import report_launch_shape  # noqa: E402
 import report_long_run  # noqa: E402
 import report_study_v2  # noqa: E402
+import report_users_size  # noqa: E402
 from common import GSPO, METHODS  # noqa: E402
 from report_stats import clean, diff_ci, fmt, fmt_ci, mean_ci  # noqa: E402
 
@@ -1107,6 +1108,9 @@ def main(argv: list[str] | None = None) -> None:
         results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines))
     study_v2_lines = report_study_v2.study_v2_section(
         results, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines))
+    users_size_lines = report_users_size.users_size_section(
+        results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines)
+        + bool(study_v2_lines))
     lines = [
         "# Benchmark results",
         "",
@@ -1136,6 +1140,7 @@ def main(argv: list[str] | None = None) -> None:
         *long_run_lines,
         *shape_lines,
         *study_v2_lines,
+        *users_size_lines,
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines).rstrip() + "\n")
