@@ -5,6 +5,8 @@ A mistake in them (an unknown name, a missing column, a filter that drops every 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 from ..tasks import EquivalentFormsTask, Task, get_reward, get_task, safe_reward
@@ -94,12 +96,67 @@ def filter_long_prompts(dataset: Any, tokenizer: Any, max_tokens: int, chat_temp
     return kept
 
 
-def build_datasets(script_args: DFPOScriptArguments, task: Task, seed: int) -> tuple[Any, Any | None]:
-    """(train dataset, held-out dataset or None) with the columns TRL needs checked."""
+def _default_origin(name: str) -> str:
+    return name
+
+
+def hub_dataset(script_args: DFPOScriptArguments) -> str | None:
+    """The ``dataset`` a math run loads from the Hugging Face Hub (a name, not a local folder), else None."""
+    name = script_args.dataset
+    if script_args.task != "math" or not isinstance(name, str) or not name:
+        return None
+    try:
+        return None if os.path.exists(name) or name.startswith((".", "/", "~")) else name
+    except (OSError, ValueError):
+        return name
+
+
+def read_datasets_offline_when_hub_unreachable(script_args: DFPOScriptArguments) -> None:
+    """Without network, ``datasets`` retries the hub for half a minute before failing; when the hub does not
+    answer, read its cache only, so that a cached dataset loads and a missing one fails at once."""
+    if hub_dataset(script_args) is None:
+        return
+    from .model import _go_offline, hub_reachable
+
+    if not hub_reachable():
+        import datasets
+
+        _go_offline()
+        datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+
+
+def dataset_unavailable(script_args: DFPOScriptArguments, exc: BaseException, origin: Callable[[str], str]) -> str:
+    """The one line for a hub dataset that cannot be read without network: the field, where it was set, and how to
+    point it at a local copy."""
+    from .model import _is_offline_error
+
+    name = hub_dataset(script_args)
+    if name is None or not _is_offline_error(exc):
+        return ""
+    detail = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
+    return (
+        f"{origin('dataset')}: dataset {name!r} cannot be loaded: no network access to the Hugging Face Hub and no "
+        f"cached copy ({detail}). Point dataset at a local copy: a folder of its data files (parquet, json or csv; "
+        "e.g. a clone of the hub repository) or one written by datasets' save_to_disk, e.g. --dataset "
+        "/data/gsm8k; or run once with network to cache it."
+    )
+
+
+def build_datasets(
+    script_args: DFPOScriptArguments, task: Task, seed: int, origin: Callable[[str], str] = _default_origin
+) -> tuple[Any, Any | None]:
+    """(train dataset, held-out dataset or None) with the columns TRL needs checked; ``origin`` says where a field
+    was set (the flag, or the recipe's line) for the messages."""
+    read_datasets_offline_when_hub_unreachable(script_args)
     try:
         train = task.build_dataset("train", script_args.train_size, seed)
     except ValueError as exc:  # the task's own checks (a missing column or split): the recipe's fault
         raise RecipeError(str(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - a hub dataset without network is the recipe's to fix; else re-raised
+        said = dataset_unavailable(script_args, exc, origin)
+        if said:
+            raise RecipeError(said) from exc
+        raise
     if "prompt" not in train.column_names:
         raise RecipeError(
             f"task {script_args.task!r} built a training dataset without a 'prompt' column (columns: "

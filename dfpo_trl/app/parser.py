@@ -9,6 +9,7 @@ command-line flags beat the recipe.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,7 @@ from ..tasks import TASKS
 from .args import DFPOScriptArguments, RecipeError
 from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
-from .precheck import check_max_steps, recipe_argv, unknown_message, yaml_error
+from .precheck import check_max_steps, precheck, read_recipe, recipe_argv, unknown_message, yaml_error
 from .precheck import field_origin as precheck_field_origin
 from .resume import imply_save_strategy
 
@@ -78,8 +79,13 @@ class DFPOParser(TrlParser):
     show the default of the field they turn off, and whose bad values raise :class:`RecipeError` (one line) instead
     of printing argparse's usage."""
 
+    # argparse takes "-3e-5" for an option (its pattern knows only -3 and -0.5): every number is a value here.
+    NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE_NUMBER  # no flag of ours looks like a number
+        self.recipe: str | None = None  # the recipe being parsed (parse_args sets it), for its unknown fields' lines
         self._align_negated_flags()
         # The dataclasses' defaults, before a recipe replaces them (set_defaults_with_config): for error messages.
         self.field_defaults = {a.dest: a.default for a in self._actions if self.primary_action(a.dest) is a}
@@ -118,7 +124,7 @@ class DFPOParser(TrlParser):
         return sorted({a.dest for a in self._actions if a.dest not in ("help", "config")})
 
     def unknown_message(self, keys: Sequence[str], where: str) -> str:
-        return unknown_message(keys, self.field_names(), where)
+        return unknown_message(keys, self.field_names(), where, self.recipe if where == "the recipe" else None)
 
     def parse_args_into_dataclasses(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
         """Import the plugin modules (the flag's, else the recipe's) first: the dataclasses' checks read what they
@@ -165,6 +171,15 @@ def field_origin(parser: DFPOParser, name: str, args: Sequence[str], recipe: str
                                  args, recipe)
 
 
+def numeric_kind(action: argparse.Action) -> str | None:
+    """``"float"`` or ``"int"`` for a field that takes one number (TRL wraps the type of an optional one to accept
+    ``none``, keeping the inner type's name), else None."""
+    name = getattr(action.type, "__name__", None)
+    if name in ("float", "int") and action.nargs is None and not action.choices:
+        return name
+    return None
+
+
 def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence[str], recipe: str | None) -> str:
     """argparse's bad value ("argument --learning_rate/--learning-rate: invalid float value: 'abc'") as one line
     naming where the value was set (flag or recipe line) and what the field takes."""
@@ -176,13 +191,25 @@ def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence
     example = "" if default is None else f", e.g. {default!r} (its default)"
     if action.choices:
         takes = f"one of {', '.join(repr(c) for c in action.choices)}"
-    elif action.type in (float, int):
-        takes = f"{'a number' if action.type is float else 'an integer'}{example}"
+    elif numeric_kind(action) is not None:
+        takes = f"{'a number' if numeric_kind(action) == 'float' else 'an integer'}{example}"
     elif isinstance(default, bool):
         takes = "true or false"
     else:
         takes = f"a value{example}"
     return f"{field_origin(parser, name, args, recipe)}: {exc.message.rstrip('.')}; {name} takes {takes}."
+
+
+def _said_with_origins(args: Sequence[str], message: str) -> str:
+    """A refusal of the dataclasses' checks as the fast value checks say it (naming where each value was set, in
+    DFPO's words for TRL's whole-groups rule), or as the dataclass said it when those checks find nothing."""
+    from .fields import build_field_table
+
+    try:
+        precheck(args, build_field_table(make_parser()))
+    except RecipeError as exc:
+        return str(exc)
+    return message
 
 
 def parse_args(
@@ -198,6 +225,9 @@ def parse_args(
     args = imply_save_strategy(parser, recipe_argv(sys.argv[1:] if argv is None else argv))
     recipe = args[args.index("--config") + 1] if "--config" in args else None
     flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
+    if recipe is not None:
+        read_recipe(recipe)  # empty, or not a mapping: one line naming the file, as the fast path says it
+    parser.recipe = recipe
     try:
         *parsed, rest = parser.parse_args_and_config(args, return_remaining_strings=True)
     except RecipeError:
@@ -207,7 +237,7 @@ def parse_args(
     except argparse.ArgumentError as exc:
         raise RecipeError(_value_error(parser, exc, flags, recipe)) from None
     except ValueError as exc:  # a field's own validation (DFPOConfig, GRPOConfig, TrainingArguments)
-        raise RecipeError(str(exc)) from exc
+        raise RecipeError(_said_with_origins(args, str(exc))) from exc
     if rest:
         flags = [r for r in rest if r.startswith("--")]
         names = [f[2:].split("=", 1)[0].replace("-", "_") for f in flags] or list(rest)

@@ -51,7 +51,7 @@ def test_other_library_versions_turn_the_fast_path_off(
     with pytest.raises(RecipeError, match="not found"):
         precheck([str(tmp_path / "missing.yaml")])
     assert main([str(recipe)]) == 2  # the full parse refuses it
-    assert "'no_such_field': no similar field" in capsys.readouterr().err
+    assert "'no_such_field' (line 1): no similar field" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
     assert capsys.readouterr().out == short_help(build_field_table(make_parser()))
