@@ -172,6 +172,16 @@ def _is_sparse(steps: Sequence[float], run_steps: Sequence[float]) -> bool:
     return len(steps) < len(inside)
 
 
+def measured_at(steps: Sequence[float], run_steps: Sequence[float]) -> str:
+    """"3 of 16 steps" for a metric logged at some optimizer steps only: out of the steps the run trained (>= 1),
+    since a run's log also holds a step-0 row (the held-out accuracy before training), which is no optimizer step;
+    a metric that has a step-0 value too says so."""
+    trained = [s for s in run_steps if s >= 1]
+    at = [s for s in steps if s >= 1]
+    before = " and before training" if len(at) < len(steps) else ""
+    return f"{len(at)} of {len(trained)} steps{before}"
+
+
 def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, History], styles: Sequence[str]) -> None:
     from matplotlib.ticker import MaxNLocator
 
@@ -201,7 +211,7 @@ def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, His
             drawn = True
             sparse = _is_sparse(steps, run_steps)
             if sparse:
-                label = f"{label + ', ' if label else ''}{len(steps)} of {len(run_steps)} steps"
+                label = f"{label + ', ' if label else ''}{measured_at(steps, run_steps)}"
             ax.plot(
                 steps,
                 values,
