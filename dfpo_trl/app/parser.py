@@ -33,7 +33,17 @@ TASK_SUMMARIES = {
     "sum_sentence": "the same problems answered in one required sentence: a group's completions share a long "
     "prefix, where shared-token cancellation acts; offline",
     "math": "any `datasets` dataset graded by math-verify; set dataset, problem_column and answer_column",
+    "two_forms": "the same problems answered in either of two sentences the reward treats alike, 'The sum is N.' "
+    "or 'The answer is N.': the drift meter's task (drift_every); offline",
 }
+
+
+def docstring_summary(obj: Any) -> str:
+    """A task factory's summary for ``--help``: its docstring's first paragraph (never cut inside it, as splitting
+    at the first ". " cut a sentence that quoted an example), without a closing ':' or '.'."""
+    doc = (getattr(obj, "__doc__", None) or "").strip()
+    first = " ".join(doc.split("\n\n", 1)[0].split())
+    return first.rstrip(":.").strip()
 
 
 def task_help() -> str:
@@ -42,8 +52,7 @@ def task_help() -> str:
     def summary(name: str) -> str:
         if name in TASK_SUMMARIES:
             return TASK_SUMMARIES[name]
-        doc = " ".join((getattr(TASKS[name], "__doc__", None) or "").split())
-        return doc.split(". ")[0].rstrip(".") or "registered with dfpo_trl.tasks.register_task"
+        return docstring_summary(TASKS[name]) or "registered with dfpo_trl.tasks.register_task"
 
     listed = "; ".join(f"'{name}' ({summary(name)})" for name in TASKS)
     return (
