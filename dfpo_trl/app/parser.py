@@ -22,9 +22,18 @@ from ..tasks import TASKS
 from .args import DFPOScriptArguments, RecipeError
 from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
-from .precheck import check_max_steps, precheck, read_recipe, recipe_argv, unknown_message, yaml_error
+from .precheck import (
+    check_max_steps,
+    precheck,
+    read_command_line,
+    read_recipe,
+    recipe_argv,
+    unknown_message,
+    yaml_error,
+)
 from .precheck import field_origin as precheck_field_origin
 from .resume import imply_save_strategy
+from .values import with_origins
 
 # One line per built-in task in `--help`; a task registered without an entry here is described by the first
 # sentence of its factory's docstring.
@@ -211,14 +220,17 @@ def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence
 
 def _said_with_origins(args: Sequence[str], message: str) -> str:
     """A refusal of the dataclasses' checks as the fast value checks say it (naming where each value was set, in
-    DFPO's words for TRL's whole-groups rule), or as the dataclass said it when those checks find nothing."""
+    DFPO's words for TRL's whole-groups rule); when those checks find nothing (a rule they leave to the full parse,
+    e.g. DFPO's own fields'), as the dataclass said it, headed by where the fields it names were set."""
     from .fields import build_field_table
 
+    table = build_field_table(make_parser())
     try:
-        precheck(args, build_field_table(make_parser()))
+        precheck(args, table)
     except RecipeError as exc:
         return str(exc)
-    return message
+    line = read_command_line(args, table)
+    return with_origins(message, table["options"], line.given, line.origin)
 
 
 def parse_args(

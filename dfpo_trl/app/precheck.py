@@ -23,9 +23,9 @@ from .plugins import as_module_list, flag_plugins, import_plugins
 from .values import VALUE_FIELDS, check_values
 
 __all__ = [
-    "PRECHECKED_FIELDS", "RENAMED_FIELDS", "check_max_steps", "field_origin", "library_versions", "precheck",
-    "read_field_table", "read_recipe", "recipe_argv", "recipe_line", "stored_field_table", "unknown_message",
-    "yaml_error",
+    "PRECHECKED_FIELDS", "RENAMED_FIELDS", "CommandLine", "check_max_steps", "field_origin", "library_versions",
+    "precheck", "read_command_line", "read_field_table", "read_recipe", "recipe_argv", "recipe_line",
+    "stored_field_table", "unknown_message", "yaml_error",
 ]  # fmt: skip
 
 #: The stored field table: package data (pyproject.toml), written by ``python -m dfpo_trl.app.fields``.
@@ -192,6 +192,54 @@ def _flag_value(args: Sequence[str], flags: Sequence[str]) -> str | bool | None:
     return value
 
 
+class CommandLine:
+    """A command line read against a field table: each field's value as the user set it (the flag, else the
+    recipe) or its default, where it was set, and whether the user set it."""
+
+    def __init__(self, args: Sequence[str], recipe: str | None, settings: dict[str, Any], table: Mapping[str, Any]):
+        self.recipe, self.settings, self.table = recipe, settings, table
+        self.options: Mapping[str, list[str]] = table["options"]
+        self.flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
+
+    def flagged(self, name: str) -> str | bool | None:
+        """The command line's value of ``name``; a bare flag of a numeric field is left to the full parse."""
+        given = flag_plugins(self.flags) if name == "plugins" else _flag_value(self.flags, self.options[name])
+        return None if isinstance(given, bool) and name in self.table.get("numeric", {}) else given
+
+    def value(self, name: str) -> Any:
+        given = self.flagged(name)
+        if given is not None:
+            return given
+        return self.settings[name] if name in self.settings else self.table["defaults"].get(name)
+
+    def origin(self, name: str) -> str:
+        return field_origin(name, self.options[name], self.flags, self.recipe)
+
+    def given(self, name: str) -> bool:
+        return name in self.settings or self.flagged(name) is not None
+
+
+def read_command_line(argv: Sequence[str], table: Mapping[str, Any]) -> CommandLine:
+    """``argv`` read against ``table``: the recipe (it exists, it is a YAML mapping) and every field name in it and
+    on the command line known, else a one-line :class:`RecipeError`."""
+    options: Mapping[str, list[str]] = table["options"]
+    args = recipe_argv(argv)
+    recipe = args[args.index("--config") + 1] if "--config" in args else None
+    settings: dict[str, Any] = {}
+    if recipe is not None:
+        settings = read_recipe(recipe)
+        unknown = [str(k) for k in settings if k not in options]
+        if unknown:
+            raise RecipeError(unknown_message(unknown, sorted(options), "the recipe", recipe))
+    line = CommandLine(args, recipe, settings, table)
+    known_flags = {flag for names in options.values() for flag in names}
+    unknown = [a.split("=", 1)[0] for a in line.flags if a.startswith("--") and a.split("=", 1)[0] not in known_flags]
+    if unknown:
+        names = [f[2:].replace("-", "_") for f in unknown]
+        raise RecipeError(unknown_message(names, sorted(options), "the command line"))
+    return line
+
+
 def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> None:
     """Check the recipe, the field names, the paths and the values of ``argv`` against ``table`` (default: the
     stored field table; without one for the installed libraries, only what needs no field list), importing the
@@ -200,36 +248,8 @@ def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> Non
     if table is None:
         recipe_argv(argv)
         return
-    options: Mapping[str, list[str]] = table["options"]
-    args = recipe_argv(argv)
-    recipe = args[args.index("--config") + 1] if "--config" in args else None
-    flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
-    settings: dict[str, Any] = {}
-    if recipe is not None:
-        settings = read_recipe(recipe)
-        unknown = [str(k) for k in settings if k not in options]
-        if unknown:
-            raise RecipeError(unknown_message(unknown, sorted(options), "the recipe", recipe))
-    known_flags = {flag for names in options.values() for flag in names}
-    unknown = [a.split("=", 1)[0] for a in flags if a.startswith("--") and a.split("=", 1)[0] not in known_flags]
-    if unknown:
-        names = [f[2:].replace("-", "_") for f in unknown]
-        raise RecipeError(unknown_message(names, sorted(options), "the command line"))
-
-    def flagged(name: str) -> str | bool | None:
-        """The command line's value of ``name``; a bare flag of a numeric field is left to the full parse."""
-        given = flag_plugins(flags) if name == "plugins" else _flag_value(flags, options[name])
-        return None if isinstance(given, bool) and name in table.get("numeric", {}) else given
-
-    def value(name: str) -> Any:
-        given = flagged(name)
-        if given is not None:
-            return given
-        return settings[name] if name in settings else table["defaults"].get(name)
-
-    def origin(name: str) -> str:
-        return field_origin(name, options[name], flags, recipe)
-
+    line = read_command_line(argv, table)
+    value, origin = line.value, line.origin
     try:
         max_steps = int(value("max_steps"))
     except (TypeError, ValueError):  # not an integer: the full parse says what the field takes
@@ -244,4 +264,4 @@ def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> Non
         # (`true` without an output_dir reads transformers' default folder: left to the full parse)
         resolve_resume_checkpoint(str(resume), output_dir, origin("resume_from_checkpoint"))
     import_plugins(as_module_list(value("plugins")), origin("plugins"))  # what they register is checked next
-    check_values(value, origin, lambda name: name in settings or flagged(name) is not None, table)
+    check_values(value, origin, line.given, table)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,7 +23,7 @@ from ..rules import unknown_name
 from ..trl_field_rules import TRL_FIELD_RULES
 from .args import RecipeError
 
-__all__ = ["VALUE_FIELDS", "check_values", "coerce", "whole_groups_problem"]
+__all__ = ["VALUE_FIELDS", "check_values", "coerce", "whole_groups_problem", "with_origins"]
 
 # The fields whose defaults the value checks read (kept in the field table; see .fields).
 SEQUENCE_FIELDS = (
@@ -88,6 +89,15 @@ def _blamed(message: str, names: tuple[str, ...], given: Given, origin: Origin) 
     named = [n for n in names if n in message]
     chosen = [n for n in named if given(n)] or named
     return " and ".join(origin(n) for n in chosen)
+
+
+def with_origins(message: str, names: Iterable[str], given: Given, origin: Origin) -> str:
+    """``message`` (a dataclass's refusal, which knows fields but not where they were set) headed by the origins of
+    the fields it names that the user set, in the order it names them; as it is when it names none of them."""
+    found = {n: m.start() for n in names if given(n) and (m := re.search(rf"(?<!\w){re.escape(n)}(?!\w)", message))}
+    if not found:
+        return message
+    return f"{' and '.join(origin(n) for n in sorted(found, key=found.get))}: {message}"
 
 
 def whole_groups_problem(values: Mapping[str, Any], processes: int) -> str | None:

@@ -196,3 +196,25 @@ def test_learning_rate_example_is_the_main_jobs(tmp_path: Path) -> None:
         precheck([str(recipe), "--learning_rate", "0"])
     example = re.search(r"e\.g\. ([\d.e+-]+) as recipes/smollm2_cpu\.yaml", str(refused.value))
     assert example and float(example.group(1)) == recipe_lr
+
+
+def test_rules_left_to_the_full_parse_name_where_their_fields_were_set(tmp_path: Path) -> None:
+    """DFPO's own fields' rules and the rules that read the transform registry run in the full parse only; their
+    refusals are headed by where each field they name was set (recipe line or flag), in the order they name them."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE + "importance_sampling_level: sequence\ngroup_transform: no_such_transform\n")
+    with pytest.raises(RecipeError) as refused:
+        parse_args([str(recipe), "--transform_scale", "0"])
+    assert str(refused.value).startswith(
+        f"group_transform in {recipe}, line {_line(recipe, 'group_transform')} and --transform_scale on the command "
+        "line: invalid value(s): group_transform='no_such_transform' is not a DFPO transform"
+    )
+    recipe.write_text(RECIPE + "importance_sampling_level: sequence\ngroup_transform: min_replace\n"
+                      "off_policy_mask_threshold: 0.5\n")
+    with pytest.raises(RecipeError) as refused:
+        parse_args([str(recipe)])
+    assert str(refused.value).startswith(
+        f"group_transform in {recipe}, line {_line(recipe, 'group_transform')} and off_policy_mask_threshold in "
+        f"{recipe}, line {_line(recipe, 'off_policy_mask_threshold')}: group_transform='min_replace' with "
+        "cancellation_target='weights' cannot be combined with off_policy_mask_threshold=0.5"
+    )
