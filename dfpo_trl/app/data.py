@@ -13,9 +13,17 @@ from ..tasks import EquivalentFormsTask, Task, get_reward, get_task, safe_reward
 from . import logger
 from .args import DFPOScriptArguments, RecipeError
 
+Origin = Callable[[str], str]  # where a field was set ("--task on the command line", "task in r.yaml, line 3")
 
-def build_task(script_args: DFPOScriptArguments) -> Task:
-    """The task ``script_args.task`` names (registered, or an import path), with the dataset fields for ``math``."""
+
+def _headed(origin: Origin | None, name: str, message: str) -> str:
+    """``message`` headed by where ``name`` was set, when the caller knows (the command line does)."""
+    return message if origin is None else f"{origin(name)}: {message}"
+
+
+def build_task(script_args: DFPOScriptArguments, origin: Origin | None = None) -> Task:
+    """The task ``script_args.task`` names (registered, or an import path), with the dataset fields for ``math``;
+    a refusal is headed by where the field was set when ``origin`` says it."""
     options: dict[str, Any] = {}
     if script_args.task == "math":
         options = {
@@ -28,15 +36,18 @@ def build_task(script_args: DFPOScriptArguments) -> Task:
             **({} if script_args.instruction is None else {"instruction": script_args.instruction}),
         }
     elif script_args.dataset is not None:
-        raise RecipeError(
+        raise RecipeError(_headed(origin, "dataset", (
             f"dataset={script_args.dataset!r} is set but task={script_args.task!r} does not read it; set task: math "
             "to train on a `datasets` dataset."
-        )
+        )))
     try:
         task = get_task(script_args.task, **options)
     except ValueError as exc:  # an unknown name, a bad import path, the task's own checks (no dataset)
-        raise RecipeError(str(exc)) from exc
-    check_is_task(task, script_args.task)
+        raise RecipeError(_headed(origin, "task", str(exc))) from exc
+    try:
+        check_is_task(task, script_args.task)
+    except RecipeError as exc:
+        raise RecipeError(_headed(origin, "task", str(exc))) from None
     return task
 
 
@@ -62,7 +73,7 @@ def check_is_task(task: Any, name: str) -> None:
     )
 
 
-def build_rewards(script_args: DFPOScriptArguments, task: Task) -> list[Any]:
+def build_rewards(script_args: DFPOScriptArguments, task: Task, origin: Origin | None = None) -> list[Any]:
     """The task's reward functions, or those named by ``reward_funcs`` (registered, or import paths); each wrapped
     so that a failure names the function and the completion index."""
     if not script_args.reward_funcs:
@@ -70,7 +81,7 @@ def build_rewards(script_args: DFPOScriptArguments, task: Task) -> list[Any]:
     try:
         return [get_reward(name) for name in script_args.reward_funcs]
     except ValueError as exc:  # an unknown name, a bad import path, an object that is not callable
-        raise RecipeError(str(exc)) from exc
+        raise RecipeError(_headed(origin, "reward_funcs", str(exc))) from exc
 
 
 def filter_long_prompts(dataset: Any, tokenizer: Any, max_tokens: int, chat_template_kwargs: dict | None) -> Any:
@@ -94,10 +105,6 @@ def filter_long_prompts(dataset: Any, tokenizer: Any, max_tokens: int, chat_temp
     if len(kept) == 0:
         raise RecipeError(f"max_prompt_length={max_tokens} drops every training prompt; raise it.")
     return kept
-
-
-def _default_origin(name: str) -> str:
-    return name
 
 
 def hub_dataset(script_args: DFPOScriptArguments) -> str | None:
@@ -125,7 +132,7 @@ def read_datasets_offline_when_hub_unreachable(script_args: DFPOScriptArguments)
         datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
 
 
-def dataset_unavailable(script_args: DFPOScriptArguments, exc: BaseException, origin: Callable[[str], str]) -> str:
+def dataset_unavailable(script_args: DFPOScriptArguments, exc: BaseException, origin: Origin | None) -> str:
     """The one line for a hub dataset that cannot be read without network: the field, where it was set, and how to
     point it at a local copy."""
     from .model import _is_offline_error
@@ -134,16 +141,16 @@ def dataset_unavailable(script_args: DFPOScriptArguments, exc: BaseException, or
     if name is None or not _is_offline_error(exc):
         return ""
     detail = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
-    return (
-        f"{origin('dataset')}: dataset {name!r} cannot be loaded: no network access to the Hugging Face Hub and no "
+    return _headed(origin, "dataset", (
+        f"dataset {name!r} cannot be loaded: no network access to the Hugging Face Hub and no "
         f"cached copy ({detail}). Point dataset at a local copy: a folder of its data files (parquet, json or csv; "
         "e.g. a clone of the hub repository) or one written by datasets' save_to_disk, e.g. --dataset "
         "/data/gsm8k; or run once with network to cache it."
-    )
+    ))
 
 
 def build_datasets(
-    script_args: DFPOScriptArguments, task: Task, seed: int, origin: Callable[[str], str] = _default_origin
+    script_args: DFPOScriptArguments, task: Task, seed: int, origin: Origin | None = None
 ) -> tuple[Any, Any | None]:
     """(train dataset, held-out dataset or None) with the columns TRL needs checked; ``origin`` says where a field
     was set (the flag, or the recipe's line) for the messages."""
@@ -173,15 +180,17 @@ def build_datasets(
     return train, heldout
 
 
-def build_drift_problems(script_args: DFPOScriptArguments, task: Task, seed: int) -> Any | None:
+def build_drift_problems(
+    script_args: DFPOScriptArguments, task: Task, seed: int, origin: Origin | None = None
+) -> Any | None:
     """The held-out problems the drift meter scores (``drift_every`` > 0), or None; a task without equivalent
     forms is refused."""
     if not script_args.drift_every:
         return None
     if not isinstance(task, EquivalentFormsTask):
-        raise RecipeError(
+        raise RecipeError(_headed(origin, "drift_every", (
             f"drift_every={script_args.drift_every} needs a task whose correct answer comes in equivalent forms "
             f"(two_forms, sum_sentence, or a task with form_names, equivalent_forms and form_of); task "
             f"{script_args.task!r} has none. Set drift_every: 0 or change the task."
-        )
+        )))
     return task.build_dataset("test", script_args.drift_size, seed)

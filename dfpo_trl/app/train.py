@@ -43,10 +43,10 @@ def run(
     where a field was set (the flag, or the recipe's line), for the refusals only the data can show."""
     start = time.monotonic()
     # The task, its rewards and data first: a mistake there is refused before the model is looked at or converted.
-    task = build_task(script_args)
-    reward_funcs = build_rewards(script_args, task)
-    train, heldout = build_datasets(script_args, task, training_args.seed, origin or (lambda name: name))
-    drift_problems = build_drift_problems(script_args, task, training_args.seed)
+    task = build_task(script_args, origin)
+    reward_funcs = build_rewards(script_args, task, origin)
+    train, heldout = build_datasets(script_args, task, training_args.seed, origin)
+    drift_problems = build_drift_problems(script_args, task, training_args.seed, origin)
     if drift_problems is not None:
         # The correctness reward also logs which form each fully correct sampled completion takes.
         reward_funcs[0] = FormShareReward(reward_funcs[0], task)

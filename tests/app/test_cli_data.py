@@ -56,3 +56,21 @@ def test_a_local_copy_loads_without_network(form: str, tmp_path: Path, no_networ
     train, heldout = build_datasets(script_args, build_task(script_args), seed=0)
     assert sorted(train["answer"]) == sorted(ROWS["answer"]) and len(heldout) == 2
     assert "1 + 1?" in heldout[0]["prompt"][0]["content"]
+
+
+def test_the_refusal_leaves_output_dir_as_it_was(tmp_path: Path, no_network: None,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the command line: exit 2, one line, and an earlier run's results where they were (the dataset is
+    built before they are set aside)."""
+    from dfpo_trl.app.main import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "dfpo_summary.json").write_text('{"steps": 3, "files": ["dfpo_summary.json"]}')
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"use_cpu: true\ntask: math\nproblem_column: question\noutput_dir: {out}\n")
+    assert main([str(recipe), "--dataset", "dfpo-test-org/no-such-dataset"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dfpo-train: error: --dataset on the command line: dataset 'dfpo-test-org/no-such-dataset'")
+    assert "\n" not in err and {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -218,3 +218,30 @@ def test_rules_left_to_the_full_parse_name_where_their_fields_were_set(tmp_path:
         f"{recipe}, line {_line(recipe, 'off_policy_mask_threshold')}: group_transform='min_replace' with "
         "cancellation_target='weights' cannot be combined with off_policy_mask_threshold=0.5"
     )
+
+
+def test_refusals_only_the_data_shows_name_where_the_field_was_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The task, reward and drift refusals of the run's set-up (after the parse, before the model) say where the
+    field was set, as the parse's refusals do."""
+    import dfpo_trl.app.train as app_train
+    from dfpo_trl.app.main import main
+
+    def no_model(*args: object) -> None:
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(app_train, "resolve_model", no_model)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE + f"output_dir: {tmp_path / 'out'}\ndrift_every: 2\n")
+    cases = {
+        "--reward_funcs on the command line: unknown reward function 'no_such_reward'": ["--reward_funcs",
+                                                                                         "no_such_reward"],
+        "--task on the command line: task 'os:getcwd' gave a str": ["--task", "os:getcwd"],
+        f"drift_every in {recipe}, line {_line(recipe, 'drift_every')}: drift_every=2 needs a task": [],
+        "--dataset on the command line: dataset='gsm8k' is set but task='arithmetic'": ["--dataset", "gsm8k"],
+    }
+    for head, flags in cases.items():
+        assert main([str(recipe), *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"dfpo-train: error: {head}") and "\n" not in err, err
