@@ -83,10 +83,16 @@ def _typed(name: str, value: Value, origin: Origin, table: Mapping[str, Any]) ->
         raise RecipeError(f"{origin(name)}: {exc}; {name} takes {_takes(name, kind, table)}.") from None
 
 
-def _blamed(message: str, names: tuple[str, ...], given: Given, origin: Origin) -> str:
+def _named(message: str, names: Iterable[str]) -> list[str]:
+    """The field names ``message`` mentions as whole words, in the order it mentions them."""
+    found = {n: m.start() for n in names if (m := re.search(rf"(?<!\w){re.escape(n)}(?!\w)", message))}
+    return sorted(found, key=found.get)
+
+
+def _blamed(message: str, names: Iterable[str], given: Given, origin: Origin) -> str:
     """The origins of the fields a message names that the user set ("--x on the command line and y in r.yaml,
     line 3"), or of all it names when the user set none of them."""
-    named = [n for n in names if n in message]
+    named = _named(message, names)
     chosen = [n for n in named if given(n)] or named
     return " and ".join(origin(n) for n in chosen)
 
@@ -94,10 +100,8 @@ def _blamed(message: str, names: tuple[str, ...], given: Given, origin: Origin) 
 def with_origins(message: str, names: Iterable[str], given: Given, origin: Origin) -> str:
     """``message`` (a dataclass's refusal, which knows fields but not where they were set) headed by the origins of
     the fields it names that the user set, in the order it names them; as it is when it names none of them."""
-    found = {n: m.start() for n in names if given(n) and (m := re.search(rf"(?<!\w){re.escape(n)}(?!\w)", message))}
-    if not found:
-        return message
-    return f"{' and '.join(origin(n) for n in sorted(found, key=found.get))}: {message}"
+    chosen = [n for n in _named(message, names) if given(n)]
+    return f"{' and '.join(origin(n) for n in chosen)}: {message}" if chosen else message
 
 
 def whole_groups_problem(values: Mapping[str, Any], processes: int) -> str | None:
@@ -121,7 +125,8 @@ def whole_groups_problem(values: Mapping[str, Any], processes: int) -> str | Non
     alternative = f", or num_generations to a divisor of {rollout} (e.g. {' or '.join(map(str, sorted(near)))})"
     which = "steps_per_generation" if values["steps_per_generation"] else "gradient_accumulation_steps"
     return (
-        f"a rollout of per_device_train_batch_size {batch} x {processes} process(es) x {which} {steps} = "
+        f"a rollout of per_device_train_batch_size {batch} x {processes} process{'es' if processes > 1 else ''} x "
+        f"{which} {steps} = "
         f"{rollout} completions does not hold whole groups of num_generations {generations} (TRL: "
         f"generation_batch_size must be divisible by num_generations); set per_device_train_batch_size to a "
         f"multiple of {step} (e.g. {batches}){alternative if near else ''}"
