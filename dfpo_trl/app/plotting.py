@@ -188,13 +188,16 @@ def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, His
     floored = any(k in LOG_FLOOR_KEYS for k in keys)
     below_floor: list[str] = []  # runs whose every value is float rounding: said, not drawn
     drawn = False
-    all_steps = sorted({s for history in runs.values() for s in _run_steps(history)})
+    # The panel spans the run's optimizer steps (a log's step-0 row, the accuracy before training, is none), and
+    # step 0 too when this panel draws a value there.
+    all_steps = {s for history in runs.values() for s in _run_steps(history) if s >= 1}
     for run_index, (run, history) in enumerate(runs.items()):
         run_steps = _run_steps(history)
         for key_index, key in enumerate(_keys_to_draw(history, keys)):
             steps, values = curve(history, key)
             if not steps:
                 continue
+            all_steps.update(steps)
             label = " ".join(p for p in (run, key.split("/")[-1] if len(keys) > 1 else "") if p)
             color = f"C{run_index}"
             if tuple(keys) == REWARD_KEYS:
@@ -240,7 +243,7 @@ def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, His
     if any(k in UNIT_RANGE_KEYS for k in keys):
         ax.set_ylim(-0.02, 1.02)
     if all_steps:
-        ax.set_xlim(all_steps[0] - 0.5, all_steps[-1] + 0.5)  # every panel spans the run: gaps show as gaps
+        ax.set_xlim(min(all_steps) - 0.5, max(all_steps) + 0.5)  # every panel spans the run: gaps show as gaps
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also in a 4-step run
     ax.set_title(name, fontsize=10)
     ax.set_xlabel("optimizer step", fontsize=8)

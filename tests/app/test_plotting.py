@@ -70,9 +70,12 @@ def test_sparse_label_counts_optimizer_steps_not_the_step_0_row() -> None:
             {"train_runtime": 300.0, "step": 12}]  # fmt: skip
     shared = next(ax for title, ax in axes_by_title(plot_metrics(rows)).items() if title.startswith("shared-prefix"))
     assert [line.get_label() for line in shared.get_lines()] == ["3 of 12 steps"]
+    assert shared.get_xlim() == pytest.approx((0.5, 12.5))  # the optimizer steps: no empty step 0
     rows[0]["cancellation/shared_prefix_residual"] = 0.5  # also measured before training
-    shared = next(ax for title, ax in axes_by_title(plot_metrics(rows)).items() if title.startswith("shared-prefix"))
+    axes = axes_by_title(plot_metrics(rows))
+    shared = next(ax for title, ax in axes.items() if title.startswith("shared-prefix"))
     assert [line.get_label() for line in shared.get_lines()] == ["3 of 12 steps and before training"]
+    assert shared.get_xlim() == pytest.approx((-0.5, 12.5)) and axes["entropy"].get_xlim() == pytest.approx((0.5, 12.5))
 
 
 def test_residual_above_the_floor_is_drawn_beside_a_run_at_the_floor() -> None:
