@@ -23,7 +23,7 @@ from ..rules import unknown_name
 from ..trl_field_rules import TRL_FIELD_RULES
 from .args import RecipeError
 
-__all__ = ["VALUE_FIELDS", "check_values", "coerce", "whole_groups_problem", "with_origins"]
+__all__ = ["VALUE_FIELDS", "check_values", "coerce", "launched_processes", "whole_groups_problem", "with_origins"]
 
 # The fields whose defaults the value checks read (kept in the field table; see .fields).
 SEQUENCE_FIELDS = (
@@ -133,6 +133,15 @@ def whole_groups_problem(values: Mapping[str, Any], processes: int) -> str | Non
     )
 
 
+def launched_processes() -> int | None:
+    """The processes this run is one of: ``WORLD_SIZE`` (set by accelerate launch, torchrun, deepspeed), else 1; None
+    when another launcher (Slurm, MPI) started several processes without it: then TRL counts them, not this."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    others = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    return None if any(os.environ.get(name, "1") not in ("", "1") for name in others) else 1
+
+
 def _known(module: str, registry: str, stored: list[str]) -> set[str]:
     """The registered names: the live registry when a plugin already imported it, else the stored table's."""
     if module in sys.modules:
@@ -167,7 +176,8 @@ def check_values(value: Value, origin: Origin, given: Given, table: Mapping[str,
             check_sequence_options(options)
         except ValueError as exc:
             raise RecipeError(f"{_blamed(str(exc), SEQUENCE_FIELDS, given, origin)}: {exc}") from None
-    problem = whole_groups_problem(batch, int(os.environ.get("WORLD_SIZE", "1")))
+    processes = launched_processes()
+    problem = None if processes is None else whole_groups_problem(batch, processes)
     if problem is not None:
         raise RecipeError(f"{_blamed(problem, BATCH_FIELDS, given, origin)}: {problem}.")
     task = value("task")

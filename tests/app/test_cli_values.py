@@ -245,3 +245,17 @@ def test_refusals_only_the_data_shows_name_where_the_field_was_set(
         assert main([str(recipe), *flags]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"dfpo-train: error: {head}") and "\n" not in err, err
+
+
+def test_processes_come_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WORLD_SIZE (accelerate launch, torchrun) counts the processes; a launcher that starts several without it
+    (Slurm, MPI) leaves the whole-groups rule to TRL rather than judging it for one process."""
+    from dfpo_trl.app.values import launched_processes
+
+    for name in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert launched_processes() == 1
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert launched_processes() is None
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert launched_processes() == 4
