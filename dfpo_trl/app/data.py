@@ -149,6 +149,18 @@ def dataset_unavailable(script_args: DFPOScriptArguments, exc: BaseException, or
     ))
 
 
+def dataset_not_found(script_args: DFPOScriptArguments, exc: BaseException, origin: Origin | None) -> str:
+    """The one line for a math ``dataset`` that names nothing ``datasets`` can find (a local path that is not
+    there, a hub name that does not exist): datasets raises FileNotFoundError (DatasetNotFoundError is one)."""
+    if script_args.task != "math" or not isinstance(script_args.dataset, str) or not isinstance(exc, FileNotFoundError):
+        return ""
+    return _headed(origin, "dataset", (
+        f"dataset {script_args.dataset!r} not found ({str(exc).splitlines()[0][:200]}); give a hub name (e.g. "
+        "openai/gsm8k with dataset_config main), a folder of the dataset's data files (parquet, json or csv) or a "
+        "folder written by save_to_disk"
+    ))
+
+
 def build_datasets(
     script_args: DFPOScriptArguments, task: Task, seed: int, origin: Origin | None = None
 ) -> tuple[Any, Any | None]:
@@ -159,8 +171,8 @@ def build_datasets(
         train = task.build_dataset("train", script_args.train_size, seed)
     except ValueError as exc:  # the task's own checks (a missing column or split): the recipe's fault
         raise RecipeError(str(exc)) from exc
-    except Exception as exc:  # noqa: BLE001 - a hub dataset without network is the recipe's to fix; else re-raised
-        said = dataset_unavailable(script_args, exc, origin)
+    except Exception as exc:  # noqa: BLE001 - a dataset that cannot be found is the recipe's to fix; else re-raised
+        said = dataset_unavailable(script_args, exc, origin) or dataset_not_found(script_args, exc, origin)
         if said:
             raise RecipeError(said) from exc
         raise

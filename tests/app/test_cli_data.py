@@ -74,3 +74,12 @@ def test_the_refusal_leaves_output_dir_as_it_was(tmp_path: Path, no_network: Non
     err = capsys.readouterr().err.strip()
     assert err.startswith("dfpo-train: error: --dataset on the command line: dataset 'dfpo-test-org/no-such-dataset'")
     assert "\n" not in err and {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_dataset_path_that_is_not_there_is_one_line(tmp_path: Path) -> None:
+    script_args = _math_args(str(tmp_path / "no-such-folder"))
+    with pytest.raises(RecipeError) as refused:
+        build_datasets(script_args, build_task(script_args), seed=0, origin=lambda name: f"{name} in r.yaml, line 4")
+    said = str(refused.value)
+    assert said.startswith(f"dataset in r.yaml, line 4: dataset '{tmp_path / 'no-such-folder'}' not found (")
+    assert "save_to_disk" in said and "\n" not in said
