@@ -28,7 +28,8 @@ from .options import (
     TOKEN_WEIGHTINGS,
     TRANSFORM_GRADIENTS,
 )
-from .rules import FieldRule, finite, integer, one_of, optional, problems, quoted
+from .rules import FieldRule, integer, one_of, optional, problems, quoted
+from .trl_field_rules import TRL_FIELD_RULES
 
 __all__ = ["FIELD_RULES", "check_fields"]
 
@@ -46,54 +47,8 @@ def _transform_fix(_value: Any, _config: Any) -> str:
     )
 
 
-def _positive_integer(name: str) -> FieldRule:
-    return FieldRule(name, lambda v, _: integer(v) and v >= 1, "must be an integer >= 1", f"set {name} >= 1")
-
-
 FIELD_RULES: tuple[FieldRule, ...] = (
-    # ---- TRL's fields that DFPO relies on
-    FieldRule(
-        "epsilon", lambda v, _: finite(v) and 0 < v <= 1,
-        "is out of range: the clip range [1 - epsilon, 1 + epsilon_high] needs 0 < epsilon <= 1",
-        "GSPO and DFPO use 3e-4, token-level GRPO 0.2",
-    ),
-    FieldRule(
-        "epsilon_high", optional(lambda v, _: finite(v) and v > 0),
-        "is out of range: the upper clip bound 1 + epsilon_high needs epsilon_high > 0",
-        "GSPO and DFPO use 4e-4, DAPO 0.28, or leave it unset (= epsilon)",
-    ),
-    FieldRule(
-        "delta", optional(lambda v, _: finite(v) and v > 1),
-        "is out of range: the two-sided clip bound on the ratio must exceed 1 (at 1 or below it clips on-policy "
-        "tokens)", "TRL recommends more than 1 + epsilon_high, or leave it unset (None)",
-    ),
-    _positive_integer("per_device_train_batch_size"),
-    _positive_integer("gradient_accumulation_steps"),
-    _positive_integer("num_iterations"),
-    FieldRule(
-        "steps_per_generation", optional(lambda v, _: integer(v) and v >= 1),
-        "must be an integer >= 1", "set it >= 1, or leave it unset (= gradient_accumulation_steps)",
-    ),
-    FieldRule(
-        "num_generations", optional(lambda v, _: integer(v) and v >= 2),
-        "must be an integer >= 2: a group needs at least 2 completions per prompt for group-relative advantages "
-        "and in-group transforms", "set num_generations >= 2",
-    ),
-    FieldRule(
-        "max_completion_length", optional(lambda v, _: integer(v) and v >= 1),
-        "must be an integer >= 1 (tokens per completion)", "e.g. 16 for the arithmetic task",
-    ),
-    FieldRule(
-        "temperature", lambda v, _: finite(v) and v > 0,
-        "must be > 0 (sampling divides the logits by it, and the log-probs use it too)", "use 1.0 or e.g. 0.6",
-    ),
-    FieldRule("top_p", lambda v, _: finite(v) and 0 < v <= 1, "must be in (0, 1]", "use 1.0 to keep all tokens"),
-    FieldRule("top_k", lambda v, _: integer(v) and v >= 0, "must be >= 0", "use 0 to disable top-k"),
-    FieldRule("beta", lambda v, _: finite(v) and v >= 0, "must be >= 0 (KL coefficient)", "use 0.0 for no KL"),
-    FieldRule(
-        "learning_rate", lambda v, _: finite(v) and v > 0,
-        "must be > 0", "e.g. 5e-5 for the CPU main job, 1e-6 for large models",
-    ),
+    *TRL_FIELD_RULES,  # TRL's fields that DFPO relies on (dfpo_trl.trl_field_rules: no torch, the CLI's fast path)
     # ---- DFPO's fields, in declaration order
     FieldRule("group_transform", registered_transform, "is not a DFPO transform", _transform_fix),
     FieldRule("transform_scale", lambda v, _: valid_scale_factor(v), SCALE_FACTOR_RULE, SCALE_FACTOR_FIX),

@@ -9,13 +9,12 @@ from dataclasses import fields
 from typing import Any
 
 from .method import method_in_use
-from .objectives.transforms import get_transform, not_retargetable
 from .options import CLIPPED_LOSS_TYPES, DELTA_LOSS_TYPES, TOKEN_LEVEL_CLIPPED_LOSS_TYPES
 from .rules import quoted
 
 DFPOConfig = Any  # the config being built: these rules read its fields (dfpo_trl.config imports this module)
 
-__all__ = ["check_combinations"]
+__all__ = ["check_combinations", "check_sequence_options"]
 
 
 def check_combinations(config: DFPOConfig) -> None:
@@ -23,6 +22,14 @@ def check_combinations(config: DFPOConfig) -> None:
     for check in (_cancellation, _group_granular, _sequence_rewrite, _symmetric_clip, _old_logps_rewrite,
                   _off_policy_mask, _delta, _liger_kernel):
         check(config)
+
+
+def check_sequence_options(config: DFPOConfig) -> None:
+    """The rules between the options that choose the objective (a transform, the score form, GRPO-fix) and TRL's
+    importance-sampling level and loss type. They read no registry and import no torch, so ``dfpo-train`` checks
+    them before its heavy imports (``config`` may be any object with the fields :func:`method_in_use` reads)."""
+    _sequence_rewrite(config)
+    _symmetric_clip(config)
 
 
 def _require_clipped_loss_type(config: DFPOConfig, what: str) -> None:
@@ -43,6 +50,8 @@ def _cancellation(config: DFPOConfig) -> None:
                 "cancellation_target='gradient' or leave cancellation_one_sided='keep'."
             )
         return
+    from .objectives.transforms import get_transform, not_retargetable  # the registry imports torch
+
     transform = get_transform(config.group_transform)
     if not transform.retargetable:
         raise ValueError(not_retargetable(transform))
@@ -100,7 +109,7 @@ def _symmetric_clip(config: DFPOConfig) -> None:
             f"importance_sampling_level={config.importance_sampling_level!r}. Set "
             "importance_sampling_level='token', or use group_transform for sequence-level DFPO."
         )
-    if config.sequence_rewrite_active:
+    if method_in_use(config).rewrites_sequences:
         raise ValueError(
             "symmetric_clip=True cannot be combined with group_transform/transform_gradient/"
             "transform_stop_gradient options, which are sequence-level; choose one of the two."
@@ -115,6 +124,8 @@ def _symmetric_clip(config: DFPOConfig) -> None:
 
 def _old_logps_rewrite(config: DFPOConfig) -> None:
     """Options that hand TRL rewritten old log-probs: nothing else of TRL's may read them."""
+    from .objectives.transforms import get_transform  # the registry imports torch
+
     # A transform whose weights may go negative (Orth-Proj) under the gradient target hands TRL the score
     # representation for rows whose weight flips sign.
     flips_to_score = config.cancellation_target == "gradient" and not get_transform(config.group_transform).nonnegative
@@ -143,6 +154,8 @@ def _off_policy_mask(config: DFPOConfig) -> None:
     gradient target folds it into the balance (docs/cancellation.md, "TRL's off-policy mask")."""
     if config.off_policy_mask_threshold is None or config.cancellation_target == "gradient":
         return
+    from .objectives.transforms import get_transform  # the registry imports torch
+
     if get_transform(config.group_transform).balances:  # a built-in or registered transform with a balance
         raise ValueError(
             f"group_transform={config.group_transform!r} with cancellation_target='weights' cannot be combined "

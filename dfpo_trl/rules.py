@@ -5,12 +5,13 @@ It imports nothing from ``dfpo_trl``, so both can use it without importing each 
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Check", "FieldRule", "finite", "integer", "one_of", "optional", "problems", "quoted"]
+__all__ = ["Check", "FieldRule", "finite", "integer", "one_of", "optional", "problems", "quoted", "unknown_name"]
 
 Check = Callable[[Any, Any], bool]  # (value, the object holding it) -> whether the value is valid
 
@@ -80,3 +81,12 @@ def problems(rules: tuple[FieldRule, ...], holder: Any) -> list[str]:
         The messages of the broken rules (empty when every value is valid).
     """
     return [p for rule in rules if (p := rule.problem(holder)) is not None]
+
+
+def unknown_name(head: str, name: str, known: Iterable[str], path_form: str) -> str:
+    """The message for a name no registry holds (a task, a reward): the registered names, the import-path form that
+    also works, and the closest name. Shared by the registries and ``dfpo-train``'s checks before torch."""
+    names = sorted(known)
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"{head}: {names}, or an import path '{path_form}'.{hint}"

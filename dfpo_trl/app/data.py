@@ -7,15 +7,24 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from ..tasks import REWARDS, EquivalentFormsTask, Task, get_reward, get_task, safe_reward
 from . import logger
 from .args import DFPOScriptArguments, RecipeError
 
+Origin = Callable[[str], str]  # where a field was set ("--task on the command line", "task in r.yaml, line 3")
 
-def build_task(script_args: DFPOScriptArguments) -> Task:
-    """The task ``script_args.task`` names (registered, or an import path), with the dataset fields for ``math``."""
+
+def _headed(origin: Origin | None, name: str, message: str) -> str:
+    """``message`` headed by where ``name`` was set, when the caller knows (the command line does)."""
+    return message if origin is None else f"{origin(name)}: {message}"
+
+
+def build_task(script_args: DFPOScriptArguments, origin: Origin | None = None) -> Task:
+    """The task ``script_args.task`` names (registered, or an import path), with the dataset fields for ``math``;
+    a refusal is headed by where the field was set when ``origin`` says it."""
     options: dict[str, Any] = {}
     if script_args.task == "math":
         options = {
@@ -28,15 +37,18 @@ def build_task(script_args: DFPOScriptArguments) -> Task:
             **({} if script_args.instruction is None else {"instruction": script_args.instruction}),
         }
     elif script_args.dataset is not None:
-        raise RecipeError(
+        raise RecipeError(_headed(origin, "dataset", (
             f"dataset={script_args.dataset!r} is set but task={script_args.task!r} does not read it; set task: math "
             "to train on a `datasets` dataset."
-        )
+        )))
     try:
         task = get_task(script_args.task, **options)
     except ValueError as exc:  # an unknown name, a bad import path, the task's own checks (no dataset)
-        raise RecipeError(str(exc)) from exc
-    check_is_task(task, script_args.task)
+        raise RecipeError(_headed(origin, "task", str(exc))) from exc
+    try:
+        check_is_task(task, script_args.task)
+    except RecipeError as exc:
+        raise RecipeError(_headed(origin, "task", str(exc))) from None
     return task
 
 
@@ -62,11 +74,13 @@ def check_is_task(task: Any, name: str) -> None:
     )
 
 
-def build_rewards(script_args: DFPOScriptArguments, task: Task, revision: str | None = None) -> list[Any]:
+def build_rewards(
+    script_args: DFPOScriptArguments, task: Task, revision: str | None = None, origin: Origin | None = None
+) -> list[Any]:
     """The task's reward functions, or those named by ``reward_funcs``: registered names and import paths give
     functions, each wrapped so that a failure names the function and the completion index; a local directory or
     a hub id (``org/name``) stays a string, the reward model TRL loads as a sequence classifier, checked here first
-    (``revision``: the one the trainer will pass, the model's)."""
+    (``revision``: the one the trainer will pass, the model's; ``origin``: where the field was set)."""
     if not script_args.reward_funcs:
         return [safe_reward(f) for f in task.reward_funcs]
     rewards: list[Any] = []
@@ -78,7 +92,7 @@ def build_rewards(script_args: DFPOScriptArguments, task: Task, revision: str | 
         try:
             rewards.append(get_reward(name))
         except ValueError as exc:  # an unknown name, a bad import path, an object that is not callable
-            raise RecipeError(str(exc)) from exc
+            raise RecipeError(_headed(origin, "reward_funcs", str(exc))) from exc
     return rewards
 
 
@@ -158,12 +172,75 @@ def filter_long_prompts(dataset: Any, tokenizer: Any, max_tokens: int, chat_temp
     return kept
 
 
-def build_datasets(script_args: DFPOScriptArguments, task: Task, seed: int) -> tuple[Any, Any | None]:
-    """(train dataset, held-out dataset or None) with the columns TRL needs checked."""
+def hub_dataset(script_args: DFPOScriptArguments) -> str | None:
+    """The ``dataset`` a math run loads from the Hugging Face Hub (a name, not a local folder), else None."""
+    name = script_args.dataset
+    if script_args.task != "math" or not isinstance(name, str) or not name:
+        return None
+    try:
+        return None if os.path.exists(name) or name.startswith((".", "/", "~")) else name
+    except (OSError, ValueError):
+        return name
+
+
+def read_datasets_offline_when_hub_unreachable(script_args: DFPOScriptArguments) -> None:
+    """Without network, ``datasets`` retries the hub for half a minute before failing; when the hub does not
+    answer, read its cache only, so that a cached dataset loads and a missing one fails at once."""
+    if hub_dataset(script_args) is None:
+        return
+    from .model import _go_offline, hub_reachable
+
+    if not hub_reachable():
+        import datasets
+
+        _go_offline()
+        datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+
+
+def dataset_unavailable(script_args: DFPOScriptArguments, exc: BaseException, origin: Origin | None) -> str:
+    """The one line for a hub dataset that cannot be read without network: the field, where it was set, and how to
+    point it at a local copy."""
+    from .model import _is_offline_error
+
+    name = hub_dataset(script_args)
+    if name is None or not _is_offline_error(exc):
+        return ""
+    detail = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
+    return _headed(origin, "dataset", (
+        f"dataset {name!r} cannot be loaded: no network access to the Hugging Face Hub and no "
+        f"cached copy ({detail}). Point dataset at a local copy: a folder of its data files (parquet, json or csv; "
+        "e.g. a clone of the hub repository) or one written by datasets' save_to_disk, e.g. --dataset "
+        "/data/gsm8k; or run once with network to cache it."
+    ))
+
+
+def dataset_not_found(script_args: DFPOScriptArguments, exc: BaseException, origin: Origin | None) -> str:
+    """The one line for a math ``dataset`` that names nothing ``datasets`` can find (a local path that is not
+    there, a hub name that does not exist): datasets raises FileNotFoundError (DatasetNotFoundError is one)."""
+    if script_args.task != "math" or not isinstance(script_args.dataset, str) or not isinstance(exc, FileNotFoundError):
+        return ""
+    return _headed(origin, "dataset", (
+        f"dataset {script_args.dataset!r} not found ({str(exc).splitlines()[0][:200]}); give a hub name (e.g. "
+        "openai/gsm8k with dataset_config main), a folder of the dataset's data files (parquet, json or csv) or a "
+        "folder written by save_to_disk"
+    ))
+
+
+def build_datasets(
+    script_args: DFPOScriptArguments, task: Task, seed: int, origin: Origin | None = None
+) -> tuple[Any, Any | None]:
+    """(train dataset, held-out dataset or None) with the columns TRL needs checked; ``origin`` says where a field
+    was set (the flag, or the recipe's line) for the messages."""
+    read_datasets_offline_when_hub_unreachable(script_args)
     try:
         train = task.build_dataset("train", script_args.train_size, seed)
     except ValueError as exc:  # the task's own checks (a missing column or split): the recipe's fault
         raise RecipeError(str(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - a dataset that cannot be found is the recipe's to fix; else re-raised
+        said = dataset_unavailable(script_args, exc, origin) or dataset_not_found(script_args, exc, origin)
+        if said:
+            raise RecipeError(said) from exc
+        raise
     if "prompt" not in train.column_names:
         raise RecipeError(
             f"task {script_args.task!r} built a training dataset without a 'prompt' column (columns: "
@@ -180,22 +257,24 @@ def build_datasets(script_args: DFPOScriptArguments, task: Task, seed: int) -> t
     return train, heldout
 
 
-def build_drift_problems(script_args: DFPOScriptArguments, task: Task, seed: int) -> Any | None:
+def build_drift_problems(
+    script_args: DFPOScriptArguments, task: Task, seed: int, origin: Origin | None = None
+) -> Any | None:
     """The held-out problems the drift meter scores (``drift_every`` > 0), or None; a task without equivalent
     forms is refused."""
     if not script_args.drift_every:
         return None
     if not isinstance(task, EquivalentFormsTask):
-        raise RecipeError(
+        raise RecipeError(_headed(origin, "drift_every", (
             f"drift_every={script_args.drift_every} needs a task whose correct answer comes in equivalent forms "
             f"(two_forms, sum_sentence, or a task with form_names, equivalent_forms and form_of); task "
             f"{script_args.task!r} has none. Set drift_every: 0 or change the task."
-        )
+        )))
     first = script_args.reward_funcs[0] if script_args.reward_funcs else None
     if first is not None and first not in REWARDS and reward_model_given(first):
-        raise RecipeError(
+        raise RecipeError(_headed(origin, "drift_every", (
             f"drift_every={script_args.drift_every} logs which form each correct completion takes through the first "
             f"reward function, but reward_funcs[0]={first!r} is a reward model. List a reward function first, or "
             "set drift_every: 0."
-        )
+        )))
     return task.build_dataset("test", script_args.drift_size, seed)

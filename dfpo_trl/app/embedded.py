@@ -227,6 +227,16 @@ def _make_readable(directory: Path) -> None:
         os.chmod(file, 0o666 & ~umask)
 
 
+def embedded_model_converted(cache_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Whether :func:`embedded_model_path` will find the checkpoint already converted (and only check it), so that
+    a run says "converting" only when it converts."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
+    try:
+        return _is_valid(root / _CHECKPOINT_NAME, _marker_content(find_embedded_gguf()))
+    except (FileNotFoundError, OSError):  # no GGUF: embedded_model_path says what to install
+        return False
+
+
 def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Directory of the embedded model as a plain float32 transformers checkpoint, converted on first use.
 

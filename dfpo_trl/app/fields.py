@@ -17,9 +17,11 @@ from dataclasses import fields
 from typing import Any
 
 from ..config import dfpo_fields
+from ..objectives.transforms import TRANSFORMS
+from ..tasks import TASKS
 from .args import DFPOScriptArguments
 from .help import LEADING_FIELDS
-from .parser import DFPOParser, make_parser
+from .parser import DFPOParser, make_parser, numeric_kind
 from .precheck import PRECHECKED_FIELDS, TABLE_FILE, library_versions
 
 __all__ = ["TABLE_FILE", "build_field_table", "write_table"]
@@ -32,6 +34,19 @@ def _entry(parser: DFPOParser, name: str) -> dict[str, Any]:
     default = None if action.default is None else repr(action.default)
     negated = parser.negated_flag(name) if action.default is True else None
     return {"default": default, "negated": negated, "help": " ".join((action.help or "").replace("%%", "%").split())}
+
+
+def numeric_fields(parser: DFPOParser) -> dict[str, list[Any]]:
+    """Every field that takes one number: ``[type, default, optional]`` (the type as ``"float"`` or ``"int"``, the
+    default as the full parse's type error shows it, whether ``none`` unsets it), so that the fast path types their
+    values as the parser does."""
+    numeric = {}
+    for name in sorted(parser.field_defaults):
+        action = parser.primary_action(name)
+        kind = numeric_kind(action)
+        if kind is not None:
+            numeric[name] = [kind, parser.field_defaults[name], action.type not in (float, int)]
+    return numeric
 
 
 def build_field_table(parser: DFPOParser) -> dict[str, Any]:
@@ -47,6 +62,9 @@ def build_field_table(parser: DFPOParser) -> dict[str, Any]:
         "versions": library_versions(),
         "options": {name: options[name] for name in sorted(options)},
         "defaults": {name: parser.primary_action(name).default for name in PRECHECKED_FIELDS},
+        "numeric": numeric_fields(parser),
+        "tasks": sorted(TASKS),
+        "transforms": sorted(name for name, entry in TRANSFORMS.items() if entry.builtin),
         "dfpo_fields": dfpo,
         "script_fields": script,
         "entries": {name: _entry(parser, name) for name in shown},

@@ -14,7 +14,7 @@ from trl import ModelConfig
 from ..config import DFPOConfig
 from . import logger
 from .args import ModelUnavailableError
-from .embedded import embedded_model_path
+from .embedded import embedded_model_converted, embedded_model_path
 
 __all__ = [
     "EMBEDDED_LABEL", "ModelUnavailableError", "check_hub_checkpoint", "hub_reachable", "model_init_kwargs",
@@ -53,9 +53,13 @@ def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tupl
     that a machine without network gets a clear error before anything else is loaded."""
     name = model_args.model_name_or_path
     if not name:
-        logger.info(
-            "no model_name_or_path: using the %s (the first use converts it once, under a minute)", EMBEDDED_LABEL
-        )
+        if embedded_model_converted(cache_dir):
+            logger.info("no model_name_or_path: using the %s", EMBEDDED_LABEL)
+        else:
+            logger.info(
+                "no model_name_or_path: using the %s, converting it once to a transformers checkpoint (under a "
+                "minute; later runs reuse it)", EMBEDDED_LABEL,
+            )
         path = embedded_model_path(cache_dir)
         logger.info("embedded model checkpoint: %s", path)
         return str(path), EMBEDDED_LABEL

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import time
 from collections.abc import Sequence
@@ -44,8 +45,8 @@ def _file_stamps(directory: str) -> dict[str, tuple[int, int]]:
 
 
 def save_model(trainer: Any, output_dir: str) -> list[str]:
-    """Save the trained model to ``output_dir`` (without transformers' one-shard progress bar); returns the names of
-    the files the save wrote."""
+    """Save the trained model to ``output_dir`` (without transformers' one-shard progress bar), every file with the
+    permissions the umask gives (:func:`umask_permissions`); returns the names of the files the save wrote."""
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -56,7 +57,21 @@ def save_model(trainer: Any, output_dir: str) -> list[str]:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    return sorted(n for n, stamp in _file_stamps(output_dir).items() if before.get(n) != stamp)
+    saved = sorted(n for n, stamp in _file_stamps(output_dir).items() if before.get(n) != stamp)
+    umask_permissions(Path(output_dir), saved)
+    return saved
+
+
+def umask_permissions(folder: Path, names: Sequence[str]) -> None:
+    """Give each file the permissions a plain ``open()`` gives under the umask (0644 under 022): transformers writes
+    ``model.safetensors`` through a private temporary file (0600), unlike the config and tokenizer files beside it,
+    so another user of a shared output folder could read everything but the weights."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in names:
+        path = folder / name
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
 
 
 def write_outputs(

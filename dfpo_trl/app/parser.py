@@ -9,6 +9,7 @@ command-line flags beat the recipe.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,9 +22,18 @@ from ..tasks import TASKS
 from .args import DFPOScriptArguments, RecipeError
 from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
-from .precheck import check_max_steps, recipe_argv, unknown_message, yaml_error
+from .precheck import (
+    check_max_steps,
+    precheck,
+    read_command_line,
+    read_recipe,
+    recipe_argv,
+    unknown_message,
+    yaml_error,
+)
 from .precheck import field_origin as precheck_field_origin
 from .resume import imply_save_strategy
+from .values import with_origins
 
 # One line per built-in task in `--help`; a task registered without an entry here is described by the first
 # sentence of its factory's docstring.
@@ -32,7 +42,17 @@ TASK_SUMMARIES = {
     "sum_sentence": "the same problems answered in one required sentence: a group's completions share a long "
     "prefix, where shared-token cancellation acts; offline",
     "math": "any `datasets` dataset graded by math-verify; set dataset, problem_column and answer_column",
+    "two_forms": "the same problems answered in either of two sentences the reward treats alike, 'The sum is N.' "
+    "or 'The answer is N.': the drift meter's task (drift_every); offline",
 }
+
+
+def docstring_summary(obj: Any) -> str:
+    """A task factory's summary for ``--help``: its docstring's first paragraph (never cut inside it, as splitting
+    at the first ". " cut a sentence that quoted an example), without a closing ':' or '.'."""
+    doc = (getattr(obj, "__doc__", None) or "").strip()
+    first = " ".join(doc.split("\n\n", 1)[0].split())
+    return first.rstrip(":.").strip()
 
 
 def task_help() -> str:
@@ -41,8 +61,7 @@ def task_help() -> str:
     def summary(name: str) -> str:
         if name in TASK_SUMMARIES:
             return TASK_SUMMARIES[name]
-        doc = " ".join((getattr(TASKS[name], "__doc__", None) or "").split())
-        return doc.split(". ")[0].rstrip(".") or "registered with dfpo_trl.tasks.register_task"
+        return docstring_summary(TASKS[name]) or "registered with dfpo_trl.tasks.register_task"
 
     listed = "; ".join(f"'{name}' ({summary(name)})" for name in TASKS)
     return (
@@ -78,8 +97,13 @@ class DFPOParser(TrlParser):
     show the default of the field they turn off, and whose bad values raise :class:`RecipeError` (one line) instead
     of printing argparse's usage."""
 
+    # argparse takes "-3e-5" for an option (its pattern knows only -3 and -0.5): every number is a value here.
+    NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE_NUMBER  # no flag of ours looks like a number
+        self.recipe: str | None = None  # the recipe being parsed (parse_args sets it), for its unknown fields' lines
         self._align_negated_flags()
         # The dataclasses' defaults, before a recipe replaces them (set_defaults_with_config): for error messages.
         self.field_defaults = {a.dest: a.default for a in self._actions if self.primary_action(a.dest) is a}
@@ -118,7 +142,7 @@ class DFPOParser(TrlParser):
         return sorted({a.dest for a in self._actions if a.dest not in ("help", "config")})
 
     def unknown_message(self, keys: Sequence[str], where: str) -> str:
-        return unknown_message(keys, self.field_names(), where)
+        return unknown_message(keys, self.field_names(), where, self.recipe if where == "the recipe" else None)
 
     def parse_args_into_dataclasses(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
         """Import the plugin modules (the flag's, else the recipe's) first: the dataclasses' checks read what they
@@ -165,6 +189,15 @@ def field_origin(parser: DFPOParser, name: str, args: Sequence[str], recipe: str
                                  args, recipe)
 
 
+def numeric_kind(action: argparse.Action) -> str | None:
+    """``"float"`` or ``"int"`` for a field that takes one number (TRL wraps the type of an optional one to accept
+    ``none``, keeping the inner type's name), else None."""
+    name = getattr(action.type, "__name__", None)
+    if name in ("float", "int") and action.nargs is None and not action.choices:
+        return name
+    return None
+
+
 def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence[str], recipe: str | None) -> str:
     """argparse's bad value ("argument --learning_rate/--learning-rate: invalid float value: 'abc'") as one line
     naming where the value was set (flag or recipe line) and what the field takes."""
@@ -176,13 +209,28 @@ def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence
     example = "" if default is None else f", e.g. {default!r} (its default)"
     if action.choices:
         takes = f"one of {', '.join(repr(c) for c in action.choices)}"
-    elif action.type in (float, int):
-        takes = f"{'a number' if action.type is float else 'an integer'}{example}"
+    elif numeric_kind(action) is not None:
+        takes = f"{'a number' if numeric_kind(action) == 'float' else 'an integer'}{example}"
     elif isinstance(default, bool):
         takes = "true or false"
     else:
         takes = f"a value{example}"
     return f"{field_origin(parser, name, args, recipe)}: {exc.message.rstrip('.')}; {name} takes {takes}."
+
+
+def _said_with_origins(args: Sequence[str], message: str) -> str:
+    """A refusal of the dataclasses' checks as the fast value checks say it (naming where each value was set, in
+    DFPO's words for TRL's whole-groups rule); when those checks find nothing (a rule they leave to the full parse,
+    e.g. DFPO's own fields'), as the dataclass said it, headed by where the fields it names were set."""
+    from .fields import build_field_table
+
+    table = build_field_table(make_parser())
+    try:
+        precheck(args, table)
+    except RecipeError as exc:
+        return str(exc)
+    line = read_command_line(args, table)
+    return with_origins(message, table["options"], line.given, line.origin)
 
 
 def parse_args(
@@ -198,6 +246,9 @@ def parse_args(
     args = imply_save_strategy(parser, recipe_argv(sys.argv[1:] if argv is None else argv))
     recipe = args[args.index("--config") + 1] if "--config" in args else None
     flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
+    if recipe is not None:
+        read_recipe(recipe)  # empty, or not a mapping: one line naming the file, as the fast path says it
+    parser.recipe = recipe
     try:
         *parsed, rest = parser.parse_args_and_config(args, return_remaining_strings=True)
     except RecipeError:
@@ -207,7 +258,7 @@ def parse_args(
     except argparse.ArgumentError as exc:
         raise RecipeError(_value_error(parser, exc, flags, recipe)) from None
     except ValueError as exc:  # a field's own validation (DFPOConfig, GRPOConfig, TrainingArguments)
-        raise RecipeError(str(exc)) from exc
+        raise RecipeError(_said_with_origins(args, str(exc))) from exc
     if rest:
         flags = [r for r in rest if r.startswith("--")]
         names = [f[2:].split("=", 1)[0].replace("-", "_") for f in flags] or list(rest)

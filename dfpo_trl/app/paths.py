@@ -6,6 +6,7 @@ Each bad path is a one-line :class:`RecipeError` naming where it was set, what i
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -13,7 +14,10 @@ from pathlib import Path
 
 from .args import RecipeError
 
-__all__ = ["CHECKPOINT_WEIGHTS", "check_output_dir", "latest_checkpoint", "resolve_resume_checkpoint"]
+__all__ = [
+    "CHECKPOINT_WEIGHTS", "check_output_dir", "latest_checkpoint", "resolve_resume_checkpoint", "shown_path",
+    "too_long",
+]
 
 # What transformers' Trainer.train(resume_from_checkpoint=...) reads back (Trainer._load_from_checkpoint, and
 # deepspeed_load_checkpoint under DeepSpeed): one of these weight files, or FSDP's or DeepSpeed's own layout.
@@ -31,9 +35,59 @@ CHECKPOINT_HELP = (
 )
 
 
+def shown_path(path: str, limit: int = 80) -> str:
+    """``path`` quoted for a one-line message: a long one as its head and tail with its length."""
+    if len(path) <= limit:
+        return repr(path)
+    return f"{path[:40]!r}...{path[-24:]!r} ({len(path)} characters)"
+
+
+def too_long(path: str) -> str | None:
+    """Why the file system cannot take ``path`` (a folder name over its NAME_MAX, or the whole path over its
+    PATH_MAX: ``OSError: File name too long`` on any use), or None when it can."""
+    anchor = next((p for p in (os.getcwd(), "/") if os.path.isdir(p)), "/")
+    try:
+        name_max = os.pathconf(anchor, "PC_NAME_MAX")
+        path_max = os.pathconf(anchor, "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):  # no pathconf (Windows): the common Linux limits
+        name_max, path_max = 255, 4096
+    longest = max(Path(path).parts, key=len, default="")
+    if len(longest.encode()) > name_max:
+        return (f"a folder name in it has {len(longest.encode())} bytes ({longest[:20]!r}...), over the file "
+                f"system's limit of {name_max}")
+    if len(os.path.abspath(path).encode()) >= path_max:
+        return f"it has {len(os.path.abspath(path).encode())} bytes, over the file system's limit of {path_max - 1}"
+    return None
+
+
+def _refuse_long_path(field: str, path: str, origin: str, example: str) -> None:
+    """A path the file system cannot take, refused before anything stats it (a traceback otherwise)."""
+    reason = too_long(path)
+    if reason is not None:
+        raise RecipeError(f"{origin}: {field} {shown_path(path)} is too long: {reason}; give a shorter path, e.g. "
+                          f"{example}")
+
+
+def _stat_error(field: str, path: str, origin: str, exc: OSError) -> RecipeError:
+    """Any other OSError of looking at ``path`` (ENAMETOOLONG on a file system with other limits, ELOOP, EACCES)."""
+    if exc.errno == errno.ENAMETOOLONG:
+        return RecipeError(f"{origin}: {field} {shown_path(path)} is too long for the file system "
+                           f"({exc.strerror}); give a shorter path")
+    return RecipeError(f"{origin}: {field} {shown_path(path)} cannot be read ({exc.strerror or type(exc).__name__});"
+                       " give a path you can reach")
+
+
 def check_output_dir(path: str, origin: str) -> None:
     """``output_dir`` must be a directory this process can create or write. Probed by creating (and removing) a
     scratch folder in it or in its nearest existing parent: permission bits say nothing for root, nor for /proc."""
+    _refuse_long_path("output_dir", path, origin, "--output_dir outputs/run1")
+    try:
+        _check_output_dir(path, origin)
+    except OSError as exc:
+        raise _stat_error("output_dir", path, origin, exc) from None
+
+
+def _check_output_dir(path: str, origin: str) -> None:
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise RecipeError(
@@ -94,7 +148,11 @@ def resolve_resume_checkpoint(value: str | None, output_dir: str | None, origin:
                 f"{output_dir!r}, and there is none; {CHECKPOINT_HELP}"
             )
         value = found
-    problem = _checkpoint_problem(Path(value))
+    _refuse_long_path("resume_from_checkpoint", value, origin, "outputs/run1/checkpoint-8")
+    try:
+        problem = _checkpoint_problem(Path(value))
+    except OSError as exc:
+        raise _stat_error("resume_from_checkpoint", value, origin, exc) from None
     if problem is not None:
         raise RecipeError(f"{origin}: resume_from_checkpoint {value!r} is not a checkpoint ({problem}); "
                           f"{CHECKPOINT_HELP}")

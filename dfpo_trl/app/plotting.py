@@ -172,19 +172,32 @@ def _is_sparse(steps: Sequence[float], run_steps: Sequence[float]) -> bool:
     return len(steps) < len(inside)
 
 
+def measured_at(steps: Sequence[float], run_steps: Sequence[float]) -> str:
+    """"3 of 16 steps" for a metric logged at some optimizer steps only: out of the steps the run trained (>= 1),
+    since a run's log also holds a step-0 row (the held-out accuracy before training), which is no optimizer step;
+    a metric that has a step-0 value too says so."""
+    trained = [s for s in run_steps if s >= 1]
+    at = [s for s in steps if s >= 1]
+    before = " and before training" if len(at) < len(steps) else ""
+    return f"{len(at)} of {len(trained)} steps{before}"
+
+
 def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, History], styles: Sequence[str]) -> None:
     from matplotlib.ticker import MaxNLocator
 
     floored = any(k in LOG_FLOOR_KEYS for k in keys)
     below_floor: list[str] = []  # runs whose every value is float rounding: said, not drawn
     drawn = False
-    all_steps = sorted({s for history in runs.values() for s in _run_steps(history)})
+    # The panel spans the run's optimizer steps (a log's step-0 row, the accuracy before training, is none), and
+    # step 0 too when this panel draws a value there.
+    all_steps = {s for history in runs.values() for s in _run_steps(history) if s >= 1}
     for run_index, (run, history) in enumerate(runs.items()):
         run_steps = _run_steps(history)
         for key_index, key in enumerate(_keys_to_draw(history, keys)):
             steps, values = curve(history, key)
             if not steps:
                 continue
+            all_steps.update(steps)
             label = " ".join(p for p in (run, key.split("/")[-1] if len(keys) > 1 else "") if p)
             color = f"C{run_index}"
             if tuple(keys) == REWARD_KEYS:
@@ -201,7 +214,7 @@ def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, His
             drawn = True
             sparse = _is_sparse(steps, run_steps)
             if sparse:
-                label = f"{label + ', ' if label else ''}{len(steps)} of {len(run_steps)} steps"
+                label = f"{label + ', ' if label else ''}{measured_at(steps, run_steps)}"
             ax.plot(
                 steps,
                 values,
@@ -230,7 +243,7 @@ def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, His
     if any(k in UNIT_RANGE_KEYS for k in keys):
         ax.set_ylim(-0.02, 1.02)
     if all_steps:
-        ax.set_xlim(all_steps[0] - 0.5, all_steps[-1] + 0.5)  # every panel spans the run: gaps show as gaps
+        ax.set_xlim(min(all_steps) - 0.5, max(all_steps) + 0.5)  # every panel spans the run: gaps show as gaps
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also in a 4-step run
     ax.set_title(name, fontsize=10)
     ax.set_xlabel("optimizer step", fontsize=8)

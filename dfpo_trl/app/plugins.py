@@ -66,8 +66,9 @@ def requested_plugins(argv: Sequence[str]) -> list[str]:
     return as_module_list(data.get("plugins")) if isinstance(data, dict) else []
 
 
-def import_plugins(modules: Sequence[str]) -> None:
-    """Import each module once (Python caches them); a module that fails is a one-line :class:`RecipeError`."""
+def import_plugins(modules: Sequence[str], origin: str = "plugins") -> None:
+    """Import each module once (Python caches them); a module that fails is a one-line :class:`RecipeError` naming
+    ``origin`` (where the plugins were named: the flag, or the recipe's line)."""
     if modules and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     for name in modules:
@@ -75,8 +76,11 @@ def import_plugins(modules: Sequence[str]) -> None:
             importlib.import_module(name)
         except ImportError as exc:
             raise RecipeError(
-                f"plugins: cannot import {name!r} ({exc}); a plugin is a module on PYTHONPATH or in the working "
+                f"{origin}: cannot import {name!r} ({exc}); a plugin is a module on PYTHONPATH or in the working "
                 "directory, named as in an import statement (my_pkg.transforms, not my_pkg/transforms.py)"
             ) from None
         except Exception as exc:  # the plugin's own code failed (e.g. register_transform refused a transform)
-            raise RecipeError(f"plugins: importing {name!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise RecipeError(
+                f"{origin}: importing {name!r} failed: {type(exc).__name__}: {exc}; fix the module or drop "
+                "it from plugins"
+            ) from exc

@@ -19,17 +19,20 @@ from typing import Any
 
 from .args import RecipeError
 from .paths import check_output_dir, resolve_resume_checkpoint
+from .plugins import as_module_list, flag_plugins, import_plugins
+from .values import VALUE_FIELDS, check_values
 
 __all__ = [
-    "PRECHECKED_FIELDS", "RENAMED_FIELDS", "check_max_steps", "field_origin", "library_versions", "precheck",
-    "read_field_table", "recipe_argv", "stored_field_table", "unknown_message", "yaml_error",
+    "PRECHECKED_FIELDS", "RENAMED_FIELDS", "CommandLine", "check_max_steps", "field_origin", "library_versions",
+    "precheck", "read_command_line", "read_field_table", "read_recipe", "recipe_argv", "recipe_line",
+    "stored_field_table", "unknown_message", "yaml_error",
 ]  # fmt: skip
 
 #: The stored field table: package data (pyproject.toml), written by ``python -m dfpo_trl.app.fields``.
 TABLE_FILE = Path(__file__).with_name("field_table.json")
 
 # The fields whose values precheck reads (their defaults are in the field table).
-PRECHECKED_FIELDS = ("max_steps", "output_dir", "resume_from_checkpoint")
+PRECHECKED_FIELDS = ("max_steps", "output_dir", "resume_from_checkpoint", *VALUE_FIELDS)
 
 # Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.
 RENAMED_FIELDS = {
@@ -104,16 +107,46 @@ def yaml_error(recipe: str, exc: Any) -> RecipeError:
     return RecipeError(f"recipe {recipe!r} is not valid YAML{where}: {problem}; {fix}.")
 
 
-def unknown_message(keys: Sequence[str], names: Sequence[str], where: str) -> str:
-    """Unknown field names, each with the nearest known ones (or where a renamed field went)."""
+def read_recipe(recipe: str) -> dict[str, Any]:
+    """The recipe's fields (its ``env:`` mapping left out). One that is not YAML, is empty, or is not a mapping of
+    fields is a one-line :class:`RecipeError` naming the file (and for YAML, the line) and the fix."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(recipe).read_text())
+    except yaml.YAMLError as exc:
+        raise yaml_error(recipe, exc) from None
+    example = "one 'field: value' per line, e.g. 'max_steps: 10' (recipes/smollm2_cpu.yaml is a complete one)"
+    if loaded is None:
+        raise RecipeError(f"recipe {recipe!r} is empty (or only comments): a recipe is {example}.")
+    if not isinstance(loaded, dict):
+        raise RecipeError(f"recipe {recipe!r} is a YAML {type(loaded).__name__}, not a mapping of fields: a recipe is "
+                          f"{example}.")
+    return {k: v for k, v in loaded.items() if k != "env"}
+
+
+def recipe_line(recipe: str, name: str) -> int | None:
+    """The line of ``recipe`` that sets ``name`` (the first ``name:`` at the start of a line), or None."""
+    for number, line in enumerate(Path(recipe).read_text().splitlines(), start=1):
+        if ":" in line and line.split(":", 1)[0].strip() == name and not line.startswith((" ", "\t", "#")):
+            return number
+    return None
+
+
+def unknown_message(keys: Sequence[str], names: Sequence[str], where: str, recipe: str | None = None) -> str:
+    """Unknown field names, each with the nearest known ones (or where a renamed field went); with ``recipe``, the
+    file and each name's line."""
     lines = []
     for key in keys:
+        line = recipe_line(recipe, key) if recipe is not None else None
+        head = f"{key!r}" + (f" (line {line})" if line is not None else "")
         if key in RENAMED_FIELDS:
-            lines.append(f"{key!r}: use {RENAMED_FIELDS[key]}")
+            lines.append(f"{head}: use {RENAMED_FIELDS[key]}")
             continue
         close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
         hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "no similar field"
-        lines.append(f"{key!r}: {hint}")
+        lines.append(f"{head}: {hint}")
+    where = f"recipe {recipe!r}" if recipe is not None else where
     return (
         f"{where} sets {len(keys)} unknown field(s): "
         + "; ".join(lines)
@@ -127,10 +160,9 @@ def field_origin(name: str, flags: Sequence[str], args: Sequence[str], recipe: s
     line, or its default."""
     if any(arg in flags or arg.split("=", 1)[0] in flags for arg in args):
         return f"--{name} on the command line"
-    if recipe is not None:
-        for number, line in enumerate(Path(recipe).read_text().splitlines(), start=1):
-            if line.split(":", 1)[0].strip() == name and ":" in line:
-                return f"{name} in {recipe}, line {number}"
+    line = recipe_line(recipe, name) if recipe is not None else None
+    if line is not None:
+        return f"{name} in {recipe}, line {line}"
     return f"{name} (its default)"
 
 
@@ -146,54 +178,78 @@ def check_max_steps(value: int, origin: str) -> None:
         )
 
 
-def _flag_value(args: Sequence[str], flags: Sequence[str]) -> str | None:
-    """The value the last of ``flags`` on the command line gives (``--f value`` or ``--f=value``), else None."""
-    value = None
+def _flag_value(args: Sequence[str], flags: Sequence[str]) -> str | bool | None:
+    """The value the last of ``flags`` on the command line gives (``--f value`` or ``--f=value``; a bare ``--f``
+    True, a bare ``--no_f`` False), else None."""
+    value: str | bool | None = None
     for i, arg in enumerate(args):
         if arg in flags and i + 1 < len(args) and not args[i + 1].startswith("--"):
             value = args[i + 1]
+        elif arg in flags:
+            value = not arg.replace("-", "_").startswith("__no_")
         elif "=" in arg and arg.split("=", 1)[0] in flags:
             value = arg.split("=", 1)[1]
     return value
 
 
-def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> None:
-    """Check the recipe, the field names and the paths of ``argv`` against ``table`` (default: the stored field
-    table; without one for the installed libraries, only what needs no field list); a problem is a one-line
-    :class:`RecipeError`, as the full parse would give it."""
-    import yaml
+class CommandLine:
+    """A command line read against a field table: each field's value as the user set it (the flag, else the
+    recipe) or its default, where it was set, and whether the user set it."""
 
+    def __init__(self, args: Sequence[str], recipe: str | None, settings: dict[str, Any], table: Mapping[str, Any]):
+        self.recipe, self.settings, self.table = recipe, settings, table
+        self.options: Mapping[str, list[str]] = table["options"]
+        self.flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
+
+    def flagged(self, name: str) -> str | bool | None:
+        """The command line's value of ``name``; a bare flag of a numeric field is left to the full parse."""
+        given = flag_plugins(self.flags) if name == "plugins" else _flag_value(self.flags, self.options[name])
+        return None if isinstance(given, bool) and name in self.table.get("numeric", {}) else given
+
+    def value(self, name: str) -> Any:
+        given = self.flagged(name)
+        if given is not None:
+            return given
+        return self.settings[name] if name in self.settings else self.table["defaults"].get(name)
+
+    def origin(self, name: str) -> str:
+        return field_origin(name, self.options[name], self.flags, self.recipe)
+
+    def given(self, name: str) -> bool:
+        return name in self.settings or self.flagged(name) is not None
+
+
+def read_command_line(argv: Sequence[str], table: Mapping[str, Any]) -> CommandLine:
+    """``argv`` read against ``table``: the recipe (it exists, it is a YAML mapping) and every field name in it and
+    on the command line known, else a one-line :class:`RecipeError`."""
+    options: Mapping[str, list[str]] = table["options"]
+    args = recipe_argv(argv)
+    recipe = args[args.index("--config") + 1] if "--config" in args else None
+    settings: dict[str, Any] = {}
+    if recipe is not None:
+        settings = read_recipe(recipe)
+        unknown = [str(k) for k in settings if k not in options]
+        if unknown:
+            raise RecipeError(unknown_message(unknown, sorted(options), "the recipe", recipe))
+    line = CommandLine(args, recipe, settings, table)
+    known_flags = {flag for names in options.values() for flag in names}
+    unknown = [a.split("=", 1)[0] for a in line.flags if a.startswith("--") and a.split("=", 1)[0] not in known_flags]
+    if unknown:
+        names = [f[2:].replace("-", "_") for f in unknown]
+        raise RecipeError(unknown_message(names, sorted(options), "the command line"))
+    return line
+
+
+def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> None:
+    """Check the recipe, the field names, the paths and the values of ``argv`` against ``table`` (default: the
+    stored field table; without one for the installed libraries, only what needs no field list), importing the
+    plugins first; a problem is a one-line :class:`RecipeError`, as the full parse would give it."""
     table = table if table is not None else stored_field_table()
     if table is None:
         recipe_argv(argv)
         return
-    options: Mapping[str, list[str]] = table["options"]
-    args = recipe_argv(argv)
-    recipe = args[args.index("--config") + 1] if "--config" in args else None
-    flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
-    settings: dict[str, Any] = {}
-    if recipe is not None:
-        try:
-            loaded = yaml.safe_load(Path(recipe).read_text())
-        except yaml.YAMLError as exc:
-            raise yaml_error(recipe, exc) from None
-        settings = {k: v for k, v in loaded.items() if k != "env"} if isinstance(loaded, dict) else {}
-        unknown = [str(k) for k in settings if k not in options]
-        if unknown:
-            raise RecipeError(unknown_message(unknown, sorted(options), "the recipe"))
-    known_flags = {flag for names in options.values() for flag in names}
-    unknown = [a.split("=", 1)[0] for a in flags if a.startswith("--") and a.split("=", 1)[0] not in known_flags]
-    if unknown:
-        names = [f[2:].replace("-", "_") for f in unknown]
-        raise RecipeError(unknown_message(names, sorted(options), "the command line"))
-
-    def value(name: str) -> Any:
-        given = _flag_value(flags, options[name])
-        return given if given is not None else settings.get(name, table["defaults"][name])
-
-    def origin(name: str) -> str:
-        return field_origin(name, options[name], flags, recipe)
-
+    line = read_command_line(argv, table)
+    value, origin = line.value, line.origin
     try:
         max_steps = int(value("max_steps"))
     except (TypeError, ValueError):  # not an integer: the full parse says what the field takes
@@ -207,3 +263,5 @@ def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> Non
     if resume is not None and (output_dir is not None or str(resume).strip().lower() != "true"):
         # (`true` without an output_dir reads transformers' default folder: left to the full parse)
         resolve_resume_checkpoint(str(resume), output_dir, origin("resume_from_checkpoint"))
+    import_plugins(as_module_list(value("plugins")), origin("plugins"))  # what they register is checked next
+    check_values(value, origin, line.given, table)

@@ -9,7 +9,7 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +33,28 @@ from .evaluation import HeldoutAccuracyCallback
 from .model import model_init_kwargs, resolve_model
 from .outputs import PREVIOUS_RUN_DIR, save_model, set_aside_previous_outputs, write_outputs
 from .parser import parse_args
+from .precheck import field_origin, recipe_argv
 from .progress import close_progress_bar, use_dfpo_progress_bar
 from .signals import signal_name
 
 __all__ = ["default_process_group", "parse_and_run", "run"]
 
 
-def run(script_args: DFPOScriptArguments, training_args: DFPOConfig, model_args: ModelConfig) -> dict[str, Any]:
-    """Train as described, write the summary (and the PNG) to ``output_dir``; returns the summary."""
+def run(
+    script_args: DFPOScriptArguments,
+    training_args: DFPOConfig,
+    model_args: ModelConfig,
+    origin: Callable[[str], str] | None = None,
+) -> dict[str, Any]:
+    """Train as described, write the summary (and the PNG) to ``output_dir``; returns the summary. ``origin`` says
+    where a field was set (the flag, or the recipe's line), for the refusals only the data can show."""
     start = time.monotonic()
     # The task, its rewards and data first: a mistake there is refused before the model is looked at or converted.
-    task = build_task(script_args)
-    reward_funcs = build_rewards(script_args, task, model_args.model_revision)
-    train, heldout = build_datasets(script_args, task, training_args.seed)
+    task = build_task(script_args, origin)
+    reward_funcs = build_rewards(script_args, task, model_args.model_revision, origin)
+    train, heldout = build_datasets(script_args, task, training_args.seed, origin)
     check_reward_model_templates(reward_funcs, train, model_args.model_revision)
-    drift_problems = build_drift_problems(script_args, task, training_args.seed)
+    drift_problems = build_drift_problems(script_args, task, training_args.seed, origin)
     if drift_problems is not None:
         # The correctness reward also logs which form each fully correct sampled completion takes.
         reward_funcs[0] = FormShareReward(reward_funcs[0], task)
@@ -169,4 +176,12 @@ def default_process_group() -> Any:
 def parse_and_run(argv: Sequence[str]) -> dict[str, Any]:
     """Parse ``argv`` (recipe and flags; a bad input raises RecipeError) and run it; returns the summary."""
     script_args, training_args, model_args = parse_args(argv)
-    return run(script_args, training_args, model_args)
+    return run(script_args, training_args, model_args, command_line_origin(argv))
+
+
+def command_line_origin(argv: Sequence[str]) -> Callable[[str], str]:
+    """Where each field of ``argv`` was set: ``--name`` on the command line, or the recipe's file and line."""
+    args = recipe_argv(argv)
+    recipe = args[args.index("--config") + 1] if "--config" in args else None
+    flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
+    return lambda name: field_origin(name, [f"--{name}", f"--{name.replace('_', '-')}"], flags, recipe)

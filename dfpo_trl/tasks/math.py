@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, DatasetDict
@@ -59,6 +60,15 @@ class MathVerifyReward:
         return rewards
 
 
+def _saved_to_disk(path: str) -> bool:
+    """Whether ``path`` is a folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    folder = Path(path)
+    try:
+        return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+    except OSError:  # not a path this file system can take: a hub name, for load_dataset to judge
+        return False
+
+
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -66,7 +76,8 @@ MATH_INSTRUCTION = "Please reason step by step, and put your final answer within
 class MathTask:
     """Problems and answers from any Hugging Face ``datasets`` dataset, graded by math-verify.
 
-    ``dataset`` is a hub name or local path (loaded with ``datasets.load_dataset(dataset, config)``), or
+    ``dataset`` is a hub name or local path (loaded with ``datasets.load_dataset(dataset, config)``; a folder
+    written by ``save_to_disk`` with ``datasets.load_from_disk``), or
     an in-memory ``DatasetDict`` / ``Dataset`` (a bare ``Dataset`` serves only the train split).
     ``split`` and ``test_split`` name the dataset's splits used for training and held-out evaluation.
     The held-out rows are the first ``n`` of ``test_split`` whatever the seed, for comparability.
@@ -91,6 +102,10 @@ class MathTask:
 
     def _load(self, split_name: str) -> Dataset:
         source = self.dataset
+        if isinstance(source, str) and _saved_to_disk(source):
+            import datasets
+
+            source = datasets.load_from_disk(source)  # a folder written by save_to_disk (load_dataset cannot read it)
         if isinstance(source, Dataset):
             if split_name != self.split:
                 raise ValueError(

@@ -11,13 +11,13 @@ closest one.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..rules import unknown_name
 from .base import RewardFunc, Task
 from .safe import SafeReward, safe_reward
 
@@ -89,6 +89,4 @@ def import_object(path: str) -> Any:
 
 
 def _unknown(head: str, name: str, registry: dict[str, Any], path_form: str) -> str:
-    close = difflib.get_close_matches(name, list(registry), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return f"{head}: {sorted(registry)}, or an import path '{path_form}'.{hint}"
+    return unknown_name(head, name, registry, path_form)

@@ -305,7 +305,7 @@ def test_unknown_recipe_key_names_the_nearest_field(tmp_path: Path) -> None:
 
 def test_renamed_key_says_where_it_went(tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, "warmup_ratio: 0.03\nuse_cpu: true\n")
-    with pytest.raises(RecipeError, match=r"'warmup_ratio': use warmup_steps"):
+    with pytest.raises(RecipeError, match=r"recipe '.*recipe.yaml' sets .*'warmup_ratio' \(line 1\): use warmup_steps"):
         parse_args([recipe])
 
 

@@ -51,7 +51,7 @@ def test_other_library_versions_turn_the_fast_path_off(
     with pytest.raises(RecipeError, match="not found"):
         precheck([str(tmp_path / "missing.yaml")])
     assert main([str(recipe)]) == 2  # the full parse refuses it
-    assert "'no_such_field': no similar field" in capsys.readouterr().err
+    assert "'no_such_field' (line 1): no similar field" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
     assert capsys.readouterr().out == short_help(build_field_table(make_parser()))
@@ -132,3 +132,21 @@ def test_help_and_input_errors_import_no_torch(tmp_path: Path, live_table: dict)
     for name, (code, err, _) in results.items():
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and lines[0].startswith("dfpo-train: error: "), (name, err)
+
+
+def test_help_describes_each_task_whole() -> None:
+    """`--help`'s task list: two_forms's description is whole (it was cut at the ". " of its quoted example), and a
+    task registered without a summary is described by its docstring's whole first paragraph."""
+    from dfpo_trl.app.parser import docstring_summary
+
+    help_text = " ".join(short_help(FIELD_TABLE).split())
+    assert "'two_forms' (the same problems answered in either of two sentences the reward treats alike, 'The sum " \
+           "is N.' or 'The answer is N.'" in help_text
+
+    class Quoting:
+        """Answers in a sentence such as: "Compute 3 + 5. The sum is 8." Then stops.
+
+        Details that --help leaves out.
+        """
+
+    assert docstring_summary(Quoting) == 'Answers in a sentence such as: "Compute 3 + 5. The sum is 8." Then stops'

@@ -82,6 +82,31 @@ def test_cache_reuse_stale_tmp_and_rebuild(tmp_path: Path, monkeypatch: pytest.M
     assert sorted(p.name for p in root.iterdir()) == [".lock", "smollm2-135m-instruct"]
 
 
+def test_run_says_converting_only_when_it_converts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first run converts and says so; a later one finds the checkpoint and says nothing of converting."""
+    import logging
+
+    from trl import ModelConfig
+
+    from dfpo_trl.app.model import resolve_model
+
+    gguf = _fake_gguf(tmp_path, monkeypatch)
+    monkeypatch.setattr(embedded, "_convert", _fake_convert)
+    root = tmp_path / "cache"
+    said = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dfpo_trl"):
+            resolve_model(ModelConfig(), cache_dir=str(root))
+        said.append(next(r.getMessage() for r in caplog.records if "model_name_or_path" in r.getMessage()))
+    assert "converting it once" in said[0], said
+    assert "converting" not in said[1] and "using the embedded" in said[1], said
+    gguf.write_bytes(b"GGUF, a newer package")  # a stale checkpoint is converted again, and said so
+    assert not embedded.embedded_model_converted(root)
+
+
 def test_default_cache_root_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_gguf(tmp_path, monkeypatch)
     monkeypatch.setattr(embedded, "_convert", _fake_convert)

@@ -63,6 +63,21 @@ def test_figure_shows_accuracy_reward_ema_and_readable_residuals() -> None:
     assert READING_GUIDE in [t.get_text() for t in plot_metrics(full).texts]
 
 
+def test_sparse_label_counts_optimizer_steps_not_the_step_0_row() -> None:
+    """A run's log holds a step-0 row (the held-out accuracy before training) and repeats its last step (the train
+    summary): a metric measured at 3 of 12 optimizer steps is "3 of 12 steps", not "3 of 13"."""
+    rows = [{"heldout/accuracy_before_training": 0.48, "heldout/problems": 100, "step": 0}, *history(),
+            {"train_runtime": 300.0, "step": 12}]  # fmt: skip
+    shared = next(ax for title, ax in axes_by_title(plot_metrics(rows)).items() if title.startswith("shared-prefix"))
+    assert [line.get_label() for line in shared.get_lines()] == ["3 of 12 steps"]
+    assert shared.get_xlim() == pytest.approx((0.5, 12.5))  # the optimizer steps: no empty step 0
+    rows[0]["cancellation/shared_prefix_residual"] = 0.5  # also measured before training
+    axes = axes_by_title(plot_metrics(rows))
+    shared = next(ax for title, ax in axes.items() if title.startswith("shared-prefix"))
+    assert [line.get_label() for line in shared.get_lines()] == ["3 of 12 steps and before training"]
+    assert shared.get_xlim() == pytest.approx((-0.5, 12.5)) and axes["entropy"].get_xlim() == pytest.approx((0.5, 12.5))
+
+
 def test_residual_above_the_floor_is_drawn_beside_a_run_at_the_floor() -> None:
     """GSPO's orthogonality residual grows off-policy (drawn, its zeros at the floor); DFPO's stays float rounding
     (a legend entry saying so)."""

@@ -1,0 +1,187 @@
+"""The checks of a command line's values that need no model and no torch: types, the rules of TRL's fields that DFPO
+relies on, the objective's options against TRL's loss settings, whole groups per rollout, and the task's name.
+
+Run by :func:`.precheck.precheck` from the stored field table, before ``dfpo-train`` imports torch, transformers
+and TRL, so that ``--epsilon -0.1`` costs a second, not ten; and by :func:`.parser.parse_args` when the full parse
+refuses a value, so that both say the same thing. Every message names where each value it blames was set: the flag,
+or the recipe's file and line. Standard library only (plus :mod:`dfpo_trl.rules`, :mod:`dfpo_trl.trl_field_rules`,
+:mod:`dfpo_trl.method` and :mod:`dfpo_trl.config_combinations`, none of which imports torch).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+from ..config_combinations import check_sequence_options
+from ..rules import unknown_name
+from ..trl_field_rules import TRL_FIELD_RULES
+from .args import RecipeError
+
+__all__ = ["VALUE_FIELDS", "check_values", "coerce", "launched_processes", "whole_groups_problem", "with_origins"]
+
+# The fields whose defaults the value checks read (kept in the field table; see .fields).
+SEQUENCE_FIELDS = (
+    "group_transform", "transform_gradient", "transform_stop_gradient", "symmetric_clip", "importance_sampling_level",
+    "loss_type", "token_weighting", "log_energy_buckets",
+)  # fmt: skip
+BATCH_FIELDS = (
+    "per_device_train_batch_size", "steps_per_generation", "gradient_accumulation_steps", "generation_batch_size",
+    "num_generations",
+)  # fmt: skip
+VALUE_FIELDS = (*SEQUENCE_FIELDS, *BATCH_FIELDS, "task", "plugins")
+
+Value = Callable[[str], Any]  # a field's value as the user set it (flag, recipe) or its default
+Origin = Callable[[str], str]  # where a field's value came from, for a message
+Given = Callable[[str], bool]  # whether the user set the field (flag or recipe)
+
+_TRUE, _FALSE = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")  # transformers' string_to_bool
+
+
+def coerce(value: Any, kind: str, optional: bool = False) -> Any:
+    """A recipe's or flag's value as the parser types it (``"float"``, ``"int"``, ``"bool"``; ``optional``: ``none``
+    and ``null`` unset it, as TRL's parser reads them): YAML scalars go through the flag's type as text, as
+    :meth:`.parser.DFPOParser.set_defaults_with_config` makes them. Raises ValueError with argparse's words when the
+    text is not of that type, TypeError for a list or a mapping."""
+    if value is None or (optional and str(value).lower() in ("none", "null")):
+        return None
+    if isinstance(value, (list, tuple, dict)):
+        raise TypeError(type(value).__name__)
+    if kind == "bool":
+        text = str(value).lower()
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+        raise ValueError(f"invalid bool value: {str(value)!r}")
+    try:
+        return float(str(value)) if kind == "float" else int(str(value))
+    except ValueError:
+        raise ValueError(f"invalid {kind} value: {str(value)!r}") from None
+
+
+def _takes(name: str, kind: str, table: Mapping[str, Any]) -> str:
+    """What a numeric field takes, as the full parse's type error says it (with its default as the example)."""
+    default = table["numeric"][name][1]
+    example = "" if default is None else f", e.g. {default!r} (its default)"
+    return f"{'a number' if kind == 'float' else 'an integer'}{example}"
+
+
+def _typed(name: str, value: Value, origin: Origin, table: Mapping[str, Any]) -> Any:
+    """The value of a numeric field, typed; a value that is not a number is refused naming where it was set."""
+    kind, _, optional = table["numeric"][name]
+    try:
+        return coerce(value(name), kind, optional)
+    except TypeError as exc:
+        raise RecipeError(
+            f"{origin(name)}: {name} is a {exc} ({value(name)!r}); {name} takes {_takes(name, kind, table)}."
+        ) from None
+    except ValueError as exc:
+        raise RecipeError(f"{origin(name)}: {exc}; {name} takes {_takes(name, kind, table)}.") from None
+
+
+def _named(message: str, names: Iterable[str]) -> list[str]:
+    """The field names ``message`` mentions as whole words, in the order it mentions them."""
+    found = {n: m.start() for n in names if (m := re.search(rf"(?<!\w){re.escape(n)}(?!\w)", message))}
+    return sorted(found, key=found.get)
+
+
+def _blamed(message: str, names: Iterable[str], given: Given, origin: Origin) -> str:
+    """The origins of the fields a message names that the user set ("--x on the command line and y in r.yaml,
+    line 3"), or of all it names when the user set none of them."""
+    named = _named(message, names)
+    chosen = [n for n in named if given(n)] or named
+    return " and ".join(origin(n) for n in chosen)
+
+
+def with_origins(message: str, names: Iterable[str], given: Given, origin: Origin) -> str:
+    """``message`` (a dataclass's refusal, which knows fields but not where they were set) headed by the origins of
+    the fields it names that the user set, in the order it names them; as it is when it names none of them."""
+    chosen = [n for n in _named(message, names) if given(n)]
+    return f"{' and '.join(origin(n) for n in chosen)}: {message}" if chosen else message
+
+
+def whole_groups_problem(values: Mapping[str, Any], processes: int) -> str | None:
+    """TRL's rule that a rollout (``generation_batch_size``, here computed as TRL does from the per-device batch,
+    the processes and ``steps_per_generation``) holds whole groups of ``num_generations``, said with the fields a
+    user sets and the nearest values that fix it; None when it holds or TRL computes it otherwise."""
+    batch, generations = values["per_device_train_batch_size"], values["num_generations"]
+    steps = values["steps_per_generation"] or values["gradient_accumulation_steps"]
+    if values["generation_batch_size"] is not None or not all(
+        isinstance(v, int) and v >= 1 for v in (batch, generations, steps)
+    ):
+        return None
+    rollout = batch * processes * steps
+    if rollout % generations == 0:
+        return None
+    step = generations // math.gcd(generations, processes * steps)  # per_device_train_batch_size must be a multiple
+    lower, upper = (batch // step) * step, (batch // step + 1) * step
+    batches = " or ".join(str(b) for b in (lower, upper) if b >= 1)
+    divisors = [d for d in range(2, rollout + 1) if rollout % d == 0]
+    near = sorted(divisors, key=lambda d: (abs(d - generations), d))[:2]
+    alternative = f", or num_generations to a divisor of {rollout} (e.g. {' or '.join(map(str, sorted(near)))})"
+    which = "steps_per_generation" if values["steps_per_generation"] else "gradient_accumulation_steps"
+    return (
+        f"a rollout of per_device_train_batch_size {batch} x {processes} process{'es' if processes > 1 else ''} x "
+        f"{which} {steps} = "
+        f"{rollout} completions does not hold whole groups of num_generations {generations} (TRL: "
+        f"generation_batch_size must be divisible by num_generations); set per_device_train_batch_size to a "
+        f"multiple of {step} (e.g. {batches}){alternative if near else ''}"
+    )
+
+
+def launched_processes() -> int | None:
+    """The processes this run is one of: ``WORLD_SIZE`` (set by accelerate launch, torchrun, deepspeed), else 1; None
+    when another launcher (Slurm, MPI) started several processes without it: then TRL counts them, not this."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    others = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    return None if any(os.environ.get(name, "1") not in ("", "1") for name in others) else 1
+
+
+def _known(module: str, registry: str, stored: list[str]) -> set[str]:
+    """The registered names: the live registry when a plugin already imported it, else the stored table's."""
+    if module in sys.modules:
+        return set(getattr(sys.modules[module], registry))
+    return set(stored)
+
+
+def check_values(value: Value, origin: Origin, given: Given, table: Mapping[str, Any]) -> None:
+    """Every value check that needs no model, in the full parse's order: the types of the numeric fields the user
+    set, the rules of TRL's fields, the objective's options, whole groups per rollout, the task's name. The first
+    problem raises a one-line :class:`RecipeError` naming the fields and where they were set."""
+    numeric = {name: _typed(name, value, origin, table) for name in table["numeric"] if given(name)}
+    found = [f"{origin(rule.field)}: {problem}" for rule in TRL_FIELD_RULES
+             if rule.field in numeric and (problem := rule.problem(SimpleNamespace(**numeric))) is not None]
+    if found:
+        raise RecipeError("invalid value(s): " + " | ".join(found) + ".")
+
+    def typed(name: str) -> Any:
+        if name in numeric:
+            return numeric[name]
+        if isinstance(table["defaults"][name], bool):
+            return coerce(value(name), "bool")
+        return value(name) if name not in table["numeric"] else coerce(value(name), *table["numeric"][name][::2])
+
+    try:
+        options = SimpleNamespace(**{name: typed(name) for name in SEQUENCE_FIELDS})
+        batch = {name: typed(name) for name in BATCH_FIELDS}
+    except (TypeError, ValueError):  # a value of the wrong type: the full parse says what the field takes
+        return
+    if options.group_transform in _known("dfpo_trl.objectives.transforms", "TRANSFORMS", table["transforms"]):
+        try:
+            check_sequence_options(options)
+        except ValueError as exc:
+            raise RecipeError(f"{_blamed(str(exc), SEQUENCE_FIELDS, given, origin)}: {exc}") from None
+    processes = launched_processes()
+    problem = None if processes is None else whole_groups_problem(batch, processes)
+    if problem is not None:
+        raise RecipeError(f"{_blamed(problem, BATCH_FIELDS, given, origin)}: {problem}.")
+    task = value("task")
+    tasks = _known("dfpo_trl.tasks", "TASKS", table["tasks"])
+    if isinstance(task, str) and task not in tasks and ":" not in task and "." not in task:
+        raise RecipeError(f"{origin('task')}: " + unknown_name(f"unknown task {task!r}; known tasks", task, tasks,
+                                                               "module:factory"))
