@@ -281,14 +281,16 @@ def labels_installed(labels: list[Label]) -> Iterator[None]:
             setattr(label.owner, label.attribute, original)
 
 
-def _kernels_under(event: Any, labelled: set[int]) -> tuple[int, float]:
-    """(count, µs) of the device kernels ``event`` and its descendants launched, stopping at deeper labels."""
-    count = len(event.kernels)
-    micros = sum(k.duration for k in event.kernels)
+def _kernels_under(event: Any, labelled: set[int], names: set[str]) -> tuple[int, float]:
+    """(count, µs) of the device kernels ``event`` and its descendants launched, stopping at deeper labels. The
+    device-side span kineto records for a label itself (``gpu_user_annotation``, named as the label) is no kernel."""
+    kernels = [k for k in event.kernels if k.name not in names]
+    count = len(kernels)
+    micros = sum(k.duration for k in kernels)
     for child in event.cpu_children:
         if id(child) in labelled:
             continue
-        c, us = _kernels_under(child, labelled)
+        c, us = _kernels_under(child, labelled, names)
         count, micros = count + c, micros + us
     return count, micros
 
@@ -308,20 +310,20 @@ def attribute_labels(events: list[Any], dfpo_labels: set[str], all_labels: set[s
         stack: list[tuple[Any, dict[str, float]]] = []
         for e in thread_events:
             while stack and stack[-1][0].time_range.end <= e.time_range.start:
-                _close(stack.pop(), stack, stats, dfpo_labels, labelled)
+                _close(stack.pop(), stack, stats, dfpo_labels, labelled, all_labels)
             stack.append((e, {"children_us": 0.0, "dfpo_nested_us": 0.0}))
         while stack:
-            _close(stack.pop(), stack, stats, dfpo_labels, labelled)
+            _close(stack.pop(), stack, stats, dfpo_labels, labelled, all_labels)
     return stats
 
 
 def _close(item: tuple[Any, dict[str, float]], stack: list[tuple[Any, dict[str, float]]],
-           stats: dict[str, dict[str, float]], dfpo_labels: set[str], labelled: set[int]) -> None:
+           stats: dict[str, dict[str, float]], dfpo_labels: set[str], labelled: set[int], names: set[str]) -> None:
     event, acc = item
     inclusive = event.time_range.end - event.time_range.start
     own = max(inclusive - acc["children_us"], 0.0)
     nested_dfpo = acc["dfpo_nested_us"] + (own if event.name in dfpo_labels else 0.0)
-    kernels, kernel_us = _kernels_under(event, labelled)
+    kernels, kernel_us = _kernels_under(event, labelled, names)
     entry = stats.setdefault(event.name, {"calls": 0, "cpu_inclusive_us": 0.0, "cpu_self_us": 0.0, "kernels": 0,
                                           "kernel_us": 0.0, "dfpo_nested_us": 0.0})
     entry["calls"] += 1
