@@ -19,10 +19,12 @@ do not generate are measured.
    ``--profile-cycles`` rollouts' non-generating micro-steps per method. Per label and micro-step: calls, inclusive
    CPU ms, self CPU ms (the time no deeper label covers), and the CUDA kernels (count, ms) launched under it and
    under no deeper label. DFPO's added time is the sum of the DFPO labels' self times; "TRL's own _compute_loss
-   minus DFPO's parts" is ``trl._compute_loss``'s inclusive time minus the DFPO self time nested in it.
+   minus DFPO's parts" is ``trl._compute_loss``'s inclusive time minus the DFPO self time nested in it. ``torch_ops``:
+   the torch operators called while a label is the innermost one (each a kernel launch or more on the GPU).
 3. Host syncs per micro-step, at logging steps and at steps that do not log: every host read of a tensor
-   (``item``, ``tolist``, ``float``/``int``/``bool``) made by dfpo_trl code, and on CUDA every synchronising CUDA
-   call (``torch.cuda.set_sync_debug_mode``) whose Python stack passes through dfpo_trl, with the source line.
+   (``item``, ``tolist``, ``float``/``int``/``bool``) and every tensor made from host data on a named device
+   (``torch.tensor(x, device=...)``, a blocking copy on CUDA) by dfpo_trl code, and on CUDA every synchronising
+   CUDA call (``torch.cuda.set_sync_debug_mode``), by the source line that made it (dfpo_trl's counted apart).
 
     # on the GPU machine (under 4 minutes on an H100)
     python benchmarks/microstep_profile.py --model /root/models/smollm2-135m-instruct --out-dir $OUT
@@ -65,6 +67,7 @@ METHOD_NAMES = (BASELINE, "dfpo_off", "min_replace", "min_replace_nometrics")
 RECIPE_SHAPE = {"batch": 32, "group_size": 8, "steps_per_generation": 4, "completion_length": 32}
 CPU_SHAPE = {"batch": 4, "group_size": 2, "steps_per_generation": 2, "completion_length": 4}
 HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+HOST_COPIES = ("tensor", "as_tensor")  # host data made into a tensor on a named device: a blocking copy on CUDA
 
 
 # ------------------------------------------------------------------------------------------------ trainers
@@ -324,9 +327,10 @@ def _close(item: tuple[Any, dict[str, float]], stack: list[tuple[Any, dict[str, 
     own = max(inclusive - acc["children_us"], 0.0)
     nested_dfpo = acc["dfpo_nested_us"] + (own if event.name in dfpo_labels else 0.0)
     kernels, kernel_us = _kernels_under(event, labelled, names)
-    entry = stats.setdefault(event.name, {"calls": 0, "cpu_inclusive_us": 0.0, "cpu_self_us": 0.0, "kernels": 0,
-                                          "kernel_us": 0.0, "dfpo_nested_us": 0.0})
+    entry = stats.setdefault(event.name, {"calls": 0, "cpu_inclusive_us": 0.0, "cpu_self_us": 0.0, "ops": 0,
+                                          "kernels": 0, "kernel_us": 0.0, "dfpo_nested_us": 0.0})
     entry["calls"] += 1
+    entry["ops"] += sum(1 for child in event.cpu_children if id(child) not in labelled)
     entry["cpu_inclusive_us"] += inclusive
     entry["cpu_self_us"] += own
     entry["kernels"] += kernels
@@ -370,7 +374,8 @@ def profile_methods(runners: dict[str, Runner], args: argparse.Namespace) -> dic
             table = {
                 label: {
                     "calls": e["calls"] / steps, "cpu_ms": e["cpu_inclusive_us"] / steps / 1e3,
-                    "cpu_self_ms": e["cpu_self_us"] / steps / 1e3, "cuda_kernels": e["kernels"] / steps,
+                    "cpu_self_ms": e["cpu_self_us"] / steps / 1e3, "torch_ops": e["ops"] / steps,
+                    "cuda_kernels": e["kernels"] / steps,
                     "cuda_ms": e["kernel_us"] / steps / 1e3, "dfpo": label in dfpo_labels,
                 }
                 for label, e in sorted(totals.items())
@@ -380,6 +385,7 @@ def profile_methods(runners: dict[str, Runner], args: argparse.Namespace) -> dic
                 "micro_steps": steps,
                 "wall_ms": 1e3 * wall / steps,  # training_step + log, with the profiler on
                 "dfpo_self_cpu_ms": sum(v["cpu_self_ms"] for v in table.values() if v["dfpo"]),
+                "dfpo_self_torch_ops": sum(v["torch_ops"] for v in table.values() if v["dfpo"]),
                 "dfpo_self_cuda_kernels": sum(v["cuda_kernels"] for v in table.values() if v["dfpo"]),
                 "dfpo_self_cuda_ms": sum(v["cuda_ms"] for v in table.values() if v["dfpo"]),
                 "trl_compute_loss_minus_dfpo_cpu_ms": None if compute is None else
@@ -409,6 +415,21 @@ def host_syncs_from_dfpo(cuda: bool) -> Iterator[list[str]]:
 
         return read
 
+    factories = {name: getattr(torch, name) for name in HOST_COPIES}
+
+    def copying(name: str) -> Callable[..., Any]:
+        original = factories[name]
+
+        def make(data: Any, *a: Any, **k: Any) -> Any:
+            caller = sys._getframe(1)
+            if (k.get("device") is not None and not isinstance(data, torch.Tensor)
+                    and caller.f_code.co_filename.startswith(PACKAGE)):
+                seen.append(f"{_short(caller.f_code.co_filename)}:{caller.f_lineno} host data to device "
+                            f"(torch.{name}: a blocking copy on CUDA)")
+            return original(data, *a, **k)
+
+        return make
+
     def on_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None):
         if "synchroniz" not in str(message):
             return
@@ -419,6 +440,8 @@ def host_syncs_from_dfpo(cuda: bool) -> Iterator[list[str]]:
 
     for name in HOST_READS:
         setattr(torch.Tensor, name, recording(name))
+    for name in HOST_COPIES:
+        setattr(torch, name, copying(name))
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = on_warning
@@ -431,6 +454,8 @@ def host_syncs_from_dfpo(cuda: bool) -> Iterator[list[str]]:
                 torch.cuda.set_sync_debug_mode(0)
             for name, original in originals.items():
                 setattr(torch.Tensor, name, original)
+            for name, original in factories.items():
+                setattr(torch, name, original)
 
 
 TORCH_DIR = str(pathlib.Path(torch.__file__).resolve().parent)
