@@ -175,7 +175,7 @@ class MetricStore:
                 for value in values:
                     if isinstance(value, Tensor):
                         tensors, slots = by_dtype.setdefault(value.dtype, ([], []))
-                        tensors.append(value.reshape(()).to(device, non_blocking=True))
+                        tensors.append(_scalar_on(value, device))
                         slots.append(slot)
                     else:
                         host_values.append(value)
@@ -270,6 +270,14 @@ class MetricStore:
                 trl_metrics[name].extend(value)
             else:
                 trl_metrics[name].append(value)
+
+
+def _scalar_on(value: Tensor, device: torch.device | str) -> Tensor:
+    """A 0-dim entry as a 0-dim tensor on ``device``, with no operator call when it already is one there (the flush
+    runs at every logging step: each call is host time)."""
+    if value.dim() != 0:
+        value = value.reshape(())
+    return value if value.device == torch.device(device) else value.to(device, non_blocking=True)
 
 
 def _numel(value: Tensor | float) -> int:
