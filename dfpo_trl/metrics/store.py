@@ -165,8 +165,14 @@ class MetricStore:
                 continue
             if kind in EXTREMES:  # an entry without a count must not move the extreme
                 sign = 1.0 if kind == "min" else -1.0  # a maximum is kept as the minimum of the negated values
-                # every entry at once (host counts copied without waiting for the device): min and an integer
-                # count's sum are exact, so this equals the entry-by-entry reduction bit for bit
+                # every entry at once: min and an integer count's sum are exact, so this equals the entry-by-entry
+                # reduction bit for bit
+                if not any(isinstance(count, Tensor) for count in pending.counts):  # host counts: filter here
+                    kept = [t for t, count in zip(pending.totals, pending.counts, strict=True) if count > 0]
+                    if kept:
+                        minima[row] = (sign * _stack(kept, device)).amin()
+                    sums[2 * row + 1] = math.fsum(pending.counts)
+                    continue
                 totals, counts = _stack(pending.totals, device), _stack(pending.counts, device)
                 minima[row] = torch.where(counts > 0, sign * totals, torch.inf).amin()
                 sums[2 * row + 1] = counts.sum()
