@@ -1,7 +1,7 @@
 """No host syncs on DFPO's loss path, and no silent sanitising.
 
-A host read of a device tensor (``.item()``, ``.tolist()``, ``float(t)``, ``int(t)``, ``bool(t)``), or a tensor
-built from host data on the device (``torch.tensor(x, device=...)``, a blocking copy), makes the host wait for the
+A host read of a device tensor (``.item()``, ``.tolist()``, ``float(t)``, ``int(t)``, ``bool(t)``), and a tensor
+made from host data on the device (``torch.tensor(x, device=...)``: a blocking copy), makes the host wait for the
 device; per micro-step it stalls the pipeline, inside a backward hook it stalls DDP's overlapped
 backward. DFPO keeps its metrics as device tensors until a logging step. Checked here by recording every such
 read whose caller is DFPO code during the loss and backward of buffered training micro-batches.
@@ -25,13 +25,29 @@ from dfpo_trl import DFPOConfig, DFPOTrainer
 pytestmark = pytest.mark.usefixtures("one_thread")
 PACKAGE = str(Path(dfpo_trl.__file__).parent)
 HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+HOST_COPIES = ("tensor", "as_tensor")
 
 
 @contextmanager
 def host_reads_from_dfpo() -> Iterator[list[str]]:
-    """Record `file:line method` of every host read of a tensor made directly by dfpo_trl code."""
+    """Record `file:line method` of every host read of a tensor made directly by dfpo_trl code, and of every tensor
+    made from host data on a named device (`torch.tensor(x, device=...)`): on CUDA that copy waits for the device
+    too, though on the CPU it reads nothing."""
     seen: list[str] = []
     originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    factories = {name: getattr(torch, name) for name in HOST_COPIES}
+
+    def copying(name: str):
+        original = factories[name]
+
+        def make(data: Any, *args: Any, **kwargs: Any):
+            caller = sys._getframe(1)
+            if (kwargs.get("device") is not None and not isinstance(data, torch.Tensor)
+                    and caller.f_code.co_filename.startswith(PACKAGE)):
+                seen.append(f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno} {name}")
+            return original(data, *args, **kwargs)
+
+        return make
 
     def recording(name: str):
         original = originals[name]
@@ -44,24 +60,17 @@ def host_reads_from_dfpo() -> Iterator[list[str]]:
 
         return read
 
-    build = torch.tensor
-
-    def copying(*args: Any, **kwargs: Any) -> torch.Tensor:
-        """``torch.tensor(data, device=...)`` copies host data to the device: on a GPU the host waits for it."""
-        caller = sys._getframe(1)
-        if kwargs.get("device") is not None and caller.f_code.co_filename.startswith(PACKAGE):
-            seen.append(f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno} torch.tensor(device=...)")
-        return build(*args, **kwargs)
-
     for name in HOST_READS:
         setattr(torch.Tensor, name, recording(name))
-    torch.tensor = copying
+    for name in HOST_COPIES:
+        setattr(torch, name, copying(name))
     try:
         yield seen
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
-        torch.tensor = build
+        for name, original in factories.items():
+            setattr(torch, name, original)
 
 
 def rollout(trainer: DFPOTrainer, rows: int) -> dict[str, Any]:

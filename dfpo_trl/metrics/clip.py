@@ -101,8 +101,7 @@ def clip_fraction_terms(clipped: ClippedRatios, mask: Tensor) -> ClipFractionTer
     region = (clipped.low | clipped.high).float()
     if low.size(1) == 1:  # sequence level
         sums = [x.sum() for x in (low, high, region)]
-        # a fill on the device, not a host-to-device copy (torch.tensor(x, device=cuda) waits for the copy)
-        count = torch.full((), float(low.size(0)), device=low.device)
+        count = torch.full((), float(low.size(0)), device=low.device)  # filled there: no blocking host copy
         row_low, row_high = low.squeeze(1), high.squeeze(1)
     else:
         sums = [(x * mask).sum() for x in (low, high, region)]

@@ -163,19 +163,25 @@ class MetricStore:
             pending = entries.get(name)
             if pending is None:
                 continue
-            if kind in EXTREMES:  # rare (one per micro-step): an entry without a count must not move the extreme
+            if kind in EXTREMES:  # an entry without a count must not move the extreme
                 sign = 1.0 if kind == "min" else -1.0  # a maximum is kept as the minimum of the negated values
-                for total, count in zip(pending.totals, pending.counts, strict=True):
-                    count_t = torch.as_tensor(count, dtype=torch.float64, device=device)
-                    candidate = torch.where(count_t > 0, sign * total.to(device, torch.float64), torch.inf)
-                    minima[row] = torch.minimum(minima[row], candidate.reshape(()))
-                    sums[2 * row + 1] += count_t
+                # every entry at once: min and an integer count's sum are exact, so this equals the entry-by-entry
+                # reduction bit for bit
+                if not any(isinstance(count, Tensor) for count in pending.counts):  # host counts: filter here
+                    kept = [t for t, count in zip(pending.totals, pending.counts, strict=True) if count > 0]
+                    if kept:
+                        minima[row] = (sign * _stack(kept, device)).amin()
+                    sums[2 * row + 1] = math.fsum(pending.counts)
+                    continue
+                totals, counts = _stack(pending.totals, device), _stack(pending.counts, device)
+                minima[row] = torch.where(counts > 0, sign * totals, torch.inf).amin()
+                sums[2 * row + 1] = counts.sum()
                 continue
             for slot, values in ((2 * row, pending.totals), (2 * row + 1, pending.counts)):
                 for value in values:
                     if isinstance(value, Tensor):
                         tensors, slots = by_dtype.setdefault(value.dtype, ([], []))
-                        tensors.append(value.reshape(()).to(device))
+                        tensors.append(_scalar_on(value, device))
                         slots.append(slot)
                     else:
                         host_values.append(value)
@@ -270,6 +276,14 @@ class MetricStore:
                 trl_metrics[name].extend(value)
             else:
                 trl_metrics[name].append(value)
+
+
+def _scalar_on(value: Tensor, device: torch.device | str) -> Tensor:
+    """A 0-dim entry as a 0-dim tensor on ``device``, with no operator call when it already is one there (the flush
+    runs at every logging step: each call is host time)."""
+    if value.dim() != 0:
+        value = value.reshape(())
+    return value if value.device == torch.device(device) else value.to(device, non_blocking=True)
 
 
 def _numel(value: Tensor | float) -> int:
