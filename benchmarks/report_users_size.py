@@ -124,7 +124,7 @@ def profile_rows(profile: dict[str, Any]) -> list[str]:
     rows = []
     for method, t in profile["timing"]["methods"].items():
         step, p = t["training_step"], profile["profile"].get(method, {})
-        syncs = profile["host_syncs"].get(method, {})
+        syncs = profile.get("host_syncs", {}).get(method, {})
         quiet, logging = syncs.get("non_logging_steps", {}), syncs.get("logging_steps", {})
         ratio = "baseline" if "ratio_to_trl" not in step else (
             f"{step['ratio_to_trl']:.3f} [{step['ratio_interval_95'][0]:.3f}, {step['ratio_interval_95'][1]:.3f}]")
@@ -135,19 +135,22 @@ def profile_rows(profile: dict[str, Any]) -> list[str]:
     return rows
 
 
-def profile_lines(profile: dict[str, Any] | None, after: dict[str, Any] | None) -> list[str]:
-    if not profile:
-        return []
+def profile_lines(gpu: dict[str, Any] | None, cpu_before: dict[str, Any] | None,
+                  cpu_after: dict[str, Any] | None) -> list[str]:
     header = ["| method | micro-step (ms) | ÷ TRL [95%] | DFPO's own CPU time (ms) | DFPO's kernels | host syncs on "
               "the loss path per micro-step (non-logging step) | host syncs per logging step |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines = ["", f"**One micro-step, profiled** (`benchmarks/microstep_profile.py`, {profile['card']}, "
-             f"{profile['model']} in bf16, `{profile['command']}`; {profile['timing']['rounds_done']} interleaved "
-             "rounds): a non-generating micro-step (loss and backward) of each method, then a profile with DFPO's "
-             "parts labelled; host synchronisations counted with CUDA's sync debug mode.", "", *header,
-             *profile_rows(profile)]
-    if after:
-        lines += ["", f"After the changes ({after['card']}, `{after['command']}`):", "", *header, *profile_rows(after)]
+    lines: list[str] = []
+    if gpu:
+        lines += ["", f"**One micro-step, profiled** (`benchmarks/microstep_profile.py`, {gpu['card']}, {gpu['model']} "
+                  f"in bf16, `{gpu['command']}`; {gpu['timing']['rounds_done']} interleaved rounds), before the "
+                  "change below: a non-generating micro-step (loss and backward) of each method, then a profile with "
+                  "DFPO's parts labelled; host synchronisations counted with CUDA's sync debug mode.", "", *header,
+                  *profile_rows(gpu)]
+    for title, run in (("before", cpu_before), ("after", cpu_after)):
+        if run:
+            lines += ["", f"On the CPU, {title} the change ({run['card']}, {run['model']}, `{run['command']}`; no "
+                      "device time was left for the GPU rerun):", "", *header, *profile_rows(run)]
     return lines
 
 
@@ -275,8 +278,9 @@ def users_size_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathli
     ratios, split = ratio_figure(runs, fig_dir, out), split_figure(runs, fig_dir, out)
     lines += [f"![ratios]({ratios})" if ratios else "", "", f"![time split]({split})" if split else "", ""]
     lines += ["What this shows and what it does not:", "", *findings(runs), ""]
-    lines += profile_lines(load(folder / "microstep_profile_before.json"),
-                           load(folder / "microstep_profile_after.json"))
+    profiles = results / "microstep_profile"
+    lines += profile_lines(*(load(profiles / f"microstep_profile_{n}.json") for n in ("gpu_before", "cpu_before",
+                                                                                      "cpu_after")))
     lines += prepass_rows_lines(load(results / "prepass_rows.json"))
     lines += memory_lines(load(results / "users_size" / "memory_model.json"))
     return [*lines, ""]
