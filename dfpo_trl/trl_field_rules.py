@@ -72,6 +72,6 @@ TRL_FIELD_RULES: tuple[FieldRule, ...] = (
     _numeric("beta", lambda v, _: finite(v) and v >= 0, "must be >= 0 (KL coefficient)", "use 0.0 for no KL"),
     _numeric(
         "learning_rate", lambda v, _: finite(v) and v > 0,
-        "must be > 0", "e.g. 3e-5 as recipes/smollm2_cpu.yaml (the CPU main job) sets it, 1e-6 for large models",
+        "must be > 0", "e.g. 2e-6 as recipes/smollm2_cpu.yaml (the CPU main job) sets it, 1e-6 for large models",
     ),
 )

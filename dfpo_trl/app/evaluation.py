@@ -204,6 +204,8 @@ class HeldoutAccuracyCallback(TrainerCallback):
         accuracy, seconds = self._accuracy(kwargs["model"], kwargs.get("processing_class"))
         self.results["periodic_seconds"] = round(self.results.get("periodic_seconds", 0.0) + seconds, 1)
         self._record(state.global_step, accuracy)
+        if state.is_world_process_zero:  # the curve as it grows, above the progress bar
+            tqdm.write(f"held-out greedy accuracy at step {state.global_step}: {accuracy:.3f} ({seconds:.0f} s)")
         if self.metrics is not None:
             self.metrics.add_mean("train", "heldout/accuracy", torch.tensor(float(accuracy), dtype=torch.float64), 1.0)
 

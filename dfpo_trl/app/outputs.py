@@ -108,13 +108,15 @@ def write_outputs(
     heldout = heldout_cb.results if heldout_cb is not None else {}
     eval_before = float(heldout.get("before_seconds") or 0.0)
     eval_after = float(heldout.get("after_seconds") or 0.0)
+    eval_during = float(heldout.get("periodic_seconds") or 0.0)  # eval_every's measurements along the run
     total = time.monotonic() - start
     finished = datetime.now(UTC)
     time_split = {  # seconds; the held-out evaluations run inside train(), so training excludes them
         "model_conversion": round(times["model"], 1),
         "setup": round(times["setup"], 1),
         "eval_before": round(eval_before, 1),
-        "training": round(times["train_call"] - eval_before - eval_after, 1),
+        "training": round(times["train_call"] - eval_before - eval_during - eval_after, 1),
+        "eval_during": round(eval_during, 1),
         "eval_after": round(eval_after, 1),
         "save_and_plot": round(total - times["model"] - times["setup"] - times["train_call"], 1),
         "total": round(total, 1),
@@ -198,6 +200,16 @@ def _heldout_line(heldout: dict[str, Any]) -> str:
             f"{heldout['n']} fixed problems{where})")
 
 
+def _heldout_curve_line(heldout: dict[str, Any]) -> str | None:
+    """The held-out accuracy at each step it was measured (step 0: before training), when it was measured along
+    the run (``eval_every``) and not only before and after."""
+    curve = heldout.get("curve") or []
+    if len(curve) <= 2:
+        return None
+    points = ", ".join(f"{int(step)}: {_fmt(value, '.2f')}" for step, value in curve)
+    return f"held-out curve (step: acc) {points}"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The human-readable final summary printed at the end of a run."""
     lines = ["", "=" * 72, f"DFPO run summary: {summary['method']} on task {summary['task']!r}", "-" * 72]
@@ -206,6 +218,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     heldout = summary.get("heldout")
     if heldout:
         lines.append(_heldout_line(heldout))
+        curve_line = _heldout_curve_line(heldout)
+        if curve_line:
+            lines.append(curve_line)
     per = "step" if summary.get("reward_curve") == "step_reward" else "rollout"
     lines.append(
         f"training reward, EMA {_fmt(summary.get('reward_ema_alpha'), 'g'):<5}{_fmt(summary.get('reward_ema_first'))} "
@@ -221,8 +236,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     split = summary["time_split"]
     parts = [
         ("model_conversion", "model/conversion"), ("setup", "setup"), ("eval_before", "eval before"),
-        ("training", "training"), ("eval_after", "eval after"), ("save_and_plot", "save+plot"),
+        ("training", "training"), ("eval_during", "eval during"), ("eval_after", "eval after"),
+        ("save_and_plot", "save+plot"),
     ]  # fmt: skip
+    parts = [(key, label) for key, label in parts if key in split and (key != "eval_during" or split[key])]
     lines.append(
         f"wall time                  {_fmt(split['total'], '.0f')} s: "
         + ", ".join(f"{label} {_fmt(split[key], '.0f')}" for key, label in parts)

@@ -13,7 +13,10 @@ from typing import Any
 
 from ..metrics.curves import ema
 
-__all__ = ["DEFAULT_PANELS", "EMA_ALPHA", "READING_GUIDE", "RESIDUAL_FLOOR", "curve", "plot_metrics", "reading_guide"]
+__all__ = [
+    "DEFAULT_PANELS", "EMA_ALPHA", "READING_GUIDE", "RESIDUAL_FLOOR", "curve", "plot_metrics", "reading_guide",
+    "run_style",
+]  # fmt: skip
 
 # One panel per entry: title and the logged keys drawn in it (a panel with no logged key is left out). In a
 # panel whose keys are alternatives (REWARD_KEYS) only the first one a run logged is drawn.
@@ -77,7 +80,56 @@ def _keys_to_draw(history: History, keys: Sequence[str]) -> list[str]:
     return present[:1] if tuple(keys) == REWARD_KEYS else present
 
 
+# Each run's look when several are overlaid: its colour, line style and marker (hollow after the first), so that a
+# run whose values equal another's still shows (a dashed line over a solid one, a hollow square round a dot).
+RUN_STYLES = ("-", "--", ":", "-.")
+RUN_MARKERS = ("o", "s", "^", "D")
+
+
+def run_style(run_index: int) -> dict[str, Any]:
+    """matplotlib keywords that tell run ``run_index`` apart from the others in a panel they share."""
+    marker = RUN_MARKERS[run_index % len(RUN_MARKERS)]
+    hollow = {"markerfacecolor": "none", "markeredgewidth": 1.2} if run_index else {}
+    return {"color": f"C{run_index}", "marker": marker, "markersize": 6 if run_index else 4, **hollow}
+
+
+def _heldout_curve(result: Mapping[str, Any]) -> list[tuple[float, float]]:
+    """A run's held-out accuracy as (step, accuracy) points: the measurements along the run, or before and after."""
+    points = [(float(step), float(value)) for step, value in result.get("curve") or []
+              if isinstance(value, (int, float))]  # fmt: skip
+    return sorted(points)
+
+
 def _accuracy_panel(ax: Any, heldout: Mapping[str, Mapping[str, Any]]) -> None:
+    """Held-out greedy accuracy: a curve over the optimizer steps when some run measured it along the way
+    (``eval_every``), else grouped bars before and after training, one pair per run."""
+    if any(len(_heldout_curve(result)) > 2 for result in heldout.values()):
+        _accuracy_curves(ax, heldout)
+    else:
+        _accuracy_bars(ax, heldout)
+    n = next((r.get("n") for r in heldout.values() if r.get("n")), None)
+    ax.set_ylim(0, 1.08)
+    ax.set_title(f"held-out greedy accuracy{f' ({n} problems)' if n else ''}", fontsize=10)
+
+
+def _accuracy_curves(ax: Any, heldout: Mapping[str, Mapping[str, Any]]) -> None:
+    """One line per run through its measurements (step 0: before training); its legend entry gives the first and
+    the last value."""
+    from matplotlib.ticker import MaxNLocator
+
+    for run_index, (run, result) in enumerate(heldout.items()):
+        points = _heldout_curve(result)
+        if not points:
+            continue
+        steps, values = [s for s, _ in points], [v for _, v in points]
+        label = f"{run + ' ' if run else ''}{values[0]:.2f} -> {values[-1]:.2f}"
+        ax.plot(steps, values, linestyle=RUN_STYLES[run_index % len(RUN_STYLES)], label=label,
+                **run_style(run_index))  # fmt: skip
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step (0: before training)", fontsize=8)
+
+
+def _accuracy_bars(ax: Any, heldout: Mapping[str, Mapping[str, Any]]) -> None:
     """Grouped bars of held-out greedy accuracy before and after training, one pair per run. A resumed run whose
     checkpoint held no accuracy before training shows the one at the resume step instead, labelled so."""
     width = 0.8 / max(len(heldout), 1)
@@ -91,10 +143,7 @@ def _accuracy_panel(ax: Any, heldout: Mapping[str, Mapping[str, Any]]) -> None:
         ax.bar([x for x, _ in drawn], [v for _, v in drawn], width=width, color=f"C{run_index}", label=run or None)
         for x, v in drawn:
             ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=8)
-    n = next((r.get("n") for r in heldout.values() if r.get("n")), None)
     ax.set_xticks([0, 1], [first, "after training"])
-    ax.set_ylim(0, 1.08)
-    ax.set_title(f"held-out greedy accuracy{f' ({n} problems)' if n else ''}", fontsize=10)
 
 
 def plot_metrics(
@@ -107,8 +156,11 @@ def plot_metrics(
 ) -> Any:
     """Plot one run's log history, or several (``{"GSPO": history, "DFPO": history}``) overlaid per panel.
 
-    ``heldout`` adds a first panel with held-out accuracy before/after: one run's ``{"before", "after", "n"}``
-    (the main job's ``HeldoutAccuracyCallback.results``) or ``{run name: that}``. The reward is drawn per logged
+    ``heldout`` adds a first panel with held-out accuracy: one run's ``{"before", "after", "n", "curve"}`` (the main
+    job's ``HeldoutAccuracyCallback.results``) or ``{run name: that}``, drawn as a curve over the steps when a run
+    measured it along the way (``curve`` of ``[step, accuracy]`` with more than two points), else as bars before
+    and after. Several runs get each its colour, line style and marker (hollow after the first), so that equal
+    values do not hide a run. The reward is drawn per logged
     point with its EMA (α = 0.3, eq. 19); the orthogonality residual on a log axis floored at
     :data:`RESIDUAL_FLOOR` (a run whose every value is below it is said in the panel, not drawn as a flat line);
     the shared-prefix residual on its [0, 1] range; a metric logged at only some of the run's steps as dots at
@@ -131,12 +183,11 @@ def plot_metrics(
     fig = Figure(figsize=(5.0 * columns, 2.8 * rows + 0.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
-    styles = ("-", "--", ":", "-.")
     for ax, (name, keys) in zip(axes, used, strict=False):
         if keys == ["heldout"]:
             _accuracy_panel(ax, heldout)  # type: ignore[arg-type]
         else:
-            _draw_curves(ax, name, keys, runs, styles)
+            _draw_curves(ax, name, keys, runs)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -182,7 +233,7 @@ def measured_at(steps: Sequence[float], run_steps: Sequence[float]) -> str:
     return f"{len(at)} of {len(trained)} steps{before}"
 
 
-def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, History], styles: Sequence[str]) -> None:
+def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, History]) -> None:
     from matplotlib.ticker import MaxNLocator
 
     floored = any(k in LOG_FLOOR_KEYS for k in keys)
@@ -199,10 +250,13 @@ def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, His
                 continue
             all_steps.update(steps)
             label = " ".join(p for p in (run, key.split("/")[-1] if len(keys) > 1 else "") if p)
-            color = f"C{run_index}"
+            look = run_style(run_index)
+            # a key's line style, shifted per run: two runs' equal values draw a dashed line over a solid one
+            linestyle = RUN_STYLES[(key_index + run_index) % len(RUN_STYLES)]
             if tuple(keys) == REWARD_KEYS:
-                ax.plot(steps, values, linestyle="none", marker="o", markersize=2.5, color=color, alpha=0.45)
-                ax.plot(steps, ema(values, alpha=EMA_ALPHA), color=color, label=f"{run} EMA {EMA_ALPHA}".strip())
+                ax.plot(steps, values, linestyle="none", alpha=0.45, **{**look, "markersize": look["markersize"] - 1})
+                ax.plot(steps, ema(values, alpha=EMA_ALPHA), color=look["color"], linestyle=linestyle,
+                        label=f"{run} EMA {EMA_ALPHA}".strip())  # fmt: skip
                 continue
             if floored and max(values) <= RESIDUAL_FLOOR:
                 # A flat line on the floor says nothing a sentence cannot: the condition holds at every step.
@@ -215,15 +269,9 @@ def _draw_curves(ax: Any, name: str, keys: Sequence[str], runs: Mapping[str, His
             sparse = _is_sparse(steps, run_steps)
             if sparse:
                 label = f"{label + ', ' if label else ''}{measured_at(steps, run_steps)}"
-            ax.plot(
-                steps,
-                values,
-                linestyle="none" if sparse else styles[key_index % len(styles)],
-                color=color,
-                marker="o" if sparse or len(steps) < 30 else None,
-                markersize=4 if sparse else 3,
-                label=label or None,
-            )
+            if not sparse and len(steps) >= 30 and len(runs) == 1:
+                look = {"color": look["color"], "marker": None}  # one run's long line: markers would only clutter
+            ax.plot(steps, values, linestyle="none" if sparse else linestyle, label=label or None, **look)
     if floored:
         if not drawn:  # limits first: a log axis holding only the floor line has no range to scale
             ax.set_ylim(RESIDUAL_FLOOR / 2, RESIDUAL_FLOOR * 100)

@@ -23,6 +23,7 @@ POSTFIX_KEYS = (
     ("entropy", "entropy"),
     ("transform/phi_min", "phi_min"),
     ("cancellation/shared_prefix_residual", "shared_res"),
+    ("heldout/accuracy", "heldout"),  # the latest held-out accuracy, with eval_every
 )
 
 
@@ -131,11 +132,14 @@ class DFPOProgressCallback(ProgressCallback):
                 return original(*args, **kwargs)
             config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
             prompt_length = input_ids.size(-1)
-            max_new = getattr(config, "max_new_tokens", None)
+            # a call's own max_new_tokens (the held-out evaluation passes it) over the generation config's
+            max_new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
             if max_new is None:
                 max_new = max(int(getattr(config, "max_length", 0) or 0) - prompt_length, 0)
             eos = getattr(config, "eos_token_id", None)
             eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+            # greedy decoding is the held-out evaluation (eval_every); TRL's rollout samples
+            self._generation_label = "held-out evaluation" if kwargs.get("do_sample") is False else "generating"
             counter = GenerationProgress(self.show_generation, prompt_length, max_new, eos_ids)
             processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
             processors.append(counter)
@@ -156,7 +160,8 @@ class DFPOProgressCallback(ProgressCallback):
         if token > 1 and now - self._last_draw < self.refresh_seconds:
             return
         self._last_draw = now
-        text = f"generating: token {token}/{max_new_tokens}, {done}/{total} completions done"
+        label = getattr(self, "_generation_label", "generating")
+        text = f"{label}: token {token}/{max_new_tokens}, {done}/{total} completions done"
         self.training_bar.set_description_str(text, refresh=True)
 
     def _stop_following_generation(self) -> None:

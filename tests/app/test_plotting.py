@@ -107,3 +107,39 @@ def test_accuracy_panel_names_the_resume_step_when_before_training_is_unknown() 
     fig = plot_metrics(history(), heldout={"n": 4, "before": 0.25, "resumed_at": 6, "after": 0.5})
     labels = [t.get_text() for t in axes_by_title(fig)["held-out greedy accuracy (4 problems)"].get_xticklabels()]
     assert labels == ["before training", "after training"]
+
+
+def test_accuracy_measured_along_the_run_is_a_curve_over_the_steps() -> None:
+    """With eval_every the held-out accuracy panel draws each run's measurements over the steps (step 0: before
+    training), a run per line, each with its own line style and marker."""
+    gspo = {"n": 50, "before": 0.4, "after": 0.7, "curve": [[0, 0.4], [4, 0.5], [8, 0.6], [12, 0.7]]}
+    dfpo = {"n": 50, "before": 0.4, "after": 0.8, "curve": [[0, 0.4], [4, 0.6], [8, 0.7], [12, 0.8]]}
+    fig = plot_metrics({"GSPO": history(), "DFPO": history()}, heldout={"GSPO": gspo, "DFPO": dfpo})
+    accuracy = axes_by_title(fig)["held-out greedy accuracy (50 problems)"]
+    assert not accuracy.patches  # no bars
+    lines = accuracy.get_lines()
+    assert [line.get_label() for line in lines] == ["GSPO 0.40 -> 0.70", "DFPO 0.40 -> 0.80"]
+    for line, result in zip(lines, (gspo, dfpo), strict=True):
+        assert list(line.get_xdata()) == [0, 4, 8, 12]
+        assert list(line.get_ydata()) == [v for _, v in result["curve"]]
+    assert lines[0].get_linestyle() != lines[1].get_linestyle() and lines[0].get_marker() != lines[1].get_marker()
+    # one run's curve, as the main job writes it
+    fig = plot_metrics(history(), heldout=gspo)
+    (line,) = axes_by_title(fig)["held-out greedy accuracy (50 problems)"].get_lines()
+    assert list(line.get_ydata()) == [0.4, 0.5, 0.6, 0.7]
+
+
+def test_two_runs_with_equal_values_stay_visible_in_every_panel() -> None:
+    """Two runs that log the same values (one rollout's steps: the same completions and rewards) draw in every panel
+    with a different line style or marker, the second hollow, so that neither hides the other."""
+    fig = plot_metrics({"GSPO": history(orth_scale=1e-3), "DFPO": history(orth_scale=1e-3)})
+    for title, ax in axes_by_title(fig).items():
+        by_run: dict[str, list] = {"GSPO": [], "DFPO": []}
+        for line in ax.get_lines():
+            run = next((r for r in by_run if line.get_color() == {"GSPO": "C0", "DFPO": "C1"}[r]), None)
+            if run is not None:
+                by_run[run].append((line.get_linestyle(), line.get_marker(), line.get_markerfacecolor()))
+        assert by_run["GSPO"] and by_run["DFPO"], title
+        assert set(by_run["GSPO"]).isdisjoint(by_run["DFPO"]), title
+        marked = [face for _, marker, face in by_run["DFPO"] if marker not in ("None", None, "")]
+        assert marked and all(face == "none" for face in marked), title  # hollow over the first run's filled

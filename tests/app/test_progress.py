@@ -98,3 +98,29 @@ def test_cli_bar_shows_the_rollouts_generation_only(
     assert "generating: token 1/4, 0/8 completions done" in err
     last_frame = err.split("\r")[-1]
     assert "generating" not in last_frame
+
+
+def test_cli_bar_names_the_heldout_evaluation_along_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With eval_every 1 the held-out evaluation after step 1 runs while the bar is open: the bar names it (with the
+    evaluation's own token budget, eval_max_new_tokens 4, and its 4 problems), a line above the bar gives its
+    accuracy, and the bar's postfix then shows it."""
+    from dfpo_trl.app.main import main
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    model = tiny_model()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(textwrap.dedent(RUN).replace("eval_max_new_tokens: 4", "eval_max_new_tokens: 3"))
+    argv = [str(recipe), "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out"),
+            "--eval_every", "1"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "held-out evaluation: token 1/3, 0/4 completions done" in captured.err
+    assert "generating: token 1/4, 0/8 completions done" in captured.err  # the rollout, as before
+    assert "held-out greedy accuracy at step 1: " in captured.out
+    assert "heldout=" in captured.err
