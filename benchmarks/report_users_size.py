@@ -144,7 +144,9 @@ def profile_lines(gpu: dict[str, Any] | None, cpu_before: dict[str, Any] | None,
     if gpu:
         lines += ["", f"**One micro-step, profiled** (`benchmarks/microstep_profile.py`, {gpu['card']}, {gpu['model']} "
                   f"in bf16, `{gpu['command']}`; {gpu['timing']['rounds_done']} interleaved rounds), before the "
-                  "change below: a non-generating micro-step (loss and backward) of each method, then a profile with "
+                  "change below (the script as of e3dc25f, the package as of 75746fb with e49928d's SmolLM2-135M "
+                  "shape; the device's checkout records its base commit as dirty): a non-generating micro-step (loss "
+                  "and backward) of each method, then a profile with "
                   "DFPO's parts labelled; host synchronisations counted with CUDA's sync debug mode.", "", *header,
                   *profile_rows(gpu)]
     for title, run in (("before", cpu_before), ("after", cpu_after)):
