@@ -14,6 +14,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+@pytest.fixture(autouse=True)
+def transformers_logging_restored() -> Iterator[None]:
+    """A benchmark script run in-process (``common.quiet()``) sets transformers' verbosity for the whole process;
+    a later test that reads transformers' warnings must still see them, whatever ran before it."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    yield
+    transformers.logging.set_verbosity(verbosity)
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Tiny matmuls on a shared CPU are many times faster on one thread (and bit-identical run to run).
