@@ -18,9 +18,10 @@ from dfpo_trl import DFPOConfig
 from dfpo_trl.config import HAS_ACTIVATION_CHECKPOINTING
 
 ROOT = Path(__file__).resolve().parents[2]
-# The one inherited field DFPOConfig redeclares, on transformers >= 5.24 only (docs/decisions.md, "TRL features on
-# top"): its default None means "on", TRL's default, without transformers' deprecation warning.
-REDECLARED = {"gradient_checkpointing"} if HAS_ACTIVATION_CHECKPOINTING else set()
+# The one inherited field DFPOConfig redeclares (docs/decisions.md, "TRL features on top"), on every transformers: its
+# help names both spellings; on transformers >= 5.24 its default None means "on", TRL's default, without
+# transformers' deprecation warning, and on older releases its default is TRL's True.
+REDECLARED = {"gradient_checkpointing"}
 
 
 def _default(spec: dataclasses.Field) -> Any:
@@ -47,8 +48,11 @@ def test_no_dfpo_field_shadows_a_grpo_config_field() -> None:
     }
     assert changed == REDECLARED, changed
     assert declared_here - new == REDECLARED  # nothing else of TRL's is redeclared, even identically
-    if REDECLARED:
-        assert DFPOConfig(**base_args()).activation_checkpointing is True  # on, as GRPOConfig's default True
+    config = DFPOConfig(**base_args())
+    if HAS_ACTIVATION_CHECKPOINTING:
+        assert config.activation_checkpointing is True  # on, as GRPOConfig's default True
+    else:
+        assert config.gradient_checkpointing is True
 
 
 ACTIVE = [
