@@ -277,6 +277,19 @@ class IdParityReward:
         return [float(sum(ids) % 2) for ids in completion_ids]
 
 
+def keep_per_sample_order(trainer: Any) -> None:
+    """In the pre-pass layout, keep TRL's per-sample order of each rollout (the layout before DFPO laid groups in
+    consecutive rows): the regrouping is replaced by the whole-group marking alone. For measuring what the order
+    saves; the pre-pass stays exact either way."""
+    layout = trainer.layout
+
+    def per_sample(buffered: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+        layout._mark_whole_groups(buffered)
+        return buffered
+
+    layout.regroup = per_sample
+
+
 BENCHMARK_TASKS = ("arithmetic", "sum_sentence")  # tasks of dfpo_trl.tasks the learning benchmark runs on
 
 

@@ -50,13 +50,7 @@ def count(b: int, G: int, A: int, S: int, seed: int, order: str) -> list[int]:
     trainer = DFPOTrainer(model=model, reward_funcs=last_digit_reward, args=args, train_dataset=addition_dataset(64),
                           processing_class=tiny_tokenizer())
     if order == "per_sample":
-        layout = trainer.layout
-
-        def keep(buffered: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
-            layout._mark_whole_groups(buffered)
-            return buffered
-
-        layout.regroup = keep
+        common.keep_per_sample_order(trainer)
     counts: list[int] = []
     step = trainer.training_step
 

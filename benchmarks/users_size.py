@@ -250,14 +250,8 @@ class Runner:
         if getattr(trainer, "pre_pass", None) is not None:
             forward = trainer.pre_pass.forward
             trainer.pre_pass.forward = lambda ids, *rest: (forwarded.append(ids.size(0)), forward(ids, *rest))[1]
-        if method.endswith("_per_sample"):  # TRL's per-sample order kept in the pre-pass layout
-            layout = trainer.layout
-
-            def per_sample(buffered: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
-                layout._mark_whole_groups(buffered)
-                return buffered
-
-            layout.regroup = per_sample
+        if method.endswith("_per_sample"):
+            common.keep_per_sample_order(trainer)
         if self.args.vllm:
             generation = trainer.vllm_generation
             generation.generate = clock.timed("generation_s", generation.generate)
