@@ -618,13 +618,6 @@ SMOKE_FLAGS = ["--use_vllm", "false", "--use_cpu", "true", "--bf16", "false", "-
 def smoke_model(out: pathlib.Path) -> str:
     """A tiny random model and its tokenizer (tests/tiny.py) saved in ``out/tiny_model``, for the CPU smoke runs."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from tiny import tiny_model, tiny_tokenizer
+    from tiny import save_tiny_chat_model
 
-    model_dir = out / "tiny_model"
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    model = tiny_model()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    return str(model_dir)
+    return str(save_tiny_chat_model(out / "tiny_model"))

@@ -43,7 +43,6 @@ import functools
 import pathlib
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +55,7 @@ from typing import Any
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import provenance  # noqa: E402
 import torch  # noqa: E402
 
 import dfpo_trl  # noqa: E402
@@ -528,18 +528,6 @@ def count_syncs(runners: dict[str, Runner], args: argparse.Namespace) -> dict[st
 
 
 # ------------------------------------------------------------------------------------------------- main
-def git_commit() -> dict[str, Any]:
-    root = pathlib.Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                    capture_output=True, text=True, check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": head, "dirty": dirty}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="pretrained checkpoint (default: --random-config)")
@@ -630,7 +618,8 @@ def main(argv: list[str] | None = None) -> None:
     syncs = count_syncs(runners, args)
     result = {
         "card": common.device_name(args.device), "device": args.device, "versions": common.versions(),
-        **git_commit(), "command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
+        **provenance.checkout_state(common.ROOT),
+        "command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
         "model": pathlib.Path(args.model).name if args.model else f"random-{args.random_config}",
         "shape": {"batch": args.batch, "group_size": args.group_size,
                   "gradient_accumulation_steps": args.gradient_accumulation_steps,

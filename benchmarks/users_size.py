@@ -39,7 +39,6 @@ import os
 import pathlib
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import common  # noqa: E402
+import provenance  # noqa: E402
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -318,13 +318,6 @@ def summarise(rounds: list[dict[str, dict[str, Any]]], methods: list[str]) -> di
     return out
 
 
-def git_commit() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--", "dfpo_trl",
-                                                                          "benchmarks"))}
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3-1.7b")
@@ -362,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = args.tokenizer or common.default_tokenizer_path()
     model_dir = pathlib.Path(args.model_dir or (f"/root/models/random-{args.shape}" if device == "cuda"
                                                 else tempfile.mkdtemp(prefix="users-size-model-")))
-    result: dict[str, Any] = {"card": common.device_name(device), "versions": common.versions(), **git_commit(),
+    result: dict[str, Any] = {"card": common.device_name(device), "versions": common.versions(),
+                              **provenance.checkout_state(ROOT),
                               "command": "python benchmarks/users_size.py " + " ".join(argv or sys.argv[1:]),
                               "shape": args.shape, "lora": args.lora, "methods": args.methods,
                               "config": None, "rounds": []}

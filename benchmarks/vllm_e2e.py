@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import card  # noqa: E402 - the card and package versions every vLLM result records
+from common import card, smoke_model  # noqa: E402 - the card and package versions every vLLM result records
 from common import installed_versions as versions  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "smollm2_gpu_vllm.yaml"
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        args.model = args.model or smoke_model(out.parent / "tiny_model")
+        args.model = args.model or smoke_model(out.parent)  # writes out.parent/tiny_model
         args.parity_steps = 4
         args.parity_overrides = json.dumps({**json.loads(args.parity_overrides), **SMOKE_PARITY})
         args.extra = [*SMOKE_FLAGS, "--max_steps", "4", *args.extra]
@@ -280,19 +280,6 @@ def main(argv: list[str] | None = None) -> None:
 
 SMOKE_PARITY = {"use_vllm": False, "use_cpu": True, "bf16": False, "per_device_train_batch_size": 8,
                 "num_generations": 4, "max_completion_length": 4, "train_size": 32}
-
-
-def smoke_model(path: pathlib.Path) -> str:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny import tiny_model, tiny_tokenizer
-
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    model = tiny_model()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 if __name__ == "__main__":
