@@ -40,6 +40,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "min_replace_score": {**SEQUENCE, "group_transform": "min_replace", "transform_gradient": "score"},
     "min_replace_no_stop_gradient": {**SEQUENCE, "group_transform": "min_replace", "transform_stop_gradient": False},
     "min_replace_pre_pass": {**SEQUENCE, "group_transform": "min_replace", "group_layout": "pre_pass"},
+    # the users'-size ordering: a micro-batch smaller than a group, so the pre-pass lays each process's groups in
+    # consecutive rows (groups/layout.py's seeded group order) and forwards only the step's groups
+    "min_replace_pre_pass_small_batch": {**SEQUENCE, "group_transform": "min_replace", "group_layout": "pre_pass",
+                                         "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+    "min_replace_redistributed": {**SEQUENCE, "group_transform": "min_replace", "group_layout": "redistributed",
+                                  "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
     "grpo_fix": {"symmetric_clip": True},
     "delta": {"token_weighting": "delta"},
     "min_replace_metrics": {**SEQUENCE, "group_transform": "min_replace", "log_mechanism_metrics": True,
