@@ -483,6 +483,8 @@ class Run:
         self.started = 0.0
         self.log: pathlib.Path | None = None
         self.checkout: dict[str, Any] | None = None
+        self.gpu: int | None = None  # the CUDA device it runs on (``--gpus``)
+        self.out_dir: str | None = None  # its stage folder, when one launch runs several (default ``args.out_dir``)
 
     @property
     def name(self) -> str:
@@ -499,7 +501,7 @@ class Run:
 
 
 def start(run: Run, args: argparse.Namespace, index: int) -> None:
-    work = pathlib.Path(args.out_dir)
+    work = pathlib.Path(run.out_dir or args.out_dir)
     output_dir = work / "work" / run.name
     output_dir.mkdir(parents=True, exist_ok=True)
     run.log = work / "logs" / f"{run.name}.a{run.attempts}.log"
@@ -508,7 +510,7 @@ def start(run: Run, args: argparse.Namespace, index: int) -> None:
     env = dict(os.environ, MASTER_PORT=str(port), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
     if args.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = str(args.gpus[index % len(args.gpus)])
+        env["CUDA_VISIBLE_DEVICES"] = str(run.gpu)
     run.attempts += 1
     run.started = time.time()
     run.checkout = checkout_state(ROOT)  # the code this process runs (cwd=ROOT), read as it starts
@@ -520,9 +522,9 @@ def start(run: Run, args: argparse.Namespace, index: int) -> None:
 
 def finish(run: Run, args: argparse.Namespace, code: int) -> dict[str, Any]:
     """The record of a finished run (a failed one keeps its log's tail)."""
-    work = pathlib.Path(args.out_dir)
+    work = pathlib.Path(run.out_dir or args.out_dir)
     key = {"task": run.task, "method": run.method, "seed": run.seed, "card": args.card, "versions": args.versions,
-           "attempts": run.attempts, "wall_s": round(time.time() - run.started, 1), "exit_code": code,
+           "gpu": run.gpu, "attempts": run.attempts, "wall_s": round(time.time() - run.started, 1), "exit_code": code,
            "checkout": run.checkout,
            "settings": {"recipe": str(pathlib.Path(args.recipe).relative_to(ROOT)), "flags": run.flags,
                         "steps": args.steps, "extra": list(args.extra)}}
@@ -539,19 +541,28 @@ def finish(run: Run, args: argparse.Namespace, code: int) -> dict[str, Any]:
 
 
 def launch(args: argparse.Namespace, queue: list[Run], skip_failed: bool = False) -> None:
-    """Run ``queue``, ``args.parallel`` at a time, skipping runs with a complete record in ``args.out_dir``/runs or
-    ``args.skip_done`` (with ``skip_failed``, any record: a crash stays recorded as a crash, not retried); starts no
-    run expected to end after ``args.deadline_s``."""
+    """Run ``queue``, ``args.parallel`` at a time on each GPU of ``args.gpus`` (each new run on the least busy one;
+    without ``--gpus`` ``args.parallel`` at a time in all), skipping runs with a complete record in their folder's
+    ``runs/`` (``run.out_dir``, default ``args.out_dir``) or ``args.skip_done`` (with ``skip_failed``, any record:
+    a crash stays recorded as a crash, not retried); starts no run expected to end after ``args.deadline_s``."""
     args.card, args.versions = card(), installed_versions()
-    done_dir = pathlib.Path(args.out_dir) / "runs"
-    skip = set()
-    for directory in [done_dir, *map(pathlib.Path, args.skip_done)]:
-        for path in [*directory.glob("*.json"), *directory.glob("*.json.gz")]:
-            if skip_failed or read_record(str(path)).get("complete"):
-                skip.add(path.name.split(".json")[0])
-    queue = [r for r in queue if r.name not in skip]
+
+    def recorded(directory: pathlib.Path) -> set[str]:
+        return {path.name.split(".json")[0] for path in [*directory.glob("*.json"), *directory.glob("*.json.gz")]
+                if skip_failed or read_record(str(path)).get("complete")}
+
+    elsewhere = set().union(*(recorded(pathlib.Path(d)) for d in args.skip_done))
+    folders = {run.out_dir or args.out_dir for run in queue}
+    done = {folder: recorded(pathlib.Path(folder) / "runs") | elsewhere for folder in folders}
+    before = len(queue)
+    queue = [r for r in queue if r.name not in done[r.out_dir or args.out_dir]]
+    skipped = before - len(queue)
     began, index, running, starting = time.time(), 0, [], None
-    print(f"{len(queue)} runs to do ({len(skip)} already done), {args.parallel} at a time on {args.card}", flush=True)
+    gpus = list(args.gpus or [])
+    capacity = args.parallel * max(1, len(gpus))
+    where = f"each of GPUs {gpus}" if gpus else "one device"
+    print(f"{len(queue)} runs to do ({skipped} already done), {args.parallel} at a time on {where} ({args.card})",
+          flush=True)
     walls: list[float] = []
     while queue or running:
         for run in list(running):
@@ -576,13 +587,16 @@ def launch(args: argparse.Namespace, queue: list[Run], skip_failed: bool = False
         elapsed = time.time() - began
         expected = statistics.median(walls) if walls else args.expected_run_s
         fits = args.deadline_s is None or elapsed + expected < args.deadline_s
-        if starting is None and queue and len(running) < args.parallel and fits:
+        if starting is None and queue and len(running) < capacity and fits:
             run = queue.pop(0)
+            if gpus:
+                run.gpu = min(gpus, key=lambda g: sum(r.gpu == g for r in running))
             start(run, args, index)
             index += 1
             running.append(run)
             starting = run
-            print(f"[{elapsed:6.0f}s] start {run.name} (attempt {run.attempts})", flush=True)
+            on = f" on GPU {run.gpu}" if gpus else ""
+            print(f"[{elapsed:6.0f}s] start {run.name}{on} (attempt {run.attempts})", flush=True)
         elif queue and not running and not fits:
             print(f"deadline: {len(queue)} runs not started", flush=True)
             break

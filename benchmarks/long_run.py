@@ -247,8 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--checkpoints", nargs="+", type=int, default=list(CHECKPOINTS))
-    p.add_argument("--parallel", type=int, default=10)
-    p.add_argument("--gpus", nargs="*", type=int, default=[], help="CUDA device indices, round-robin (default: all)")
+    p.add_argument("--parallel", type=int, default=10, help="runs at once (on each GPU with --gpus)")
+    p.add_argument("--gpus", nargs="*", type=int, default=[],
+                   help="CUDA devices; each new run goes to the least busy (default: no pinning)")
     p.add_argument("--vllm-memory", type=float, default=0.05, help="vllm_gpu_memory_utilization of each run")
     p.add_argument("--via-accelerate", action="store_true", help="start each run with `accelerate launch`")
     p.add_argument("--start-timeout", type=float, default=240.0, help="s before the next run starts anyway")

@@ -6,6 +6,7 @@
         --parallel 8 --deadline-s 540                  # repeat until nothing is left; writes OUT/pilot_gates.json
     python benchmarks/study_v3.py --stage main --model /root/models/smollm2-135m-instruct --out-dir /tmp/v3 \
         --parallel 8 --deadline-s 540                  # refused unless a design passed every gate
+    bash benchmarks/study_v3_gpu.sh /tmp/v3 MODEL "0 1 2 3"  # unattended: pilot (all designs at once), gates, main
     python benchmarks/study_v3.py --aggregate /tmp/v3   # -> results/study_v3.json, figures/study_v3_<arm>.png
     python benchmarks/study_v3.py --smoke --out-dir /tmp/study-v3-smoke   # CPU: tiny model, 2 steps
 
@@ -208,27 +209,38 @@ def stage_rows(folder: pathlib.Path, design: dict[str, Any]) -> list[dict[str, A
     return rows
 
 
-def launch(args: argparse.Namespace, design: dict[str, Any], folder: pathlib.Path, seeds: list[int],
-           arms: list[str], extra: dict[str, Any] | None = None) -> list[str]:
-    """Run every (arm, seed) of ``folder`` not yet recorded, within what is left of ``args.deadline_s`` since the
-    command began (``args.began``); returns the runs left."""
-    folder.mkdir(parents=True, exist_ok=True)
-    stage_file = folder / "stage.json"
-    before = json.loads(stage_file.read_text()) if stage_file.exists() else {}
-    stage = {"design": design, "arms": arms, "seeds": seeds, "preregistration_sha256": preregistration_sha(),
-             **(extra or {}), "started_at": before.get("started_at", now()),
-             "launches": [*before.get("launches", []), {"at": now(), "checkout": checkout_state(ROOT)}]}
-    stage_file.write_text(json.dumps(stage, indent=1) + "\n")
-    queue = [NamedRun(TASKS[ARMS[a][0]], a, s, arm_flags(a, design)) for s in seeds for a in arms]
-    keep = args.out_dir, args.deadline_s
-    args.out_dir = str(folder)
+def launch(args: argparse.Namespace, stages: list[tuple[dict[str, Any], pathlib.Path, list[int], dict[str, Any]]],
+           arms: list[str]) -> list[str]:
+    """Run every (arm, seed) of each stage ``(design, folder, seeds, extra)`` not yet recorded in its folder, all
+    stages in one queue, seed by seed (so that a stage cut short leaves whole pairs), the on-policy anchor (the
+    longest) first in each, within what is left of ``args.deadline_s`` since the command began (``args.began``);
+    returns the runs left."""
+    queue = []
+    for design, folder, seeds, extra in stages:
+        folder.mkdir(parents=True, exist_ok=True)
+        stage_file = folder / "stage.json"
+        before = json.loads(stage_file.read_text()) if stage_file.exists() else {}
+        stage = {"design": design, "arms": arms, "seeds": seeds, "preregistration_sha256": preregistration_sha(),
+                 **extra, "started_at": before.get("started_at", now()),
+                 "launches": [*before.get("launches", []), {"at": now(), "checkout": checkout_state(ROOT)}]}
+        stage_file.write_text(json.dumps(stage, indent=1) + "\n")
+        for s in seeds:
+            for a in arms:
+                run = NamedRun(TASKS[ARMS[a][0]], a, s, arm_flags(a, design))
+                run.out_dir = str(folder)
+                queue.append(run)
+    queue.sort(key=lambda run: (run.seed, not ARMS[run.method][2]))  # whole seeds first; in each the anchor (longest)
+    keep = args.deadline_s
     if args.deadline_s is not None:
         args.deadline_s = args.deadline_s - (time.time() - args.began)
     if args.deadline_s is None or args.deadline_s > 0:
         common.launch(args, queue, skip_failed=True)  # a crash is recorded as a crash, never rerun
-    args.out_dir, args.deadline_s = keep
-    done = {(r["arm"], r["seed"]) for r in stage_rows(folder, design)}
-    return [f"{a} s{s}" for s in seeds for a in arms if (a, s) not in done]
+    args.deadline_s = keep
+    left = []
+    for design, folder, seeds, _ in stages:
+        done = {(r["arm"], r["seed"]) for r in stage_rows(folder, design)}
+        left += [f"{design['name']} {a} s{s}" for s in seeds for a in arms if (a, s) not in done]
+    return left
 
 
 class NamedRun(common.Run):
@@ -248,9 +260,8 @@ def now() -> str:
 def pilot(args: argparse.Namespace) -> dict[str, Any] | None:
     """Pilot every pre-registered design; once all are recorded, their gates to OUT/pilot_gates.json."""
     check_preregistered(pathlib.Path(args.preregistered))
-    out, left = pathlib.Path(args.out_dir), []
-    for design in designs(args):
-        left += launch(args, design, out / "pilot" / design["name"], args.pilot_seeds, args.arms)
+    out = pathlib.Path(args.out_dir)
+    left = launch(args, [(d, out / "pilot" / d["name"], args.pilot_seeds, {}) for d in designs(args)], args.arms)
     if left:
         print(f"pilot: {len(left)} runs not run yet (run the same command again); gates not written", flush=True)
         return None
@@ -283,9 +294,9 @@ def main_stage(args: argparse.Namespace) -> list[str]:
     n = args.seeds or (entry["paired_primary"] or {}).get("seeds_for_mde") or 10
     seeds = list(range(PREREGISTERED["main_seed_start"], PREREGISTERED["main_seed_start"] + n))
     rule = "--seeds" if args.seeds else "the pilot's paired SD (pre-registered)"
-    left = launch(args, entry["design"], out / "main", seeds, args.arms, {
+    left = launch(args, [(entry["design"], out / "main", seeds, {
         "seeds_rule": rule, "pilot_gates_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        "pilot_gates_written_at": result["written_at"]})
+        "pilot_gates_written_at": result["written_at"]})], args.arms)
     print(f"main: {len(seeds)} seeds per arm, {len(left)} runs left", flush=True)
     return left
 
@@ -413,7 +424,7 @@ def main(argv: list[str] | None = None) -> Any:
     p.add_argument("--seeds", type=int, default=None, help="main seeds per arm (default: from the pilot's paired SD)")
     p.add_argument("--out-dir", default="/tmp/study_v3")
     p.add_argument("--parallel", type=int, default=PREREGISTERED["parallel"])
-    p.add_argument("--gpus", nargs="*", type=int, default=[])
+    p.add_argument("--gpus", nargs="*", type=int, default=[], help="CUDA devices; --parallel runs at once on each")
     p.add_argument("--deadline-s", type=float, default=None)
     p.add_argument("--expected-run-s", type=float, default=300.0)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "study_v3.json"))
