@@ -75,16 +75,36 @@ PREREGISTERED: dict[str, Any] = {
 }
 
 
-def preregistration_sha() -> str:
-    return hashlib.sha256(json.dumps(PREREGISTERED, sort_keys=True).encode()).hexdigest()
+# Round 2, registered after round 1's pilot failed every design's gates (results/study_v3/round1/pilot_gates.json:
+# one-sided share 0.49-0.66 and clipped share 0.35-0.55 among signal rows, above 0.3 in every design) and before any
+# round-2 run: the same gates, arms, steps and analysis; designs with a wider clip and/or a smaller learning rate, so
+# that fewer rows leave the clip range between a rollout and its second step. Same order rule: the main stage runs
+# the first design that passes every gate.
+ROUND_2: dict[str, Any] = {
+    **PREREGISTERED, "round": 2,
+    "designs": [
+        {"name": "r2_s2_eps3e-2", "rollout_steps": 2, "epsilon": 3e-2, "epsilon_high": 4e-2},
+        {"name": "r2_s2_eps1e-2_lr2e-5", "rollout_steps": 2, "epsilon": 1e-2, "epsilon_high": 1.2e-2,
+         "learning_rate": 2e-5},
+        {"name": "r2_s2_eps3e-2_lr2e-5", "rollout_steps": 2, "epsilon": 3e-2, "epsilon_high": 4e-2,
+         "learning_rate": 2e-5},
+        {"name": "r2_s2_eps1e-1", "rollout_steps": 2, "epsilon": 1e-1, "epsilon_high": 1.2e-1},
+    ],
+}
+REGISTRATIONS = {1: PREREGISTERED, 2: ROUND_2}
+REGISTRATION_FILES = {1: RESULTS / "preregistered.json", 2: RESULTS / "preregistered_round2.json"}
 
 
-def check_preregistered(path: pathlib.Path = RESULTS / "preregistered.json") -> None:
+def preregistration_sha(round_: int = 1) -> str:
+    return hashlib.sha256(json.dumps(REGISTRATIONS[round_], sort_keys=True).encode()).hexdigest()
+
+
+def check_preregistered(path: pathlib.Path = RESULTS / "preregistered.json", round_: int = 1) -> None:
     """SystemExit unless the committed pre-registration equals the script's (the gates were fixed before the pilot
     and are the ones the script applies)."""
-    if not path.exists() or json.loads(path.read_text()).get("sha256") != preregistration_sha():
-        raise SystemExit(f"{path} is missing or differs from study_v3.PREREGISTERED: the gates are fixed before any "
-                         "pilot; run --preregister and commit the file before launching")
+    if not path.exists() or json.loads(path.read_text()).get("sha256") != preregistration_sha(round_):
+        raise SystemExit(f"{path} is missing or differs from study_v3's round {round_} registration: the gates are "
+                         "fixed before any pilot; run --preregister and commit the file before launching")
 
 
 # ------------------------------------------------------------------------------------------------ flags
@@ -95,7 +115,8 @@ def arm_flags(arm: str, design: dict[str, Any]) -> list[str]:
     return ["--importance_sampling_level", "sequence", "--loss_type", "grpo", "--epsilon", str(design["epsilon"]),
             "--epsilon_high", str(design["epsilon_high"]), "--scale_rewards", "none", "--group_granular_batches",
             "true", "--steps_per_generation", str(s), "--gradient_accumulation_steps", str(s if on_policy else 1),
-            "--learning_rate", str(PREREGISTERED["learning_rate"]), "--drift_every", str(s), "--eval_every", "0",
+            "--learning_rate", str(design.get("learning_rate", PREREGISTERED["learning_rate"])),
+            "--drift_every", str(s), "--eval_every", "0",
             "--logging_steps", "1", "--use_vllm", "false", "--group_transform", transform]
 
 
@@ -220,7 +241,8 @@ def launch(args: argparse.Namespace, stages: list[tuple[dict[str, Any], pathlib.
         folder.mkdir(parents=True, exist_ok=True)
         stage_file = folder / "stage.json"
         before = json.loads(stage_file.read_text()) if stage_file.exists() else {}
-        stage = {"design": design, "arms": arms, "seeds": seeds, "preregistration_sha256": preregistration_sha(),
+        stage = {"design": design, "arms": arms, "seeds": seeds,
+                 "preregistration_sha256": preregistration_sha(args.round),
                  **extra, "started_at": before.get("started_at", now()),
                  "launches": [*before.get("launches", []), {"at": now(), "checkout": checkout_state(ROOT)}]}
         stage_file.write_text(json.dumps(stage, indent=1) + "\n")
@@ -259,13 +281,14 @@ def now() -> str:
 
 def pilot(args: argparse.Namespace) -> dict[str, Any] | None:
     """Pilot every pre-registered design; once all are recorded, their gates to OUT/pilot_gates.json."""
-    check_preregistered(pathlib.Path(args.preregistered))
+    check_preregistered(pathlib.Path(args.preregistered), args.round)
     out = pathlib.Path(args.out_dir)
     left = launch(args, [(d, out / "pilot" / d["name"], args.pilot_seeds, {}) for d in designs(args)], args.arms)
     if left:
         print(f"pilot: {len(left)} runs not run yet (run the same command again); gates not written", flush=True)
         return None
-    result = {"preregistration_sha256": preregistration_sha(), "written_at": now(), "designs": {}}
+    result = {"preregistration_sha256": preregistration_sha(args.round), "round": args.round, "written_at": now(),
+              "designs": {}}
     for design in designs(args):
         rows = stage_rows(out / "pilot" / design["name"], design)
         prim = {a: {r["seed"]: r["primary"] for r in rows if r["arm"] == a and r.get("primary") is not None}
@@ -281,13 +304,13 @@ def pilot(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def main_stage(args: argparse.Namespace) -> list[str]:
     """The chosen design with the seeds the pilot's paired SD asks for; refused without a passed design."""
-    check_preregistered(pathlib.Path(args.preregistered))
+    check_preregistered(pathlib.Path(args.preregistered), args.round)
     out = pathlib.Path(args.out_dir)
     path = out / "pilot_gates.json"
     if not path.exists():
         raise SystemExit(f"no {path}: run --stage pilot until it writes the gates")
     result = json.loads(path.read_text())
-    if result["preregistration_sha256"] != preregistration_sha() or not result["chosen"]:
+    if result["preregistration_sha256"] != preregistration_sha(args.round) or not result["chosen"]:
         raise SystemExit("no pilot design passed every pre-registered gate (pilot_gates.json says which failed): "
                          "the study stops there")
     entry = result["designs"][result["chosen"]]
@@ -302,8 +325,9 @@ def main_stage(args: argparse.Namespace) -> list[str]:
 
 
 def designs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    names = args.designs or [d["name"] for d in PREREGISTERED["designs"]]
-    return [d for d in PREREGISTERED["designs"] if d["name"] in names]
+    registered = REGISTRATIONS[args.round]["designs"]
+    names = args.designs or [d["name"] for d in registered]
+    return [d for d in registered if d["name"] in names]
 
 
 # ------------------------------------------------------------------------------------------------ aggregate
@@ -349,7 +373,9 @@ def aggregate(out_dir: pathlib.Path, out: pathlib.Path, figures: pathlib.Path | 
     made = plot_arms(rows, figures) if figures is not None else []
     unchanged = (stage.get("pilot_gates_sha256") == gates_file
                  and result.get("written_at", "") <= stage.get("started_at", ""))  # gates before main, untouched
-    study = {"study": "v3", "preregistered": PREREGISTERED, "preregistration_sha256": preregistration_sha(),
+    round_ = int(result.get("round", 1))
+    study = {"study": "v3", "round": round_, "preregistered": REGISTRATIONS[round_],
+             "preregistration_sha256": preregistration_sha(round_),
              "pilot_gates": result, "gates_before_main_unchanged": unchanged, "design": design, "arms": arms,
              "comparisons": comparisons, "count_effect": count, "figures": made, "runs": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -405,7 +431,7 @@ def smoke(args: argparse.Namespace) -> dict[str, Any]:
     args.model = common.smoke_model(out)
     args.steps, args.parallel, args.pilot_seeds = 2, 2, [0]
     args.extra = [*common.SMOKE_FLAGS, "--eval_every", "0", "--drift_every", "1", *args.extra]
-    args.designs = [PREREGISTERED["designs"][-1]["name"]]
+    args.designs = [REGISTRATIONS[args.round]["designs"][-1]["name"]]
     return pilot(args) or {}
 
 
@@ -416,7 +442,9 @@ def main(argv: list[str] | None = None) -> Any:
     mode.add_argument("--stage", choices=["pilot", "main"])
     mode.add_argument("--aggregate", metavar="OUT_DIR")
     mode.add_argument("--smoke", action="store_true", help="CPU path: tiny model, 2 steps")
-    p.add_argument("--preregistered", default=str(RESULTS / "preregistered.json"))
+    p.add_argument("--round", type=int, choices=sorted(REGISTRATIONS), default=1,
+                   help="which registration: 1 (the first designs) or 2 (registered after round 1's gates failed)")
+    p.add_argument("--preregistered", default=None, help="default: results/study_v3/preregistered[_round2].json")
     p.add_argument("--recipe", default=str(common.RECIPE))
     p.add_argument("--model", default=None)
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
@@ -432,12 +460,14 @@ def main(argv: list[str] | None = None) -> Any:
     p.add_argument("extra", nargs="*", help="further dfpo-train flags after --")
     args = p.parse_args(argv)
     args.began = time.time()
+    args.preregistered = args.preregistered or str(REGISTRATION_FILES[args.round])
     args.steps, args.pilot_seeds = PREREGISTERED["steps"], PREREGISTERED["pilot_seeds"]
     args.via_accelerate, args.vllm_memory, args.start_timeout, args.skip_done = False, None, 0.0, []
     if args.preregister:
         path = pathlib.Path(args.preregistered)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"sha256": preregistration_sha(), "preregistered": PREREGISTERED}, indent=1) + "\n")
+        path.write_text(json.dumps({"sha256": preregistration_sha(args.round), "preregistered":
+                                    REGISTRATIONS[args.round]}, indent=1) + "\n")
         return None
     if args.smoke:
         return smoke(args)
