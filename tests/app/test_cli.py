@@ -237,7 +237,7 @@ def test_short_help_shows_every_default_the_dataclasses_have(capsys: pytest.Capt
     from trl import ModelConfig
 
     from dfpo_trl.app.help import LEADING_FIELDS
-    from dfpo_trl.config import dfpo_fields
+    from dfpo_trl.config.fields import dfpo_fields
     from dfpo_trl.tasks import TASKS
 
     out = _help_text(capsys, "--help")
@@ -976,7 +976,7 @@ def test_gradient_checkpointing_flag_parses_on_either_transformers(has_activatio
 
     from trl import TrlParser
 
-    from dfpo_trl.config import gradient_checkpointing_metadata
+    from dfpo_trl.config.fields import gradient_checkpointing_metadata
 
     @dataclasses.dataclass
     class Args:

@@ -3,7 +3,7 @@
 Each closed option is a ``typing.Literal``: ``DFPOConfig`` annotates its field with it (TRL's argument parser, i.e.
 transformers' ``HfArgumentParser``, turns it into argparse ``choices``), the field checks and the math read the
 tuple of its values from here, and the help lists them. Values stay plain strings, as users write them in a recipe
-or on the command line. ``group_transform`` is open (the transform registry, :mod:`dfpo_trl.objectives.transforms`,
+or on the command line. ``group_transform`` is open (the transform registry, :mod:`dfpo_trl.transforms`,
 owns its names) and ``delta_gamma`` also takes a number, so neither is a Literal.
 
 :data:`LOSS_TYPES` is the one table of TRL's loss types DFPO can rewrite: all of them are the clipped surrogate

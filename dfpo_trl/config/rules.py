@@ -1,5 +1,5 @@
 """The shape of a validation rule (:class:`FieldRule`) and its small predicates, shared by the modules that own a
-field's rule: :mod:`dfpo_trl.config_checks` (TRL's and DFPO's fields) and :mod:`dfpo_trl.delta.weights` (DelTA's).
+field's rule: :mod:`dfpo_trl.config.checks` (TRL's and DFPO's fields) and :mod:`dfpo_trl.delta.weights` (DelTA's).
 It imports nothing from ``dfpo_trl``, so both can use it without importing each other.
 """
 
