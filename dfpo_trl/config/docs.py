@@ -1,7 +1,7 @@
 """The README's table of DFPOConfig's DFPO fields, rendered from each field's ``metadata["help"]``.
 
 ``python -m dfpo_trl.config.docs`` writes the table into README.md; ``--check`` exits 1 when README.md holds
-another one (tests/test_config.py checks the same).
+another one (tests/config/test_config.py checks the same).
 """
 
 from __future__ import annotations

@@ -118,12 +118,12 @@ def test_checkpointing_default_on_and_either_name_without_a_deprecation_warning(
 def test_every_builtin_transform_is_validated_and_documented():
     """One registry (dfpo_trl.transforms.TRANSFORMS) feeds config validation, the trainer and the docs: every
     built-in name is accepted by DFPOConfig and listed in its docstring and in the README's field table (registered
-    ones: tests/objectives/test_register_transform.py)."""
+    ones: tests/transforms/test_register_transform.py)."""
     from pathlib import Path
 
     from dfpo_trl.transforms import GROUP_TRANSFORMS
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `group_transform` |"))
     docstring = DFPOConfig.__doc__.split("group_transform (")[1].split("transform_scale (")[0]
     for name in GROUP_TRANSFORMS:
@@ -252,7 +252,7 @@ def test_each_dfpo_field_is_documented_once_in_its_help_with_a_source():
 
     from dfpo_trl.config.fields import dfpo_fields, split_help
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for spec in dfpo_fields():
         meaning, source = split_help(spec)
         assert meaning and source and "Source:" not in meaning, spec.name
