@@ -24,16 +24,15 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement under ``node``, at any depth, except those under ``if TYPE_CHECKING:``."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, (ast.Import, ast.ImportFrom)):
-            yield child
-        elif isinstance(child, ast.If) and _is_type_checking(child.test):
-            for other in child.orelse:  # the else branch runs
-                yield from _imports(ast.Module(body=[other], type_ignores=[]))
+def _imports(nodes: list[ast.AST]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in ``nodes``, at any depth, except those under ``if TYPE_CHECKING:``."""
+    for node in nodes:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _imports(node.orelse)  # the else branch runs
         else:
-            yield from _imports(child)
+            yield from _imports(list(ast.iter_child_nodes(node)))
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -63,7 +62,7 @@ def package_of(dotted: str, root: Path = PACKAGE) -> str | None:
     name = parts[1]
     if (root / name).is_dir() or (root / f"{name}.py").is_file():
         return name
-    return None  # ``from dfpo_trl import DFPOConfig``: a public name of the root, no package
+    return None  # ``from dfpo_trl import __version__``: a name of the root itself, no package
 
 
 def package_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
@@ -76,7 +75,7 @@ def package_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
             continue
         edges = graph.setdefault(source, set())
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for node in _imports(tree):
+        for node in _imports(tree.body):
             for target in _targets(node, module, path.name == "__init__.py"):
                 other = package_of(target, root)
                 if other is not None and other != source:
