@@ -12,7 +12,7 @@ from .method import method_in_use
 from .options import CLIPPED_LOSS_TYPES, DELTA_LOSS_TYPES, TOKEN_LEVEL_CLIPPED_LOSS_TYPES
 from .rules import quoted
 
-DFPOConfig = Any  # the config being built: these rules read its fields (dfpo_trl.config imports this module)
+DFPOConfig = Any  # the config being built: these rules read its fields (config/fields.py imports this module)
 
 __all__ = ["check_combinations", "check_sequence_options"]
 
