@@ -19,8 +19,8 @@ import torch.utils.benchmark as benchmark
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from dfpo_trl.objectives.transforms import GROUP_TRANSFORMS, get_transform  # noqa: E402
 from dfpo_trl.objectives.weights import sign_aware_post_clip  # noqa: E402
+from dfpo_trl.transforms import GROUP_TRANSFORMS, get_transform  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 

@@ -35,9 +35,9 @@ from zero3 import EPS_HIGH, EPS_LOW, SIZES, TRANSFORM, Recorder, fixed_batch, mo
 
 from dfpo_trl import DFPOConfig  # noqa: E402
 from dfpo_trl.groups.ids import consecutive_group_ids  # noqa: E402
-from dfpo_trl.objectives.transforms import get_transform  # noqa: E402
 from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip  # noqa: E402
 from dfpo_trl.tasks import get_task  # noqa: E402
+from dfpo_trl.transforms import get_transform  # noqa: E402
 
 LEARNING_RATE = 1.0  # SGD, one step: the update −lr·g well above float32's rounding of the parameters it moves
 

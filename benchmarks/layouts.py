@@ -35,7 +35,7 @@ Phases:
 
 * ``reference`` (one process, no DeepSpeed, float32): saves a random init of ``--random-config`` (Qwen3-1.7B's
   shape, no pad id in the config: common.random_config) and computes s̄ (eq. 47) and s̃ (Min-Replace per group,
-  ``dfpo_trl.objectives.transforms``) of every row of one fixed generation batch at those weights, as zero3.py does.
+  ``dfpo_trl.transforms``) of every row of one fixed generation batch at those weights, as zero3.py does.
 * ``check`` (``accelerate launch``, ZeRO-3, float32): the ``pre_pass`` and ``redistributed`` trainers, one after the
   other, train one rollout (``steps_per_generation / gradient_accumulation_steps`` optimizer steps) on that batch
   at learning rate 1e-30 (DFPOConfig refuses 0; every float32 update of that size rounds off, so θ stays the
@@ -365,8 +365,8 @@ def phase_reference(args: argparse.Namespace) -> None:
     single-process float32 s̄ / s̃ of every row of the fixed batch at those weights."""
     from transformers import AutoModelForCausalLM
 
-    from dfpo_trl.objectives.transforms import get_transform
     from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
+    from dfpo_trl.transforms import get_transform
 
     work = pathlib.Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

@@ -165,7 +165,7 @@ def time_positive_orth_proj(device: str, groups: int, group_size: int) -> dict[s
     import torch.utils.benchmark as benchmark
     from bench_transforms import make_inputs
 
-    from dfpo_trl.objectives.transforms import get_transform
+    from dfpo_trl.transforms import get_transform
 
     w, adv = make_inputs(groups, group_size, device, torch.float32)
     with torch.no_grad():

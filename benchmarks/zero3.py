@@ -27,9 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.groups.ids import consecutive_group_ids
 from dfpo_trl.objectives.step import StepObjective
-from dfpo_trl.objectives.transforms import get_transform
 from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
 from dfpo_trl.tasks import get_task
+from dfpo_trl.transforms import get_transform
 
 TRANSFORM = "min_replace"
 EPS_LOW, EPS_HIGH = 0.2, 0.28

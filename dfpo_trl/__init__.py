@@ -5,10 +5,12 @@ import ``dfpo_trl.app`` and so this package, answer in a fraction of a second in
 transformers take to import (docs/cli.md). The first public name taken from here (``from dfpo_trl import
 DFPOConfig``) imports the trainer, and with it the checks of every TRL touch point (``trl_hooks/compat.py``).
 
-At the bottom of the import graph: ``options`` (each option's values, the loss-type table), ``rules`` (the shape of
-a validation rule) and ``method`` (the method a config trains with); above them ``config`` with ``config_checks``
-and ``config_combinations``; then the packages ``objectives``, ``delta``, ``groups``, ``metrics``, ``trl_hooks``,
-``tasks``; ``trainer`` wires them into TRL; ``app`` is the ``dfpo-train`` program (docs/README.md has the map).
+The import graph's layers, lowest first (tests/test_layering.py checks them and that no two packages import each
+other, even through others): ``precision`` (the compute dtype); ``transforms`` (the in-group transforms and their
+registry); ``config`` (``DFPOConfig``, each option's values, every rule a value must meet, the method a config trains
+with); ``objectives`` (the objective as pure math) and ``trl_hooks`` (the few places DFPO touches TRL); ``metrics``,
+``groups`` and ``tasks``; ``delta`` (DelTA's weights, which read the groups' ids and log metrics); ``trainer`` wires
+them into TRL; ``app`` is the ``dfpo-train`` program (docs/README.md has the map).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from ._quiet import silence_library_deprecations
 
 if TYPE_CHECKING:
     from .config import DFPOConfig
-    from .objectives.transforms import register_transform, registered_transforms, unregister_transform
     from .trainer import DFPOTrainer
+    from .transforms import register_transform, registered_transforms, unregister_transform
 
 silence_library_deprecations()
 
@@ -29,9 +31,9 @@ silence_library_deprecations()
 _PUBLIC = {
     "DFPOConfig": ".config",
     "DFPOTrainer": ".trainer",
-    "register_transform": ".objectives.transforms",
-    "registered_transforms": ".objectives.transforms",
-    "unregister_transform": ".objectives.transforms",
+    "register_transform": ".transforms",
+    "registered_transforms": ".transforms",
+    "unregister_transform": ".transforms",
 }
 
 __all__ = ["DFPOConfig", "DFPOTrainer", "register_transform", "registered_transforms", "unregister_transform"]

@@ -5,7 +5,7 @@ config string read once), the run's shape (:class:`~dfpo_trl.groups.shape.RunSha
 :class:`~dfpo_trl.groups.layout.GroupLayout` (which delivers each micro-batch's whole groups) and, in the pre-pass
 layout, the :class:`~dfpo_trl.groups.prepass.PrePass`, the :class:`~dfpo_trl.metrics.store.MetricStore` (the only
 path of DFPO's metrics into TRL's logs), the DelTA component (:class:`~dfpo_trl.delta.weighting.DeltaWeighting`,
-None when off) and the per-step reward (:mod:`dfpo_trl.trl_hooks.step_reward`). TRL's own ``_compute_loss`` runs
+None when off) and the per-step reward (:mod:`dfpo_trl.metrics.step_reward`). TRL's own ``_compute_loss`` runs
 unchanged: right after its policy forward, one call (:func:`~dfpo_trl.objectives.step.micro_step_objective`) turns
 the advantages and old log-probs TRL reads next into DFPO's objective, and the trainer logs the metrics from its
 return value (docs/README.md, "How a micro-step flows"). Every touch point is declared and checked at import in
@@ -28,6 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from .config import DFPOConfig
+from .config.options import CLIPPED_LOSS_TYPES
 from .delta.rollout import DELTA_WEIGHTS_KEY
 from .delta.weighting import DeltaWeighting
 from .groups.choice import LAYOUT_PRE_PASS, choose_layout, describe_layout, refuse_multimodal_model
@@ -38,11 +39,11 @@ from .metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms, clipped_ratio
 from .metrics.diagnostics import log_loss_diagnostics
 from .metrics.hooks import energy_capture, watch_gradient_energy, watch_token_coefficients
 from .metrics.mechanism import log_group_metrics
+from .metrics.step_reward import attach_row_rewards, log_step_reward, row_rewards
 from .metrics.store import MetricStore
 from .objectives.plan import ObjectivePlan
 from .objectives.step import ClipRange, StepObjective, WholeGroups, micro_step_objective
 from .objectives.weights import bounded_old_logps, loss_mask
-from .options import CLIPPED_LOSS_TYPES
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
     SUPPORTED_TRL_TEXT,
@@ -64,7 +65,6 @@ from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
 from .trl_hooks.pending import PendingCall, default_config
 from .trl_hooks.resume import load_rollout_state, replay_sampler_epochs, save_rollout_state, tied_missing_keys
-from .trl_hooks.step_reward import attach_row_rewards, log_step_reward, row_rewards
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import torch
 from tiny import capturing, record_row_weights
 
 from dfpo_trl import DFPOTrainer
+from dfpo_trl.metrics.step_reward import ROW_REWARD_KEY
 from dfpo_trl.objectives.step import StepObjective
-from dfpo_trl.trl_hooks.step_reward import ROW_REWARD_KEY
 
 
 class RecordingTrainer(capturing(DFPOTrainer)):  # type: ignore[misc]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import yaml
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -41,6 +42,44 @@ def save_tiny_chat_model(path: Any, tied: bool = False) -> Any:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+#: The tiny ``dfpo-train`` run of the end-to-end CLI tests: one group of G = 4 per micro-batch, two micro-steps per
+#: rollout, two optimizer steps of GSPO's sequence-level loss with Min-Replace, sampled hot enough that groups have
+#: signal; held-out evaluation on 4 problems.
+TINY_RECIPE: dict[str, Any] = {
+    "use_cpu": True,
+    "bf16": False,
+    "report_to": "none",
+    "disable_tqdm": True,
+    "save_strategy": "no",
+    "save_model": False,
+    "seed": 0,
+    "train_size": 16,
+    "eval_size": 4,
+    "eval_max_new_tokens": 4,
+    "eval_batch_size": 4,
+    "num_generations": 4,
+    "per_device_train_batch_size": 4,
+    "steps_per_generation": 2,
+    "max_completion_length": 4,
+    "max_steps": 2,
+    "logging_steps": 1,
+    "learning_rate": 1.0e-3,
+    "temperature": 1.5,
+    "importance_sampling_level": "sequence",
+    "loss_type": "grpo",
+    "epsilon": 3.0e-4,
+    "epsilon_high": 4.0e-4,
+    "group_transform": "min_replace",
+}
+
+
+def tiny_recipe(**changes: Any) -> str:
+    """:data:`TINY_RECIPE` with ``changes`` as a recipe's YAML text; a change to None drops the key (the field then
+    keeps its default)."""
+    recipe = {**TINY_RECIPE, **changes}
+    return yaml.safe_dump({key: value for key, value in recipe.items() if value is not None}, sort_keys=False)
 
 
 def addition_dataset(n: int = 16, seed: int = 0) -> Dataset:

@@ -16,9 +16,9 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from ..config import dfpo_fields
-from ..objectives.transforms import TRANSFORMS
+from ..config.fields import dfpo_fields
 from ..tasks import TASKS
+from ..transforms import TRANSFORMS
 from .args import DFPOScriptArguments
 from .help import LEADING_FIELDS
 from .parser import DFPOParser, make_parser, numeric_kind

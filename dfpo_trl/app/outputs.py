@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..method import method_in_use
+from ..config.method import method_in_use
 from . import logger
 from .files import PLOT_FILE, PREVIOUS_RUN_DIR, SUMMARY_FILE, set_aside_previous_outputs
 from .plotting import plot_metrics

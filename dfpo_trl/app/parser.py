@@ -16,9 +16,9 @@ from typing import Any
 
 from trl import ModelConfig, TrlParser
 
-from ..config import DFPOConfig, dfpo_fields
-from ..objectives.transforms import TRANSFORMS
+from ..config.fields import DFPOConfig, dfpo_fields
 from ..tasks import TASKS
+from ..transforms import TRANSFORMS
 from .args import DFPOScriptArguments, RecipeError
 from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins

@@ -4,8 +4,9 @@ relies on, the objective's options against TRL's loss settings, whole groups per
 Run by :func:`.precheck.precheck` from the stored field table, before ``dfpo-train`` imports torch, transformers
 and TRL, so that ``--epsilon -0.1`` costs a second, not ten; and by :func:`.parser.parse_args` when the full parse
 refuses a value, so that both say the same thing. Every message names where each value it blames was set: the flag,
-or the recipe's file and line. Standard library only (plus :mod:`dfpo_trl.rules`, :mod:`dfpo_trl.trl_field_rules`,
-:mod:`dfpo_trl.method` and :mod:`dfpo_trl.config_combinations`, none of which imports torch).
+or the recipe's file and line. Standard library only (plus :mod:`dfpo_trl.config.rules`,
+:mod:`dfpo_trl.config.trl_field_rules`, :mod:`dfpo_trl.config.method` and :mod:`dfpo_trl.config.combinations`, none
+of which imports torch).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from collections.abc import Callable, Iterable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from ..config_combinations import check_sequence_options
-from ..rules import unknown_name
-from ..trl_field_rules import TRL_FIELD_RULES
+from ..config.combinations import check_sequence_options
+from ..config.rules import unknown_name
+from ..config.trl_field_rules import TRL_FIELD_RULES
 from .args import RecipeError
 
 __all__ = ["VALUE_FIELDS", "check_values", "coerce", "launched_processes", "whole_groups_problem", "with_origins"]
@@ -171,7 +172,7 @@ def check_values(value: Value, origin: Origin, given: Given, table: Mapping[str,
         batch = {name: typed(name) for name in BATCH_FIELDS}
     except (TypeError, ValueError):  # a value of the wrong type: the full parse says what the field takes
         return
-    if options.group_transform in _known("dfpo_trl.objectives.transforms", "TRANSFORMS", table["transforms"]):
+    if options.group_transform in _known("dfpo_trl.transforms", "TRANSFORMS", table["transforms"]):
         try:
             check_sequence_options(options)
         except ValueError as exc:

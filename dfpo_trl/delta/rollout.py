@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..options import DELTA_LOSS_TYPES, DOMAIN_SEQUENCE, LOSS_TYPES
+from ..config.options import DELTA_LOSS_TYPES, DOMAIN_SEQUENCE, LOSS_TYPES
+from ..config.rules import quoted
+from ..objectives.normalise import self_normalise
 from ..precision import compute_dtype as _compute_dtype
-from ..rules import quoted
 from .centroids import Reducer
-from .weights import DeltaFields, self_normalise, token_weights_from_hidden
+from .weights import DeltaFields, config_token_weights
 
 __all__ = [
     "DELTA_WEIGHTS_KEY",
@@ -104,9 +105,7 @@ def delta_weights(
         (λ, λ̄), each (B, T); λ̄ is 0 outside ``mask``.
     """
     probs = logprobs.detach().to(_compute_dtype(hidden, logprobs)).exp()
-    raw = token_weights_from_hidden(
-        hidden, probs, advantages, mask, all_reduce=all_reduce, generator=generator, **coefficient_options(config)
-    )
+    raw = config_token_weights(hidden, probs, advantages, mask, config, all_reduce=all_reduce, generator=generator)
     if per_sequence:
         bar = self_normalise(raw, mask, dim=-1)
     else:
@@ -147,13 +146,13 @@ def normalisation_domain(loss_type: str) -> str:
     ``grpo`` divides each sequence by its length: per sequence. ``bnpo`` divides the micro-batch by its
     (local) token count: per micro-batch, done at loss time. ``dapo`` divides by the token count of the whole
     generation batch over all processes, ``dr_grpo`` by a constant: over the global rollout batch (the
-    ``delta_domain`` column of :data:`dfpo_trl.options.LOSS_TYPES`).
+    ``delta_domain`` column of :data:`dfpo_trl.config.options.LOSS_TYPES`).
 
     Args:
         loss_type: TRL's ``loss_type``.
 
     Returns:
-        ``DOMAIN_SEQUENCE``, ``DOMAIN_MICRO_BATCH`` or ``DOMAIN_ROLLOUT`` of :mod:`dfpo_trl.options`.
+        ``DOMAIN_SEQUENCE``, ``DOMAIN_MICRO_BATCH`` or ``DOMAIN_ROLLOUT`` of :mod:`dfpo_trl.config.options`.
     """
     entry = LOSS_TYPES.get(loss_type)
     if entry is None or entry.delta_domain is None:

@@ -1,10 +1,13 @@
-"""DelTA token weights λ and λ̄ (docs/delta.md): the public pure functions and the rules of their options.
+"""DelTA token weights λ (docs/delta.md): the public pure functions.
 
 Scores each rollout token by how characteristic its proxy gradient vector is of its own advantage side versus the
-other (eq. DelTA-alpha), maps the scores into λ ∈ [λ_min, λ_max] and self-normalises them into the stop-gradient
-multipliers λ̄ (eq. DelTA-weighted-objective). Defaults are the authors' released code's rules; the conventions
-(support, empty sides, precision, distributed reductions) are in docs/delta.md, "Conventions of the functions".
-Everything here is a ``no_grad`` function of detached tensors.
+other (eq. DelTA-alpha) and maps the scores into λ ∈ [λ_min, λ_max];
+:func:`~dfpo_trl.objectives.normalise.self_normalise` turns them into the stop-gradient multipliers λ̄
+(eq. DelTA-weighted-objective). The functions check their options against the config's rules
+(:data:`~dfpo_trl.config.delta_rules.DELTA_RULES`); a config's options were checked once, when it was built, so the
+rollouts use :func:`config_token_weights`, which does not check them again. Defaults are the authors' released
+code's rules; the conventions (support, empty sides, precision, distributed reductions) are in docs/delta.md,
+"Conventions of the functions". Everything here is a ``no_grad`` function of detached tensors.
 """
 
 from __future__ import annotations
@@ -15,16 +18,14 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..options import ASSIGNMENTS, CONTRASTS, GAMMA_RULES, GAMMA_UPDATES, SCOPES, ZERO_ADVANTAGE_RULES
+from ..config.delta_rules import DELTA_RULES
+from ..config.rules import integer, problems
 from ..precision import compute_dtype as _compute_dtype
-from ..rules import FieldRule, finite, integer, one_of, problems, quoted
-from .centroids import Gamma, Reducer, all_reduced, refined_scores, side_sums
+from .centroids import Gamma, Reducer, refined_scores, side_sums
 
 __all__ = [
-    "DELTA_RULES",
     "DeltaFields",
-    "read_gamma",
-    "self_normalise",
+    "config_token_weights",
     "token_weights",
     "token_weights_from_hidden",
 ]
@@ -48,56 +49,6 @@ class DeltaFields(Protocol):
     delta_random: bool
 
 
-def read_gamma(gamma: Any) -> Any:
-    """A fixed ``delta_gamma`` given as a numeric string (the command line) or an int becomes a float.
-
-    Args:
-        gamma: ``delta_gamma`` as given (a rule's name, a number, or a numeric string).
-
-    Returns:
-        The rule's name, or the fixed γ as a float (anything else unchanged, for the rule to refuse).
-    """
-    if isinstance(gamma, str) and gamma not in GAMMA_RULES:
-        try:
-            return float(gamma)
-        except ValueError:
-            return gamma
-    if integer(gamma):
-        return float(gamma)
-    return gamma
-
-
-def _gamma_rule(value: Any, _: Any) -> str:
-    if value is None:
-        return "is no longer accepted (it meant the adaptive mean-|margin| gamma)"
-    return "is not valid: it must be 'std', 'mean_abs' or a finite number > 0 (a fixed gamma)"
-
-
-#: DelTA's options and their one rule each, under the config's field names; the functions below take the same
-#: options as keyword arguments without the ``delta_`` prefix and apply these rules to them.
-DELTA_RULES: tuple[FieldRule, ...] = (
-    FieldRule(
-        "delta_lambda_min",
-        lambda v, c: finite(v) and (not finite(c.delta_lambda_max) or 0 < v <= c.delta_lambda_max),
-        lambda _, c: f"with delta_lambda_max={c.delta_lambda_max!r} must be a finite number with "
-        "0 < delta_lambda_min <= delta_lambda_max (the weights multiply advantages and must stay positive)",
-        "the paper uses 0.8 and 1.2",
-    ),
-    FieldRule("delta_lambda_max", lambda v, _: finite(v), "must be a finite number", "the paper uses 0.8 and 1.2"),
-    FieldRule(
-        "delta_refine_steps", lambda v, _: integer(v) and v >= 0, "must be an integer >= 0", "the paper uses 1"
-    ),
-    FieldRule(
-        "delta_gamma", lambda v, _: v in GAMMA_RULES or finite(v) and v > 0, _gamma_rule,
-        "use 'std' (the authors' released code, the default), 'mean_abs' (the former rule) or a fixed number > 0",
-    ),
-    FieldRule("delta_gamma_update", one_of(GAMMA_UPDATES), "is not valid", f"use {quoted(GAMMA_UPDATES)}"),
-    FieldRule("delta_zero_advantage", one_of(ZERO_ADVANTAGE_RULES), "is not valid",
-              f"use {quoted(ZERO_ADVANTAGE_RULES)}"),
-    FieldRule("delta_scope", one_of(SCOPES), "is not valid", f"use {quoted(SCOPES)}"),
-    FieldRule("delta_assignment", one_of(ASSIGNMENTS), "is not valid", f"use {quoted(ASSIGNMENTS)}"),
-    FieldRule("delta_contrast", one_of(CONTRASTS), "is not valid", f"use {quoted(CONTRASTS)}"),
-)
 _FUNCTION_RULES = tuple(rule for rule in DELTA_RULES if rule.field != "delta_scope")  # scope: the caller's reducer
 
 
@@ -131,11 +82,8 @@ def _weights_core(
     all_reduce: Reducer | None,
     chunk_tokens: int,
 ) -> Tensor:
-    """Shared implementation: proxy vectors are ``v = coef · h`` (coef = 1 for the vector path)."""
-    _check_options(
-        chunk_tokens, lambda_min=lambda_min, lambda_max=lambda_max, refine_steps=refine_steps, gamma=gamma,
-        gamma_update=gamma_update, zero_advantage=zero_advantage, assignment=assignment, contrast=contrast,
-    )
+    """Shared implementation: proxy vectors are ``v = coef · h`` (coef = 1 for the vector path); the options are
+    checked by the caller (:func:`_check_options`, or the config when it was built)."""
     if h.dim() != 3:
         raise ValueError(f"expected (B, T, d) vectors/hidden states, got shape {tuple(h.shape)}")
     b, t, d = h.shape
@@ -223,6 +171,10 @@ def token_weights(
     Returns:
         λ (B, T): float32 (float64 for float64 input), 1 at padding positions.
     """
+    _check_options(
+        chunk_tokens, lambda_min=lambda_min, lambda_max=lambda_max, refine_steps=refine_steps, gamma=gamma,
+        gamma_update=gamma_update, zero_advantage=zero_advantage, assignment=assignment, contrast=contrast,
+    )
     return _weights_core(
         vectors, None, advantages, mask, lambda_min, lambda_max, refine_steps, gamma, gamma_update, zero_advantage,
         assignment, contrast, generator, random_weights, all_reduce, chunk_tokens,
@@ -264,6 +216,10 @@ def token_weights_from_hidden(
     Returns:
         λ (B, T), as :func:`token_weights` returns it.
     """
+    _check_options(
+        chunk_tokens, lambda_min=lambda_min, lambda_max=lambda_max, refine_steps=refine_steps, gamma=gamma,
+        gamma_update=gamma_update, zero_advantage=zero_advantage, assignment=assignment, contrast=contrast,
+    )
     coef = 1.0 - token_probs.detach().to(_compute_dtype(hidden))
     return _weights_core(
         hidden, coef, advantages, mask, lambda_min, lambda_max, refine_steps, gamma, gamma_update, zero_advantage,
@@ -271,41 +227,31 @@ def token_weights_from_hidden(
     )
 
 
-@torch.no_grad()
-def self_normalise(
-    weights: Tensor,
+def config_token_weights(
+    hidden: Tensor,
+    token_probs: Tensor,
+    advantages: Tensor,
     mask: Tensor,
+    config: DeltaFields,
     *,
-    dim: int | None = None,
+    generator: torch.Generator | None = None,
     all_reduce: Reducer | None = None,
 ) -> Tensor:
-    """λ̄ = λ · N / Z with N = Σ mask and Z = Σ λ · mask (DelTA's self-normalised objective, docs/delta.md step 6).
-
-    Afterwards the weights average exactly 1 over the masked tokens of the normalisation domain, so the
-    loss's usual token-count normaliser N can be kept. The domain is the whole tensor (``dim=None``,
-    optionally over all processes through ``all_reduce`` applied to the packed (Z, N)) or each slice
-    along ``dim`` (e.g. ``dim=-1`` for per-sequence normalisation). Where Z ≤ 0 (no masked token)
-    the weights are returned unchanged. Padding positions are scaled like the rest (they carry mask 0).
-    Returns float32 (float64 for float64 input).
+    """:func:`token_weights_from_hidden` under a ``DFPOConfig``'s DelTA options, which the config checked once when
+    it was built (:data:`~dfpo_trl.config.delta_rules.DELTA_RULES`), so a rollout does not check them again.
 
     Args:
-        weights: λ, any shape.
-        mask: same shape, nonzero on the tokens that count.
-        dim: None for one domain over the whole tensor, else the dimension of each domain (e.g. -1: per sequence).
-        all_reduce: sums the packed (Z, N) over processes (``dim=None`` only).
+        hidden, token_probs, advantages, mask: as :func:`token_weights_from_hidden`.
+        config: the ``delta_*`` fields (``delta_scope`` is the caller's ``all_reduce``).
+        generator: the random-λ control's generator (``delta_random``).
+        all_reduce: element-wise sum over processes of the statistics; None: this process's shard alone.
 
     Returns:
-        λ̄, ``weights``' shape, float32 (float64 for float64 input).
+        λ (B, T), as :func:`token_weights` returns it.
     """
-    w = weights.detach().to(_compute_dtype(weights))
-    m = mask.detach().to(device=w.device, dtype=w.dtype)
-    if dim is None:
-        stats = torch.stack([(w * m).sum(), m.sum()])
-        stats = all_reduced(stats, all_reduce)
-        z, n = stats[0], stats[1]
-    else:
-        if all_reduce is not None:
-            raise ValueError("all_reduce is only supported with dim=None (a global normalisation domain)")
-        z, n = (w * m).sum(dim, keepdim=True), m.sum(dim, keepdim=True)
-    scale = torch.where(z > 0, n / torch.where(z > 0, z, torch.ones_like(z)), torch.ones_like(z))
-    return w * scale
+    coef = 1.0 - token_probs.detach().to(_compute_dtype(hidden))
+    return _weights_core(
+        hidden, coef, advantages, mask, config.delta_lambda_min, config.delta_lambda_max, config.delta_refine_steps,
+        config.delta_gamma, config.delta_gamma_update, config.delta_zero_advantage, config.delta_assignment,
+        config.delta_contrast, generator, config.delta_random, all_reduce, _DEFAULT_CHUNK,
+    )

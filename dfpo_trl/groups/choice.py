@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ..config.options import GROUP_LAYOUT_AUTO, GROUP_LAYOUT_PRE_PASS, GROUP_LAYOUT_REDISTRIBUTED
 from ..trl_hooks.compat import MULTIMODAL_KEYS
 
 if TYPE_CHECKING:
@@ -34,11 +35,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Group layouts of docs/layouts.md, cheapest first.
+# Group layouts of docs/layouts.md, cheapest first; the two a user may ask for by group_layout are its values.
 LAYOUT_GROUP_GRANULAR = "group_granular"  # whole groups in every micro-batch: free
 LAYOUT_CROSS_PROCESS = "cross_process"  # groups spread over processes in one micro-step: all-gather scalars
-LAYOUT_REDISTRIBUTED = "redistributed"  # rollout moved once so micro-steps hold whole groups across processes
-LAYOUT_PRE_PASS = "pre_pass"  # groups spread over micro-steps: no-grad pre-pass at each optimizer step
+LAYOUT_REDISTRIBUTED = GROUP_LAYOUT_REDISTRIBUTED  # rollout moved once: micro-steps hold whole groups across processes
+LAYOUT_PRE_PASS = GROUP_LAYOUT_PRE_PASS  # groups spread over micro-steps: no-grad pre-pass at each optimizer step
 LAYOUT_PER_SAMPLE = "per_sample"  # no transform: TRL's per-sample shuffle, group metrics off
 
 
@@ -58,7 +59,7 @@ def choose_layout(args: DFPOConfig, processes: int) -> str:
         # rows, a multiple of G, so a group-granular split keeps every group inside one micro-batch.
         return LAYOUT_GROUP_GRANULAR
     if not args.sequence_rewrite_active:
-        if args.group_layout != "auto":
+        if args.group_layout != GROUP_LAYOUT_AUTO:
             logger.warning("group_layout=%r has no effect: no DFPO option needs in-group coefficients.",
                            args.group_layout)
         return LAYOUT_PER_SAMPLE
@@ -77,11 +78,11 @@ def choose_layout(args: DFPOConfig, processes: int) -> str:
             "groups across processes). Change the per-device batch or the process count, or use "
             "group_layout='auto'."
         )
-    if args.steps_per_generation == 1 and args.group_layout == "auto":
+    if args.steps_per_generation == 1 and args.group_layout == GROUP_LAYOUT_AUTO:
         # Each micro-step trains on the whole global generation batch: groups may straddle processes but
         # are whole across them, so gathering (group id, s̄, Â) in the micro-step is exact.
         return LAYOUT_CROSS_PROCESS
-    if redistributable and args.group_layout in ("auto", LAYOUT_REDISTRIBUTED):
+    if redistributable and args.group_layout in (GROUP_LAYOUT_AUTO, LAYOUT_REDISTRIBUTED):
         return LAYOUT_REDISTRIBUTED
     if args.steps_per_generation % args.gradient_accumulation_steps != 0:
         raise ValueError(

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..options import (
+from ..config.options import (
     AGGREGATION_CONSTANT,
     AGGREGATION_MICRO_BATCH_TOKENS,
     AGGREGATION_SEQUENCE_MEAN,
@@ -32,7 +32,8 @@ from ..options import (
     CancellationTarget,
     OneSidedPolicy,
 )
-from .transforms import GroupTransform, _check_groups, get_transform, min_replace_on_subset, not_retargetable
+from ..transforms import GroupTransform, get_transform, min_replace_on_subset, not_retargetable
+from ..transforms.builtins import _check_groups
 
 __all__ = [
     "GroupSides",
@@ -132,7 +133,7 @@ def _balanced(
     one_sided: OneSidedPolicy, scale_factor: float, truncate_floor: float,
 ) -> tuple[torch.Tensor, GroupSides]:
     """:func:`balance_group_weights` with the registry entry already looked up."""
-    if not transform.retargetable:  # the config refuses this combination (config_combinations.py); a direct call too
+    if not transform.retargetable:  # the config refuses this combination (config/combinations.py); a direct call too
         raise ValueError(not_retargetable(transform))
     _check_groups(s_bar, advantages)
     sides = group_sides(advantages, a)
@@ -164,7 +165,7 @@ def transform_group_weights(
 ) -> tuple[torch.Tensor, GroupSides]:
     """s̃ of the configured transform for (num_groups, G) tensors, and the groups' sides (eq. C8).
 
-    ``transform``: an entry of the registry (:func:`~dfpo_trl.objectives.transforms.get_transform`, which the
+    ``transform``: an entry of the registry (:func:`~dfpo_trl.transforms.get_transform`, which the
     objective's plan looks up once). ``target="weights"``: the paper's transform, balancing
     Σ_i Â_i s̃_i = 0; ``"gradient"``: it balances the coefficients a_i = Â_i c_i 1[i ∈ U] of the gradients that
     survive the clip (eq. C1, :func:`balance_group_weights`), with ``factor`` = c (eq. C3) and ``survives`` = U

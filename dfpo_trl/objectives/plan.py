@@ -3,7 +3,7 @@
 A parameter goes from the config to the math in two hops a reader can follow: the config field is read here, once,
 when the trainer is built (:meth:`ObjectivePlan.from_config`, hop 1), and the one call of a micro-step,
 :func:`~dfpo_trl.objectives.step.micro_step_objective`, reads the plan's fields (hop 2). ``group_transform``, for
-instance, becomes the transform's registry entry (:func:`~dfpo_trl.objectives.transforms.get_transform`, built-in
+instance, becomes the transform's registry entry (:func:`~dfpo_trl.transforms.get_transform`, built-in
 or registered), whose properties (balance condition, non-negative weights, balanced form on the clip survivors)
 decide the rest, and :func:`~dfpo_trl.objectives.step.transform_groups` hands it to
 :func:`~dfpo_trl.objectives.cancellation.transform_group_weights`, which calls the entry's function. This is the one
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..method import method_in_use
-from ..options import DOMAIN_MICRO_BATCH, LOSS_TYPES
+from ..config.method import method_in_use
+from ..config.options import DOMAIN_MICRO_BATCH, LOSS_TYPES
+from ..transforms import GroupTransform, get_transform
 from .rewrite import RewriteForm
-from .transforms import GroupTransform, get_transform
 
 if TYPE_CHECKING:
     from ..config import DFPOConfig
@@ -55,7 +55,7 @@ class ObjectivePlan:
     @classmethod
     def from_config(cls, config: DFPOConfig) -> ObjectivePlan:
         """Hop 1: every DFPO field the objective reads, read here once (the config has validated them)."""
-        method = method_in_use(config)  # which options are on, described once (dfpo_trl/method.py)
+        method = method_in_use(config)  # which options are on, described once (dfpo_trl/config/method.py)
         transform = get_transform(config.group_transform)  # the registry as it is now
         loss_type = LOSS_TYPES.get(config.loss_type)
         return cls(

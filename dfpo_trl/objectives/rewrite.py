@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..delta.weights import self_normalise
+from .normalise import self_normalise
 from .weights import RowWeights
 
 __all__ = [

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..options import CLIPPED_LOSS_TYPES
+from ..config.options import CLIPPED_LOSS_TYPES
 from .cancellation import GroupSides, aggregation_factor, transform_group_weights
 from .plan import ObjectivePlan
 from .rewrite import LossInputs, rewrite_loss_inputs

@@ -1,7 +1,7 @@
 """The per-sequence weights DFPO's objective is built from: s, s̄ (eq. 44–47), the clip survivors U, the loss mask.
 
 Pure functions of tensors, no trainer and no config object (tests/objectives/test_loss_inputs.py,
-tests/objectives/test_transforms.py):
+tests/transforms/test_transforms.py):
 
 * :func:`loss_mask`: the tokens TRL's loss counts (completion mask × tool mask);
 * :func:`bounded_old_logps`: the log-ratio bound (docs/decisions.md, "Numerics"): ρ (sequence level) or each token's

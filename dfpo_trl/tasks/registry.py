@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..rules import unknown_name
+from ..config.rules import unknown_name
 from .base import RewardFunc, Task
 from .safe import SafeReward, safe_reward
 

@@ -1,7 +1,6 @@
 """The few places DFPO touches TRL's ``GRPOTrainer``.
 
 ``compat`` (every touch point, declared and checked at import), ``lm_head`` (what TRL's fused LM head hides),
-``pending`` (TRL's default config and the one piece of state between DFPO's overrides), ``step_reward`` (each
-completion's reward carried with its row), ``resume`` (what a DFPO checkpoint holds besides TRL's) and
-``model_card`` (DFPO's and DelTA's citation on the card TRL writes).
+``pending`` (TRL's default config and the one piece of state between DFPO's overrides), ``resume`` (what a DFPO
+checkpoint holds besides TRL's) and ``model_card`` (DFPO's and DelTA's citation on the card TRL writes).
 """

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tiny import tiny_recipe
 
 from dfpo_trl import DFPOConfig
 from dfpo_trl.app.args import DFPOScriptArguments, RecipeError
@@ -237,7 +238,7 @@ def test_short_help_shows_every_default_the_dataclasses_have(capsys: pytest.Capt
     from trl import ModelConfig
 
     from dfpo_trl.app.help import LEADING_FIELDS
-    from dfpo_trl.config import dfpo_fields
+    from dfpo_trl.config.fields import dfpo_fields
     from dfpo_trl.tasks import TASKS
 
     out = _help_text(capsys, "--help")
@@ -462,7 +463,7 @@ def test_task_factory_that_gives_no_task_names_what_it_gave(
     """`--task os:getcwd` loaded the model, called the function and failed on `.reward_funcs` of a str, 16 lines
     later; now one line, before the model is looked at."""
     _no_model(monkeypatch)
-    recipe = write_recipe(tmp_path, TINY_RUN)
+    recipe = write_recipe(tmp_path, tiny_recipe())
     assert main([recipe, "--output_dir", str(tmp_path / "out"), "--task", "os:getcwd"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert f"task 'os:getcwd' gave a str ({os.getcwd()!r}), not a task: it lacks name, reward_funcs, " in line
@@ -618,40 +619,12 @@ def test_unknown_task_and_reward_suggest_names() -> None:
         build_rewards(DFPOScriptArguments(reward_funcs=["acuracy_reward"]), task)
 
 
-TINY_RUN = """
-use_cpu: true
-bf16: false
-report_to: none
-disable_tqdm: true
-save_strategy: "no"
-save_model: false
-seed: 0
-train_size: 16
-eval_size: 4
-eval_max_new_tokens: 4
-eval_batch_size: 4
-num_generations: 4
-per_device_train_batch_size: 4
-steps_per_generation: 2
-max_completion_length: 4
-max_steps: 2
-logging_steps: 1
-learning_rate: 1.0e-3
-temperature: 1.5
-importance_sampling_level: sequence
-loss_type: grpo
-epsilon: 3.0e-4
-epsilon_high: 4.0e-4
-group_transform: min_replace
-"""
-
-
 def test_tiny_end_to_end_writes_summary_and_plot(
     tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "out"
-    recipe = write_recipe(tmp_path, TINY_RUN)
+    recipe = write_recipe(tmp_path, tiny_recipe())
     assert main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]) == 0
     summary = json.loads((out / "dfpo_summary.json").read_text())
     assert summary["steps"] == 2 and summary["method"] == "DFPO min_replace"
@@ -698,7 +671,7 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     from dfpo_trl.app.callbacks import CurveMetricsCallback
 
     out = tmp_path / "out"
-    recipe = write_recipe(tmp_path, TINY_RUN + "eval_size: 2\n")
+    recipe = write_recipe(tmp_path, tiny_recipe(eval_size=2))
     argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]
     assert main([*argv, "--max_steps", "1", "--save_model", "true"]) == 0
     first = json.loads((out / "dfpo_summary.json").read_text())
@@ -750,7 +723,7 @@ def test_sigterm_stops_like_ctrl_c_with_exit_code_143(
     before = signal.getsignal(signal.SIGTERM)
     monkeypatch.setattr(app_train, "CurveMetricsCallback", SigtermAtStep3)
     out = tmp_path / "out"
-    recipe = write_recipe(tmp_path, TINY_RUN + "eval_size: 2\n")
+    recipe = write_recipe(tmp_path, tiny_recipe(eval_size=2))
     code = main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--max_steps", "4"])
     captured = capsys.readouterr()
     assert code == 143 and signal.getsignal(signal.SIGTERM) is before
@@ -774,7 +747,7 @@ def test_sigterm_outside_training_exits_143(tmp_path: Path, capsys: pytest.Captu
         raise AssertionError("SIGTERM did not interrupt")
 
     monkeypatch.setattr(app_train, "resolve_model", loading)
-    recipe = write_recipe(tmp_path, TINY_RUN)
+    recipe = write_recipe(tmp_path, tiny_recipe())
     assert main([recipe, "--output_dir", str(tmp_path / "out")]) == 143
     assert capsys.readouterr().err.strip() == "dfpo-train: stopped by SIGTERM"
 
@@ -833,7 +806,7 @@ def test_a_refusal_leaves_output_dir_as_it_was(
         (out / name).write_bytes(name.encode())
     before = _tree(out)
     _no_model(monkeypatch)  # every refusal comes before the model is looked at
-    recipe = write_recipe(tmp_path, TINY_RUN)
+    recipe = write_recipe(tmp_path, tiny_recipe())
     argv = [recipe, "--output_dir", str(out), *REFUSALS[refusal]]
     assert main(argv) == 2
     _one_error_line(capsys.readouterr().err)
@@ -848,7 +821,7 @@ def test_layout_and_its_cost_are_said_at_start_up(
     in consecutive rows: 8, 8 and 4 rows, 6.67 on average: +74%)."""
     import logging
 
-    recipe = write_recipe(tmp_path, TINY_RUN + "skip_eval: true\nplot: false\n")
+    recipe = write_recipe(tmp_path, tiny_recipe(skip_eval=True, plot=False))
     argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"),
             "--per_device_train_batch_size", "3", "--steps_per_generation", "4", "--max_steps", "1"]
     with caplog.at_level(logging.INFO, logger="dfpo_trl"):
@@ -895,7 +868,7 @@ def test_failing_reward_names_function_and_completion(
         "    return [1.0 / (x % 2) for x in a]  # fails on completions of prompts with an even first operand\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    recipe = write_recipe(tmp_path, TINY_RUN + "reward_funcs: [my_rewards:boom]\nskip_eval: true\nplot: false\n")
+    recipe = write_recipe(tmp_path, tiny_recipe(reward_funcs=["my_rewards:boom"], skip_eval=True, plot=False))
     with pytest.raises(RuntimeError, match=r"reward function 'boom' failed on completion \d+: .*division by zero"):
         main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")])
 
@@ -927,7 +900,7 @@ def test_two_process_run_finishes_and_tears_down_the_process_group(tmp_path: Pat
     from tiny import free_port, spawn_ranks
 
     out = tmp_path / "out"
-    recipe = write_recipe(tmp_path, TINY_RUN + "skip_eval: true\nplot: false\n")
+    recipe = write_recipe(tmp_path, tiny_recipe(skip_eval=True, plot=False))
     argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]
     spawn_ranks(_cli_process, (free_port(), argv, str(tmp_path)), nprocs=2)
     for rank in range(2):
@@ -976,7 +949,7 @@ def test_gradient_checkpointing_flag_parses_on_either_transformers(has_activatio
 
     from trl import TrlParser
 
-    from dfpo_trl.config import gradient_checkpointing_metadata
+    from dfpo_trl.config.fields import gradient_checkpointing_metadata
 
     @dataclasses.dataclass
     class Args:

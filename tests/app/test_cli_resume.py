@@ -4,11 +4,10 @@ held-out accuracy as what it is (docs/cli.md, "Resume")."""
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
-from tiny import save_tiny_chat_model
+from tiny import save_tiny_chat_model, tiny_recipe
 
 from dfpo_trl.app.args import RecipeError
 from dfpo_trl.app.evaluation import BEFORE_KEY
@@ -18,36 +17,13 @@ from dfpo_trl.app.parser import parse_args
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # 4 prompts x G = 4 per rollout, one micro-step per optimizer step, a rollout every 4 steps: step 2 is inside it.
-RUN = """
-use_cpu: true
-bf16: false
-report_to: none
-disable_tqdm: true
-save_strategy: "no"
-seed: 0
-train_size: 16
-eval_size: 4
-eval_max_new_tokens: 4
-eval_batch_size: 4
-num_generations: 4
-per_device_train_batch_size: 4
-steps_per_generation: 4
-max_completion_length: 4
-max_steps: 4
-logging_steps: 1
-learning_rate: 1.0e-2
-temperature: 1.5
-importance_sampling_level: sequence
-loss_type: grpo
-epsilon: 3.0e-4
-epsilon_high: 4.0e-4
-group_transform: min_replace
-"""
+CHANGES = dict(save_model=None, steps_per_generation=4, max_steps=4, learning_rate=1.0e-2)  # to tiny.TINY_RECIPE
+RUN = tiny_recipe(**CHANGES)
 
 
 def write_recipe(tmp_path: Path, text: str = RUN) -> str:
     path = tmp_path / "recipe.yaml"
-    path.write_text(textwrap.dedent(text))
+    path.write_text(text)
     return str(path)
 
 
@@ -62,7 +38,7 @@ def test_save_steps_on_the_command_line_implies_steps(tmp_path: Path) -> None:
         assert (args.save_strategy, args.save_steps) == ("steps", 3)
     _, args, _ = parse_args([recipe, *out])
     assert args.save_strategy == "no"
-    _, args, _ = parse_args([write_recipe(tmp_path, RUN + "save_steps: 3\n"), *out])
+    _, args, _ = parse_args([write_recipe(tmp_path, tiny_recipe(**CHANGES, save_steps=3)), *out])
     assert args.save_strategy == "no"  # the recipe's choice
     _, args, _ = parse_args([recipe, "--save_steps", "3", "--save_strategy", "epoch", *out])
     assert args.save_strategy == "epoch"

@@ -5,13 +5,12 @@ loads."""
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tiny import save_tiny_chat_model, tiny_tokenizer
+from tiny import save_tiny_chat_model, tiny_recipe, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 import dfpo_trl.app.train as app_train
@@ -19,29 +18,8 @@ from dfpo_trl.app.main import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RUN = """
-use_cpu: true
-bf16: false
-report_to: none
-disable_tqdm: true
-save_strategy: "no"
-save_model: false
-skip_eval: true
-seed: 0
-train_size: 8
-num_generations: 4
-per_device_train_batch_size: 4
-steps_per_generation: 2
-max_completion_length: 4
-max_steps: 2
-logging_steps: 1
-learning_rate: 1.0e-3
-importance_sampling_level: sequence
-loss_type: grpo
-epsilon: 0.2
-epsilon_high: 0.28
-group_transform: min_replace
-"""
+RUN = tiny_recipe(skip_eval=True, eval_size=None, eval_max_new_tokens=None, eval_batch_size=None, train_size=8,
+                  temperature=None, epsilon=0.2, epsilon_high=0.28)
 
 
 def save_reward_model(path: Path, tokenizer: bool = True, chat_template: bool = True) -> Path:
@@ -62,7 +40,7 @@ def save_reward_model(path: Path, tokenizer: bool = True, chat_template: bool = 
 
 def write_recipe(tmp_path: Path) -> str:
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(textwrap.dedent(RUN))
+    recipe.write_text(RUN)
     return str(recipe)
 
 

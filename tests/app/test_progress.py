@@ -3,12 +3,11 @@ before the first optimizer step), without changing what is generated."""
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from tiny import tiny_model, tiny_tokenizer
+from tiny import tiny_model, tiny_recipe, tiny_tokenizer
 
 from dfpo_trl.app.progress import DFPOProgressCallback, GenerationProgress
 
@@ -35,33 +34,7 @@ def test_generation_progress_counts_tokens_and_finished_completions_and_leaves_s
     assert [r[0] for r in reports] == sorted(r[0] for r in reports)
 
 
-RUN = """
-use_cpu: true
-bf16: false
-report_to: none
-save_strategy: "no"
-save_model: false
-plot: false
-seed: 0
-train_size: 16
-eval_size: 4
-eval_max_new_tokens: 4
-eval_batch_size: 4
-num_generations: 4
-per_device_train_batch_size: 4
-steps_per_generation: 2
-max_completion_length: 4
-max_steps: 2
-logging_steps: 1
-learning_rate: 1.0e-3
-temperature: 1.5
-importance_sampling_level: sequence
-loss_type: grpo
-epsilon: 3.0e-4
-epsilon_high: 4.0e-4
-group_transform: min_replace
-disable_tqdm: false
-"""
+RUN = tiny_recipe(plot=False, disable_tqdm=False)
 
 
 def test_cli_bar_shows_the_rollouts_generation_only(
@@ -79,7 +52,7 @@ def test_cli_bar_shows_the_rollouts_generation_only(
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(textwrap.dedent(RUN))
+    recipe.write_text(RUN)
 
     shown: list[tuple[int, int, int, int]] = []
     show = DFPOProgressCallback.show_generation
@@ -115,7 +88,7 @@ def test_cli_bar_names_the_heldout_evaluation_along_the_run(
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(textwrap.dedent(RUN).replace("eval_max_new_tokens: 4", "eval_max_new_tokens: 3"))
+    recipe.write_text(tiny_recipe(plot=False, disable_tqdm=False, eval_max_new_tokens=3))
     argv = [str(recipe), "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out"),
             "--eval_every", "1"]  # fmt: skip
     assert main(argv) == 0

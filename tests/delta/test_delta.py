@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tolerance import assert_close_to_rounding
 
-from dfpo_trl.delta import self_normalise, token_weights, token_weights_from_hidden
+import dfpo_trl.delta.weights as delta_weights_module
+from dfpo_trl.delta import (
+    coefficient_options,
+    config_token_weights,
+    self_normalise,
+    token_weights,
+    token_weights_from_hidden,
+)
 
 LMIN, LMAX = 0.8, 1.2
 # Our earlier rules, each one option away from the released code's defaults (docs/delta.md).
@@ -434,6 +442,27 @@ def test_option_validation():
         token_weights(v, adv[:-1], mask)
     with pytest.raises(ValueError):
         token_weights_from_hidden(v, torch.rand(3, 3), adv, mask)
+
+
+def test_a_configs_options_are_checked_once_not_every_rollout(monkeypatch: pytest.MonkeyPatch):
+    """DFPOConfig checks its delta_* fields when it is built; the rollouts' λ (config_token_weights) is
+    token_weights_from_hidden's under those options and runs no check of its own."""
+    hidden, adv, mask = make_batch()
+    probs = torch.rand(mask.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    config = SimpleNamespace(
+        loss_type="dapo", delta_lambda_min=0.7, delta_lambda_max=1.4, delta_refine_steps=2, delta_gamma="mean_abs",
+        delta_gamma_update="current", delta_zero_advantage="one", delta_scope="process", delta_assignment="soft",
+        delta_contrast="within", delta_random=False,
+    )
+    expected = token_weights_from_hidden(hidden, probs, adv, mask, **coefficient_options(config))
+
+    def checked(*_: object, **__: object) -> None:
+        raise AssertionError("a rollout checked the options again")
+
+    monkeypatch.setattr(delta_weights_module, "_check_options", checked)
+    assert torch.equal(config_token_weights(hidden, probs, adv, mask, config), expected)
+    with pytest.raises(AssertionError, match="checked the options again"):
+        token_weights_from_hidden(hidden, probs, adv, mask)  # a direct call still checks its arguments
 
 
 def test_no_grad_through_weights():

@@ -32,8 +32,8 @@ from trl import GRPOConfig, GRPOTrainer
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.groups.ids import consecutive_group_ids
 from dfpo_trl.objectives.cancellation import aggregation_factor, balance_group_weights, gradient_coefficients
-from dfpo_trl.objectives.transforms import get_transform
 from dfpo_trl.objectives.weights import clip_survivors, sequence_log_ratio, sign_aware_post_clip
+from dfpo_trl.transforms import get_transform
 
 pytestmark = pytest.mark.distributed
 WORLD = 2

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import WORDS, tiny_tokenizer
+from tiny import WORDS, tiny_recipe, tiny_tokenizer
 
 from dfpo_trl.app.callbacks import DriftMeterCallback, FormShareReward
 from dfpo_trl.metrics.drift import (
@@ -303,37 +303,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-RUN = """
-use_cpu: true
-bf16: false
-report_to: none
-disable_tqdm: true
-save_strategy: "no"
-save_model: false
-plot: false
-train_size: 16
-eval_size: 4
-eval_max_new_tokens: 4
-eval_batch_size: 4
-num_generations: 4
-per_device_train_batch_size: 4
-steps_per_generation: 2
-max_completion_length: 4
-max_steps: 4
-logging_steps: 1
-importance_sampling_level: sequence
-loss_type: grpo
-epsilon: 3.0e-4
-epsilon_high: 4.0e-4
-group_transform: min_replace
-"""
+RUN = dict(plot=False, seed=None, max_steps=4, learning_rate=None, temperature=None)  # changes to tiny.TINY_RECIPE
 
 
 def test_cli_drift_meter_and_periodic_heldout_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
     from dfpo_trl.app.main import main
 
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RUN + "task: two_forms\ndrift_every: 2\ndrift_size: 3\neval_every: 2\n")
+    recipe.write_text(tiny_recipe(**RUN, task="two_forms", drift_every=2, drift_size=3, eval_every=2))
     out = tmp_path / "out"
     assert main([str(recipe), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]) == 0
     summary = json.loads((out / "dfpo_summary.json").read_text())
@@ -353,10 +330,10 @@ def test_cli_refuses_drift_on_a_task_without_equivalent_forms(
     from dfpo_trl.app.main import main
 
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RUN + "task: arithmetic\ndrift_every: 2\n")
+    recipe.write_text(tiny_recipe(**RUN, task="arithmetic", drift_every=2))
     assert main([str(recipe), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "drift_every=2" in err and "two_forms" in err and "'arithmetic'" in err
-    recipe.write_text(RUN + "task: two_forms\neval_every: -1\n")
+    recipe.write_text(tiny_recipe(**RUN, task="two_forms", eval_every=-1))
     assert main([str(recipe), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "o")]) == 2
     assert "eval_every must be >= 0" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from tiny import shared_prefix_residual
 
 from dfpo_trl.metrics.curves import ema, jitter2, steps_to_threshold
 from dfpo_trl.metrics.mechanism import asym, orth_residual, phi_stats, shared_prefix_mask
-from dfpo_trl.objectives.transforms import get_transform
+from dfpo_trl.transforms import get_transform
 
 # ---------------------------------------------------------------------------------------------------
 # asym, orth_residual, phi_stats

@@ -26,8 +26,8 @@ from dfpo_trl.objectives.cancellation import (
     min_replace_on_subset,
     transform_group_weights,
 )
-from dfpo_trl.objectives.transforms import GROUP_TRANSFORMS, TRANSFORMS, get_transform
 from dfpo_trl.objectives.weights import clip_survivors
+from dfpo_trl.transforms import GROUP_TRANSFORMS, TRANSFORMS, get_transform
 
 # the built-in transforms whose balance condition cancellation_target="gradient" can retarget
 BALANCING_TRANSFORMS = tuple(name for name in GROUP_TRANSFORMS if TRANSFORMS[name].retargetable)

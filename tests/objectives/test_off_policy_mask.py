@@ -29,8 +29,8 @@ from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.groups.ids import WHOLE_GROUPS_KEY, consecutive_group_ids
 from dfpo_trl.groups.prepass import PrePassValues
 from dfpo_trl.objectives.cancellation import aggregation_factor, gradient_coefficients
-from dfpo_trl.objectives.transforms import GROUP_TRANSFORMS, TRANSFORMS
 from dfpo_trl.objectives.weights import loss_mask
+from dfpo_trl.transforms import GROUP_TRANSFORMS, TRANSFORMS
 
 # the built-in transforms whose balance condition cancellation_target="gradient" can retarget
 BALANCING_TRANSFORMS = tuple(name for name in GROUP_TRANSFORMS if TRANSFORMS[name].retargetable)

@@ -28,7 +28,7 @@ from tiny import addition_dataset, base_args, tiny_model, tiny_tokenizer
 from tolerance import assert_close_to_rounding
 
 from dfpo_trl import DFPOConfig
-from dfpo_trl.trl_hooks.step_reward import ROW_REWARD_KEY
+from dfpo_trl.metrics.step_reward import ROW_REWARD_KEY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

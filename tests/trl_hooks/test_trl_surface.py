@@ -15,7 +15,7 @@ from tiny import base_args
 from trl import GRPOConfig
 
 from dfpo_trl import DFPOConfig
-from dfpo_trl.config import HAS_ACTIVATION_CHECKPOINTING
+from dfpo_trl.config.fields import HAS_ACTIVATION_CHECKPOINTING
 
 ROOT = Path(__file__).resolve().parents[2]
 # The one inherited field DFPOConfig redeclares (docs/decisions.md, "TRL features on top"), on every transformers: its
@@ -119,7 +119,7 @@ def test_peft_extra_starts_at_or_above_trls() -> None:
 
 @pytest.mark.parametrize("loss_type", ["cispo", "sapo", "vespo"])
 def test_loss_types_without_the_clipped_surrogate_are_refused_with_a_transform(loss_type: str) -> None:
-    from dfpo_trl.options import CLIPPED_LOSS_TYPES
+    from dfpo_trl.config.options import CLIPPED_LOSS_TYPES
 
     assert loss_type not in CLIPPED_LOSS_TYPES
     with pytest.raises(ValueError, match=rf"loss_type='{loss_type}' does not use.*Set loss_type to one of"):

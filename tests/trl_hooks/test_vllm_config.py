@@ -17,7 +17,7 @@ from tiny import base_args, capturing, hand_batch, loss_and_grads, make_trainer,
 from tolerance import assert_close_to_rounding
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.objectives.transforms import GROUP_TRANSFORMS
+from dfpo_trl.transforms import GROUP_TRANSFORMS
 from dfpo_trl.trl_hooks.compat import trl_runs_old_logps_forward
 
 SEQ = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.2, epsilon_high=0.28)

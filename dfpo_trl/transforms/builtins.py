@@ -19,7 +19,7 @@ Numerics, shared by all group transforms except ``none``:
   advantages (1e30, or +-Inf) cannot overflow ``‖Â‖²``. Groups whose max ``|Â_i|`` is at most the
   compute dtype's ``tiny`` count as "no advantage" (all-zero).
 
-The registry that names them, with the properties the objective reads, is :mod:`dfpo_trl.objectives.transforms`.
+The registry that names them, with the properties the objective reads, is :mod:`dfpo_trl.transforms`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests of dfpo_trl.objectives.transform_math and transforms (and s, s̄ of dfpo_trl.objectives.weights) against
+"""Tests of dfpo_trl.transforms.builtins and transforms (and s, s̄ of dfpo_trl.objectives.weights) against
 the equations of arXiv 2604.13088 (Appendix B) and docs/design.md."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import torch
 from scipy.optimize import minimize
 from tolerance import assert_close_to_rounding
 
-import dfpo_trl.objectives.transform_math as transforms_module
-from dfpo_trl.objectives.transforms import (
+import dfpo_trl.transforms.builtins as transforms_module
+from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
+from dfpo_trl.transforms import (
     GROUP_TRANSFORMS,
     W_MAX,
     get_transform,
@@ -22,7 +23,6 @@ from dfpo_trl.objectives.transforms import (
     scale,
     truncate_rebalance,
 )
-from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
 
 ORTHOGONAL_TRANSFORMS = ("min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance")
 

@@ -17,14 +17,14 @@ from tolerance import assert_close_to_rounding
 import dfpo_trl
 from dfpo_trl import DFPOConfig, DFPOTrainer, register_transform, registered_transforms, unregister_transform
 from dfpo_trl.objectives.plan import ObjectivePlan
-from dfpo_trl.objectives.transform_probe import probe_problem
-from dfpo_trl.objectives.transforms import (
-    _BUILTINS,
+from dfpo_trl.transforms import (
     GROUP_TRANSFORMS,
     TRANSFORMS,
     get_transform,
     min_replace_on_subset,
 )
+from dfpo_trl.transforms.probe import probe_problem
+from dfpo_trl.transforms.registry import _BUILTINS
 
 pytestmark = pytest.mark.usefixtures("one_thread", "clean_registry")
 

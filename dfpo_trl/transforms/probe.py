@@ -1,4 +1,4 @@
-"""The check :func:`~dfpo_trl.objectives.transforms.register_transform` runs on a new transform: its function on a
+"""The check :func:`~dfpo_trl.transforms.register_transform` runs on a new transform: its function on a
 few fixed groups like those training meets (the all-zero-advantage group included), against the properties it
 declares (shape, finite values, non-negative weights, its balance condition within a relative tolerance). A first
 look, not a proof; the residual metrics watch the rest (docs/extending.md).
@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .transform_entry import BALANCE_EQUAL, BALANCE_ZERO_SUM, GroupTransform
+from .entry import BALANCE_EQUAL, BALANCE_ZERO_SUM, GroupTransform
 
 __all__ = ["probe_problem"]
 

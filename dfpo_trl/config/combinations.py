@@ -1,4 +1,4 @@
-"""The rules between ``DFPOConfig``'s fields, checked after every field's own rule (:mod:`dfpo_trl.config_checks`):
+"""The rules between ``DFPOConfig``'s fields, checked after every field's own rule (:mod:`dfpo_trl.config.checks`):
 what a transform, the gradient target, GRPO-fix, DelTA and TRL's options need of each other. The first rule broken
 raises, naming the fields and the fix.
 """
@@ -12,7 +12,7 @@ from .method import method_in_use
 from .options import CLIPPED_LOSS_TYPES, DELTA_LOSS_TYPES, TOKEN_LEVEL_CLIPPED_LOSS_TYPES
 from .rules import quoted
 
-DFPOConfig = Any  # the config being built: these rules read its fields (dfpo_trl.config imports this module)
+DFPOConfig = Any  # the config being built: these rules read its fields (config/fields.py imports this module)
 
 __all__ = ["check_combinations", "check_sequence_options"]
 
@@ -50,7 +50,7 @@ def _cancellation(config: DFPOConfig) -> None:
                 "cancellation_target='gradient' or leave cancellation_one_sided='keep'."
             )
         return
-    from .objectives.transforms import get_transform, not_retargetable  # the registry imports torch
+    from ..transforms import get_transform, not_retargetable  # the registry imports torch
 
     transform = get_transform(config.group_transform)
     if not transform.retargetable:
@@ -124,7 +124,7 @@ def _symmetric_clip(config: DFPOConfig) -> None:
 
 def _old_logps_rewrite(config: DFPOConfig) -> None:
     """Options that hand TRL rewritten old log-probs: nothing else of TRL's may read them."""
-    from .objectives.transforms import get_transform  # the registry imports torch
+    from ..transforms import get_transform  # the registry imports torch
 
     # A transform whose weights may go negative (Orth-Proj) under the gradient target hands TRL the score
     # representation for rows whose weight flips sign.
@@ -154,7 +154,7 @@ def _off_policy_mask(config: DFPOConfig) -> None:
     gradient target folds it into the balance (docs/cancellation.md, "TRL's off-policy mask")."""
     if config.off_policy_mask_threshold is None or config.cancellation_target == "gradient":
         return
-    from .objectives.transforms import get_transform  # the registry imports torch
+    from ..transforms import get_transform  # the registry imports torch
 
     if get_transform(config.group_transform).balances:  # a built-in or registered transform with a balance
         raise ValueError(

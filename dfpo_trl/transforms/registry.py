@@ -4,7 +4,7 @@ Each entry (:class:`GroupTransform`) carries the properties the objective, the c
 its balance condition (:data:`BALANCE_CONDITIONS`), whether its weights stay non-negative, and its balanced form on
 the clip survivors for ``cancellation_target="gradient"``. The built-ins' math, with the numerics every transform
 shares (sanitised weights, advantages scaled by the group's max, float32 or float64, w's dtype out), is in
-:mod:`dfpo_trl.objectives.transform_math`, re-exported here; a registered function gets the same numerics around it
+:mod:`dfpo_trl.transforms.builtins`, re-exported here; a registered function gets the same numerics around it
 (docs/extending.md).
 """
 
@@ -16,16 +16,7 @@ from typing import Any
 import torch
 
 from ..precision import compute_dtype as _compute_dtype
-from .transform_entry import (
-    BALANCE_CONDITIONS,
-    BALANCE_EQUAL,
-    BALANCE_NONE,
-    BALANCE_ZERO_SUM,
-    GroupFunction,
-    GroupTransform,
-    SubsetBalance,
-)
-from .transform_math import (
+from .builtins import (
     W_MAX,
     _check_groups,
     _sanitize_weights,
@@ -37,7 +28,16 @@ from .transform_math import (
     scale,
     truncate_rebalance,
 )
-from .transform_probe import probe_problem
+from .entry import (
+    BALANCE_CONDITIONS,
+    BALANCE_EQUAL,
+    BALANCE_NONE,
+    BALANCE_ZERO_SUM,
+    GroupFunction,
+    GroupTransform,
+    SubsetBalance,
+)
+from .probe import probe_problem
 
 __all__ = [
     "BALANCE_CONDITIONS",

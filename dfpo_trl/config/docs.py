@@ -1,7 +1,7 @@
 """The README's table of DFPOConfig's DFPO fields, rendered from each field's ``metadata["help"]``.
 
-``python -m dfpo_trl.config_docs`` writes the table into README.md; ``--check`` exits 1 when README.md holds
-another one (tests/test_config.py checks the same).
+``python -m dfpo_trl.config.docs`` writes the table into README.md; ``--check`` exits 1 when README.md holds
+another one (tests/config/test_config.py checks the same).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import re
 import sys
 from pathlib import Path
 
-from .config import dfpo_fields, render_default, split_help
+from .fields import dfpo_fields, render_default, split_help
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 # The table sits between this heading and this sentence of README.md.
 HEADING = "### DFPO fields of `DFPOConfig`\n\n"
 AFTER = "\n\nEvery other field is TRL's `GRPOConfig`, unchanged."
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     wanted = readme_with_table(text)
     if "--check" in argv:
         if wanted != text:
-            print(f"{README}: the DFPO field table differs from the fields' help; run python -m dfpo_trl.config_docs")
+            print(f"{README}: the DFPO field table differs from the fields' help; run python -m dfpo_trl.config.docs")
             return 1
         return 0
     README.write_text(wanted, encoding="utf-8")

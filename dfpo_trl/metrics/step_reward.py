@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..metrics.store import MetricStore
+from .store import MetricStore
 
 __all__ = ["ROW_REWARD_KEY", "STEP_REWARD_METRIC", "attach_row_rewards", "log_step_reward", "row_rewards"]
 

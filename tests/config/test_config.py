@@ -107,7 +107,7 @@ def test_in_range_edges_are_accepted():
 def test_checkpointing_default_on_and_either_name_without_a_deprecation_warning(recwarn):
     assert config().gradient_checkpointing is True
     assert config(gradient_checkpointing=False).gradient_checkpointing is False
-    from dfpo_trl.config import HAS_ACTIVATION_CHECKPOINTING
+    from dfpo_trl.config.fields import HAS_ACTIVATION_CHECKPOINTING
 
     if HAS_ACTIVATION_CHECKPOINTING:
         off = config(activation_checkpointing=False)
@@ -116,14 +116,14 @@ def test_checkpointing_default_on_and_either_name_without_a_deprecation_warning(
 
 
 def test_every_builtin_transform_is_validated_and_documented():
-    """One registry (dfpo_trl.objectives.transforms.TRANSFORMS) feeds config validation, the trainer and the docs: every
+    """One registry (dfpo_trl.transforms.TRANSFORMS) feeds config validation, the trainer and the docs: every
     built-in name is accepted by DFPOConfig and listed in its docstring and in the README's field table (registered
-    ones: tests/objectives/test_register_transform.py)."""
+    ones: tests/transforms/test_register_transform.py)."""
     from pathlib import Path
 
-    from dfpo_trl.objectives.transforms import GROUP_TRANSFORMS
+    from dfpo_trl.transforms import GROUP_TRANSFORMS
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `group_transform` |"))
     docstring = DFPOConfig.__doc__.split("group_transform (")[1].split("transform_scale (")[0]
     for name in GROUP_TRANSFORMS:
@@ -210,7 +210,7 @@ def test_truncate_floor_must_stay_below_the_on_policy_weight():
     config share the range, so the math refuses such a floor; s⁺ = max(s̄, 1) is what it would compute."""
     import torch
 
-    from dfpo_trl.objectives.transforms import truncate_rebalance
+    from dfpo_trl.transforms import truncate_rebalance
 
     w = torch.tensor([[0.97, 1.0, 1.02, 0.99]], dtype=torch.float64)
     advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5]], dtype=torch.float64)
@@ -226,8 +226,8 @@ def test_truncate_floor_must_stay_below_the_on_policy_weight():
 def test_each_field_has_one_rule_and_its_message_names_the_field_rule_and_fix():
     from dataclasses import fields
 
-    from dfpo_trl.config import dfpo_fields
-    from dfpo_trl.config_checks import FIELD_RULES
+    from dfpo_trl.config.checks import FIELD_RULES
+    from dfpo_trl.config.fields import dfpo_fields
 
     names = [rule.field for rule in FIELD_RULES]
     assert len(names) == len(set(names))
@@ -250,9 +250,9 @@ def test_each_dfpo_field_is_documented_once_in_its_help_with_a_source():
     import re
     from pathlib import Path
 
-    from dfpo_trl.config import dfpo_fields, split_help
+    from dfpo_trl.config.fields import dfpo_fields, split_help
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for spec in dfpo_fields():
         meaning, source = split_help(spec)
         assert meaning and source and "Source:" not in meaning, spec.name
@@ -264,7 +264,7 @@ def test_each_dfpo_field_is_documented_once_in_its_help_with_a_source():
 def test_class_docstring_is_generated_from_the_help():
     from trl import TrlParser
 
-    from dfpo_trl.config import dfpo_fields, parameters_section
+    from dfpo_trl.config.fields import dfpo_fields, parameters_section
 
     TrlParser((DFPOConfig,))  # rewrites each Field.type (int | None becomes int); the docstring must not follow
     assert DFPOConfig.__doc__.endswith(parameters_section())
@@ -276,10 +276,10 @@ def test_class_docstring_is_generated_from_the_help():
 
 
 def test_readme_field_table_is_the_fields_help():
-    """README.md's "DFPO fields of DFPOConfig" table is what `python -m dfpo_trl.config_docs` writes; after a help
+    """README.md's "DFPO fields of DFPOConfig" table is what `python -m dfpo_trl.config.docs` writes; after a help
     changes, this fails until the table is written again."""
-    from dfpo_trl import config_docs
-    from dfpo_trl.config import dfpo_fields
+    from dfpo_trl.config import docs as config_docs
+    from dfpo_trl.config.fields import dfpo_fields
 
     readme = config_docs.README.read_text(encoding="utf-8")
     assert config_docs.readme_with_table(readme) == readme

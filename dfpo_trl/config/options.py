@@ -3,7 +3,7 @@
 Each closed option is a ``typing.Literal``: ``DFPOConfig`` annotates its field with it (TRL's argument parser, i.e.
 transformers' ``HfArgumentParser``, turns it into argparse ``choices``), the field checks and the math read the
 tuple of its values from here, and the help lists them. Values stay plain strings, as users write them in a recipe
-or on the command line. ``group_transform`` is open (the transform registry, :mod:`dfpo_trl.objectives.transforms`,
+or on the command line. ``group_transform`` is open (the transform registry, :mod:`dfpo_trl.transforms`,
 owns its names) and ``delta_gamma`` also takes a number, so neither is a Literal.
 
 :data:`LOSS_TYPES` is the one table of TRL's loss types DFPO can rewrite: all of them are the clipped surrogate
@@ -32,6 +32,9 @@ __all__ = [
     "GAMMA_RULES",
     "GAMMA_UPDATES",
     "GROUP_LAYOUTS",
+    "GROUP_LAYOUT_AUTO",
+    "GROUP_LAYOUT_PRE_PASS",
+    "GROUP_LAYOUT_REDISTRIBUTED",
     "LOSS_TYPES",
     "NO_TRANSFORM",
     "ONE_SIDED_POLICIES",
@@ -74,6 +77,8 @@ TRANSFORM_GRADIENTS: tuple[str, ...] = get_args(TransformGradient)
 CANCELLATION_TARGETS: tuple[str, ...] = get_args(CancellationTarget)
 ONE_SIDED_POLICIES: tuple[str, ...] = get_args(OneSidedPolicy)
 GROUP_LAYOUTS: tuple[str, ...] = get_args(GroupLayout)
+#: group_layout's values by name, unpacked from the Literal so that each is spelled once (groups/choice.py reads them)
+GROUP_LAYOUT_AUTO, GROUP_LAYOUT_REDISTRIBUTED, GROUP_LAYOUT_PRE_PASS = GROUP_LAYOUTS
 ENERGY_FORMS: tuple[str, ...] = get_args(EnergyForm)
 TOKEN_WEIGHTINGS: tuple[str, ...] = get_args(TokenWeighting)
 GAMMA_RULES: tuple[str, ...] = get_args(GammaRule)

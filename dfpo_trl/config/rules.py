@@ -1,6 +1,7 @@
 """The shape of a validation rule (:class:`FieldRule`) and its small predicates, shared by the modules that own a
-field's rule: :mod:`dfpo_trl.config_checks` (TRL's and DFPO's fields) and :mod:`dfpo_trl.delta.weights` (DelTA's).
-It imports nothing from ``dfpo_trl``, so both can use it without importing each other.
+field's rule: :mod:`dfpo_trl.config.checks` (DFPO's fields), :mod:`dfpo_trl.config.trl_field_rules` (TRL's) and
+:mod:`dfpo_trl.config.delta_rules` (DelTA's). Standard library only, like those two: ``dfpo-train`` reads them before
+it imports torch.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A DFPO field's help is its one documentation: what it means, then ``Source:`` (a DFPO paper equation, DelTA, or
 the docs/ page); its default is the field's own. The class docstring is generated from them below, the README's
-field table by ``python -m dfpo_trl.config_docs``; the rules a value must meet live in ``config_checks``
-(each field) and ``config_combinations`` (between fields).
+field table by ``python -m dfpo_trl.config.docs``; the rules a value must meet live in :mod:`.checks` (each field)
+and :mod:`.combinations` (between fields).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
-from .config_checks import check_fields
-from .config_combinations import check_combinations
-from .delta.weights import read_gamma
+from ..transforms import GROUP_TRANSFORMS, TRANSFORMS
+from .checks import check_fields
+from .combinations import check_combinations
+from .delta_rules import read_gamma
 from .method import method_in_use
-from .objectives.transforms import GROUP_TRANSFORMS, TRANSFORMS
 from .options import (
     Assignment,
     CancellationTarget,

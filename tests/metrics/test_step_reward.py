@@ -6,7 +6,7 @@ import pytest
 from tiny import make_trainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.trl_hooks.step_reward import STEP_REWARD_METRIC
+from dfpo_trl.metrics.step_reward import STEP_REWARD_METRIC
 
 
 @pytest.mark.parametrize("transform", ["none", "min_replace"])

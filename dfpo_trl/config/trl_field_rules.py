@@ -2,7 +2,7 @@
 ``FIELD_RULES``): TRL and transformers accept many bad values silently (a negative clip range, a zero temperature)
 and fail, if at all, minutes later inside a rollout or the loss.
 
-Standard library only (like :mod:`dfpo_trl.rules`): ``dfpo-train`` checks a command line's values against these
+Standard library only (like :mod:`dfpo_trl.config.rules`): ``dfpo-train`` checks a command line's values against these
 rules before it imports torch, transformers and TRL (``dfpo_trl/app/values.py``), so a bad value costs a second.
 """
 

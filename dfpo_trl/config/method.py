@@ -1,5 +1,6 @@
 """Which method a ``DFPOConfig`` trains with, described once: the config's checks and properties, the objective's
-plan, the run summary and the model card all read :func:`method_in_use` (it imports only :mod:`dfpo_trl.options`).
+plan, the run summary and the model card all read :func:`method_in_use` (it imports only
+:mod:`dfpo_trl.config.options`).
 """
 
 from __future__ import annotations

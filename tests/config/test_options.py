@@ -1,5 +1,5 @@
-"""dfpo_trl.options and dfpo_trl.method: each option's values defined once and used by the parser, the checks and
-the math; one loss-type table; one description of the method in use."""
+"""dfpo_trl.config.options and dfpo_trl.config.method: each option's values defined once and used by the parser, the
+checks and the math; one loss-type table; one description of the method in use."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from dfpo_trl import options
 from dfpo_trl.config import DFPOConfig
+from dfpo_trl.config.method import method_in_use
 from dfpo_trl.delta.rollout import normalisation_domain
-from dfpo_trl.method import method_in_use
 from dfpo_trl.objectives.cancellation import aggregation_factor
 from tests.tiny import base_args
 

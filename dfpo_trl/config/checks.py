@@ -1,5 +1,5 @@
 """Validation of each ``DFPOConfig`` field on its own: one rule per field (``FIELD_RULES``); the rules between
-fields, checked after these, are in :mod:`dfpo_trl.config_combinations`.
+fields, checked after these, are in :mod:`dfpo_trl.config.combinations`.
 
 Every message names the field, the rule and the fix. TRL and transformers accept many bad values silently (a
 negative clip range, a zero temperature) and fail, if at all, minutes later inside a rollout or the loss, so the
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .delta.weights import DELTA_RULES
-from .objectives.transform_math import (
+from ..transforms import TRANSFORMS, registered_transforms
+from ..transforms.builtins import (
     SCALE_FACTOR_FIX,
     SCALE_FACTOR_RULE,
     TRUNCATE_FLOOR_FIX,
@@ -19,7 +19,7 @@ from .objectives.transform_math import (
     valid_scale_factor,
     valid_truncate_floor,
 )
-from .objectives.transforms import TRANSFORMS, registered_transforms
+from .delta_rules import DELTA_RULES
 from .options import (
     CANCELLATION_TARGETS,
     ENERGY_FORMS,
@@ -48,7 +48,7 @@ def _transform_fix(_value: Any, _config: Any) -> str:
 
 
 FIELD_RULES: tuple[FieldRule, ...] = (
-    *TRL_FIELD_RULES,  # TRL's fields that DFPO relies on (dfpo_trl.trl_field_rules: no torch, the CLI's fast path)
+    *TRL_FIELD_RULES,  # TRL's fields that DFPO relies on (trl_field_rules: no torch, the CLI's fast path)
     # ---- DFPO's fields, in declaration order
     FieldRule("group_transform", registered_transform, "is not a DFPO transform", _transform_fix),
     FieldRule("transform_scale", lambda v, _: valid_scale_factor(v), SCALE_FACTOR_RULE, SCALE_FACTOR_FIX),
@@ -87,7 +87,7 @@ FIELD_RULES: tuple[FieldRule, ...] = (
 
 def check_fields(config: Any) -> None:
     """Every field's rule, all problems reported at once (the rules between fields come after, in
-    :mod:`dfpo_trl.config_combinations`)."""
+    :mod:`dfpo_trl.config.combinations`)."""
     found = problems(FIELD_RULES, config)
     if found:
         raise ValueError("invalid value(s): " + " | ".join(found) + ".")

@@ -1,7 +1,7 @@
 """What one entry of the transform registry is (:class:`GroupTransform`) and the balance conditions it may declare.
 
-Below both the registry (:mod:`dfpo_trl.objectives.transforms`, which re-exports these names) and the check it runs
-on a new entry (:mod:`dfpo_trl.objectives.transform_probe`), so neither imports the other's module to read them.
+Below both the registry (:mod:`dfpo_trl.transforms`, which re-exports these names) and the check it runs
+on a new entry (:mod:`dfpo_trl.transforms.probe`), so neither imports the other's module to read them.
 """
 
 from __future__ import annotations

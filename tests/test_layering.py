@@ -1,0 +1,170 @@
+"""The package's import graph, read from the source with ``ast``: no circle between its packages, and the
+configuration at the bottom (``dfpo_trl/__init__.py``'s docstring declares the layers).
+
+A "package" here is a top-level subpackage of ``dfpo_trl`` (``objectives``, ``config``, ...) or a top-level module
+(``trainer``, ``precision``, ...); ``dfpo_trl/__init__.py`` itself is left out (it names the public names of every
+layer). Every ``import``/``from ... import`` counts, also one inside a function: a lazy import still ties the two
+packages together, it only moves the moment it runs. The exception is an import under ``if TYPE_CHECKING:``, which
+never runs and only names a type for the type checker.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dfpo_trl"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(nodes: list[ast.AST]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in ``nodes``, at any depth, except those under ``if TYPE_CHECKING:``."""
+    for node in nodes:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _imports(node.orelse)  # the else branch runs
+        else:
+            yield from _imports(list(ast.iter_child_nodes(node)))
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
+    """The absolute dotted names an import statement reads (``from . import x`` reads ``pkg.x``)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level == 0:
+        base = node.module or ""
+    else:
+        here = module.split(".") if is_package else module.split(".")[:-1]
+        here = here[: len(here) - (node.level - 1)]
+        base = ".".join(here + ([node.module] if node.module else []))
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
+
+
+def package_of(dotted: str, root: Path = PACKAGE) -> str | None:
+    """The top-level subpackage or module of ``root`` (``dfpo_trl``) a dotted name lies in (None: outside, or the
+    root itself)."""
+    parts = dotted.split(".")
+    if parts[0] != root.name or len(parts) < 2:
+        return None
+    name = parts[1]
+    if (root / name).is_dir() or (root / f"{name}.py").is_file():
+        return name
+    return None  # ``from dfpo_trl import __version__``: a name of the root itself, no package
+
+
+def package_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import (lazy imports included, TYPE_CHECKING ones not)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        source = package_of(module, root)
+        if source is None:
+            continue
+        edges = graph.setdefault(source, set())
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in _imports(tree.body):
+            for target in _targets(node, module, path.name == "__init__.py"):
+                other = package_of(target, root)
+                if other is not None and other != source:
+                    edges.add(other)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one package (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def simple_cycles(graph: dict[str, set[str]]) -> int:
+    """How many elementary circles the package graph holds (each counted once, from its smallest package)."""
+    count = 0
+    nodes = sorted(graph)
+
+    def walk(start: str, node: str, seen: set[str]) -> None:
+        nonlocal count
+        for other in graph.get(node, ()):
+            if other == start:
+                count += 1
+            elif other > start and other not in seen:
+                walk(start, other, seen | {other})
+
+    for start in nodes:
+        walk(start, start, {start})
+    return count
+
+
+def test_the_checker_sees_a_circle_and_a_lazy_import(tmp_path: Path) -> None:
+    """The checker itself: a lazy import makes a circle, one under TYPE_CHECKING does not."""
+    root = tmp_path / "dfpo_trl"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "__init__.py").write_text("from ..b import x\n")
+    (root / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import y\n"
+        "def f():\n    from .a import z\n"
+    )
+    (root / "c.py").write_text("import dfpo_trl.a.inner\n")
+    graph = package_graph(root)
+    assert graph == {"a": {"b"}, "b": {"a"}, "c": {"a"}}
+    assert circles(graph) == [["a", "b"]]
+    assert simple_cycles(graph) == 1
+
+
+def test_no_circle_between_packages() -> None:
+    found = circles(package_graph())
+    assert not found, f"package-level import circles ({simple_cycles(package_graph())} elementary): {found}"
+
+
+#: The bottom of the graph, lowest first: each imports only the ones before it. The transform registry sits below the
+#: config because the config checks ``group_transform`` against it (and lists the built-ins in the field's help).
+BOTTOM = ("precision", "transforms", "config")
+
+
+def test_config_is_at_the_bottom() -> None:
+    """The configuration imports no package above it: the math packages read its options and rules, never the
+    reverse; below it only the transform registry and the compute dtype, which import nothing else."""
+    graph = package_graph()
+    for i, name in enumerate(BOTTOM):
+        assert graph[name] <= set(BOTTOM[:i]), f"{name} imports {sorted(graph[name] - set(BOTTOM[:i]))}"
