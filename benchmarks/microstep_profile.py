@@ -218,7 +218,7 @@ def profile_labels() -> list[Label]:
     from trl import GRPOTrainer
 
     import dfpo_trl.trainer as dt
-    from dfpo_trl.groups.layout import GroupLayout
+    from dfpo_trl.groups.layout import GroupDelivery
     from dfpo_trl.metrics.store import MetricStore
 
     trl_methods = ("training_step", "_prepare_inputs", "_compute_loss", "_get_per_token_logps_and_entropies", "log")
@@ -235,7 +235,7 @@ def profile_labels() -> list[Label]:
     labels += [
         Label(dt, "watch_token_coefficients", "watch_token_coefficients", True, hooked_tensor_arg=2),
         Label(dt, "watch_gradient_energy", "watch_gradient_energy", True, hooked_tensor_arg=2),
-        Label(GroupLayout, "whole_groups", "layout.whole_groups", True),
+        Label(GroupDelivery, "whole_groups", "layout.whole_groups", True),
         Label(MetricStore, "_add", "metric_store.add", True),
     ]
     return [label for label in labels if label.attribute in vars(label.owner)]
