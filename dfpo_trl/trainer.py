@@ -1,21 +1,17 @@
 """``DFPOTrainer``: TRL's ``GRPOTrainer`` with DFPO's objectives, wired into TRL's hooks and nothing else.
 
-Built from the config in ``__init__``: the :class:`~dfpo_trl.objectives.plan.ObjectivePlan` (the objective, every
-config string read once), the run's shape (:class:`~dfpo_trl.groups.shape.RunShape`), the
-:class:`~dfpo_trl.groups.layout.GroupDelivery` (the chosen group layout, which delivers each micro-batch's whole
-groups) and, in the pre-pass layout, the :class:`~dfpo_trl.groups.prepass.PrePass`, the
-:class:`~dfpo_trl.metrics.store.MetricStore` (the only path of DFPO's metrics into TRL's logs), the DelTA component
-(:class:`~dfpo_trl.delta.weighting.DeltaWeighting`, None when off) and the per-step reward
-(:mod:`dfpo_trl.trl_hooks.step_reward`). TRL's own ``_compute_loss`` runs unchanged: right after its policy forward,
-one call (:func:`~dfpo_trl.objectives.step.micro_step_objective`) turns the advantages and old log-probs TRL reads
-next into DFPO's objective, and :func:`~dfpo_trl.metrics.objective.log_micro_step` logs the metrics from its return
-value (docs/README.md, "How a micro-step flows"). Every touch point is declared and checked at import in
-:mod:`dfpo_trl.trl_hooks.compat`.
+``__init__`` builds the parts from the config: the :class:`~dfpo_trl.objectives.plan.ObjectivePlan`, the run's
+:class:`~dfpo_trl.groups.shape.RunShape`, the :class:`~dfpo_trl.groups.layout.GroupDelivery` (the chosen group
+layout), the :class:`~dfpo_trl.groups.prepass.PrePass` (pre-pass layout), the
+:class:`~dfpo_trl.metrics.store.MetricStore` and DelTA's :class:`~dfpo_trl.delta.weighting.DeltaWeighting`. TRL's
+``_compute_loss`` runs unchanged: right after its policy forward, one call
+(:func:`~dfpo_trl.objectives.step.micro_step_objective`) turns the inputs TRL reads next into DFPO's objective, and
+:func:`~dfpo_trl.metrics.objective.log_micro_step` logs its return value (docs/README.md, "How a micro-step flows").
+Every touch point is declared and checked at import in :mod:`dfpo_trl.trl_hooks.compat`.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from collections.abc import Iterator
@@ -24,17 +20,15 @@ from functools import partial
 from typing import Any
 
 import torch
-import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from .config import DFPOConfig
 from .delta.rollout import DELTA_WEIGHTS_KEY
 from .delta.weighting import DeltaWeighting
 from .groups.choice import LAYOUT_PRE_PASS, choose_layout, describe_layout, refuse_multimodal_model
 from .groups.layout import GroupDelivery
 from .groups.prepass import PrePass, attach_pre_pass
-from .groups.shape import RunShape
+from .groups.shape import run_shape
 from .metrics.clip import CLIP_RATIO_METRICS
 from .metrics.hooks import energy_capture, watch_gradient_energy, watch_token_coefficients
 from .metrics.objective import log_micro_step, log_pre_pass
@@ -44,10 +38,10 @@ from .objectives.step import TRLLoss, WholeGroups, micro_step_objective
 from .objectives.weights import loss_mask
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
-    SUPPORTED_TRL_TEXT,
-    TRLCompatibilityError,
     applied_is_ratio,
     applies_is_ratio,
+    bind_call,
+    check_rewrite_ran,
     check_trainer_attributes,
     disable_gradient_checkpointing,
     generate_every,
@@ -60,8 +54,8 @@ from .trl_hooks.compat import (
 )
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
-from .trl_hooks.pending import PendingCall, default_config
-from .trl_hooks.resume import load_rollout_state, replay_sampler_epochs, save_rollout_state, tied_missing_keys
+from .trl_hooks.pending import PendingCall, trainer_config
+from .trl_hooks.resume import load_rollout_state, replay_sampler_epochs, save_rollout_state, without_tied_keys
 from .trl_hooks.step_reward import attach_row_rewards, log_step_reward, row_rewards
 
 logger = logging.getLogger(__name__)
@@ -77,17 +71,8 @@ class DFPOTrainer(GRPOTrainer):
     _paper = DFPO_PAPER
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
-        arguments.pop("self")
-        config = arguments.get("args")
-        if config is None:
-            config = default_config(arguments["model"])
-        elif not isinstance(config, DFPOConfig):
-            raise TypeError(
-                f"DFPOTrainer needs args=DFPOConfig(...), got {type(config).__name__}; DFPOConfig takes every "
-                "GRPOConfig field plus the DFPO ones."
-            )
-        arguments["args"] = config
+        arguments = bind_call("__init__", *args, **kwargs)
+        arguments["args"] = config = trainer_config(arguments.get("args"), arguments["model"])
         # Before TRL's __init__, which tags the model with _tag_names (a hub push carries the model's tags).
         self._tag_names = card_tags(config.token_weighting)
         super().__init__(**arguments)
@@ -99,7 +84,7 @@ class DFPOTrainer(GRPOTrainer):
         if self.plan.form.grpo_fix:
             self.epsilon_low = 1.0  # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): eq. 79's lower bound
         self.dfpo_metrics = MetricStore()  # device tensors until a logging step
-        shape = self.run_shape()
+        shape = run_shape(self)
         name = choose_layout(self.args, shape.num_processes)
         refuse_multimodal_model(name, self.plan.active_options, self.accelerator.unwrap_model(self.model),
                                 self.processing_class)
@@ -119,17 +104,6 @@ class DFPOTrainer(GRPOTrainer):
         super().create_model_card(*args, **kwargs)
         if DELTA_TAG in self._tag_names and self.is_world_process_zero():
             add_delta_to_card(os.path.join(self.args.output_dir, "README.md"))
-
-    def run_shape(self) -> RunShape:
-        """The run's shape as the group layout, the pre-pass and DelTA read it (groups/shape.py)."""
-        args, accelerator = self.args, self.accelerator
-        return RunShape(
-            num_generations=self.num_generations, num_generations_eval=self.num_generations_eval,
-            per_device_batch=args.per_device_train_batch_size, steps_per_generation=args.steps_per_generation,
-            gradient_accumulation_steps=args.gradient_accumulation_steps, generate_every=generate_every(self),
-            seed=args.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes,
-            prepass_batch_size=args.prepass_batch_size or 4 * args.per_device_train_batch_size,
-        )
 
     @property
     def group_layout(self) -> str:
@@ -161,11 +135,8 @@ class DFPOTrainer(GRPOTrainer):
         with self._expecting(PendingCall(on_forward, self.model)) as call:
             output = super()._generate_and_score_completions(inputs)
         if weigh:
-            every = max(1, int(getattr(self.state, "logging_steps", 0) or self.args.logging_steps or 1))
-            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-            self.delta_weighting.weigh(output, capture if capture is not None and capture.done else
-                             self.capture_hidden_states(output), loss_mask(output), int(self.state.global_step), every,
-                             lambda i: tokenizer.decode([i]))
+            hidden = capture if capture is not None and capture.done else self.capture_hidden_states(output)
+            self.delta_weighting.weigh(output, hidden, loss_mask(output), self.state, self.processing_class)
         attach_row_rewards(output, call.rewards, self.accelerator.process_index)
         self.layout.add_ids(output, "train" if self.model.training else "eval")
         return output
@@ -193,7 +164,8 @@ class DFPOTrainer(GRPOTrainer):
         return capture
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
-        """TRL's buffering, with each rollout regrouped for the layout and the pre-pass before an optimizer step."""
+        """TRL's buffering, with each rollout regrouped for the layout and, in the pre-pass layout, the pre-pass at
+        the first micro-step of each optimizer step (its metrics logged)."""
         regenerated = self.model.training and (
             self._step % generate_every(self) == 0 or self._buffered_inputs is None
         )
@@ -203,17 +175,12 @@ class DFPOTrainer(GRPOTrainer):
         if regenerated:
             self._buffered_inputs = self.layout.regroup(self._buffered_inputs, self.state.global_step)
         if self.pre_pass is not None and self._step % self.args.gradient_accumulation_steps == 0:
-            self._run_pre_pass(self._buffered_inputs, self._step)
+            # s̄ and s̃ at the optimizer step's θ, attached to its micro-batches (no forward when θ = θ_old)
+            values = self.pre_pass.run(self._buffered_inputs, self._step, self._trl_loss(), applies_is_ratio(self))
+            attach_pre_pass(self._buffered_inputs, self._step, values)
+            log_pre_pass(self.dfpo_metrics, values.objective, values.skipped, group_metrics=self.plan.group_metrics,
+                         off_policy=off_policy_step(self))
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
-
-    def _run_pre_pass(self, buffered: list[dict[str, Any]], step: int) -> None:
-        """The pre-pass at the first micro-step of an optimizer step (pre-pass layout): s̄ and s̃ at its θ attached
-        to its micro-batches, its metrics logged. In the first optimizer step after a rollout θ = θ_old: no forward."""
-        assert self.pre_pass is not None
-        values = self.pre_pass.run(buffered, step, self._trl_loss(), applies_is_ratio(self))
-        attach_pre_pass(buffered, step, values)
-        log_pre_pass(self.dfpo_metrics, values.objective, values.skipped, group_metrics=self.plan.group_metrics,
-                     off_policy=self.model.training and off_policy_step(self))
 
     @torch.no_grad()
     def _prepass_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
@@ -244,12 +211,7 @@ class DFPOTrainer(GRPOTrainer):
         recount = metric_lengths(trl_metrics, CLIP_RATIO_METRICS) if self.plan.recounts_clip_fractions else None
         with self._expecting(PendingCall(partial(self._rewrite_after_forward, inputs))) as call:
             loss = super()._compute_loss(model=model, inputs=inputs)
-        if call.on_forward is not None and self.plan.active_options:
-            raise TRLCompatibilityError(
-                f"TRL's _compute_loss never ran its policy forward through _get_per_token_logps_and_entropies, so "
-                f"DFPO's input rewrite did not run and {self.plan.active_options} would be silently ignored "
-                f"(trl {trl.__version__}; dfpo_trl supports trl{SUPPORTED_TRL_TEXT})."
-            )
+        check_rewrite_ran(call.on_forward, self.plan.active_options)
         if recount is not None:  # TRL counted the rewritten inputs: DFPO's count, pending in its store, stands in
             remove_appended(trl_metrics, recount)
         return loss
@@ -270,9 +232,7 @@ class DFPOTrainer(GRPOTrainer):
             self._unwrapped = (model, self.accelerator.unwrap_model(model))
         return self._unwrapped[1]
 
-    def _rewrite_after_forward(
-        self, inputs: dict[str, Any], model: torch.nn.Module, arguments: Any, forward: Any
-    ) -> Any:
+    def _rewrite_after_forward(self, inputs: dict[str, Any], model: torch.nn.Module, arguments: Any, forward: Any):
         """The loss's policy forward (h kept for the energy metric when it is on), DFPO's objective written into the
         inputs TRL reads next and its metrics logged, then the backward hooks of the token-coefficient metrics."""
         plan, training = self.plan, self.model.training
@@ -327,10 +287,7 @@ class DFPOTrainer(GRPOTrainer):
     def _issue_warnings_after_load(self, load_result: Any) -> None:
         """transformers' warnings on a checkpoint's missing keys, without the tied weights (``lm_head.weight`` of a
         model that ties it to the input embedding): the checkpoint holds them once, under the other name."""
-        tied = set(tied_missing_keys(self.model, list(load_result.missing_keys)))
-        if tied:
-            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
-        super()._issue_warnings_after_load(load_result)
+        super()._issue_warnings_after_load(without_tied_keys(self.model, load_result))
 
     # ------------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
