@@ -93,7 +93,8 @@ def one_step(args: argparse.Namespace, batch: dict[str, torch.Tensor], rank: int
                                                      device=device)
     local_batch["row_ids"] = torch.arange(rank * local, (rank + 1) * local, device=device)
     trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
-    trainer.pre_pass_skips_at_old_policy = False  # the batch's old log-probs are not θ's
+    if trainer.pre_pass is not None:
+        trainer.pre_pass.skip_forward_at_old_policy = False  # the batch's old log-probs are not θ's
     trainer.train()
     params = {name: full(p) for name, p in trainer.model.named_parameters()}
     return {"records": trainer.records, "grads": gradients.grads, "params": params,

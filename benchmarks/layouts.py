@@ -39,7 +39,7 @@ Phases:
 * ``check`` (``accelerate launch``, ZeRO-3, float32): the ``pre_pass`` and ``redistributed`` trainers, one after the
   other, train one rollout (``steps_per_generation / gradient_accumulation_steps`` optimizer steps) on that batch
   at learning rate 1e-30 (DFPOConfig refuses 0; every float32 update of that size rounds off, so θ stays the
-  initial θ bit for bit), and record the s̄ / s̃ their losses used (each micro-step's ``StepObjective.weights``,
+  initial θ bit for bit), and record the s̄ / s̃ their losses used (each micro-step's ``ObjectiveValues.weights``,
   by ``row_ids``) in the first off-policy optimizer step (the second of the rollout: in the first, θ = θ_old and the
   pre-pass skips its forward, every s = 1). That step's θ is the initial θ, so it must match the reference. The
   check uses ε = 0.2 / 0.28 and old log-probs shifted by N(0, 0.15) per row (as zero3.py), so s̄ spans the whole
@@ -100,15 +100,16 @@ import traceback
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tiny.record_row_weights
 
 import common  # noqa: E402
 import torch  # noqa: E402
 from processes import stop_process_group  # noqa: E402
+from tiny import record_row_weights  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from dfpo_trl import DFPOConfig, DFPOTrainer  # noqa: E402
-from dfpo_trl.objectives.step import StepObjective  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -212,11 +213,7 @@ class DFPORecorder(DFPOFixed):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.used: list[Any] = []  # every micro-step's RowWeights, in order (the StepObjective's weights)
-        self.objective_observers.append(
-            lambda value: self.used.append(value.weights)
-            if isinstance(value, StepObjective) and value.weights is not None else None
-        )
+        self.used: list[Any] = record_row_weights(self)  # every micro-step's RowWeights, in order (tests/tiny.py)
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         before = len(self.used)

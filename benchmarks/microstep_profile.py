@@ -218,24 +218,23 @@ def profile_labels() -> list[Label]:
     from trl import GRPOTrainer
 
     import dfpo_trl.trainer as dt
-    from dfpo_trl.groups.layout import GroupLayout
+    from dfpo_trl.groups.layout import GroupDelivery
     from dfpo_trl.metrics.store import MetricStore
 
     trl_methods = ("training_step", "_prepare_inputs", "_compute_loss", "_get_per_token_logps_and_entropies", "log")
     labels = [Label(GRPOTrainer, m, f"trl.{m}", False) for m in trl_methods]
     labels += [Label(dt.DFPOTrainer, m, f"dfpo.{m}", True) for m in (
-        "_prepare_inputs", "_run_pre_pass", "_compute_loss", "_get_per_token_logps_and_entropies",
-        "_rewrite_after_forward", "_log_objective", "log", "flush_dfpo_metrics", "_off_policy_keep", "_clip_range",
+        "_prepare_inputs", "_compute_loss", "_get_per_token_logps_and_entropies", "_rewrite_after_forward", "log",
+        "flush_dfpo_metrics", "_trl_loss",
     )]
     labels += [Label(dt, f, f, True) for f in (
-        "log_step_reward", "metric_lengths", "remove_appended", "loss_mask", "bounded_old_logps", "applied_is_ratio",
-        "energy_capture", "clipped_ratios", "clip_fraction_terms", "log_clip_fractions", "log_loss_diagnostics",
-        "micro_step_objective", "log_group_metrics", "off_policy_step",
+        "log_step_reward", "metric_lengths", "remove_appended", "loss_mask", "applied_is_ratio", "energy_capture",
+        "micro_step_objective", "log_micro_step", "log_pre_pass", "off_policy_step",
     )]
     labels += [
         Label(dt, "watch_token_coefficients", "watch_token_coefficients", True, hooked_tensor_arg=2),
         Label(dt, "watch_gradient_energy", "watch_gradient_energy", True, hooked_tensor_arg=2),
-        Label(GroupLayout, "whole_groups", "layout.whole_groups", True),
+        Label(GroupDelivery, "whole_groups", "layout.whole_groups", True),
         Label(MetricStore, "_add", "metric_store.add", True),
     ]
     return [label for label in labels if label.attribute in vars(label.owner)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.groups.ids import consecutive_group_ids
-from dfpo_trl.objectives.step import StepObjective
 from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
 from dfpo_trl.tasks import get_task
 from dfpo_trl.transforms import get_transform
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny import record_row_weights  # noqa: E402
 
 TRANSFORM = "min_replace"
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -83,18 +86,14 @@ def phase_reference(args: argparse.Namespace) -> None:
 
 
 class Recorder(DFPOTrainer):
-    """Keeps the s̄, s̃ and loss of every micro-step: the sequence weights of the ``StepObjective`` each
-    micro-step's objective returns (the trainer's ``objective_observers``)."""
+    """Keeps the s̄, s̃ and loss of every micro-step: the sequence weights each micro-step's objective returns
+    (tests/tiny.py's ``record_row_weights``)."""
 
     records: list[dict[str, Any]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.used: list[Any] = []  # every micro-step's RowWeights, in order (the StepObjective's weights)
-        self.objective_observers.append(
-            lambda value: self.used.append(value.weights)
-            if isinstance(value, StepObjective) and value.weights is not None else None
-        )
+        self.used: list[Any] = record_row_weights(self)  # every micro-step's RowWeights, in order (tests/tiny.py)
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         loss = super()._compute_loss(model, inputs)
@@ -155,7 +154,7 @@ def phase_zero3(args: argparse.Namespace) -> None:
     local_batch["group_ids"] = consecutive_group_ids(local, group_size, offset=rank * local, device=device)
     local_batch["row_ids"] = torch.arange(rank * local, (rank + 1) * local, device=device)
     trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
-    trainer.pre_pass_skips_at_old_policy = False  # the fixed batch's old log-probs are not θ's
+    trainer.pre_pass.skip_forward_at_old_policy = False  # the fixed batch's old log-probs are not θ's
     trainer.train()
     torch.save(trainer.records, args.out_dir / f"zero3_rank{rank}.pt")
     # 2. step time: the pre-pass layout against whole groups per micro-batch, same generation batch.

@@ -1,56 +1,48 @@
 """``DFPOTrainer``: TRL's ``GRPOTrainer`` with DFPO's objectives, wired into TRL's hooks and nothing else.
 
-Built from the config in ``__init__``: the :class:`~dfpo_trl.objectives.plan.ObjectivePlan` (the objective, every
-config string read once), the run's shape (:class:`~dfpo_trl.groups.shape.RunShape`), the
-:class:`~dfpo_trl.groups.layout.GroupLayout` (which delivers each micro-batch's whole groups) and, in the pre-pass
-layout, the :class:`~dfpo_trl.groups.prepass.PrePass`, the :class:`~dfpo_trl.metrics.store.MetricStore` (the only
-path of DFPO's metrics into TRL's logs), the DelTA component (:class:`~dfpo_trl.delta.weighting.DeltaWeighting`,
-None when off) and the per-step reward (:mod:`dfpo_trl.metrics.step_reward`). TRL's own ``_compute_loss`` runs
-unchanged: right after its policy forward, one call (:func:`~dfpo_trl.objectives.step.micro_step_objective`) turns
-the advantages and old log-probs TRL reads next into DFPO's objective, and the trainer logs the metrics from its
-return value (docs/README.md, "How a micro-step flows"). Every touch point is declared and checked at import in
-:mod:`dfpo_trl.trl_hooks.compat`.
+``__init__`` builds the parts from the config: the :class:`~dfpo_trl.objectives.plan.ObjectivePlan`, the run's
+:class:`~dfpo_trl.groups.shape.RunShape`, the :class:`~dfpo_trl.groups.layout.GroupDelivery` (the chosen group
+layout), the :class:`~dfpo_trl.groups.prepass.PrePass` (pre-pass layout), the
+:class:`~dfpo_trl.metrics.store.MetricStore` and DelTA's :class:`~dfpo_trl.delta.weighting.DeltaWeighting`. TRL's
+``_compute_loss`` runs unchanged: right after its policy forward, one call
+(:func:`~dfpo_trl.objectives.step.micro_step_objective`) turns the inputs TRL reads next into DFPO's objective, and
+:func:`~dfpo_trl.metrics.objective.log_micro_step` logs its return value (docs/README.md, "How a micro-step flows").
+Every touch point is declared and checked at import in :mod:`dfpo_trl.trl_hooks.compat`.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
-import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from .config import DFPOConfig
-from .config.options import CLIPPED_LOSS_TYPES
 from .delta.rollout import DELTA_WEIGHTS_KEY
 from .delta.weighting import DeltaWeighting
 from .groups.choice import LAYOUT_PRE_PASS, choose_layout, describe_layout, refuse_multimodal_model
-from .groups.layout import GroupLayout
-from .groups.prepass import PrePass, PrePassValues, attach_pre_pass
-from .groups.shape import RunShape
-from .metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms, clipped_ratios, log_clip_fractions
-from .metrics.diagnostics import log_loss_diagnostics
+from .groups.layout import GroupDelivery
+from .groups.prepass import PrePass, attach_pre_pass
+from .groups.shape import run_shape
+from .metrics.clip import CLIP_RATIO_METRICS
 from .metrics.hooks import energy_capture, watch_gradient_energy, watch_token_coefficients
-from .metrics.mechanism import log_group_metrics
+from .metrics.objective import log_micro_step, log_pre_pass
 from .metrics.step_reward import attach_row_rewards, log_step_reward, row_rewards
 from .metrics.store import MetricStore
 from .objectives.plan import ObjectivePlan
-from .objectives.step import ClipRange, StepObjective, WholeGroups, micro_step_objective
-from .objectives.weights import bounded_old_logps, loss_mask
+from .objectives.step import TRLLoss, WholeGroups, micro_step_objective
+from .objectives.weights import loss_mask
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
-    SUPPORTED_TRL_TEXT,
-    OffPolicyKeep,
-    TRLCompatibilityError,
     applied_is_ratio,
     applies_is_ratio,
+    bind_call,
+    check_rewrite_ran,
     check_trainer_attributes,
     disable_gradient_checkpointing,
     generate_every,
@@ -63,8 +55,8 @@ from .trl_hooks.compat import (
 )
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
-from .trl_hooks.pending import PendingCall, default_config
-from .trl_hooks.resume import load_rollout_state, replay_sampler_epochs, save_rollout_state, tied_missing_keys
+from .trl_hooks.pending import PendingCall, trainer_config
+from .trl_hooks.resume import load_rollout_state, replay_sampler_epochs, save_rollout_state, without_tied_keys
 
 logger = logging.getLogger(__name__)
 
@@ -79,17 +71,8 @@ class DFPOTrainer(GRPOTrainer):
     _paper = DFPO_PAPER
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
-        arguments.pop("self")
-        config = arguments.get("args")
-        if config is None:
-            config = default_config(arguments["model"])
-        elif not isinstance(config, DFPOConfig):
-            raise TypeError(
-                f"DFPOTrainer needs args=DFPOConfig(...), got {type(config).__name__}; DFPOConfig takes every "
-                "GRPOConfig field plus the DFPO ones."
-            )
-        arguments["args"] = config
+        arguments = bind_call("__init__", *args, **kwargs)
+        arguments["args"] = config = trainer_config(arguments.get("args"), arguments["model"])
         # Before TRL's __init__, which tags the model with _tag_names (a hub push carries the model's tags).
         self._tag_names = card_tags(config.token_weighting)
         super().__init__(**arguments)
@@ -101,22 +84,16 @@ class DFPOTrainer(GRPOTrainer):
         if self.plan.form.grpo_fix:
             self.epsilon_low = 1.0  # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): eq. 79's lower bound
         self.dfpo_metrics = MetricStore()  # device tensors until a logging step
-        # Called with each loss micro-step's StepObjective and each pre-pass's PrePassValues, as returned (what the
-        # loss used: tests and benchmarks read the weights here).
-        self.objective_observers: list[Callable[[StepObjective | PrePassValues], None]] = []
-        # False: the pre-pass forwards even at an optimizer step that starts a rollout, where θ = θ_old and it skips
-        # the forward (for a hand-made rollout whose old log-probs are not this model's).
-        self.pre_pass_skips_at_old_policy = True
-        shape = self.run_shape()
+        shape = run_shape(self)
         name = choose_layout(self.args, shape.num_processes)
         refuse_multimodal_model(name, self.plan.active_options, self.accelerator.unwrap_model(self.model),
                                 self.processing_class)
-        self.layout = GroupLayout(name, shape, self.accelerator, self.plan.needs_groups, self.plan.active_options)
+        self.layout = GroupDelivery(name, shape, self.accelerator, self.plan.needs_groups, self.plan.active_options)
         self.pre_pass = PrePass(shape, self.plan, self.accelerator, self._prepass_logps) \
             if name == LAYOUT_PRE_PASS else None
         # every process: the layout, why it was chosen and what it costs, in one line
         logger.info(describe_layout(name, self.args, shape.num_processes))
-        self.delta = DeltaWeighting(self.args, shape, self.dfpo_metrics) if self.plan.token_weighting else None
+        self.delta_weighting = DeltaWeighting(self.args, shape, self.dfpo_metrics) if self.plan.uses_delta else None
         warning = on_policy_identity_warning(self, self.plan.transform.name) if self.plan.rewrites_sequences else None
         if warning:
             logger.warning(warning)
@@ -128,17 +105,6 @@ class DFPOTrainer(GRPOTrainer):
         if DELTA_TAG in self._tag_names and self.is_world_process_zero():
             add_delta_to_card(os.path.join(self.args.output_dir, "README.md"))
 
-    def run_shape(self) -> RunShape:
-        """The run's shape as the group layout, the pre-pass and DelTA read it (groups/shape.py)."""
-        args, accelerator = self.args, self.accelerator
-        return RunShape(
-            num_generations=self.num_generations, num_generations_eval=self.num_generations_eval,
-            per_device_batch=args.per_device_train_batch_size, steps_per_generation=args.steps_per_generation,
-            gradient_accumulation_steps=args.gradient_accumulation_steps, generate_every=generate_every(self),
-            seed=args.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes,
-            prepass_batch_size=args.prepass_batch_size or 4 * args.per_device_train_batch_size,
-        )
-
     @property
     def group_layout(self) -> str:
         """The group layout this trainer resolved (docs/layouts.md): never ``"auto"``, unlike the config field of
@@ -148,7 +114,7 @@ class DFPOTrainer(GRPOTrainer):
     @property
     def delta_token_table(self) -> list[dict[str, Any]]:
         """DelTA's latest table of highest/lowest-weighted tokens ([] when DelTA is off)."""
-        return self.delta.token_table if self.delta is not None else []
+        return self.delta_weighting.token_table if self.delta_weighting is not None else []
 
     @contextmanager
     def _expecting(self, call: PendingCall) -> Iterator[PendingCall]:
@@ -163,17 +129,14 @@ class DFPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's rollout, plus DelTA's λ̄, each row's reward and its explicit group and row ids."""
         training = self.model.training
-        weigh = self.delta is not None and training
+        weigh = self.delta_weighting is not None and training
         capture = HiddenCapture() if weigh and trl_runs_old_logps_forward(self) else None
         on_forward = partial(capture_log_prob_forward, capture) if capture is not None else None
         with self._expecting(PendingCall(on_forward, self.model)) as call:
             output = super()._generate_and_score_completions(inputs)
         if weigh:
-            every = max(1, int(getattr(self.state, "logging_steps", 0) or self.args.logging_steps or 1))
-            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-            self.delta.weigh(output, capture if capture is not None and capture.done else
-                             self.capture_hidden_states(output), loss_mask(output), int(self.state.global_step), every,
-                             lambda i: tokenizer.decode([i]))
+            hidden = capture if capture is not None and capture.done else self.capture_hidden_states(output)
+            self.delta_weighting.weigh(output, hidden, loss_mask(output), self.state, self.processing_class)
         attach_row_rewards(output, call.rewards, self.accelerator.process_index)
         self.layout.add_ids(output, "train" if self.model.training else "eval")
         return output
@@ -201,7 +164,8 @@ class DFPOTrainer(GRPOTrainer):
         return capture
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
-        """TRL's buffering, with each rollout regrouped for the layout and the pre-pass before an optimizer step."""
+        """TRL's buffering, with each rollout regrouped for the layout and, in the pre-pass layout, the pre-pass at
+        the first micro-step of each optimizer step (its metrics logged)."""
         regenerated = self.model.training and (
             self._step % generate_every(self) == 0 or self._buffered_inputs is None
         )
@@ -211,26 +175,12 @@ class DFPOTrainer(GRPOTrainer):
         if regenerated:
             self._buffered_inputs = self.layout.regroup(self._buffered_inputs, self.state.global_step)
         if self.pre_pass is not None and self._step % self.args.gradient_accumulation_steps == 0:
-            self._run_pre_pass(self._buffered_inputs, self._step)
+            # s̄ and s̃ at the optimizer step's θ, attached to its micro-batches (no forward when θ = θ_old)
+            values = self.pre_pass.run(self._buffered_inputs, self._step, self._trl_loss(), applies_is_ratio(self))
+            attach_pre_pass(self._buffered_inputs, self._step, values)
+            log_pre_pass(self.dfpo_metrics, values.objective, values.skipped, group_metrics=self.plan.group_metrics,
+                         off_policy=off_policy_step(self))
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
-
-    def _run_pre_pass(self, buffered: list[dict[str, Any]], step: int) -> None:
-        """The pre-pass at the first micro-step of an optimizer step (pre-pass layout): s̄ and s̃ at its θ attached
-        to its micro-batches, its metrics logged. In the first optimizer step after a rollout θ = θ_old: no forward."""
-        assert self.pre_pass is not None
-        values = self.pre_pass.run(buffered, step, self._clip_range(), self._off_policy_keep(),
-                                   applies_is_ratio(self),
-                                   policy_unchanged=self.pre_pass_skips_at_old_policy
-                                   and step % self.layout.shape.generate_every == 0)
-        for observe in self.objective_observers:
-            observe(values)
-        attach_pre_pass(buffered, step, values)
-        for flags in values.sanitised:
-            self.dfpo_metrics.add_sum("train", "transform/sanitised_weights", flags.sum())
-        self.dfpo_metrics.add_mean("train", "prepass/forward_skipped", torch.tensor(float(values.skipped)), 1.0)
-        if self.plan.group_metrics:
-            log_group_metrics(self.dfpo_metrics, "train", values.grouped,
-                              off_policy=self.model.training and off_policy_step(self))
 
     @torch.no_grad()
     def _prepass_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
@@ -243,14 +193,12 @@ class DFPOTrainer(GRPOTrainer):
             )
         return logps
 
-    def _off_policy_keep(self) -> OffPolicyKeep | None:
-        """The rows TRL's off-policy mask keeps, through this trainer's ``get_off_policy_mask``; None when off."""
+    def _trl_loss(self) -> TRLLoss:
+        """TRL's loss settings as its loss reads them now; its off-policy mask through this trainer's
+        ``get_off_policy_mask`` (None when off)."""
         threshold = self.off_policy_mask_threshold
-        return None if threshold is None else partial(trl_off_policy_keep, self.get_off_policy_mask, threshold)
-
-    def _clip_range(self) -> ClipRange:
-        """TRL's clip settings as its loss reads them now."""
-        return ClipRange(self.epsilon_low, self.epsilon_high, self.args.delta)
+        keep = None if threshold is None else partial(trl_off_policy_keep, self.get_off_policy_mask, threshold)
+        return TRLLoss(self.epsilon_low, self.epsilon_high, self.args.delta, keep)
 
     # ---------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
@@ -263,12 +211,7 @@ class DFPOTrainer(GRPOTrainer):
         recount = metric_lengths(trl_metrics, CLIP_RATIO_METRICS) if self.plan.recounts_clip_fractions else None
         with self._expecting(PendingCall(partial(self._rewrite_after_forward, inputs))) as call:
             loss = super()._compute_loss(model=model, inputs=inputs)
-        if call.on_forward is not None and self.plan.active_options:
-            raise TRLCompatibilityError(
-                f"TRL's _compute_loss never ran its policy forward through _get_per_token_logps_and_entropies, so "
-                f"DFPO's input rewrite did not run and {self.plan.active_options} would be silently ignored "
-                f"(trl {trl.__version__}; dfpo_trl supports trl{SUPPORTED_TRL_TEXT})."
-            )
+        check_rewrite_ran(call.on_forward, self.plan.active_options)
         if recount is not None:  # TRL counted the rewritten inputs: DFPO's count, pending in its store, stands in
             remove_appended(trl_metrics, recount)
         return loss
@@ -289,66 +232,33 @@ class DFPOTrainer(GRPOTrainer):
             self._unwrapped = (model, self.accelerator.unwrap_model(model))
         return self._unwrapped[1]
 
-    def _rewrite_after_forward(
-        self, inputs: dict[str, Any], model: torch.nn.Module, arguments: Any, forward: Any
-    ) -> Any:
-        """The loss's policy forward (h kept for the energy metric when it is on), the clip fractions of the inputs
-        as they stand (when a rewrite is active), then DFPO's rewrite of the inputs TRL reads next, then the
-        backward hooks of the token-coefficient metrics."""
-        plan, mode = self.plan, "train" if self.model.training else "eval"
-        capture = energy_capture(plan.energy_buckets, self.model.training)
+    def _rewrite_after_forward(self, inputs: dict[str, Any], model: torch.nn.Module, arguments: Any, forward: Any):
+        """The loss's policy forward (h kept for the energy metric when it is on), DFPO's objective written into the
+        inputs TRL reads next and its metrics logged, then the backward hooks of the token-coefficient metrics."""
+        plan, training = self.plan, self.model.training
+        mode = "train" if training else "eval"
+        capture = energy_capture(plan.energy_buckets, training)
         out = forward() if capture is None else capture_log_prob_forward(capture, model, arguments, forward)
         logps, mask, advantages = out[0], loss_mask(inputs), inputs["advantages"]
-        if advantages.dim() != 1:
-            raise ValueError("DFPO needs one advantage per sequence (shape (B,)), as TRL's rollout produces.")
-        old = inputs.get("old_per_token_logps")
-        if old is not None:
-            old = inputs["old_per_token_logps"] = bounded_old_logps(logps, old, mask, plan.sequence_level)
-        is_ratio = applied_is_ratio(self, inputs)  # TRL's vLLM importance-sampling ratio where its loss applies it
-        diagnose = plan.group_metrics and self.model.training and self.loss_type in CLIPPED_LOSS_TYPES
-        if plan.recounts_clip_fractions or diagnose:  # from TRL's inputs before the rewrite, with DFPO's clip
-            clipped = clipped_ratios(logps, logps.detach() if old is None else old, advantages, mask,
-                                     sequence_level=plan.sequence_level, eps_low=self.epsilon_low,
-                                     eps_high=self.epsilon_high, symmetric=plan.form.grpo_fix,
-                                     two_sided_cap=self.args.delta)
-            if plan.recounts_clip_fractions:
-                log_clip_fractions(self.dfpo_metrics, mode, clip_fraction_terms(clipped, mask))
-            if diagnose:
-                log_loss_diagnostics(self.dfpo_metrics, mode, advantages, mask, clipped, is_ratio)
         groups = self.layout.whole_groups(inputs, mode) if plan.needs_groups else WholeGroups()
         step = micro_step_objective(
-            plan, logps, old, advantages, mask, clip=self._clip_range(), groups=groups,
-            off_policy_keep=self._off_policy_keep(), sampling=inputs.get("sampling_per_token_logps"),
-            is_ratio=is_ratio,
-            token_weights=inputs.get(DELTA_WEIGHTS_KEY) if plan.token_weighting else None,
+            plan, logps, inputs.get("old_per_token_logps"), advantages, mask, groups, self._trl_loss(),
+            sampling=inputs.get("sampling_per_token_logps"), is_ratio=applied_is_ratio(self, inputs),
+            lambda_bar=inputs.get(DELTA_WEIGHTS_KEY) if plan.uses_delta else None,
         )
-        for observe in self.objective_observers:
-            observe(step)
-        rewritten = step.loss_inputs
-        inputs["advantages"] = rewritten.advantages
-        if rewritten.old_per_token_logps is not None:
-            inputs["old_per_token_logps"] = rewritten.old_per_token_logps
-        self._log_objective(mode, step, mask)
+        inputs["advantages"] = step.loss_inputs.advantages
+        if step.loss_inputs.old_per_token_logps is not None:
+            inputs["old_per_token_logps"] = step.loss_inputs.old_per_token_logps
+        log_micro_step(self.dfpo_metrics, mode, step, advantages, mask, plan, training=training,
+                       off_policy=training and off_policy_step(self))
+        weights = step.values.weights
         if plan.group_metrics and groups.index is not None and logps.requires_grad:
             watch_token_coefficients(self.dfpo_metrics, mode, logps, inputs["completion_ids"], mask, groups.index,
-                                     None if step.weights is None else step.weights.two_sided)
+                                     None if weights is None else weights.two_sided)
         if capture is not None:
             watch_gradient_energy(self.dfpo_metrics, model, logps, inputs, capture, self.temperature,
                                   plan.energy_buckets, plan.energy_form)
         return out
-
-    def _log_objective(self, mode: str, step: StepObjective, mask: torch.Tensor) -> None:
-        """The metrics of one micro-step's objective, from its return value: the sanitised sequences, the group
-        metrics of the groups transformed here, the fraction of scored tokens GRPO-fix capped (pooled over tokens)."""
-        if step.sanitised is not None:
-            self.dfpo_metrics.add_sum(mode, "transform/sanitised_weights", step.sanitised.sum())
-        if step.grouped is not None and self.plan.group_metrics:
-            log_group_metrics(self.dfpo_metrics, mode, step.grouped,
-                              off_policy=mode == "train" and self.model.training and off_policy_step(self))
-        capped = step.loss_inputs.capped
-        if capped is not None:
-            self.dfpo_metrics.add_mean(mode, "grpo_fix/negative_capped_fraction", (capped & mask.bool()).sum(),
-                                       mask.sum())
 
     # -------------------------------------------------------------------------------------------- resume
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -377,10 +287,7 @@ class DFPOTrainer(GRPOTrainer):
     def _issue_warnings_after_load(self, load_result: Any) -> None:
         """transformers' warnings on a checkpoint's missing keys, without the tied weights (``lm_head.weight`` of a
         model that ties it to the input embedding): the checkpoint holds them once, under the other name."""
-        tied = set(tied_missing_keys(self.model, list(load_result.missing_keys)))
-        if tied:
-            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
-        super()._issue_warnings_after_load(load_result)
+        super()._issue_warnings_after_load(without_tied_keys(self.model, load_result))
 
     # ------------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tiny import capturing, record_row_weights
+from tiny import capturing, observe_micro_steps, record_row_weights
 
 from dfpo_trl import DFPOTrainer
 from dfpo_trl.metrics.step_reward import ROW_REWARD_KEY
@@ -54,13 +54,13 @@ class GroupRecorder:
 
     def __init__(self, trainer: RecordingTrainer) -> None:
         self.trainer, self.seen = trainer, []
-        trainer.objective_observers.append(self)
+        observe_micro_steps(trainer, self)
 
-    def __call__(self, value: Any) -> None:
-        if isinstance(value, StepObjective) and value.grouped is not None:
+    def __call__(self, step: StepObjective) -> None:
+        if step.values.grouped is not None:
             inputs = self.trainer._micro
             index = self.trainer.layout.group_index(inputs, "train")
-            self.seen.append((value.grouped, inputs["advantages"][index], inputs[ROW_REWARD_KEY][index]))
+            self.seen.append((step.values.grouped, inputs["advantages"][index], inputs[ROW_REWARD_KEY][index]))
 
 
 def post_clip(s: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:

@@ -103,7 +103,8 @@ def worker(rank: int, port: int, sizes: dict[str, Any], batch_path: str, out_dir
     local = args.per_device_train_batch_size * args.steps_per_generation
     local_batch = local_slice(batch, rank, local, args.num_generations)
     trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
-    trainer.pre_pass_skips_at_old_policy = False  # θ ≠ θ_old here: force the pre-pass forward
+    if trainer.pre_pass is not None:
+        trainer.pre_pass.skip_forward_at_old_policy = False  # θ ≠ θ_old here: force the pre-pass forward
     used = record_row_weights(trainer)
     no_grad_forwards = [0]  # forwards of the sharded root module outside autograd: the pre-pass's, here
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -147,20 +150,57 @@ def capturing(trainer_cls: type) -> type:
     return Capturing
 
 
+def observe_micro_steps(trainer: Any, observe: Callable[[Any], None]) -> None:
+    """Call ``observe`` with the :class:`~dfpo_trl.objectives.step.StepObjective` each loss micro-step of ``trainer``
+    returns, as its loss used it. The seam is the one call the trainer makes, ``micro_step_objective`` as the trainer
+    module names it: wrapped once per process, each call handed to the observers of the trainer whose objective plan
+    it was made with (a test may build several trainers)."""
+    import dfpo_trl.trainer as trainer_module
+
+    wrapper = trainer_module.micro_step_objective
+    if not hasattr(wrapper, "observers"):
+        objective = wrapper
+
+        @functools.wraps(objective)
+        def wrapper(plan: Any, *args: Any, **kwargs: Any) -> Any:
+            step = objective(plan, *args, **kwargs)
+            for owner, observer in list(wrapper.observers):
+                if owner() is None:
+                    wrapper.observers.remove((owner, observer))
+                elif owner().plan is plan:
+                    observer(step)
+            return step
+
+        wrapper.observers = []
+        trainer_module.micro_step_objective = wrapper
+    wrapper.observers.append((weakref.ref(trainer), observe))
+
+
 def record_row_weights(trainer: Any) -> list[Any]:
     """The sequence weights (s̄, s̃, U, two-sided flags) each loss of ``trainer`` uses, in order: the ``weights`` of
-    the :class:`~dfpo_trl.objectives.step.StepObjective` each micro-step returns (when it has any), recorded through
-    the trainer's ``objective_observers``."""
-    from dfpo_trl.objectives.step import StepObjective
-
+    the :class:`~dfpo_trl.objectives.step.ObjectiveValues` each micro-step returns (when it has any)."""
     used: list[Any] = []
 
-    def recording(value: Any) -> None:
-        if isinstance(value, StepObjective) and value.weights is not None:
-            used.append(value.weights)
+    def recording(step: Any) -> None:
+        if step.values.weights is not None:
+            used.append(step.values.weights)
 
-    trainer.objective_observers.append(recording)
+    observe_micro_steps(trainer, recording)
     return used
+
+
+def record_pre_passes(trainer: Any) -> list[Any]:
+    """The :class:`~dfpo_trl.groups.prepass.PrePassValues` of each pre-pass of ``trainer``, in order (its public
+    ``pre_pass.run`` wrapped)."""
+    values: list[Any] = []
+    run = trainer.pre_pass.run
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        values.append(run(*args, **kwargs))
+        return values[-1]
+
+    trainer.pre_pass.run = recording
+    return values
 
 
 def make_trainer(trainer_cls: type, config_cls: type, seed: int = 0, model: Any = None, **overrides: Any):

@@ -64,13 +64,16 @@ class DeltaWeighting:
         self._last_table_step: int | None = None
 
     def weigh(
-        self, output: dict[str, Any], capture: HiddenCapture, mask: Tensor, step: int, table_every: int,
-        decode: Callable[[int], str],
+        self, output: dict[str, Any], capture: HiddenCapture, mask: Tensor, state: Any, processing_class: Any
     ) -> None:
         """λ̄ of a training rollout from the h and log p of its ``capture``, stored in ``output["delta_weights"]``
-        (B, T). ``mask``: the rollout's loss mask (B, T); ``step``: the optimizer step; the token table is made at
-        the first rollout of every ``table_every`` steps, its token ids read with ``decode``."""
+        (B, T). ``mask``: the rollout's loss mask (B, T); ``state``: TRL's ``TrainerState`` (the optimizer step, and
+        the logging interval: the token table is made at the first rollout of each, its token ids decoded with
+        ``processing_class``)."""
         config, shape = self.config, self.shape
+        step = int(state.global_step)
+        table_every = max(1, int(getattr(state, "logging_steps", 0) or config.logging_steps or 1))
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
         assert capture.hidden is not None and capture.logps is not None
         advantages = output["advantages"]
         hidden, capture.hidden = capture.hidden, None  # the (B, T, d) copy lives only until the weights exist
@@ -84,7 +87,8 @@ class DeltaWeighting:
         )
         del hidden
         output[DELTA_WEIGHTS_KEY] = weights.to(advantages.device)
-        self._log(raw, weights, advantages, mask, output["completion_ids"], step, table_every, decode)
+        self._log(raw, weights, advantages, mask, output["completion_ids"], step, table_every,
+                  lambda i: tokenizer.decode([i]))
 
     def _log(
         self, raw: Tensor, weights: Tensor, advantages: Tensor, mask: Tensor, completion_ids: Tensor, step: int,

@@ -1,4 +1,4 @@
-"""GroupLayout: the chosen layout at run time, which delivers every micro-batch's whole groups (docs/layouts.md).
+"""GroupDelivery: the chosen group layout at work, delivering every micro-batch's whole groups (docs/layouts.md).
 
 Built once by the trainer (the choice is :func:`~dfpo_trl.groups.choice.choose_layout`) from the run's shape
 (:class:`~dfpo_trl.groups.shape.RunShape`) and the accelerator. It marks each rollout row with its group and row id,
@@ -6,7 +6,8 @@ regroups each rollout where its layout needs it (group-granular shuffle, redistr
 delivers the micro-batch's whole groups (:class:`~dfpo_trl.objectives.step.WholeGroups`): an index into its rows,
 the pre-pass values (:mod:`dfpo_trl.groups.prepass`, attached before the optimizer step), or a gather that
 completes them across processes (:mod:`dfpo_trl.groups.gather`). It computes no objective: that is
-:func:`~dfpo_trl.objectives.step.micro_step_objective`'s.
+:func:`~dfpo_trl.objectives.step.objective_values`'s. (The config field ``group_layout`` names the layout asked for,
+:data:`~dfpo_trl.config.options.GroupLayout` its values; this class is the chosen one at work.)
 """
 
 from __future__ import annotations
@@ -45,14 +46,13 @@ from .prepass import PRE_PASS_KEYS
 from .redistribute import redistribute
 from .shape import RunShape
 
-__all__ = ["GroupLayout"]
+__all__ = ["GroupDelivery"]
 
 
-class GroupLayout:
+class GroupDelivery:
     """The group layout of one trainer (docs/layouts.md): ``name`` is one of :mod:`dfpo_trl.groups.choice`'s,
-    ``needs_groups`` whether any micro-batch's
-    group view is read (a sequence rewrite or the group metrics), ``options`` the DFPO options that are on (for the
-    multimodal refusal)."""
+    ``needs_groups`` whether any micro-batch's group view is read (a sequence rewrite or the group metrics),
+    ``options`` the DFPO options that are on (for the multimodal refusal)."""
 
     def __init__(self, name: str, shape: RunShape, accelerator: Any, needs_groups: bool, options: str) -> None:
         self.name, self.shape, self.accelerator = name, shape, accelerator

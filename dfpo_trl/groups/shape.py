@@ -1,14 +1,18 @@
 """RunShape: the run's shape as the group layout, the pre-pass and DelTA read it, one frozen record.
 
-Built once by the trainer from TRL's settings and the accelerator (``DFPOTrainer.__init__``), so that no part of
-``groups/`` or ``delta/`` holds the trainer: what changes during a run (the optimizer step, θ) is passed to each call.
+Built once, by :func:`run_shape`, from TRL's settings and the accelerator (``DFPOTrainer.__init__``), so that no part
+of ``groups/`` or ``delta/`` holds the trainer: what changes during a run (the optimizer step, θ) is passed to each
+call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["RunShape"]
+from ..trl_hooks.compat import generate_every
+
+__all__ = ["RunShape", "run_shape"]
 
 
 @dataclass(frozen=True)
@@ -29,3 +33,15 @@ class RunShape:
     def group_size(self, mode: str) -> int:
         """G of the batches of ``mode``: ``num_generations`` in training, ``num_generations_eval`` else."""
         return self.num_generations if mode == "train" else self.num_generations_eval
+
+
+def run_shape(trainer: Any) -> RunShape:
+    """The run's shape, read once from a built TRL trainer: its G, its batch sizes and schedule, its accelerator."""
+    args, accelerator = trainer.args, trainer.accelerator
+    return RunShape(
+        num_generations=trainer.num_generations, num_generations_eval=trainer.num_generations_eval,
+        per_device_batch=args.per_device_train_batch_size, steps_per_generation=args.steps_per_generation,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, generate_every=generate_every(trainer),
+        seed=args.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+        prepass_batch_size=args.prepass_batch_size or 4 * args.per_device_train_batch_size,
+    )

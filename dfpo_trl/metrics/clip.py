@@ -3,8 +3,10 @@
 TRL's ``_compute_loss`` counts clipped ratios from the inputs it is handed, and DFPO hands it rewritten ones
 (objectives/rewrite.py): in the score form, and for Orth-Proj's flipped rows under the gradient target, the old
 log-probs are the detached current ones (ratio 1, never counted); the effective advantage Â φ can change sign; and
-GRPO-fix clips both signs above 1 + ε_high, which TRL's PPO count misses for Â < 0. So where a rewrite is active the
-trainer recounts here, from the inputs before the rewrite (docs/metrics.md "Clip fractions"):
+GRPO-fix clips both signs above 1 + ε_high, which TRL's PPO count misses for Â < 0. So where a rewrite is active
+DFPO recounts, from the inputs before the rewrite (docs/metrics.md "Clip fractions"). The micro-step's objective
+finds the clipped ratios once (:func:`~dfpo_trl.objectives.weights.clipped_ratios`, in its return value); this module
+only reduces and logs them:
 
 * the ratio TRL computes: r = exp(ℓ − ℓ_old) per token, or at sequence level s = exp(ρ) with ρ the length-normalised
   sequence log-ratio (eq. 44), then capped at TRL's two-sided ``delta`` as TRL caps it before counting;
@@ -23,15 +25,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from ..objectives.weights import ClippedRatios
+
 if TYPE_CHECKING:
     from .store import MetricStore
 
 __all__ = [
     "CLIP_RATIO_METRICS",
     "ClipFractionTerms",
-    "ClippedRatios",
     "clip_fraction_terms",
-    "clipped_ratios",
     "log_clip_fractions",
 ]
 
@@ -40,44 +42,6 @@ CLIP_RATIO_METRICS = (
     "clip_ratio/high_max",
 )
 """The names TRL 1.16's ``_compute_loss`` logs for its clipped loss types, one value per call each."""
-
-
-class ClippedRatios(NamedTuple):
-    """Which ratios were clipped below and above: bool, (B, T) at token level, (B, 1) at sequence level."""
-
-    low: Tensor
-    high: Tensor
-
-
-def clipped_ratios(
-    per_token_logps: Tensor,
-    old_per_token_logps: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    sequence_level: bool,
-    eps_low: float,
-    eps_high: float,
-    symmetric: bool,
-    two_sided_cap: float | None = None,
-) -> ClippedRatios:
-    """The clipped ratios of one micro-batch (module docstring), with TRL's ratio arithmetic.
-
-    ``old_per_token_logps`` and ``advantages`` ((B,) or (B, T)) are TRL's loss inputs before DFPO's rewrite;
-    ``mask`` TRL's loss mask; ``symmetric``: GRPO-fix's region (eq. 79) instead of PPO's; ``two_sided_cap``: TRL's
-    ``delta``, the cap on the ratio (None: off)."""
-    log_ratio = per_token_logps.detach() - old_per_token_logps
-    if sequence_level:
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    ratio = torch.exp(log_ratio)
-    if two_sided_cap is not None:
-        ratio = torch.clamp(ratio, max=two_sided_cap)
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    low = (ratio < 1 - eps_low) & (advantages < 0)
-    above = ratio > 1 + eps_high
-    high = above & (advantages != 0) if symmetric else above & (advantages > 0)
-    return ClippedRatios(low, high)
 
 
 class ClipFractionTerms(NamedTuple):

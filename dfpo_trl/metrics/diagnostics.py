@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from .clip import ClippedRatios
+from ..objectives.weights import ClippedRatios
 
 if TYPE_CHECKING:
     from .store import MetricStore

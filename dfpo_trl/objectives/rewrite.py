@@ -49,7 +49,7 @@ class RewriteForm(NamedTuple):
     score_form: bool  # transform_gradient="score": -Â sg(s̃) ρ(θ) (eq. 16/68/85)
     transform_active: bool  # a group transform other than "none": Â φ
     flip_to_score: bool  # weights that may be < 0 (Orth-Proj) under the gradient target: flipped rows as score form
-    renormalise_token_weights: bool  # DelTA under loss_type="bnpo": λ̄ averages 1 over the micro-batch
+    renormalise_lambda_bar: bool  # DelTA under loss_type="bnpo": λ̄ averages 1 over the micro-batch
 
 
 class LossInputs(NamedTuple):
@@ -72,7 +72,7 @@ def rewrite_loss_inputs(
     eps_high: float,
     weights: RowWeights | None = None,
     differentiate: bool = False,
-    token_weights: Tensor | None = None,
+    lambda_bar: Tensor | None = None,
 ) -> LossInputs:
     """DFPO's objective expressed in TRL's loss inputs (module docstring).
 
@@ -82,7 +82,7 @@ def rewrite_loss_inputs(
         advantages: Â (B,). mask: the loss mask (B, T). form: the rewrite's constants. eps_high: TRL's ε_high.
         weights: the rows' s̄, s̃, U and two-sided flags (B,) each at sequence level (None: no sequence rewrite).
         differentiate: the no-stop-gradient ablation, s̃(θ)/s̄(θ) with the graph kept.
-        token_weights: DelTA's λ̄ (B, T), or None.
+        lambda_bar: DelTA's λ̄ (B, T), or None.
 
     Returns:
         :class:`LossInputs`: the advantages ((B,), or (B, T) with DelTA), the old log-probs (None: unchanged) and
@@ -99,8 +99,8 @@ def rewrite_loss_inputs(
         )
         if rewritten_old is not None:
             old = rewritten_old
-    if token_weights is not None:
-        advantages = token_weighted_advantages(advantages, token_weights, mask, form.renormalise_token_weights)
+    if lambda_bar is not None:
+        advantages = token_weighted_advantages(advantages, lambda_bar, mask, form.renormalise_lambda_bar)
     return LossInputs(advantages, old, capped)
 
 
@@ -164,11 +164,11 @@ def sequence_level_inputs(
     )
 
 
-def token_weighted_advantages(advantages: Tensor, token_weights: Tensor, mask: Tensor, renormalise: bool) -> Tensor:
+def token_weighted_advantages(advantages: Tensor, lambda_bar: Tensor, mask: Tensor, renormalise: bool) -> Tensor:
     """Â_i → Â_i λ̄_{i,t} (eq. DelTA-weighted-objective), applied after everything that reads the 1-D advantages.
 
     Args:
-        advantages: Â (B,) (or already (B, T)). token_weights: DelTA's λ̄ (B, T). mask: the loss mask (B, T).
+        advantages: Â (B,) (or already (B, T)). lambda_bar: DelTA's λ̄ (B, T). mask: the loss mask (B, T).
         renormalise: ``loss_type="bnpo"`` (normalised by the micro-batch's own tokens): λ̄ first made to average 1
             over this micro-batch's loss tokens (docs/delta.md step 6).
 
@@ -176,7 +176,7 @@ def token_weighted_advantages(advantages: Tensor, token_weights: Tensor, mask: T
         The token-weighted advantages (B, T).
     """
     if renormalise:
-        token_weights = self_normalise(token_weights, mask)
+        lambda_bar = self_normalise(lambda_bar, mask)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
-    return advantages * token_weights.to(device=advantages.device, dtype=advantages.dtype)
+    return advantages * lambda_bar.to(device=advantages.device, dtype=advantages.dtype)

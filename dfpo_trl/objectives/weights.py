@@ -10,6 +10,8 @@ tests/transforms/test_transforms.py):
 * :func:`sign_aware_post_clip`: s̄ (eq. 46–47);
 * :func:`clip_survivors`: U, the members whose gradient survives TRL's clip (docs/cancellation.md, eq. C2);
 * :func:`post_clip_weights`: s̄ and U of a micro-batch's rows from its log-probs;
+* :func:`clipped_ratios`: which ratios TRL's clip removes, with TRL's own ratio arithmetic (its ``clip_ratio/*``
+  count, which DFPO's metrics read: metrics/clip.py, metrics/diagnostics.py);
 * :class:`RowWeights`: s̄, s̃, U and the two-sided flag of eq. C8 per row, what the loss-input rewrite reads.
 """
 
@@ -25,10 +27,12 @@ from ..precision import compute_dtype as _compute_dtype
 
 __all__ = [
     "MAX_LOG_RATIO",
+    "ClippedRatios",
     "PostClipWeights",
     "RowWeights",
     "bounded_old_logps",
     "clip_survivors",
+    "clipped_ratios",
     "loss_mask",
     "post_clip_weights",
     "sequence_log_ratio",
@@ -161,6 +165,49 @@ def post_clip_weights(
     if score_form:
         return PostClipWeights(s_bar, torch.ones_like(s, dtype=torch.bool), sanitised)
     return PostClipWeights(s_bar, clip_survivors(s.detach(), advantages, eps_low, eps_high, two_sided_cap), sanitised)
+
+
+class ClippedRatios(NamedTuple):
+    """Which ratios were clipped below and above: bool, (B, T) at token level, (B, 1) at sequence level."""
+
+    low: Tensor
+    high: Tensor
+
+
+def clipped_ratios(
+    per_token_logps: Tensor,
+    old_per_token_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    sequence_level: bool,
+    eps_low: float,
+    eps_high: float,
+    symmetric: bool,
+    two_sided_cap: float | None = None,
+) -> ClippedRatios:
+    """The ratios TRL's clip removes from one micro-batch, with TRL's ratio arithmetic (docs/metrics.md "Clip
+    fractions"): r = exp(ℓ − ℓ_old) per token, or at sequence level s = exp(ρ) (eq. 44), capped at TRL's two-sided
+    ``delta`` as TRL caps it; low: r < 1 − ε_low and Â < 0; high: r > 1 + ε_high and Â > 0, or, ``symmetric``
+    (GRPO-fix's clip(r, 0, 1 + ε_high), eq. 79), Â ≠ 0. TRL's arithmetic, not :func:`sequence_log_ratio`'s: the
+    count stands in for TRL's own.
+
+    Args:
+        per_token_logps: ℓ(θ) (B, T). old_per_token_logps: TRL's old log-probs before DFPO's rewrite (B, T).
+        advantages: Â before the rewrite, (B,) or (B, T). mask: TRL's loss mask (B, T).
+    """
+    log_ratio = per_token_logps.detach() - old_per_token_logps
+    if sequence_level:
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    if two_sided_cap is not None:
+        ratio = torch.clamp(ratio, max=two_sided_cap)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    low = (ratio < 1 - eps_low) & (advantages < 0)
+    above = ratio > 1 + eps_high
+    high = above & (advantages != 0) if symmetric else above & (advantages > 0)
+    return ClippedRatios(low, high)
 
 
 class RowWeights(NamedTuple):

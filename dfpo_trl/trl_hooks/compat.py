@@ -30,6 +30,7 @@ __all__ = [
     "TRLCompatibilityError",
     "UntestedTRLWarning",
     "bind_call",
+    "check_rewrite_ran",
     "check_touch_points",
     "check_trainer_attributes",
     "disable_gradient_checkpointing",
@@ -177,6 +178,17 @@ def check_trainer_attributes(trainer: Any) -> None:
     missing = [name for name in TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
     if missing:
         raise _incompatible(f"a constructed GRPOTrainer has no attribute {', '.join(missing)}")
+
+
+def check_rewrite_ran(forward_left: object | None, active_options: str) -> None:
+    """Raise :class:`TRLCompatibilityError` when TRL's ``_compute_loss`` never ran its policy forward through
+    ``_get_per_token_logps_and_entropies`` (``forward_left``: what DFPO left for that forward, still there) while DFPO
+    options are on: DFPO's input rewrite did not run, and the options would be silently ignored."""
+    if forward_left is not None and active_options:
+        raise _incompatible(
+            "GRPOTrainer._compute_loss never ran its policy forward through _get_per_token_logps_and_entropies, so "
+            f"DFPO's input rewrite did not run ({active_options})"
+        )
 
 
 def metric_lengths(metrics: dict[str, list[float]], names: tuple[str, ...]) -> dict[str, int]:

@@ -1,5 +1,5 @@
-"""The trainer's two pieces of TRL convention: the default config TRL's trainers build when given none, and the one
-piece of state between DFPO's overrides that TRL's call structure forces (:class:`PendingCall`)."""
+"""The trainer's two pieces of TRL convention: the config (the default TRL's trainers build when given none), and the
+one piece of state between DFPO's overrides that TRL's call structure forces (:class:`PendingCall`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from ..config import DFPOConfig
 from .compat import get_config_model_id
 
-__all__ = ["PendingCall", "default_config"]
+__all__ = ["PendingCall", "default_config", "trainer_config"]
 
 
 def default_config(model: Any) -> DFPOConfig:
@@ -20,6 +20,19 @@ def default_config(model: Any) -> DFPOConfig:
     (``GRPOConfig(f"{model_name}-GRPO")``): ``DFPOConfig(f"{model_name}-DFPO")``, every DFPO option off."""
     model_name = model if isinstance(model, str) else get_config_model_id(model.config)
     return DFPOConfig(f"{model_name.split('/')[-1]}-DFPO")
+
+
+def trainer_config(config: Any, model: Any) -> DFPOConfig:
+    """The config a ``DFPOTrainer`` trains with: ``config`` (its ``args``), which must be a ``DFPOConfig``, or
+    :func:`default_config` when none is given."""
+    if config is None:
+        return default_config(model)
+    if not isinstance(config, DFPOConfig):
+        raise TypeError(
+            f"DFPOTrainer needs args=DFPOConfig(...), got {type(config).__name__}; DFPOConfig takes every "
+            "GRPOConfig field plus the DFPO ones."
+        )
+    return config
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 from .compat import generate_every
 
 __all__ = ["ROLLOUT_STATE_FILE", "load_rollout_state", "replay_sampler_epochs", "rollout_state_path",
-           "save_rollout_state", "tied_missing_keys"]
+           "save_rollout_state", "tied_missing_keys", "without_tied_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,3 +96,12 @@ def tied_missing_keys(model: torch.nn.Module, missing: list[str]) -> list[str]:
     absent = set(missing)
     loaded = {id(tensor) for name, tensor in tensors.items() if name not in absent}
     return [name for name in missing if name in tensors and id(tensors[name]) in loaded]
+
+
+def without_tied_keys(model: torch.nn.Module, load_result: Any) -> Any:
+    """A ``load_state_dict`` result without the missing keys that are tied weights (:func:`tied_missing_keys`), for
+    transformers' warnings on a checkpoint's missing keys: the checkpoint holds them once, under the other name."""
+    tied = set(tied_missing_keys(model, list(load_result.missing_keys)))
+    if not tied:
+        return load_result
+    return load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])

@@ -160,6 +160,8 @@ def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, c
 
     from dfpo_trl import DFPOTrainer
     from dfpo_trl.groups.prepass import PrePass
+    from dfpo_trl.objectives.step import WholeGroups, objective_values
+    from dfpo_trl.objectives.weights import loss_mask
 
     trainer = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace", per_device_train_batch_size=2,
                            num_generations=4, steps_per_generation=4, gradient_accumulation_steps=2,
@@ -175,14 +177,19 @@ def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, c
         seen.append(input_ids.size(0))
         return trainer._prepass_logps(input_ids, *args)
 
+    def s_bar(of: DFPOTrainer, logps: torch.Tensor) -> torch.Tensor:  # the objective of the two whole groups
+        values = objective_values(of.plan, logps, batch["old_per_token_logps"], batch["advantages"], loss_mask(batch),
+                                  WholeGroups(index=torch.arange(8).view(2, 4)), of._trl_loss())
+        return values.weights.s_bar
+
     pre_pass = PrePass(trainer.layout.shape, trainer.plan, trainer.accelerator, recording)  # its forward: data in
-    s_bar, _, _ = pre_pass.post_clip_weights(batch, torch.arange(8), trainer._clip_range(), None)
+    chunked = s_bar(trainer, pre_pass.policy_logps(batch, torch.arange(8)))
     assert seen == chunks
     one_by_one = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace",
                               per_device_train_batch_size=2, num_generations=4, steps_per_generation=4,
                               gradient_accumulation_steps=2, prepass_batch_size=1)
-    reference, _, _ = one_by_one.pre_pass.post_clip_weights(batch, torch.arange(8), one_by_one._clip_range(), None)
-    assert_close_to_rounding(s_bar, reference)  # forwards of other batch sizes: equal up to float32 rounding
+    reference = s_bar(one_by_one, one_by_one.pre_pass.policy_logps(batch, torch.arange(8)))
+    assert_close_to_rounding(chunked, reference)  # forwards of other batch sizes: equal up to float32 rounding
 
 
 # ------------------------------------------------------------------------------------ one rule per field

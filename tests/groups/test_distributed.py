@@ -97,7 +97,8 @@ def worker(rank: int, port: int, sizes: dict[str, Any], batch_path: str, out_dir
     local_batch["group_ids"] = consecutive_group_ids(local, args.num_generations, offset=rank * local)
     local_batch["row_ids"] = torch.arange(rank * local, (rank + 1) * local)
     trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
-    trainer.pre_pass_skips_at_old_policy = False  # θ ≠ θ_old here: force the pre-pass forward
+    if trainer.pre_pass is not None:
+        trainer.pre_pass.skip_forward_at_old_policy = False  # θ ≠ θ_old here: force the pre-pass forward
     used = record_row_weights(trainer)
     records = []
     for _ in range(args.gradient_accumulation_steps):  # the micro-steps of one optimizer step

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import hand_batch, make_trainer, random_batch, with_old_logps
+from tiny import hand_batch, make_trainer, observe_micro_steps, random_batch, with_old_logps
 from trl import GRPOConfig, GRPOTrainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms, clipped_ratios
+from dfpo_trl.metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms
+from dfpo_trl.objectives.weights import clipped_ratios
 from dfpo_trl.trl_hooks.compat import TRLCompatibilityError, metric_lengths, remove_appended
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -156,7 +157,7 @@ def test_a_sign_flipped_effective_advantage_is_counted_by_the_sign_of_a_hat():
     ratios, advantages = [0.01, 0.5, 10.0, 10.0], [3.0, -1.0, -1.0, -1.0]
     ours = make_trainer(DFPOTrainer, DFPOConfig, **GSPO, group_transform="orth_proj")
     rewritten: list[dict[str, Any]] = []
-    ours.objective_observers.append(lambda step: rewritten.append(dict(advantages=step.loss_inputs.advantages)))
+    observe_micro_steps(ours, lambda step: rewritten.append(dict(advantages=step.loss_inputs.advantages)))
     batch = row_ratio_batch(ours, ratios, advantages)
     mine = logged_clip(ours, batch)
     assert rewritten[0]["advantages"][1] > 0  # the flip

@@ -10,8 +10,8 @@ import torch
 from tiny import make_trainer, random_batch, with_old_logps
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.metrics.clip import clipped_ratios
 from dfpo_trl.metrics.diagnostics import ratio_spread, signal_clip_counts, zero_signal
+from dfpo_trl.objectives.weights import clipped_ratios
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,6 +17,7 @@ from tiny import (
     free_port,
     loss_and_grads,
     make_trainer,
+    record_pre_passes,
     record_row_weights,
     shared_prefix_residual,
     spawn_ranks,
@@ -27,7 +28,6 @@ from trl import GRPOConfig, GRPOTrainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.groups.ids import WHOLE_GROUPS_KEY, consecutive_group_ids
-from dfpo_trl.groups.prepass import PrePassValues
 from dfpo_trl.objectives.cancellation import aggregation_factor, gradient_coefficients
 from dfpo_trl.objectives.weights import loss_mask
 from dfpo_trl.transforms import GROUP_TRANSFORMS, TRANSFORMS
@@ -210,12 +210,8 @@ def pre_pass_step(
     assert trainer.group_layout == "pre_pass"
     trainer.current_gradient_accumulation_steps = 2
     trainer._generate_and_score_completions = lambda _inputs: dict(batch)
-    trainer.pre_pass_skips_at_old_policy = not force_forward  # θ ≠ θ_old in this batch: the pre-pass must forward
-    pre_passed = []
-    trainer.objective_observers.append(
-        lambda value: pre_passed.append((value.row_ids, value.grouped.rows)) if isinstance(value, PrePassValues)
-        else None
-    )
+    trainer.pre_pass.skip_forward_at_old_policy = not force_forward  # θ ≠ θ_old in this batch: it must forward
+    pre_passes = record_pre_passes(trainer)
     used = record_row_weights(trainer)
     steps = []
     for _ in range(2):
@@ -223,7 +219,8 @@ def pre_pass_step(
         loss_and_grads(trainer, inputs)
         steps.append(dict(row_ids=inputs["row_ids"], weights=used[-1], coefficients=trainer.captured.grad.clone()))
         trainer._step += 1
-    (row_ids, weights), = pre_passed  # one pre-pass per optimizer step
+    pre_pass, = pre_passes  # one pre-pass per optimizer step
+    row_ids, weights = pre_pass.objective.row_ids, pre_pass.objective.grouped.rows
     order = torch.argsort(row_ids)
     return trainer, row_ids[order], type(weights)(*(w[order] for w in weights)), steps
 
