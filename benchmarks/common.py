@@ -1,5 +1,5 @@
 """Shared pieces of the DFPO benchmarks: the method table, model/tokenizer loading, config building, and the launcher
-that runs one ``dfpo-train`` process per run (long_run.py, study_v2.py, study_v3.py).
+that runs one ``dfpo-train`` process per run (long_run.py, study_v3.py).
 
 Every benchmark names methods by the keys of :data:`METHODS`. A method is a trainer class, a config class and
 the config overrides that make it that method (docs/reference-runs.md settings: GSPO ε = 3e-4/4e-4, GRPO = TRL's DAPO

@@ -1,5 +1,5 @@
 """Statistics and number formatting shared by the benchmark reports (report.py, report_long_run.py, learning.py,
-long_run.py, study_v2.py): 95% Student-t intervals over seeds and Welch intervals of differences. Pure Python (scipy
+long_run.py, study_v3.py): 95% Student-t intervals over seeds and Welch intervals of differences. Pure Python (scipy
 when installed, for the t quantile); it imports no other benchmark module.
 """
 

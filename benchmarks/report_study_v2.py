@@ -53,6 +53,9 @@ def study_v2_section(results: pathlib.Path, number: int) -> list[str]:
     state = study["stage_record"].get("gates") or {}
     seeds = {a: len(v) for a, v in study["stage_record"]["seeds"].items()}
     lines = [f"## {number}. Study v2: the equivalent-set test redone (`study_v2.py`, `study_v2.sh`)", "",
+             "Its scripts are retired (study v3 supersedes it): `study_v2.py` was last at commit c0193fa, "
+             "`study_v2.sh` at 72fe7e1 (`git show c0193fa:benchmarks/study_v2.py`); its results below are read from "
+             "the files it wrote (benchmarks/README.md, study v2).", "",
              f"{', '.join(study['card'])} (4 of them, one `dfpo-train` process per run, 48 at a time), "
              f"{_versions(study)}, the corrected end token. Task `{study['task']}`, recipe `{design['recipe']}` with "
              f"transformers' generation, {design['steps']} optimizer steps, GSPO's sequence-level ratio and clip "
