@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks.<kind>.<script> from the root
 
-import learning  # noqa: E402
-import report  # noqa: E402
-import report_stats  # noqa: E402
+from benchmarks.lib import stats as report_stats  # noqa: E402
+from benchmarks.reports import report  # noqa: E402
+from benchmarks.studies import learning  # noqa: E402
 
 SPG = 4  # optimizer steps per rollout in the synthetic runs
 GENERATIONS = 3
@@ -109,7 +109,8 @@ def test_report_section_follows_the_numbers(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
     report.main(["--results-dir", str(results), "--out", str(out)])
     text = out.read_text()
-    heading = "Cancellation in the gradient, not only in the weights (`benchmarks/learning.py --study cancellation`)"
+    heading = ("Cancellation in the gradient, not only in the weights "
+               "(`benchmarks/studies/learning.py --study cancellation`)")
     assert heading + "\n" in text
     assert "### sum_sentence" in text and "### arithmetic" in text
     # The gradient variant's residual resolved against GSPO; its held-out accuracy (identical) did not.
@@ -141,19 +142,19 @@ def test_launcher_spreads_runs_over_gpus_and_names_files_per_task(tmp_path: Path
 
 
 def test_study_defaults_and_missing_config_fields() -> None:
-    import common
+    from benchmarks.lib import trainers
 
     args = learning.parse_args(["--launch", "--study", "cancellation", "--random-config", "tiny", "--device", "cpu"])
-    assert args.methods == common.CANCELLATION_METHODS and len(args.methods) == 6
-    assert common.METHODS["min_replace_grad_zero"].overrides["cancellation_one_sided"] == "zero"
+    assert args.methods == trainers.CANCELLATION_METHODS and len(args.methods) == 6
+    assert trainers.METHODS["min_replace_grad_zero"].overrides["cancellation_one_sided"] == "zero"
     for name in ("min_replace_grad", "positive_orth_proj_grad", "min_replace_grad_zero"):
-        overrides = common.METHODS[name].overrides
+        overrides = trainers.METHODS[name].overrides
         assert overrides["cancellation_target"] == "gradient" and overrides["epsilon"] == 3e-4
-        missing = common.missing_config_fields(name)
-        _, _, used = common.trainer_and_config(name, "dfpo", allow_missing=True)
+        missing = trainers.missing_config_fields(name)
+        _, _, used = trainers.trainer_and_config(name, "dfpo", allow_missing=True)
         assert not set(missing) & set(used) and set(used) | set(missing) == set(overrides)
         if missing:  # this dfpo_trl predates the gradient target: refused unless asked
             with pytest.raises(SystemExit, match="cancellation_"):
-                common.check_methods([name])
+                trainers.check_methods([name])
         else:
-            assert common.check_methods([name]) == [name]
+            assert trainers.check_methods([name]) == [name]

@@ -1,4 +1,4 @@
-"""The statistics of ``benchmarks/layouts.py`` (the layouts' step-time claim rests on them): which steps count,
+"""The statistics of ``benchmarks/launch/layouts.py`` (the layouts' step-time claim rests on them): which steps count,
 how rounds of separate runs are pooled, that runs of another design are refused, and the collector's clock."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks.<kind>.<script> from the root
 
-import layouts  # noqa: E402
+from benchmarks.launch import layouts  # noqa: E402
 
 
 def steps_of(seconds_by_round: list[list[float]], per_rollout: int = 4) -> list[dict[str, Any]]:
