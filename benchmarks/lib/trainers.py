@@ -91,6 +91,11 @@ CANCELLATION_METHODS = [
 ]
 
 
+def label(method: str) -> str:
+    """A method's name in tables and figures (its own name when it is not in the table)."""
+    return METHODS[method].label if method in METHODS else method
+
+
 def delta_available() -> bool:
     """DelTA is benchmarked only when this dfpo_trl has the ``token_weighting`` config field."""
     return "token_weighting" in DFPOConfig.__dataclass_fields__
