@@ -100,7 +100,8 @@ def build_model(shape: str, tokenizer_path: str, out: pathlib.Path, device: str,
 
     vocab = QWEN3_VOCAB if shape != "tiny" else 0
     tokenizer = padded_tokenizer(tokenizer_path, vocab)
-    # No pad_token_id in the config: a zero pad embedding row made random inits' gradients non-finite (common.py).
+    # No pad_token_id in the config: a zero pad embedding row made random inits' gradients non-finite
+    # (lib/trainers.random_config).
     config = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                          **SHAPES[shape])

@@ -34,11 +34,18 @@ from transformers import TrainerCallback
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from benchmarks.lib.exactness import EPS_HIGH, EPS_LOW, SIZES, TRANSFORM, Recorder, fixed_batch, model_logps  # noqa: E402
+from benchmarks.lib.exactness import (  # noqa: E402
+    EPS_HIGH,
+    EPS_LOW,
+    SIZES,
+    TRANSFORM,
+    Recorder,
+    fixed_batch,
+    model_logps,
+    reference_weights,
+    serve_fixed_rows,
+)
 from dfpo_trl import DFPOConfig  # noqa: E402
-from dfpo_trl.groups.ids import consecutive_group_ids  # noqa: E402
-from dfpo_trl.objectives.transforms import get_transform  # noqa: E402
-from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip  # noqa: E402
 from dfpo_trl.tasks import get_task  # noqa: E402
 
 LEARNING_RATE = 1.0  # SGD, one step: the update −lr·g well above float32's rounding of the parameters it moves
@@ -87,15 +94,7 @@ def one_step(args: argparse.Namespace, batch: dict[str, torch.Tensor], rank: int
                        train_dataset=task.build_dataset("train", 64, 0), callbacks=[gradients])
     trainer.records = []
     local = per_device * SIZES["steps_per_generation"]
-    device = trainer.accelerator.device
-    rows = slice(rank * local, (rank + 1) * local)
-    local_batch = {k: v[rows].to(device) for k, v in batch.items()}
-    local_batch["num_items_in_batch"] = batch["completion_mask"].sum().to(device)
-    local_batch["group_ids"] = consecutive_group_ids(local, SIZES["num_generations"], offset=rank * local,
-                                                     device=device)
-    local_batch["row_ids"] = torch.arange(rank * local, (rank + 1) * local, device=device)
-    trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
-    trainer.pre_pass_skips_at_old_policy = False  # the batch's old log-probs are not θ's
+    serve_fixed_rows(trainer, batch, rank, local, SIZES["num_generations"])
     trainer.train()
     params = {name: full(p) for name, p in trainer.model.named_parameters()}
     return {"records": trainer.records, "grads": gradients.grads, "params": params,
@@ -114,10 +113,8 @@ def phase_reference(args: argparse.Namespace) -> None:
     initial = {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
     del model
     batch["old_per_token_logps"] = logps - batch.pop("log_ratio_shift")
-    rho = sequence_log_ratio(logps, batch["old_per_token_logps"], batch["completion_mask"])
-    s_bar = sign_aware_post_clip(rho.exp(), batch["advantages"], EPS_LOW, EPS_HIGH)
-    g = SIZES["num_generations"]
-    s_tilde = get_transform(TRANSFORM).apply(s_bar.view(-1, g), batch["advantages"].view(-1, g), 0.5, 1e-6).reshape(-1)
+    s_bar, s_tilde = reference_weights(logps, batch["old_per_token_logps"], batch["completion_mask"],
+                                       batch["advantages"], SIZES["num_generations"], (EPS_LOW, EPS_HIGH))
     single = one_step(args, batch, rank=0, world=1)
     torch.save({"batch": batch, "s_bar": s_bar, "s_tilde": s_tilde, "initial": initial, **single},
                args.out_dir / "fsdp2_reference.pt")

@@ -277,8 +277,7 @@ def phase_reference(args: argparse.Namespace) -> None:
     single-process float32 s̄ / s̃ of every row of the fixed batch at those weights."""
     from transformers import AutoModelForCausalLM
 
-    from dfpo_trl.objectives.transforms import get_transform
-    from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
+    from benchmarks.lib.exactness import reference_weights
 
     work = pathlib.Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -310,10 +309,8 @@ def phase_reference(args: argparse.Namespace) -> None:
             logps.append(torch.log_softmax(logits, -1).gather(-1, completion[..., None])[..., 0].cpu())
     logps = torch.cat(logps)
     old = logps - shift_of(batch, args.check_shift)
-    rho = sequence_log_ratio(logps, old, batch["completion_mask"])
-    s_bar = sign_aware_post_clip(rho.exp(), batch["advantages"], *args.check_epsilon)
-    g = args.num_generations
-    s_tilde = get_transform(TRANSFORM).apply(s_bar.view(-1, g), batch["advantages"].view(-1, g), 0.5, 1e-6).reshape(-1)
+    s_bar, s_tilde = reference_weights(logps, old, batch["completion_mask"], batch["advantages"],
+                                       args.num_generations, tuple(args.check_epsilon), TRANSFORM)
     torch.save({"old_per_token_logps": old, "s_bar": s_bar, "s_tilde": s_tilde, "epsilon": list(args.check_epsilon),
                 "shift": args.check_shift, "rows": int(s_bar.numel())}, work / "reference.pt")
     print(f"reference: {s_bar.numel()} rows on {device}, s_bar in [{s_bar.min():.3f}, {s_bar.max():.3f}], the "

@@ -29,12 +29,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.lib.exactness import EPS_HIGH, EPS_LOW, SIZES, TRANSFORM, Recorder, fixed_batch, model_logps  # noqa: E402
+from benchmarks.lib.exactness import (  # noqa: E402
+    EPS_HIGH,
+    EPS_LOW,
+    SIZES,
+    TRANSFORM,
+    Recorder,
+    fixed_batch,
+    model_logps,
+    reference_weights,
+    serve_fixed_rows,
+)
 from benchmarks.lib.timing import StepClock  # noqa: E402
 from dfpo_trl import DFPOConfig, DFPOTrainer  # noqa: E402
-from dfpo_trl.groups.ids import consecutive_group_ids  # noqa: E402
-from dfpo_trl.objectives.transforms import get_transform  # noqa: E402
-from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip  # noqa: E402
 from dfpo_trl.tasks import get_task  # noqa: E402
 
 
@@ -44,10 +51,8 @@ def phase_reference(args: argparse.Namespace) -> None:
     batch = fixed_batch(args.model, args.world)
     logps = model_logps(model, batch)
     batch["old_per_token_logps"] = logps - batch.pop("log_ratio_shift")
-    rho = sequence_log_ratio(logps, batch["old_per_token_logps"], batch["completion_mask"])
-    s_bar = sign_aware_post_clip(rho.exp(), batch["advantages"], EPS_LOW, EPS_HIGH)
-    g = SIZES["num_generations"]
-    s_tilde = get_transform(TRANSFORM).apply(s_bar.view(-1, g), batch["advantages"].view(-1, g), 0.5, 1e-6).reshape(-1)
+    s_bar, s_tilde = reference_weights(logps, batch["old_per_token_logps"], batch["completion_mask"],
+                                       batch["advantages"], SIZES["num_generations"], (EPS_LOW, EPS_HIGH))
     torch.save({"batch": batch, "s_bar": s_bar, "s_tilde": s_tilde}, args.out_dir / "zero3_reference.pt")
     print(f"reference: {s_bar.numel()} rows, transform changed {(s_tilde != s_bar).sum().item()} weights")
 
@@ -80,15 +85,7 @@ def phase_zero3(args: argparse.Namespace) -> None:
     trainer.records = []
     rank = trainer.accelerator.process_index
     local = SIZES["per_device_train_batch_size"] * SIZES["steps_per_generation"]
-    rows = slice(rank * local, (rank + 1) * local)
-    device = trainer.accelerator.device
-    local_batch = {k: v[rows].to(device) for k, v in reference["batch"].items()}
-    local_batch["num_items_in_batch"] = reference["batch"]["completion_mask"].sum().to(device)
-    group_size = SIZES["num_generations"]
-    local_batch["group_ids"] = consecutive_group_ids(local, group_size, offset=rank * local, device=device)
-    local_batch["row_ids"] = torch.arange(rank * local, (rank + 1) * local, device=device)
-    trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
-    trainer.pre_pass_skips_at_old_policy = False  # the fixed batch's old log-probs are not θ's
+    serve_fixed_rows(trainer, reference["batch"], rank, local, SIZES["num_generations"])
     trainer.train()
     torch.save(trainer.records, args.out_dir / f"zero3_rank{rank}.pt")
     # 2. step time: the pre-pass layout against whole groups per micro-batch, same generation batch.

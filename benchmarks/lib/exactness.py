@@ -1,6 +1,7 @@
-"""The fixed batch of the exactness checks (zero3.py, fsdp2_parity.py): 12 rows in groups of 4 cut across processes
-and micro-steps, old log-probs shifted from the model's by known amounts, and a trainer that records every
-micro-step's s̄, s̃ and loss.
+"""What the exactness checks share (zero3.py, fsdp2_parity.py; layouts' check computes its reference the same way):
+the fixed batch (12 rows in groups of 4 cut across processes and micro-steps, old log-probs shifted from the model's
+by known amounts), the single-process reference s̄ and s̃, the rollout that serves each process its rows of the batch,
+and a trainer that records every micro-step's s̄, s̃ and loss.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import torch
 from transformers import AutoTokenizer
 
 from dfpo_trl import DFPOTrainer
+from dfpo_trl.groups.ids import consecutive_group_ids
 from dfpo_trl.objectives.step import StepObjective
+from dfpo_trl.objectives.transforms import get_transform
+from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
 
 TRANSFORM = "min_replace"
 
@@ -76,3 +80,30 @@ class Recorder(DFPOTrainer):
              "s_tilde": w.s_tilde.detach().float().cpu(), "loss": float(loss.detach()), "layout": self.group_layout}
         )
         return loss
+
+
+def reference_weights(
+    logps: torch.Tensor, old_logps: torch.Tensor, completion_mask: torch.Tensor, advantages: torch.Tensor,
+    group_size: int, epsilon: tuple[float, float], transform: str = TRANSFORM,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """s̄ (the sequence ratio clipped on the advantage's side, eq. 47) and s̃ (``transform`` per group of
+    ``group_size`` consecutive rows) of every row, in one process: what a sharded run's weights must equal."""
+    rho = sequence_log_ratio(logps, old_logps, completion_mask)
+    s_bar = sign_aware_post_clip(rho.exp(), advantages, *epsilon)
+    groups = (-1, group_size)
+    s_tilde = get_transform(transform).apply(s_bar.view(groups), advantages.view(groups), 0.5, 1e-6).reshape(-1)
+    return s_bar, s_tilde
+
+
+def serve_fixed_rows(trainer: Any, batch: dict[str, torch.Tensor], rank: int, local: int, group_size: int) -> None:
+    """Make every rollout of ``trainer`` return process ``rank``'s ``local`` rows of ``batch`` with their global
+    group and row ids, and keep the batch's old log-probs (they are not θ's, so the pre-pass must not skip them)."""
+    device = trainer.accelerator.device
+    rows = slice(rank * local, (rank + 1) * local)
+    local_batch = {k: v[rows].to(device) for k, v in batch.items()}
+    local_batch["num_items_in_batch"] = batch["completion_mask"].sum().to(device)
+    local_batch["group_ids"] = consecutive_group_ids(local, group_size, offset=rank * local, device=device)
+    local_batch["row_ids"] = torch.arange(rank * local, (rank + 1) * local, device=device)
+    trainer._generate_and_score_completions = lambda _inputs: dict(local_batch)
+    trainer.pre_pass_skips_at_old_policy = False
+

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # benchmarks.<kind>.<script> from the root
 
-from benchmarks.lib import stats as report_stats  # noqa: E402
+from benchmarks.lib.stats import t_quantile  # noqa: E402
 from benchmarks.reports import report  # noqa: E402
 from benchmarks.studies import learning, learning_summary  # noqa: E402
 
@@ -90,7 +90,7 @@ def test_cancellation_json_intervals_and_differences() -> None:
     d = result["tasks"]["arithmetic"]["vs_gspo"]["min_replace_grad"]["residual_off_policy"]
     va, vb = statistics.variance([0, 0.001, 0.002]) / 3, 0.01 / 3
     df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
-    expected_half = report_stats.t_quantile(df) * math.sqrt(va + vb)
+    expected_half = t_quantile(df) * math.sqrt(va + vb)
     assert d["difference"] == pytest.approx(0.001 - 0.6)
     assert d["high"] - d["difference"] == pytest.approx(expected_half)
     assert d["excludes_zero"] is True
