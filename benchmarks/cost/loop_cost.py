@@ -61,7 +61,7 @@ def one_run(method: str, model: str, steps: int, seed: int) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.lib.timing import StepClock
-    from benchmarks.lib.vllm import grpo_kwargs
+    from benchmarks.lib.vllm_tools import grpo_kwargs
     from dfpo_trl import DFPOConfig, DFPOTrainer
     from dfpo_trl.tasks import get_task, safe_reward
 

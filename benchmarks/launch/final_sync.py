@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.lib.vllm import install  # noqa: E402
+from benchmarks.lib.vllm_tools import install  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,7 +47,7 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from benchmarks.lib.vllm import (  # noqa: E402
+from benchmarks.lib.vllm_tools import (  # noqa: E402
     SERVER_ENV,
     check_tokens,
     model_logprobs,
@@ -59,7 +59,7 @@ from benchmarks.lib.vllm import (  # noqa: E402
     wait_for_health,
     weight_sync_check,
 )
-from benchmarks.lib.vllm import derived_recipe as paper_derived_recipe  # noqa: E402
+from benchmarks.lib.vllm_tools import derived_recipe as paper_derived_recipe  # noqa: E402
 
 ZERO3_CONFIG = "recipes/accelerate/zero3_2gpu.yaml"
 

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from benchmarks.lib.common import card, smoke_model  # noqa: E402 - the card and package versions every vLLM result records
 from benchmarks.lib.common import installed_versions as versions  # noqa: E402
-from benchmarks.lib.vllm import SAMPLING_KEYS, Timer, grpo_kwargs, instrument_vllm, per_step  # noqa: E402
+from benchmarks.lib.vllm_tools import SAMPLING_KEYS, Timer, grpo_kwargs, instrument_vllm, per_step  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "smollm2_gpu_vllm.yaml"
 PARITY_KEYS = ("loss", "reward", "reward_std", "entropy", "grad_norm", "completions/mean_length",

@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.lib.common import installed_versions as versions  # noqa: E402 - every vLLM result records them
-from benchmarks.lib.vllm import (  # noqa: E402
+from benchmarks.lib.vllm_tools import (  # noqa: E402
     FINAL_SYNCS,
     SAMPLING_KEYS,
     SERVER_ENV,
