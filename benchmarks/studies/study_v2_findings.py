@@ -21,9 +21,9 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from benchmarks.count_effect import count_pairs, slope_interval, within_run_slope  # noqa: E402
 from benchmarks.lib.common import read_record  # noqa: E402
 from benchmarks.lib.stats import mde_t  # noqa: E402
+from benchmarks.studies.count_effect import count_pairs, slope_interval, within_run_slope  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MAIN = "round2/s16_lr5e-5_n64/main"

@@ -1,13 +1,13 @@
 """Study v3: equivalent-solution drift where DFPO's transform can act, with the count effect as its own test.
 
-    python benchmarks/study_v3.py --preregister     # the gates and designs -> results/study_v3/preregistered.json
+    python benchmarks/studies/study_v3.py --preregister   # the gates and designs -> results/study_v3/preregistered.json
     # on one GPU: pilot of every design in the pre-registered order (4 seeds per arm), then the gates per design
-    python benchmarks/study_v3.py --stage pilot --model /root/models/smollm2-135m-instruct --out-dir /tmp/v3 \
+    python benchmarks/studies/study_v3.py --stage pilot --model /root/models/smollm2-135m-instruct --out-dir /tmp/v3 \
         --parallel 8 --deadline-s 540                  # repeat until nothing is left; writes OUT/pilot_gates.json
-    python benchmarks/study_v3.py --stage main --model /root/models/smollm2-135m-instruct --out-dir /tmp/v3 \
+    python benchmarks/studies/study_v3.py --stage main --model /root/models/smollm2-135m-instruct --out-dir /tmp/v3 \
         --parallel 8 --deadline-s 540                  # refused unless a design passed every gate
-    python benchmarks/study_v3.py --aggregate /tmp/v3   # -> results/study_v3.json, figures/study_v3_<arm>.png
-    python benchmarks/study_v3.py --smoke --out-dir /tmp/study-v3-smoke   # CPU: tiny model, 2 steps
+    python benchmarks/studies/study_v3.py --aggregate /tmp/v3   # -> results/study_v3.json, figures/study_v3_<arm>.png
+    python benchmarks/studies/study_v3.py --smoke --out-dir /tmp/study-v3-smoke   # CPU: tiny model, 2 steps
 
 Design (benchmarks/README.md, "Study v3"; fixed in :data:`PREREGISTERED` before any pilot ran). Task ``strict``
 (study_v3_tasks.py: both canonical forms 1, other wordings 0; held-out accuracy = format accuracy). Every arm has GSPO's
@@ -30,11 +30,11 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402 - the launcher (one dfpo-train process per run, records with their checkout)
-from count_effect import count_pairs, slope_interval  # noqa: E402
-from provenance import checkout_state  # noqa: E402
-from report_stats import mde_t, t_ppf  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.lib
+from benchmarks.lib import common  # noqa: E402 - the launcher (one dfpo-train process per run, records with their checkout)
+from benchmarks.lib.provenance import checkout_state  # noqa: E402
+from benchmarks.lib.stats import mde_t, t_ppf  # noqa: E402
+from benchmarks.studies.count_effect import count_pairs, slope_interval  # noqa: E402
 
 ROOT = common.ROOT
 RESULTS = ROOT / "benchmarks" / "results" / "study_v3"
