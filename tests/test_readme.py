@@ -153,7 +153,7 @@ TRACKER_REFERENCE = re.compile(r"\bissues? ?#\d+|\bissues?[- ]\d+\b|(?<![\w/&])#
 
 def test_no_tracker_issue_numbers() -> None:
     """Code, docstrings, docs, recipes and benchmark texts say what a study is, never which issue asked for it."""
-    texts = [ROOT / "README.md", *DOCS, *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "benchmarks").glob("*.md"),
+    texts = [ROOT / "README.md", *DOCS, *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "benchmarks").glob("*.md"),
              *(ROOT / "benchmarks" / "results").rglob("*.md"), *(ROOT / "dfpo_trl").rglob("*.py"),
              *(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "tests").glob("*.py"), *(ROOT / "examples").glob("*.py")]
     found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in texts
@@ -166,13 +166,14 @@ def test_every_benchmark_script_is_in_the_benchmarks_readme() -> None:
     """benchmarks/README.md's table names every script of benchmarks/ (what it measures, the machine, the results),
     and says how to run each one."""
     readme = (ROOT / "benchmarks" / "README.md").read_text()
-    table = {m.group(1) for m in re.finditer(r"^\| `(\w+\.py)` \|", readme, flags=re.MULTILINE)}
-    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
+    table = {m.group(1) for m in re.finditer(r"^\| `([\w/]+\.py)` \|", readme, flags=re.MULTILINE)}
+    scripts = {str(p.relative_to(ROOT / "benchmarks")) for p in (ROOT / "benchmarks").rglob("*.py")}
     assert scripts <= table, f"add to benchmarks/README.md's table: {sorted(scripts - table)}"
     # imported, not run: the table says "a helper" or "nothing" (a section that report.py writes)
-    helpers = {m.group(1) for m in re.finditer(r"^\| `(\w+\.py)` \| (?:a helper|nothing):", readme, flags=re.MULTILINE)}
-    assert {"common.py", "processes.py", "report_long_run.py", "report_launch_shape.py"} <= helpers
-    launched = set(re.findall(r"(?:python|\.yaml) benchmarks/(\w+\.py)\b", readme))
+    helpers = {m.group(1) for m in re.finditer(r"^\| `([\w/]+\.py)` \| (?:a helper|nothing):", readme,
+                                                 flags=re.MULTILINE)}
+    assert {"lib/common.py", "reports/report_long_run.py", "reports/report_launch_shape.py"} <= helpers
+    launched = set(re.findall(r"(?:python|\.yaml) benchmarks/([\w/]+\.py)\b", readme))
     assert not scripts - helpers - launched, f"no command in benchmarks/README.md for {scripts - helpers - launched}"
 
 
@@ -193,3 +194,20 @@ def test_ci_tests_the_lower_bounds_pyproject_declares() -> None:
         lows = {Version(s.version) for r in declared if r.name == pin.name for s in r.specifier if s.operator == ">="}
         assert lows == {Version(exact.version)}, (pin.name, lows, exact.version)
     assert "-c .ci/lower-bounds.txt" in (ROOT / ".ci" / "run").read_text()
+
+
+# Retired scripts (benchmarks/README.md says at which commit each was last): named as history, e.g. a commit's files.
+RETIRED = {"benchmarks/study_v2.py", "benchmarks/study_v2.sh"}
+
+
+def test_benchmark_scripts_named_anywhere_exist() -> None:
+    """Every ``benchmarks/<path>.py`` or ``.sh`` named in the documents, recipes, tests and the benchmark scripts
+    exists, so moving a script cannot leave a command that leads nowhere (``REV:benchmarks/x.py``, a retired
+    script's path in ``git show``, excepted)."""
+    texts = [*MAPS, *(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "tests").rglob("*.py"),
+             *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.sh"),
+             *(ROOT / "benchmarks" / "results").rglob("*.md")]
+    stale = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in texts
+             for m in re.finditer(r"(?<![:\w/])benchmarks/[\w/]+\.(?:py|sh)\b", path.read_text())
+             if not (ROOT / m.group(0)).exists() and m.group(0) not in RETIRED]
+    assert not stale, stale

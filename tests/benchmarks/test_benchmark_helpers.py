@@ -11,9 +11,9 @@ import yaml
 from dfpo_trl.app.parser import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks.<kind>.<script> from the root
 
-import recipe_smoke  # noqa: E402
+from benchmarks.launch import recipe_smoke  # noqa: E402
 
 
 def test_smoke_recipe_keeps_the_objective_batch_and_lora(tmp_path: Path, gpu_recipes_parse_here: None) -> None:
@@ -36,8 +36,9 @@ def test_smoke_recipe_keeps_the_objective_batch_and_lora(tmp_path: Path, gpu_rec
 def test_random_configs_leave_no_zero_pad_embedding() -> None:
     """A ``pad_token_id`` in the config zeroes that embedding row at init (nn.Embedding padding_idx), which gave
     1.7B-sized random inits non-finite gradients on the GPU; the benchmark configs must not set it."""
-    import common
     from transformers import AutoModelForCausalLM
+
+    from benchmarks.lib import trainers
 
     class Tokenizer:
         pad_token_id, eos_token_id, bos_token_id = 2, 1, 0
@@ -45,8 +46,8 @@ def test_random_configs_leave_no_zero_pad_embedding() -> None:
         def __len__(self) -> int:
             return 64
 
-    for name in common.RANDOM_CONFIGS:
-        config = common.random_config(name, Tokenizer())
+    for name in trainers.RANDOM_CONFIGS:
+        config = trainers.random_config(name, Tokenizer())
         assert config.pad_token_id is None, name
-    model = AutoModelForCausalLM.from_config(common.random_config("tiny", Tokenizer()))
+    model = AutoModelForCausalLM.from_config(trainers.random_config("tiny", Tokenizer()))
     assert float(model.get_input_embeddings().weight.detach()[Tokenizer.pad_token_id].abs().sum()) > 0

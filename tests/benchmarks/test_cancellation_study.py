@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks.<kind>.<script> from the root
 
-import learning  # noqa: E402
-import report  # noqa: E402
-import report_stats  # noqa: E402
+from benchmarks.lib.stats import t_quantile  # noqa: E402
+from benchmarks.reports import report  # noqa: E402
+from benchmarks.studies import learning, learning_summary  # noqa: E402
 
 SPG = 4  # optimizer steps per rollout in the synthetic runs
 GENERATIONS = 3
@@ -35,9 +35,9 @@ def synthetic_run(task: str, method: str, seed: int, off_residual: float, reward
         "reward": [rewards[(s - 1) // SPG] if f else None for s, f in zip(steps, first, strict=True)],
         "entropy": [0.5] * len(steps),
         "clip_ratio/region_mean": [0.0 if f else 0.2 for f in first],
-        learning.RESIDUAL: [0.9 if f else off_residual for f in first],
-        learning.RESIDUAL_TWO_SIDED: [0.9 if f else off_residual / 2 for f in first],
-        learning.ONE_SIDED: [0.0 if f else 0.8 for f in first],
+        learning_summary.RESIDUAL: [0.9 if f else off_residual for f in first],
+        learning_summary.RESIDUAL_TWO_SIDED: [0.9 if f else off_residual / 2 for f in first],
+        learning_summary.ONE_SIDED: [0.0 if f else 0.8 for f in first],
     }
     settings = {key: None for key in ("lr", "batch_size", "max_completion_length", "heldout")}
     settings.update(steps_per_generation=SPG, num_generations=4, generations=GENERATIONS, threshold=0.6, ema=0.3,
@@ -61,18 +61,19 @@ def synthetic_runs() -> list[dict[str, Any]]:
 
 def test_off_policy_metrics_leave_out_the_first_step_of_each_rollout() -> None:
     run = synthetic_run("arithmetic", "gspo", 0, 0.5, [0.2, 0.4, 0.5])
-    assert learning.rollout_positions(run)[:5] == [0, 1, 2, 3, 0]
-    summary = learning.run_summary(run, 0.6, 0.3)
+    assert learning_summary.rollout_positions(run)[:5] == [0, 1, 2, 3, 0]
+    summary = learning_summary.run_summary(run, 0.6, 0.3)
     assert summary["residual_off_policy"] == pytest.approx(0.5)
     assert summary["residual_on_policy"] == pytest.approx(0.9)
     assert summary["residual_two_sided_off_policy"] == pytest.approx(0.25)
     assert summary["one_sided_groups_off_policy"] == pytest.approx(0.8)
     assert summary["clip_fraction_off_policy"] == pytest.approx(0.2)
-    assert learning.per_generation(run, learning.RESIDUAL, off_policy=True) == pytest.approx([0.5] * GENERATIONS)
+    residuals = learning_summary.per_generation(run, learning_summary.RESIDUAL, off_policy=True)
+    assert residuals == pytest.approx([0.5] * GENERATIONS)
 
 
 def test_cancellation_json_intervals_and_differences() -> None:
-    result = learning.cancellation_summary(synthetic_runs(), threshold=0.6, alpha=0.3)
+    result = learning_summary.cancellation_summary(synthetic_runs(), threshold=0.6, alpha=0.3)
     assert set(result["tasks"]) == {"arithmetic", "sum_sentence"}
     assert result["device"] == "test card" and "Student-t" in result["interval"]
     gspo = result["tasks"]["arithmetic"]["methods"]["gspo"]
@@ -89,7 +90,7 @@ def test_cancellation_json_intervals_and_differences() -> None:
     d = result["tasks"]["arithmetic"]["vs_gspo"]["min_replace_grad"]["residual_off_policy"]
     va, vb = statistics.variance([0, 0.001, 0.002]) / 3, 0.01 / 3
     df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
-    expected_half = report_stats.t_quantile(df) * math.sqrt(va + vb)
+    expected_half = t_quantile(df) * math.sqrt(va + vb)
     assert d["difference"] == pytest.approx(0.001 - 0.6)
     assert d["high"] - d["difference"] == pytest.approx(expected_half)
     assert d["excludes_zero"] is True
@@ -104,12 +105,13 @@ def test_cancellation_json_intervals_and_differences() -> None:
 def test_report_section_follows_the_numbers(tmp_path: Path) -> None:
     results = tmp_path / "results"
     results.mkdir()
-    result = learning.cancellation_summary(synthetic_runs(), threshold=0.6, alpha=0.3)
+    result = learning_summary.cancellation_summary(synthetic_runs(), threshold=0.6, alpha=0.3)
     (results / "cancellation.json").write_text(json.dumps(result))
     out = tmp_path / "RESULTS.md"
     report.main(["--results-dir", str(results), "--out", str(out)])
     text = out.read_text()
-    heading = "Cancellation in the gradient, not only in the weights (`benchmarks/learning.py --study cancellation`)"
+    heading = ("Cancellation in the gradient, not only in the weights "
+               "(`benchmarks/studies/learning.py --study cancellation`)")
     assert heading + "\n" in text
     assert "### sum_sentence" in text and "### arithmetic" in text
     # The gradient variant's residual resolved against GSPO; its held-out accuracy (identical) did not.
@@ -141,19 +143,19 @@ def test_launcher_spreads_runs_over_gpus_and_names_files_per_task(tmp_path: Path
 
 
 def test_study_defaults_and_missing_config_fields() -> None:
-    import common
+    from benchmarks.lib import trainers
 
     args = learning.parse_args(["--launch", "--study", "cancellation", "--random-config", "tiny", "--device", "cpu"])
-    assert args.methods == common.CANCELLATION_METHODS and len(args.methods) == 6
-    assert common.METHODS["min_replace_grad_zero"].overrides["cancellation_one_sided"] == "zero"
+    assert args.methods == trainers.CANCELLATION_METHODS and len(args.methods) == 6
+    assert trainers.METHODS["min_replace_grad_zero"].overrides["cancellation_one_sided"] == "zero"
     for name in ("min_replace_grad", "positive_orth_proj_grad", "min_replace_grad_zero"):
-        overrides = common.METHODS[name].overrides
+        overrides = trainers.METHODS[name].overrides
         assert overrides["cancellation_target"] == "gradient" and overrides["epsilon"] == 3e-4
-        missing = common.missing_config_fields(name)
-        _, _, used = common.trainer_and_config(name, "dfpo", allow_missing=True)
+        missing = trainers.missing_config_fields(name)
+        _, _, used = trainers.trainer_and_config(name, "dfpo", allow_missing=True)
         assert not set(missing) & set(used) and set(used) | set(missing) == set(overrides)
         if missing:  # this dfpo_trl predates the gradient target: refused unless asked
             with pytest.raises(SystemExit, match="cancellation_"):
-                common.check_methods([name])
+                trainers.check_methods([name])
         else:
-            assert common.check_methods([name]) == [name]
+            assert trainers.check_methods([name]) == [name]

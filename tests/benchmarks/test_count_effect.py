@@ -1,5 +1,5 @@
-"""benchmarks/count_effect.py: the sampling surprise against the odds, the within-run pooled slope (a planted slope
-recovered; a run's own level does not leak in), and its seed-resampling interval."""
+"""benchmarks/studies/count_effect.py: the sampling surprise against the odds, the within-run pooled slope (a planted
+slope recovered; a run's own level does not leak in), and its seed-resampling interval."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-import count_effect as ce  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from benchmarks.studies import count_effect as ce  # noqa: E402
 
 
 def run_record(shares: dict[int, float], odds: dict[int, float]) -> dict:

@@ -1,4 +1,4 @@
-"""The statistics of ``benchmarks/layouts.py`` (the layouts' step-time claim rests on them): which steps count,
+"""The statistics of ``benchmarks/launch/layouts.py`` (the layouts' step-time claim rests on them): which steps count,
 how rounds of separate runs are pooled, that runs of another design are refused, and the collector's clock."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks.<kind>.<script> from the root
 
-import layouts  # noqa: E402
+from benchmarks.launch import layouts, layouts_report, layouts_timing  # noqa: E402
 
 
 def steps_of(seconds_by_round: list[list[float]], per_rollout: int = 4) -> list[dict[str, Any]]:
@@ -31,10 +31,10 @@ def steps_of(seconds_by_round: list[list[float]], per_rollout: int = 4) -> list[
 def test_per_round_keeps_off_policy_steps_apart_from_the_first_of_each_rollout() -> None:
     records = [{"round": -1, "step_in_rollout": 1, "seconds": 99.0}]  # warm-up: never counted
     records += steps_of([[5.0], [1.0], [2.0], [4.0], [7.0], [3.0]])
-    assert layouts.per_round(records, off_policy=True) == {1: 1.0, 2: 2.0, 3: 4.0, 5: 3.0}
-    assert layouts.per_round(records, off_policy=False) == {0: 5.0, 4: 7.0}
+    assert layouts_report.per_round(records, off_policy=True) == {1: 1.0, 2: 2.0, 3: 4.0, 5: 3.0}
+    assert layouts_report.per_round(records, off_policy=False) == {0: 5.0, 4: 7.0}
     # a turn of several steps: the round's median of its off-policy steps
-    assert layouts.per_round(steps_of([[9.0, 1.0, 2.0, 6.0]]), off_policy=True) == {0: 2.0}
+    assert layouts_report.per_round(steps_of([[9.0, 1.0, 2.0, 6.0]]), off_policy=True) == {0: 2.0}
 
 
 def run_report(tmp_path: Path, name: str, rounds: dict[str, list[float]], **overrides: Any) -> str:
@@ -64,7 +64,7 @@ def test_merge_pools_the_rounds_and_takes_ratios_within_each_round(tmp_path: Pat
     second = {"gspo": [3.0, 6.0], "pre_pass": [3.3, 7.8], "redistributed": [3.3, 6.0]}
     args = layouts.parse_args(["--merge", run_report(tmp_path, "a", first), run_report(tmp_path, "b", second),
                                "--out-dir", str(tmp_path / "out")])
-    merged = layouts.merge_reports(args)
+    merged = layouts_report.merge_reports(args)
     assert merged["rounds"] == 5
     ratios = [1.1, 1.0, 0.9, 1.1, 1.0]  # redistributed / gspo, round by round
     entry = merged["redistributed"]
@@ -87,11 +87,11 @@ def test_merge_refuses_runs_of_another_design_or_machine(tmp_path: Path, field: 
     args = layouts.parse_args(["--merge", run_report(tmp_path, "a", rounds),
                                run_report(tmp_path, "b", rounds, **{field: value}), "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="differ in device, shape or turn design"):
-        layouts.merge_reports(args)
+        layouts_report.merge_reports(args)
 
 
 def test_gc_clock_counts_the_collections_of_its_process() -> None:
-    clock = layouts.GCClock()
+    clock = layouts_timing.GCClock()
     try:
         before = clock.total
         garbage = [[] for _ in range(1000)]

@@ -1,5 +1,5 @@
-"""benchmarks/microstep_profile.py end to end on the CPU (tiny random model, TRL and Min-Replace): the JSON a GPU run
-writes has every field, the labelled DFPO time fits inside the micro-step, and DFPO reads nothing on the host in the
+"""benchmarks/cost/microstep_profile.py end to end on the CPU (tiny random model, TRL and Min-Replace): the JSON a GPU
+run writes has every field, the labelled DFPO time fits inside the micro-step, and DFPO reads nothing on the host in the
 loss path, only in ``log`` at logging steps."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks.<kind>.<script> from the root
 
-import microstep_profile  # noqa: E402
+from benchmarks.cost import microstep_profile  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""benchmarks/provenance.py: a run's record names the code that ran (commit, dirty flag, source hash), read from the
+"""benchmarks/lib/provenance.py: a run's record names the code that ran (commit, dirty flag, source hash), read from the
 checkout the run starts in, and the launcher (common.finish) puts it in every record."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-import common  # noqa: E402
-import provenance  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from benchmarks.lib import common, provenance  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 

@@ -1,4 +1,4 @@
-"""benchmarks/study_v2_findings.py: the numbers RESULTS §11 and the README quote about study v2, computed from
+"""benchmarks/studies/study_v2_findings.py: the numbers RESULTS §11 and the README quote about study v2, computed from
 records (hand-built ones here) and, for the committed data, equal to the committed findings file."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-import study_v2_findings as f  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from benchmarks.studies import study_v2_findings as f  # noqa: E402
 
 
 def record(logp0: float, logp_end: float, after: float, entropy: float, clip: list[float] | None = None,

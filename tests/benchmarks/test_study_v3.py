@@ -1,5 +1,5 @@
-"""benchmarks/study_v3.py: the pre-registration is fixed and checked, each arm's flags parse, the paired statistics
-and the seed count match hand computations, the gates read every pre-registered threshold (crashes counted as
+"""benchmarks/studies/study_v3.py: the pre-registration is fixed and checked, each arm's flags parse, the paired
+statistics and the seed count match hand computations, the gates read every pre-registered threshold (crashes counted as
 crashes), the aggregation, and the CPU path (tiny model, 2 steps) end to end."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-import study_v3  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from benchmarks.studies import study_v3  # noqa: E402
 
 DESIGN = study_v3.PREREGISTERED["designs"][0]
 

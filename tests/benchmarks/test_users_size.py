@@ -1,4 +1,4 @@
-"""benchmarks/users_size.py end to end on the CPU (tiny random Qwen3, no vLLM): a round of the pre-pass variants
+"""benchmarks/cost/users_size.py end to end on the CPU (tiny random Qwen3, no vLLM): a round of the pre-pass variants
 writes every field the report reads, and the pre-pass with DFPO's group order forwards half the rows it forwards with
 TRL's per-sample order (rollout 32 rows = 4 groups of 8; an optimizer step trains 16 = 2 whole groups)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks.<kind>.<script> from the root
 
-import users_size  # noqa: E402
+from benchmarks.cost import users_size  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

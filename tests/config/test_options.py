@@ -9,8 +9,7 @@ from typing import Literal, get_args, get_origin, get_type_hints
 import pytest
 import torch
 
-from dfpo_trl.config import options
-from dfpo_trl.config import DFPOConfig
+from dfpo_trl.config import DFPOConfig, options
 from dfpo_trl.config.method import method_in_use
 from dfpo_trl.delta.rollout import normalisation_domain
 from dfpo_trl.objectives.cancellation import aggregation_factor

@@ -1,7 +1,7 @@
 """The generation server's command line. TRL 1.16 deprecates its own server script: it only runs vLLM's server
 with flags TRL needs (weights in over NCCL, processed log-probs), so a line missing one starts a server that
 generates but never receives the trainer's weights. Checked here without vLLM, against TRL's own builder
-(``trl.scripts.vllm_serve.build_command``): benchmarks/vllm_server.py's builder, and every ``vllm serve`` line
+(``trl.scripts.vllm_serve.build_command``): benchmarks/lib/vllm_tools.py's builder, and every ``vllm serve`` line
 the README and the server-mode recipes show, with the recipe's model, port and context."""
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import yaml
 from trl.scripts import vllm_serve as trl_serve
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks.<kind>.<script> from the root
 
-import vllm_server  # noqa: E402
+from benchmarks.launch import vllm_server  # noqa: E402
+from benchmarks.lib import vllm_tools  # noqa: E402
 
 REQUIRED = {"--weight-transfer-config": '{"backend": "nccl"}', "--logprobs-mode": "processed_logprobs",
             "--max-logprobs": "-1"}
@@ -72,7 +73,7 @@ def parse_serve(tokens: list[str]) -> tuple[dict[str, str], list[str], str, dict
 def trl_command(monkeypatch: pytest.MonkeyPatch, scale_out: bool, model: str, **kwargs: Any) -> list[str]:
     """TRL's command for these arguments, with its "vLLM >= 0.30 installed" check answered by ``scale_out``."""
     def installed(min_version: str | None = None) -> bool:
-        assert min_version == vllm_server.SCALE_OUT_VLLM
+        assert min_version == vllm_tools.SCALE_OUT_VLLM
         return scale_out
 
     monkeypatch.setattr(trl_serve, "is_vllm_available", installed)
@@ -121,7 +122,7 @@ def as_trl_arguments(model: str, options: dict[str, str | None]) -> dict[str, An
 def test_builder_keywords_are_trl_script_arguments() -> None:
     """A field TRL adds to its ScriptArguments would otherwise go unnoticed by the comparisons below."""
     fields = {f.name for f in dataclasses.fields(trl_serve.ScriptArguments)} - {"model"}
-    keywords = set(inspect.signature(vllm_server.server_command).parameters) - {"model", "scale_out", "python"}
+    keywords = set(inspect.signature(vllm_tools.server_command).parameters) - {"model", "scale_out", "python"}
     assert keywords == fields
 
 
@@ -129,7 +130,7 @@ def test_builder_keywords_are_trl_script_arguments() -> None:
 @pytest.mark.parametrize("kwargs", ARGUMENT_SETS, ids=["defaults", "benchmark", "paper", "every_option", "negated"])
 def test_server_command_is_trls(monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, Any], scale_out: bool) -> None:
     model = "Qwen/Qwen3-32B"
-    ours = vllm_server.server_command(model, scale_out=scale_out, python=sys.executable, **kwargs)
+    ours = vllm_tools.server_command(model, scale_out=scale_out, python=sys.executable, **kwargs)
     theirs = trl_command(monkeypatch, scale_out, model, **kwargs)
     assert parse_serve(ours) == parse_serve(theirs)
     _, head, _, options = parse_serve(ours)
@@ -147,11 +148,11 @@ def test_shell_line_is_what_trl_tells_users_to_run(monkeypatch: pytest.MonkeyPat
     with pytest.warns(FutureWarning) as record:
         trl_serve.main(trl_serve.ScriptArguments(model="Qwen/Qwen3-32B", **kwargs))
     told = next(line.strip() for w in record for line in str(w.message).splitlines() if "vllm serve" in line)
-    ours = vllm_server.shell_line(vllm_server.server_command("Qwen/Qwen3-32B", **kwargs))
+    ours = vllm_tools.shell_line(vllm_tools.server_command("Qwen/Qwen3-32B", **kwargs))
     assert parse_serve(shlex.split(ours)) == parse_serve(shlex.split(told))
     assert ours.startswith("VLLM_SERVER_DEV_MODE=1 vllm serve ")
     (_, argv, env), = calls
-    assert vllm_server.SERVER_ENV.items() <= env.items()
+    assert vllm_tools.SERVER_ENV.items() <= env.items()
     assert parse_serve(argv)[2:] == parse_serve(shlex.split(ours))[2:]
 
 
@@ -169,7 +170,7 @@ def test_print_commands_gives_the_benchmarks_server(monkeypatch: pytest.MonkeyPa
     for env, _, model, options in parsed:
         assert env == {"CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1"}
         assert (model, options) == parse_serve(theirs)[2:]
-    recipe = vllm_server.derived_recipe("/models/m", 8123, "/tmp/unused", 4, {})
+    recipe = vllm_tools.derived_recipe("/models/m", 8123, "/tmp/unused", 4, {})
     trainer_side = (recipe["vllm_mode"], recipe["vllm_server_host"], recipe["vllm_server_port"])
     assert trainer_side == ("server", "127.0.0.1", 8123)
 
@@ -225,7 +226,7 @@ def test_readme_server_lines_are_the_recipes() -> None:
 def test_no_trl_vllm_serve_in_user_facing_text() -> None:
     """TRL 1.16's wrapper is deprecated (gone in TRL 2): nothing tells users to start the server with it."""
     paths = [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("benchmarks/**/*.md"),
-             *ROOT.glob("benchmarks/*.py"), *ROOT.glob("recipes/**/*.yaml"), *ROOT.glob("notebooks/*.ipynb"),
+             *ROOT.glob("benchmarks/**/*.py"), *ROOT.glob("recipes/**/*.yaml"), *ROOT.glob("notebooks/*.ipynb"),
              *ROOT.glob("examples/**/*.py"), *ROOT.glob("dfpo_trl/**/*.py")]
     assert len(paths) > 20
     found = [str(p.relative_to(ROOT)) for p in paths if re.search(r"trl\s+vllm[-_]serve", p.read_text())]
