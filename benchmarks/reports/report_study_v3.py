@@ -1,7 +1,8 @@
-"""RESULTS.md's section on study v3 (``benchmarks/studies/study_v3.py``): the three pre-registered rounds and their gates, the
-main stage's arms, the paired comparisons with their MDEs, the count-effect test, what the equalised control could
-act on, and the figures. Called by ``benchmarks/report.py``; every number is read from ``results/study_v3.json``,
-``results/study_v3/round*/pilot_gates.json`` and the run records in ``results/study_v3/round3/main/runs``."""
+"""RESULTS.md's section on study v3 (``benchmarks/studies/study_v3.py``): the three pre-registered rounds and their
+gates, the main stage's arms, the paired comparisons with their MDEs, the count-effect test, what the equalised control
+could act on, and the figures. Called by ``benchmarks/reports/report.py``; every number is read from
+``results/study_v3.json``, ``results/study_v3/round*/pilot_gates.json`` and the run records in
+``results/study_v3/round3/main/runs``."""
 
 from __future__ import annotations
 
@@ -121,13 +122,14 @@ def study_v3_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
     checkout = first.get("checkout") or {}
     primary = comp["mr_w - gspo"]["primary"]["all_pairs"]
     figure = curves_figure(runs, fig_dir, out)
-    lines = [f"## {number}. Study v3: drift where the transform can act (`studies/study_v3.py`, `studies/study_v3_gpu.sh`)", "",
+    lines = [f"## {number}. Study v3: drift where the transform can act (`studies/study_v3.py`, "
+             "`studies/study_v3_gpu.sh`)", "",
              f"Card: {first['card']} (`nvidia-h200-x4`: 8 runs at once on each of 4 GPUs); versions "
              f"{', '.join(f'{k} {v}' for k, v in sorted((first.get('versions') or {}).items()))}. The records name "
              f"commit {checkout.get('commit', '?')[:7]} with uncommitted changes (the device copies the session's "
              f"working tree onto the commit the session started from); their source hash "
              f"{checkout.get('source_sha256', '?')[:12]}… is the hash of `{RUN_COMMIT}`, the commit that registered "
-             "round 3 (`benchmarks/provenance.py`).", "",
+             "round 3 (`benchmarks/lib/provenance.py`).", "",
              "**Pre-registration in rounds.** The gates, arms, steps (64), seeds rule and analysis were fixed in "
              "`study_v3.PREREGISTERED` (`results/study_v3/preregistered.json`) before any pilot. Each round piloted "
              "its designs (arms anchor, gspo, mr_w; seeds 0–3) and the main stage was to run the first design that "
