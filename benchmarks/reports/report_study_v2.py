@@ -299,8 +299,8 @@ def _reading(study: dict[str, Any], meter: dict[str, Any] | None, gates: dict[st
                    "by Min-Replace as large as the MDE was detected; the setting gave the paper's mechanism little "
                    "room to act, so the study neither confirms nor rules the mechanism out. The numbers of the "
                    "Primary, set-entropy and `gspo` − `anchor` paragraphs are recomputed from the run records by "
-                   "`study_v2_findings.py` (`results/study_v2_findings.json`). Study v3 (`study_v3.py`, "
-                   "benchmarks/README.md) is designed for a setting where it can act; it has not run.")
+                   "`study_v2_findings.py` (`results/study_v2_findings.json`). Study v3 (§13, `studies/study_v3.py`) "
+                   "tested it in a setting where it can act.")
     return out
 
 

@@ -136,7 +136,9 @@ def study_v3_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
              "passed every gate. Rounds 2 and 3 kept every gate and changed only the designs, each registered and "
              "committed (`preregistered_round2.json`, `preregistered_round3.json`) after the last round's gates were "
              "read and before any of its own runs; no main-stage outcome was seen before round 3's gates were "
-             "written. Gate values (✓ passed):", "",
+             "written. The pilots' own primary values were in view when rounds 2 and 3 were designed (the pilot "
+             "gates file carries them for the seeds rule); the designs changed only the clip and the learning rate, "
+             "the knobs the failed gates named. Gate values (✓ passed):", "",
              *gate_rows(rounds), "",
              f"**Main stage**: design `{design['name']}` (S = {design['rollout_steps']} optimizer steps per rollout, "
              f"ε = {design['epsilon']:g} / {design['epsilon_high']:g}, lr {design.get('learning_rate', 5e-5):g}); "
