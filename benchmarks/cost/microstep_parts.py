@@ -14,7 +14,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -24,8 +24,20 @@ import torch  # noqa: E402
 
 import dfpo_trl  # noqa: E402
 
-if TYPE_CHECKING:
-    from benchmarks.cost.microstep_profile import Runner
+
+class Runner(Protocol):
+    """What the profilers drive (``microstep_profile.Runner``): one method's trainer, micro-step by micro-step."""
+
+    trainer: Any
+    batches: Iterator[Any]
+
+    def micro_step(self) -> dict[str, float]: ...
+
+    def generates_next(self) -> bool: ...
+
+    def ends_optimizer_step(self) -> bool: ...
+
+    def is_logging_step(self) -> bool: ...
 
 PACKAGE = str(pathlib.Path(dfpo_trl.__file__).resolve().parent)
 HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
