@@ -26,6 +26,27 @@ def test_the_committed_preregistration_is_the_scripts() -> None:
     study_v3.check_preregistered(path)
 
 
+@pytest.mark.parametrize("round_", [2, 3])
+def test_later_rounds_change_only_the_designs_and_are_committed(round_: int) -> None:
+    """Rounds 2 and 3 were registered after the last round's gates failed: same gates, steps, seeds and analysis,
+    other designs; each committed file equals the script's registration, and a design's own learning rate reaches
+    the run's flags."""
+    registration = study_v3.REGISTRATIONS[round_]
+    def rest(reg: dict) -> dict:
+        return {k: v for k, v in reg.items() if k not in ("designs", "round")}
+
+    assert rest(registration) == rest(study_v3.PREREGISTERED)
+    earlier = {d["name"] for r in range(1, round_) for d in study_v3.REGISTRATIONS[r]["designs"]}
+    assert not earlier & {d["name"] for d in registration["designs"]}
+    study_v3.check_preregistered(study_v3.REGISTRATION_FILES[round_], round_)
+    with pytest.raises(SystemExit, match=f"round {round_}"):
+        study_v3.check_preregistered(study_v3.REGISTRATION_FILES[1], round_)
+    for design in registration["designs"]:
+        flags = study_v3.arm_flags("mr_w", design)
+        lr = flags[flags.index("--learning_rate") + 1]
+        assert float(lr) == design.get("learning_rate", study_v3.PREREGISTERED["learning_rate"])
+
+
 def test_a_changed_preregistration_is_refused(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "preregistered.json"
     path.write_text(json.dumps({"sha256": "0" * 64}))
@@ -147,3 +168,21 @@ def test_aggregate_pairs_by_seed_and_counts_crashes(tmp_path: pathlib.Path) -> N
         pytest.approx(0.8, rel=1e-9)
     row = next(r for r in study["runs"] if r["arm"] == "mr_w_eq" and r["seed"] == 0)
     assert row["complete"] is False and "OutOfMemoryError" in row["crash"] and row["gates"] == {"passed": True}
+
+
+def test_the_report_reads_its_numbers_from_the_results() -> None:
+    """RESULTS §13 (reports/report_study_v3.py) states the primary comparison and its MDE as study_v3.json has them,
+    and counts an equalised run as inert only when its drift curve is its strict twin's exactly."""
+    from benchmarks.reports import report_study_v3
+
+    results = study_v3.ROOT / "benchmarks" / "results"
+    study = json.loads((results / "study_v3.json").read_text())
+    primary = study["comparisons"]["mr_w - gspo"]["primary"]["all_pairs"]
+    text = "\n".join(report_study_v3.study_v3_section(results, pathlib.Path("/tmp/dfpo-v3-figures"),
+                                                     results.parent / "RESULTS.md", 13))
+    assert report_study_v3.interval(primary) in text and f"{primary['mde']:.4f}" in text
+    curve = [{"step": 0, "set_entropy_normalised": 0.9}, {"step": 2, "set_entropy_normalised": 0.5}]
+    moved = [curve[0], {"step": 2, "set_entropy_normalised": 0.5000001}]
+    runs = {("gspo", 1): {"drift": {"curve": curve}}, ("gspo_eq", 1): {"drift": {"curve": list(curve)}},
+            ("gspo", 2): {"drift": {"curve": curve}}, ("gspo_eq", 2): {"drift": {"curve": moved}}}
+    assert report_study_v3.control_inert(runs, "gspo", "gspo_eq") == (1, 2)
