@@ -124,7 +124,8 @@ def study_v3_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
     figure = curves_figure(runs, fig_dir, out)
     lines = [f"## {number}. Study v3: drift where the transform can act (`studies/study_v3.py`, "
              "`studies/study_v3_gpu.sh`)", "",
-             f"Card: {first['card']} (`nvidia-h200-x4`: 8 runs at once on each of 4 GPUs); versions "
+             f"Card: {first['card']} ({study['preregistered']['parallel']} runs at once on each of "
+             f"{len({r.get('gpu') for r in runs.values()})} GPUs of one machine); versions "
              f"{', '.join(f'{k} {v}' for k, v in sorted((first.get('versions') or {}).items()))}. The records name "
              f"commit {checkout.get('commit', '?')[:7]} with uncommitted changes (the device copies the session's "
              f"working tree onto the commit the session started from); their source hash "
