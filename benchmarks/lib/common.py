@@ -49,6 +49,18 @@ def load_json(path: pathlib.Path) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def save_figure(fig: Any, fig_dir: pathlib.Path, name: str, out: pathlib.Path, dpi: int) -> str:
+    """Save a matplotlib figure as ``fig_dir/name`` and close it; its path as RESULTS.md (``out``) links it: relative
+    to the report's folder when the figure is inside it."""
+    import matplotlib.pyplot as plt
+
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    path = fig_dir / name
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return str(path.relative_to(out.parent)) if path.is_relative_to(out.parent) else str(path)
+
+
 def write_json(path: str | os.PathLike[str], data: Any) -> None:
     """Atomic JSON write (a reader never sees a half file; a killed job leaves the previous version)."""
     path = pathlib.Path(path)

@@ -8,7 +8,7 @@ import pathlib
 import statistics
 from typing import Any
 
-from benchmarks.lib.common import load_json
+from benchmarks.lib.common import load_json, save_figure
 
 
 def sci(x: float) -> str:
@@ -64,11 +64,7 @@ def plot_loop_cost(loop: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Pat
     ax.set_title("whole loop with colocated vLLM: per round (grey), median and 95% interval (blue)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig_dir.mkdir(parents=True, exist_ok=True)
-    path = fig_dir / "loop_cost.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path.relative_to(out.parent)) if path.is_relative_to(out.parent) else str(path)
+    return save_figure(fig, fig_dir, "loop_cost.png", out, dpi=120)
 
 
 def launch_shape_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:

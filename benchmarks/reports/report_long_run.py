@@ -9,7 +9,7 @@ import pathlib
 import statistics
 from typing import Any
 
-from benchmarks.lib.common import read_record
+from benchmarks.lib.common import read_record, save_figure
 from benchmarks.lib.stats import fmt, mean_ci
 
 # (metric in long_run.json, column title, digits)
@@ -287,14 +287,7 @@ def plot_long_run(study: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Pat
         axes.flat[-1].axis("off")
         fig.suptitle(f"{task}: mean over seeds, band = min–max over seeds")
         fig.tight_layout()
-        path = fig_dir / f"long_run_{task}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        try:
-            paths[task] = str(path.relative_to(out.parent))
-        except ValueError:
-            paths[task] = str(path)
+        paths[task] = save_figure(fig, fig_dir, f"long_run_{task}.png", out, dpi=100)
     return paths
 
 

@@ -6,11 +6,11 @@ could act on, and the figures. Called by ``benchmarks/reports/report.py``; every
 
 from __future__ import annotations
 
-import gzip
-import json
 import pathlib
 import statistics
 from typing import Any
+
+from benchmarks.lib.common import load_json, read_record, save_figure
 
 ARMS = ("anchor", "gspo", "mr_w", "gspo_eq", "mr_w_eq")
 # The commit whose sources ran the main stage: provenance.source_sha256 of a checkout of it equals the records'
@@ -19,16 +19,11 @@ RUN_COMMIT = "5c2b2f4"
 GATES = ("baseline_set_mass", "anchor_on_set", "one_sided_share", "clipped_share", "baseline_learns")
 
 
-def load(path: pathlib.Path) -> Any:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def records(folder: pathlib.Path) -> dict[tuple[str, int], dict[str, Any]]:
     """(arm, seed) -> run record of a stage folder's ``runs/`` (plain or gzip JSON)."""
     out = {}
     for path in sorted(folder.glob("runs/*.json*")):
-        raw = path.read_bytes()
-        record = json.loads(gzip.decompress(raw) if path.name.endswith(".gz") else raw)
+        record = read_record(path)
         out[(path.name.split("__")[1], int(record["seed"]))] = record
     return out
 
@@ -104,18 +99,14 @@ def curves_figure(runs: dict[tuple[str, int], dict[str, Any]], fig_dir: pathlib.
         ax.set(title=arm, xlabel="optimizer step")
     axes[0].set_ylabel("set entropy / log 2")
     fig.tight_layout()
-    fig_dir.mkdir(parents=True, exist_ok=True)
-    path = fig_dir / "study_v3_set_entropy.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path.relative_to(out.parent)) if path.is_relative_to(out.parent) else str(path)
+    return save_figure(fig, fig_dir, "study_v3_set_entropy.png", out, dpi=110)
 
 
 def study_v3_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
-    study = load(results / "study_v3.json")
+    study = load_json(results / "study_v3.json")
     if not study:
         return []
-    rounds = {n: r for n in (1, 2, 3) if (r := load(results / "study_v3" / f"round{n}" / "pilot_gates.json"))}
+    rounds = {n: r for n in (1, 2, 3) if (r := load_json(results / "study_v3" / f"round{n}" / "pilot_gates.json"))}
     runs = records(results / "study_v3" / f"round{study['round']}" / "main")
     design, arms, comp, count = study["design"], study["arms"], study["comparisons"], study["count_effect"]
     first = study["runs"][0]

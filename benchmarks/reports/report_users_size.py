@@ -8,7 +8,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from benchmarks.lib.common import load_json
+from benchmarks.lib.common import load_json, save_figure
 
 RESOLUTION = 1.01  # the ratio the whole-loop study is asked to decide: at most 1.01x TRL's time
 
@@ -76,11 +76,7 @@ def ratio_figure(runs: dict[str, dict[str, Any]], fig_dir: pathlib.Path, out: pa
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig_dir.mkdir(parents=True, exist_ok=True)
-    path = fig_dir / "users_size_ratios.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path.relative_to(out.parent))
+    return save_figure(fig, fig_dir, "users_size_ratios.png", out, dpi=110)
 
 
 def split_figure(runs: dict[str, dict[str, Any]], fig_dir: pathlib.Path, out: pathlib.Path) -> str | None:
@@ -111,10 +107,7 @@ def split_figure(runs: dict[str, dict[str, Any]], fig_dir: pathlib.Path, out: pa
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path = fig_dir / "users_size_split.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path.relative_to(out.parent))
+    return save_figure(fig, fig_dir, "users_size_split.png", out, dpi=110)
 
 
 def profile_rows(profile: dict[str, Any]) -> list[str]:

@@ -557,16 +557,9 @@ def test_local_path_that_is_not_a_directory(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama + word-level tokenizer with a chat template, saved like a real checkpoint."""
-    from tiny import tiny_model, tiny_tokenizer
+    from tiny import save_tiny_chat_model
 
-    path = tmp_path_factory.mktemp("tiny_model")
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    model = tiny_model()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny_model"))
 
 
 def _math_dir(tmp_path: Path) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import tiny_model, tiny_recipe, tiny_tokenizer
+from tiny import save_tiny_chat_model, tiny_model, tiny_recipe, tiny_tokenizer
 
 from dfpo_trl.app.progress import DFPOProgressCallback, GenerationProgress
 
@@ -45,12 +45,7 @@ def test_cli_bar_shows_the_rollouts_generation_only(
     it closes) report nothing; the description is cleared when generation ends."""
     from dfpo_trl.app.main import main
 
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    model = tiny_model()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    save_tiny_chat_model(tmp_path / "model")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RUN)
 
@@ -81,12 +76,7 @@ def test_cli_bar_names_the_heldout_evaluation_along_the_run(
     accuracy, and the bar's postfix then shows it."""
     from dfpo_trl.app.main import main
 
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    model = tiny_model()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    save_tiny_chat_model(tmp_path / "model")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(tiny_recipe(plot=False, disable_tqdm=False, eval_max_new_tokens=3))
     argv = [str(recipe), "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out"),
