@@ -33,6 +33,7 @@ from benchmarks.reports import (  # noqa: E402
     report_long_run,
     report_study_v2,
     report_study_v3,
+    report_trained,
     report_users_size,
 )
 from benchmarks.reports.report_cancellation import cancellation_figures, cancellation_section  # noqa: E402
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     study_v3_lines = report_study_v3.study_v3_section(
         results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines)
         + bool(study_v2_lines) + bool(users_size_lines))
+    trained_lines = report_trained.trained_section(
+        results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines)
+        + bool(study_v2_lines) + bool(users_size_lines) + bool(study_v3_lines))
     lines = [
         "# Benchmark results",
         "",
@@ -195,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         *study_v2_lines,
         *users_size_lines,
         *study_v3_lines,
+        *trained_lines,
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines).rstrip() + "\n")
