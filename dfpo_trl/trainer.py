@@ -57,6 +57,7 @@ from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
 from .trl_hooks.pending import PendingCall, trainer_config
 from .trl_hooks.resume import load_rollout_state, replay_sampler_epochs, save_rollout_state, without_tied_keys
+from .trl_hooks.sampling_ratio import RatioWatch
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class DFPOTrainer(GRPOTrainer):
         # every process: the layout, why it was chosen and what it costs, in one line
         logger.info(describe_layout(name, self.args, shape.num_processes))
         self.delta_weighting = DeltaWeighting(self.args, shape, self.dfpo_metrics) if self.plan.uses_delta else None
+        self.ratio_watch = RatioWatch()  # one line when TRL's vLLM IS ratio shrinks the loss (trl_hooks/sampling_ratio)
         warning = on_policy_identity_warning(self, self.plan.transform.name) if self.plan.rewrites_sequences else None
         if warning:
             logger.warning(warning)
@@ -127,7 +129,8 @@ class DFPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------- rollout
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """TRL's rollout, plus DelTA's λ̄, each row's reward and its explicit group and row ids."""
+        """TRL's rollout, plus DelTA's λ̄, each row's reward and its explicit group and row ids; the first rollout
+        whose vLLM importance-sampling ratio would shrink the loss gets one line (trl_hooks/sampling_ratio.py)."""
         training = self.model.training
         weigh = self.delta_weighting is not None and training
         capture = HiddenCapture() if weigh and trl_runs_old_logps_forward(self) else None
@@ -137,6 +140,8 @@ class DFPOTrainer(GRPOTrainer):
         if weigh:
             hidden = capture if capture is not None and capture.done else self.capture_hidden_states(output)
             self.delta_weighting.weigh(output, hidden, loss_mask(output), self.state, self.processing_class)
+        if training:
+            self.ratio_watch.check(output, loss_mask(output), self.args, self.accelerator)
         attach_row_rewards(output, call.rewards, self.accelerator.process_index)
         self.layout.add_ids(output, "train" if self.model.training else "eval")
         return output

@@ -91,8 +91,11 @@ class StandInEngine:
         for prompt in prompts:
             ids, tokens, logps = list(prompt["prompt_token_ids"]), [], []
             for _ in range(sampling_params.max_tokens):
-                logits = engine(torch.tensor([ids + tokens])).logits[0, -1].float()
-                log_probs = (logits / sampling_params.temperature).log_softmax(-1)  # "processed_logprobs"
+                logits = engine(torch.tensor([ids + tokens])).logits[0, -1].float() / sampling_params.temperature
+                top_k = getattr(sampling_params, "top_k", 0) or 0
+                if top_k > 0:  # vLLM samples from the top k and returns log-probs renormalised over them
+                    logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[-1], float("-inf"))
+                log_probs = logits.log_softmax(-1)  # "processed_logprobs"
                 token = int(torch.multinomial(log_probs.exp(), 1, generator=self.rng))
                 tokens.append(token)
                 logps.append(float(log_probs[token]))
@@ -170,3 +173,27 @@ def test_colocated_vllm_syncs_weights_and_applies_the_is_ratio_after_the_transfo
                                    atol=1e-6 * float(expected.abs().max().clamp(min=1e-30)))
     assert ratio_spread > 1e-4, "the engine's log-probs equal the trainer's: the ratio's place is untested"
     assert transform_acted > 1e-3, "Min-Replace never changed a weight: the run is on-policy"
+
+
+@pytest.mark.parametrize("correction", [True, False])
+def test_truncated_sampling_shrinks_trls_ratio_and_the_trainer_says_so_once(stand_in_vllm: Any, correction: bool,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Top-k sampling: the engine's log-probs are renormalised over the kept tokens, so TRL's sequence ratio is
+    exp(Σ_t log K_t) < 1, falling with length; one warning names the fields, and none when the correction is off."""
+    policy = tiny_model()
+    stand_in_vllm(policy)
+    args = DFPOConfig(**base_args(**{**COLOCATE, "top_k": 2, "vllm_importance_sampling_correction": correction}))
+    trainer = start_recording(RecordingTrainer(model=policy, reward_funcs=last_digit_reward,
+                                               train_dataset=addition_dataset(), processing_class=tiny_tokenizer(),
+                                               args=args))
+    with caplog.at_level("WARNING", logger="dfpo_trl.trl_hooks.sampling_ratio"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dfpo_trl.trl_hooks.sampling_ratio"]
+    if not correction:
+        assert lines == []
+        assert all("importance_sampling_ratio" not in record["inputs"] for record in trainer.records)
+        return
+    ratios = torch.cat([record["inputs"]["importance_sampling_ratio"].reshape(-1) for record in trainer.records])
+    assert float(ratios.mean()) < 0.5  # top-2 of a random model's vocabulary keeps little mass per token
+    assert len(lines) == 1
+    assert "top_k=2" in lines[0] and "vllm_importance_sampling_correction: false" in lines[0]
