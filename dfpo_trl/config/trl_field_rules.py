@@ -8,6 +8,7 @@ rules before it imports torch, transformers and TRL (``dfpo_trl/app/values.py``)
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .rules import Check, FieldRule, finite, integer, optional
@@ -17,9 +18,12 @@ __all__ = ["TRL_FIELD_RULES"]
 
 def _numeric(name: str, check: Check, rule: str, fix: str, kind: str = "a number") -> FieldRule:
     """A rule on a numeric field whose message says the value must be a number when it is not one (a list, a
-    string), and ``rule`` when it is one out of range."""
+    string), that NaN and infinity are not finite numbers (``float("nan")`` is a float: "not a float" said
+    nothing), and ``rule`` when it is one out of range."""
 
     def said(value: Any, _: Any) -> str:
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"is {'NaN' if math.isnan(value) else 'infinite'}, not a finite number"
         number = integer(value) if kind == "an integer" else finite(value)
         return rule if number or value is None else f"must be {kind}, not a {type(value).__name__}"
 

@@ -62,6 +62,15 @@ def _value_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
             rf"learning_rate in {re.escape(str(listed))}, line {_line(listed, 'learning_rate')}: learning_rate is a "
             r"list \(\[1e-05, 2e-05\]\); learning_rate takes a number",
         ),
+        "NaN epsilon": ([r, "--epsilon", "nan"],
+                        r"--epsilon on the command line: epsilon=nan is NaN, not a finite number; GSPO and DFPO use "
+                        r"3e-4"),
+        "NaN learning rate": ([r, "--learning_rate", "nan"],
+                              r"--learning_rate on the command line: learning_rate=nan is NaN, not a finite number; "
+                              r"e\.g\. 2e-6"),
+        "infinite temperature": ([r, "--temperature", "inf"],
+                                 r"--temperature on the command line: temperature=inf is infinite, not a finite "
+                                 r"number; use 1\.0"),
         "text for a number": ([r, "--learning_rate", "fast"],
                               r"--learning_rate on the command line: invalid float value: 'fast'; .*takes a number"),
         "rollout without whole groups": (
@@ -259,3 +268,19 @@ def test_processes_come_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> No
     assert launched_processes() is None
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert launched_processes() == 4
+
+
+def test_help_after_a_recipe_shows_the_recipes_value(capsys: pytest.CaptureFixture[str]) -> None:
+    """`dfpo-train RECIPE --help` showed "--seed (default: 42)" beside a recipe that sets 0: the recipe's value is
+    shown beside the default, and without a recipe only the default."""
+    from dfpo_trl.app.main import main
+
+    for argv in ([str(MAIN_RECIPE), "--help"], ["--config", str(MAIN_RECIPE), "-h"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        assert f"  --seed (default: 42; {MAIN_RECIPE} sets 0)\n" in out
+        assert f"  --max_steps (default: -1; {MAIN_RECIPE} sets 12)\n" in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "  --seed (default: 42)\n" in capsys.readouterr().out
