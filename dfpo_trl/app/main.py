@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .._usercode import UserCodeError
 from .args import ModelUnavailableError, RecipeError
 from .help import short_help
 from .plugins import import_plugins, requested_plugins
@@ -95,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2
+    except UserCodeError as exc:  # the user's reward, task, data or plugin failed: their frame, not a traceback
+        print(f"dfpo-train: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as exc:  # outside training (loading, saving): nothing partial worth describing
         name = signal_name(exc)
         print(f"\ndfpo-train: {'interrupted' if name == 'SIGINT' else 'stopped by ' + name}", file=sys.stderr)

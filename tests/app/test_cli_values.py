@@ -102,7 +102,7 @@ def _fast_only_cases(tmp_path: Path, request: pytest.FixtureRequest) -> dict[str
                          r"'arithmetic'\?"),
         "plugin that raises": ([str(plugged)],
                                rf"plugins in {re.escape(str(plugged))}, line 5: importing 'dfpo_plugin_that_raises' "
-                               r"failed: RuntimeError: the plugin broke"),
+                               r"failed at dfpo_plugin_that_raises.py:1: RuntimeError: the plugin broke"),
     }
 
 
