@@ -244,7 +244,8 @@ def build_datasets(
     try:
         train = task.build_dataset("train", script_args.train_size, seed)
     except ValueError as exc:  # the task's own checks (a missing column or split): the recipe's fault
-        raise RecipeError(str(exc)) from exc
+        field = getattr(exc, "field", None)  # a missing column: headed by where its field was set
+        raise RecipeError(str(exc) if field is None else _headed(origin, field, str(exc))) from exc
     except Exception as exc:  # noqa: BLE001 - a dataset that cannot be found is the recipe's to fix; else re-raised
         said = dataset_unavailable(script_args, exc, origin) or dataset_not_found(script_args, exc, origin)
         if said:

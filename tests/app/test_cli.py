@@ -574,11 +574,23 @@ def _math_dir(tmp_path: Path) -> Path:
 def test_missing_dataset_column_names_it_and_the_flag(
     tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Refused before torch from the dataset's own files, and by the run after loading it, in the same line: where
+    the field was set, the columns there are, and the flag as it is spelt."""
+    from dfpo_trl.app.data import build_datasets, build_task
+    from dfpo_trl.app.train import command_line_origin
+
     recipe = write_recipe(tmp_path, f"use_cpu: true\ntask: math\ndataset: {_math_dir(tmp_path)}\n")
-    code = main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")])
+    argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")]
+    code = main(argv)
     err = capsys.readouterr().err
-    assert code == 2
-    assert "column 'problem' not found" in err and "'question'" in err and "--problem-column" in err
+    said = ("problem_column (its default): math task: column 'problem' not found; available columns: ['question', "
+            "'answer']; set problem_column (CLI: --problem_column) to the dataset's column")
+    assert code == 2 and err == f"dfpo-train: error: {said}\n"
+    script_args, training_args, _ = parse_args(argv)
+    task = build_task(script_args, command_line_origin(argv))
+    with pytest.raises(RecipeError) as refused:
+        build_datasets(script_args, task, training_args.seed, command_line_origin(argv))
+    assert str(refused.value) == said
 
 
 def test_max_prompt_length_drops_long_prompts(tiny_model_dir: Path) -> None:

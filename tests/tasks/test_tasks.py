@@ -415,7 +415,7 @@ def test_math_missing_column_error() -> None:
         task.build_dataset("train", None, 0)
     msg = str(info.value)
     assert "'problem'" in msg and "['question', 'final']" in msg and "problem_column" in msg
-    assert "--problem-column" in msg
+    assert "(CLI: --problem_column)" in msg and getattr(info.value, "field", None) == "problem_column"
     task = get_task("math", dataset=_math_data(), problem_column="question")
     with pytest.raises(ValueError, match=r"column 'answer' not found.*answer_column"):
         task.build_dataset("train", None, 0)
