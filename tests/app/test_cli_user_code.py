@@ -1,6 +1,6 @@
 """A failure in the user's own code (a reward function, a task, its data) ends ``dfpo-train`` in one line: the
 user's frame (file:line), the exception, and for a reward the completion, its group and the training row; and the
-previous run's results stay where they were, byte for byte, since no optimizer step ran (issue 46)."""
+previous run's results stay where they were, byte for byte, since no optimizer step ran."""
 
 from __future__ import annotations
 
