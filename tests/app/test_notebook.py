@@ -14,8 +14,9 @@ FLOAT_ROUNDING = 1e-6  # the orthogonality residual of a balancing transform, as
 METHODS = ("GSPO", "DFPO Min-Replace")
 ROLLOUT_STEPS = 4  # steps_per_generation: steps 1, 5, ... train on-policy
 # The per-cell limit: the training cell (GSPO and DFPO, 8 steps each) takes about 3 min on a quiet 2-core machine
-# and ran 1833 s at load 6-14 on the same 2 cores, over the former 1800 s limit. Twice that loaded time, so that the
-# suite stays green on a loaded machine; a cell that hangs still ends.
+# (the whole notebook 3 min 36 s); at load 6-14 on the same 2 cores the kernel ran 1833 s, past the former 1800 s
+# limit, and the whole notebook once took 39 min 21 s. About twice that loaded cell time, so that the suite stays
+# green on a loaded machine; a cell that hangs still ends.
 CELL_TIMEOUT = 3600
 
 
