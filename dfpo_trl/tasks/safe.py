@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -111,7 +110,11 @@ class SafeReward:
         for i, value in enumerate(rewards):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            try:  # what TRL's torch.tensor(...) takes: a float, an int, a bool, a 0-d tensor or numpy scalar
+                number = float(value)
+            except (TypeError, ValueError):
+                number = math.nan
+            if not math.isfinite(number):
                 said = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
                 raise RewardError(self.__name__, frame, f"returned {said}, not a finite number,", i, n,
                                   self.group_size, prompts[i] if i < len(prompts) else None, _RETURN_FIX)
