@@ -268,9 +268,9 @@ class DFPOConfig(GRPOConfig):
         ``use_cpu`` is refused naming both fixes. With a bfloat16 GPU, or ``use_cpu``, TRL's default stands."""
         if self.fp16 or self.use_cpu or self.bf16 is False:
             return
-        from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+        from transformers import training_args as hf_args  # the very check transformers' refusal makes
 
-        if is_torch_bf16_gpu_available() or is_torch_xla_available():
+        if hf_args.is_torch_bf16_gpu_available() or hf_args.is_torch_xla_available():
             return
         if self.bf16 is None:
             self.bf16 = False
