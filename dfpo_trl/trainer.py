@@ -37,6 +37,7 @@ from .metrics.store import MetricStore
 from .objectives.plan import ObjectivePlan
 from .objectives.step import TRLLoss, WholeGroups, micro_step_objective
 from .objectives.weights import loss_mask
+from .tasks.safe import RewardError, SafeReward, defined_at
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
     applied_is_ratio,
@@ -78,6 +79,9 @@ class DFPOTrainer(GRPOTrainer):
         self._tag_names = card_tags(config.token_weighting)
         super().__init__(**arguments)
         check_trainer_attributes(self)
+        for reward in self.reward_funcs:  # a failing reward's message names the completion's group
+            if isinstance(reward, SafeReward):
+                reward.group_size = self.num_generations
         self._pending: PendingCall | None = None  # see PendingCall
         self._unwrapped: tuple[torch.nn.Module, torch.nn.Module] | None = None  # see unwrapped_model
         self._train_sampler: Any = None  # the prompt sampler of the current train() call: see _get_train_sampler
@@ -148,6 +152,16 @@ class DFPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> torch.Tensor:
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if rewards_per_func.numel() and bool(torch.isnan(rewards_per_func).all()):
+            # TRL only warns: every reward None (TRL's NaN) sums to 0 for every completion, and nothing is learned.
+            names = list(self.reward_func_names)
+            raise RewardError(
+                " and ".join(names), defined_at(getattr(self.reward_funcs[0], "func", self.reward_funcs[0])),
+                "returned None (does not apply) for every completion" if len(names) == 1 else
+                "each returned None (does not apply) for every completion", None, rewards_per_func.shape[0],
+                fix="no completion has a reward, so nothing can be learned: return a float for each completion it "
+                "can score",
+            )
         if self._pending is not None:
             self._pending.rewards = row_rewards(rewards_per_func, self.reward_weights)
         return rewards_per_func

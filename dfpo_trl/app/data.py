@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from .._usercode import UserCodeError, exception_text, user_frame
 from ..tasks import REWARDS, EquivalentFormsTask, Task, get_reward, get_task, safe_reward
 from . import logger
 from .args import DFPOScriptArguments, RecipeError
@@ -20,6 +21,12 @@ Origin = Callable[[str], str]  # where a field was set ("--task on the command l
 def _headed(origin: Origin | None, name: str, message: str) -> str:
     """``message`` headed by where ``name`` was set, when the caller knows (the command line does)."""
     return message if origin is None else f"{origin(name)}: {message}"
+
+
+def failed_at(what: str, exc: BaseException) -> str:
+    """``what`` failed, at the user's frame, with the exception: a user's code that raised, said in one line."""
+    frame = user_frame(exc)
+    return f"{what} failed{f' at {frame}' if frame else ''}: {exception_text(exc)}"
 
 
 def build_task(script_args: DFPOScriptArguments, origin: Origin | None = None) -> Task:
@@ -45,6 +52,8 @@ def build_task(script_args: DFPOScriptArguments, origin: Origin | None = None) -
         task = get_task(script_args.task, **options)
     except ValueError as exc:  # an unknown name, a bad import path, the task's own checks (no dataset)
         raise RecipeError(_headed(origin, "task", str(exc))) from exc
+    except Exception as exc:  # noqa: BLE001 - the user's task factory (or its module) raised: one line, their frame
+        raise UserCodeError(_headed(origin, "task", failed_at(f"task {script_args.task!r}", exc))) from exc
     try:
         check_is_task(task, script_args.task)
     except RecipeError as exc:
@@ -235,12 +244,14 @@ def build_datasets(
     try:
         train = task.build_dataset("train", script_args.train_size, seed)
     except ValueError as exc:  # the task's own checks (a missing column or split): the recipe's fault
-        raise RecipeError(str(exc)) from exc
+        field = getattr(exc, "field", None)  # a missing column: headed by where its field was set
+        raise RecipeError(str(exc) if field is None else _headed(origin, field, str(exc))) from exc
     except Exception as exc:  # noqa: BLE001 - a dataset that cannot be found is the recipe's to fix; else re-raised
         said = dataset_unavailable(script_args, exc, origin) or dataset_not_found(script_args, exc, origin)
         if said:
             raise RecipeError(said) from exc
-        raise
+        what = f"task {script_args.task!r} building its training data"
+        raise UserCodeError(_headed(origin, "task", failed_at(what, exc))) from exc
     if "prompt" not in train.column_names:
         raise RecipeError(
             f"task {script_args.task!r} built a training dataset without a 'prompt' column (columns: "

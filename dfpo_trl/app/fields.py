@@ -64,7 +64,7 @@ def build_field_table(parser: DFPOParser) -> dict[str, Any]:
         "defaults": {name: parser.primary_action(name).default for name in PRECHECKED_FIELDS},
         "numeric": numeric_fields(parser),
         "tasks": sorted(TASKS),
-        "transforms": sorted(name for name, entry in TRANSFORMS.items() if entry.builtin),
+        "transforms": [name for name, entry in TRANSFORMS.items() if entry.builtin],  # registry order
         "dfpo_fields": dfpo,
         "script_fields": script,
         "entries": {name: _entry(parser, name) for name in shown},

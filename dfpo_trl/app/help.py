@@ -33,16 +33,27 @@ COMMON_TRL_FIELDS = (
 )  # fmt: skip
 
 
-def short_help(table: dict[str, Any], width: int = 100) -> str:
+def short_help(
+    table: dict[str, Any], width: int = 100, recipe: str | None = None, settings: dict[str, Any] | None = None
+) -> str:
     """``dfpo-train --help``: usage, the fields most runs set, DFPO's fields, then the other script arguments, each
-    with its default and help; the other common TRL/transformers fields only by name (``--help-all``: all)."""
+    with its default and help; the other common TRL/transformers fields only by name (``--help-all``: all). With
+    ``recipe`` (``dfpo-train RECIPE.yaml --help``), a field the recipe sets shows the recipe's value beside the
+    default: "--seed (default: 42)" beside a recipe that sets 0 told the user the wrong seed."""
+    settings = settings or {}
 
     def entry(name: str) -> str:
         spec = table["entries"][name]
         head = f"  --{name}"
+        notes = []
         if spec["default"] is not None:
-            head += f" (default: {spec['default']}"
-            head += f"; {spec['negated']} turns it off)" if spec["negated"] else ")"
+            notes.append(f"default: {spec['default']}")
+            if spec["negated"]:
+                notes.append(f"{spec['negated']} turns it off")
+        if recipe is not None and name in settings:
+            notes.append(f"{recipe} sets {settings[name]!r}")
+        if notes:
+            head += f" ({'; '.join(notes)})"
         text = " ".join(p for p in (spec["help"], LEADING_NOTES.get(name, "")) if p)
         body = textwrap.fill(text, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
         return f"{head}\n{body}"

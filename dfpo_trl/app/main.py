@@ -22,10 +22,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .._usercode import UserCodeError
 from .args import ModelUnavailableError, RecipeError
 from .help import short_help
 from .plugins import import_plugins, requested_plugins
-from .precheck import precheck, stored_field_table
+from .precheck import precheck, read_recipe, stored_field_table
 from .signals import exit_code, signal_name, sigterm_interrupts
 
 __all__ = ["main"]  # and run, default_process_group (from .train, on first use)
@@ -43,8 +44,9 @@ def print_help(args: Sequence[str]) -> int:
     ``--help-all`` (argparse's help over every field, from the parser); 2 when a plugin cannot be imported."""
     plugins = requested_plugins(args)
     stored = stored_field_table()
+    recipe, settings = help_recipe(args)
     if "--help-all" not in args and not plugins and stored is not None:
-        print(short_help(stored), end="")
+        print(short_help(stored, recipe=recipe, settings=settings), end="")
         return 0
     try:  # the help lists what the plugins register
         import_plugins(plugins)
@@ -57,8 +59,24 @@ def print_help(args: Sequence[str]) -> int:
     if "--help-all" in args:
         make_parser().print_help()
     else:
-        print(short_help(build_field_table(make_parser())), end="")
+        print(short_help(build_field_table(make_parser()), recipe=recipe, settings=settings), end="")
     return 0
+
+
+def help_recipe(args: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
+    """The recipe a ``--help`` command names (``dfpo-train RECIPE.yaml --help`` or ``--config RECIPE.yaml``) and the
+    fields it sets, for the help to show beside the defaults; (None, {}) without one or when it cannot be read (the
+    run itself reports that)."""
+    items = list(args)
+    recipe = items[0] if items and not items[0].startswith("-") else None
+    if "--config" in items and items.index("--config") + 1 < len(items):
+        recipe = items[items.index("--config") + 1]
+    if recipe is None:
+        return None, {}
+    try:
+        return recipe, read_recipe(recipe)
+    except (RecipeError, OSError):
+        return None, {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2
+    except UserCodeError as exc:  # the user's reward, task, data or plugin failed: their frame, not a traceback
+        print(f"dfpo-train: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as exc:  # outside training (loading, saving): nothing partial worth describing
         name = signal_name(exc)
         print(f"\ndfpo-train: {'interrupted' if name == 'SIGINT' else 'stopped by ' + name}", file=sys.stderr)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._usercode import exception_text, user_frame
 from .args import RecipeError
 
 __all__ = ["as_module_list", "flag_plugins", "import_plugins", "requested_plugins"]
@@ -80,7 +81,8 @@ def import_plugins(modules: Sequence[str], origin: str = "plugins") -> None:
                 "directory, named as in an import statement (my_pkg.transforms, not my_pkg/transforms.py)"
             ) from None
         except Exception as exc:  # the plugin's own code failed (e.g. register_transform refused a transform)
+            frame = user_frame(exc)
             raise RecipeError(
-                f"{origin}: importing {name!r} failed: {type(exc).__name__}: {exc}; fix the module or drop "
-                "it from plugins"
+                f"{origin}: importing {name!r} failed{f' at {frame}' if frame else ''}: {exception_text(exc)}; fix "
+                "the module or drop it from plugins"
             ) from exc

@@ -192,6 +192,24 @@ def _flag_value(args: Sequence[str], flags: Sequence[str]) -> str | bool | None:
     return value
 
 
+LIST_FIELDS = ("reward_funcs",)  # fields of several values (nargs "+") the value checks read
+
+
+def _list_flag_value(args: Sequence[str], flags: Sequence[str]) -> list[str] | None:
+    """The values the last of ``flags`` gives (``--f a b`` up to the next flag, or ``--f=a``), else None."""
+    value: list[str] | None = None
+    for i, arg in enumerate(args):
+        if arg in flags:
+            value = []
+            for rest in args[i + 1:]:
+                if rest.startswith("--"):
+                    break
+                value.append(rest)
+        elif "=" in arg and arg.split("=", 1)[0] in flags:
+            value = [arg.split("=", 1)[1]]
+    return value
+
+
 class CommandLine:
     """A command line read against a field table: each field's value as the user set it (the flag, else the
     recipe) or its default, where it was set, and whether the user set it."""
@@ -203,7 +221,12 @@ class CommandLine:
 
     def flagged(self, name: str) -> str | bool | None:
         """The command line's value of ``name``; a bare flag of a numeric field is left to the full parse."""
-        given = flag_plugins(self.flags) if name == "plugins" else _flag_value(self.flags, self.options[name])
+        if name == "plugins":
+            given = flag_plugins(self.flags)
+        elif name in LIST_FIELDS:
+            given = _list_flag_value(self.flags, self.options[name])
+        else:
+            given = _flag_value(self.flags, self.options[name])
         return None if isinstance(given, bool) and name in self.table.get("numeric", {}) else given
 
     def value(self, name: str) -> Any:

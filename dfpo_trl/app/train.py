@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 from trl import ModelConfig, get_peft_config
 
+from .._usercode import UserCodeError
 from ..config import DFPOConfig
+from ..tasks.safe import RewardError
 from ..trainer import DFPOTrainer
 from . import logger
 from .args import DFPOScriptArguments
@@ -67,11 +70,12 @@ def run(
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
         train = filter_long_prompts(train, tokenizer, script_args.max_prompt_length, training_args.chat_template_kwargs)
     training_args.model_init_kwargs = model_init_kwargs(training_args, model_args)
-    # Every check has passed (a refusal leaves output_dir as it was); nothing has written there yet.
-    set_aside_earlier_results(training_args.output_dir)
+    # An earlier run's results move to previous_run/ once this run has trained a step (or is about to write its
+    # own): a failure before that (the user's reward on the first rollout) leaves output_dir as it was.
+    earlier = EarlierResults(training_args.output_dir)
 
     curves = CurveMetricsCallback(threshold=script_args.reward_threshold)
-    callbacks: list[Any] = [curves]
+    callbacks: list[Any] = [curves, earlier]
     heldout_cb = None
     if heldout is not None:
         heldout_cb = HeldoutAccuracyCallback(
@@ -112,12 +116,16 @@ def run(
     stop_signal = None
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except RewardError as exc:  # the user's reward failed: one line, with the training row it was scoring
+        close_progress_bar(trainer)
+        raise UserCodeError(exc.said(training_row(train, exc.prompt))) from exc
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: keep what was learned about the run, not a traceback
         interrupted = True
         stop_signal = signal_name(exc)
         close_progress_bar(trainer)
         curves.on_train_end(training_args, trainer.state, trainer.control)  # the curve up to the last logged step
     train_seconds = time.monotonic() - train_start
+    earlier.set_aside()  # interrupted before the first step ended: this run writes its partial results now
     saved = save_model(trainer, training_args.output_dir) if script_args.save_model and not interrupted else []
 
     summary: dict[str, Any] = {"interrupted": interrupted, "signal": stop_signal}
@@ -150,6 +158,35 @@ def run(
     gc.collect()
     del group_handle
     return summary
+
+
+class EarlierResults(TrainerCallback):
+    """Moves an earlier run's results to previous_run/ when the first optimizer step has ended (before a checkpoint
+    of that step is saved), or before this run writes its own, whichever comes first; never when the run fails
+    before that, so a failure in the user's reward, task or data leaves their files byte for byte as they were."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+        self.done = False
+
+    def set_aside(self) -> None:
+        if not self.done:
+            self.done = True
+            set_aside_earlier_results(self.output_dir)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.set_aside()
+
+
+def training_row(train: Any, prompt: Any) -> int | None:
+    """The training dataset's row whose prompt is ``prompt`` (the first such row), for a failing reward's message;
+    None when no row has it or the dataset cannot be read so."""
+    if prompt is None:
+        return None
+    try:
+        return next((i for i, row_prompt in enumerate(train["prompt"]) if row_prompt == prompt), None)
+    except (KeyError, TypeError):
+        return None
 
 
 def set_aside_earlier_results(output_dir: str) -> None:

@@ -11,17 +11,20 @@ of which imports torch).
 
 from __future__ import annotations
 
-import math
+import csv
+import importlib.util
+import json
 import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from ..config.combinations import check_sequence_options
-from ..config.rules import unknown_name
-from ..config.trl_field_rules import TRL_FIELD_RULES
+from ..config.rules import missing_column, transform_fix, unknown_name
+from ..config.trl_field_rules import TRL_FIELD_RULES, launched_processes, whole_groups_problem
 from .args import RecipeError
 
 __all__ = ["VALUE_FIELDS", "check_values", "coerce", "launched_processes", "whole_groups_problem", "with_origins"]
@@ -35,7 +38,8 @@ BATCH_FIELDS = (
     "per_device_train_batch_size", "steps_per_generation", "gradient_accumulation_steps", "generation_batch_size",
     "num_generations",
 )  # fmt: skip
-VALUE_FIELDS = (*SEQUENCE_FIELDS, *BATCH_FIELDS, "task", "plugins")
+DATA_FIELDS = ("reward_funcs", "dataset", "dataset_config", "split", "problem_column", "answer_column")
+VALUE_FIELDS = (*SEQUENCE_FIELDS, *BATCH_FIELDS, "task", "plugins", *DATA_FIELDS)
 
 Value = Callable[[str], Any]  # a field's value as the user set it (flag, recipe) or its default
 Origin = Callable[[str], str]  # where a field's value came from, for a message
@@ -105,49 +109,106 @@ def with_origins(message: str, names: Iterable[str], given: Given, origin: Origi
     return f"{' and '.join(origin(n) for n in chosen)}: {message}" if chosen else message
 
 
-def whole_groups_problem(values: Mapping[str, Any], processes: int) -> str | None:
-    """TRL's rule that a rollout (``generation_batch_size``, here computed as TRL does from the per-device batch,
-    the processes and ``steps_per_generation``) holds whole groups of ``num_generations``, said with the fields a
-    user sets and the nearest values that fix it; None when it holds or TRL computes it otherwise."""
-    batch, generations = values["per_device_train_batch_size"], values["num_generations"]
-    steps = values["steps_per_generation"] or values["gradient_accumulation_steps"]
-    if values["generation_batch_size"] is not None or not all(
-        isinstance(v, int) and v >= 1 for v in (batch, generations, steps)
-    ):
-        return None
-    rollout = batch * processes * steps
-    if rollout % generations == 0:
-        return None
-    step = generations // math.gcd(generations, processes * steps)  # per_device_train_batch_size must be a multiple
-    lower, upper = (batch // step) * step, (batch // step + 1) * step
-    batches = " or ".join(str(b) for b in (lower, upper) if b >= 1)
-    divisors = [d for d in range(2, rollout + 1) if rollout % d == 0]
-    near = sorted(divisors, key=lambda d: (abs(d - generations), d))[:2]
-    alternative = f", or num_generations to a divisor of {rollout} (e.g. {' or '.join(map(str, sorted(near)))})"
-    which = "steps_per_generation" if values["steps_per_generation"] else "gradient_accumulation_steps"
-    return (
-        f"a rollout of per_device_train_batch_size {batch} x {processes} process{'es' if processes > 1 else ''} x "
-        f"{which} {steps} = "
-        f"{rollout} completions does not hold whole groups of num_generations {generations} (TRL: "
-        f"generation_batch_size must be divisible by num_generations); set per_device_train_batch_size to a "
-        f"multiple of {step} (e.g. {batches}){alternative if near else ''}"
-    )
-
-
-def launched_processes() -> int | None:
-    """The processes this run is one of: ``WORLD_SIZE`` (set by accelerate launch, torchrun, deepspeed), else 1; None
-    when another launcher (Slurm, MPI) started several processes without it: then TRL counts them, not this."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    others = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-    return None if any(os.environ.get(name, "1") not in ("", "1") for name in others) else 1
-
-
-def _known(module: str, registry: str, stored: list[str]) -> set[str]:
-    """The registered names: the live registry when a plugin already imported it, else the stored table's."""
+def _known(module: str, registry: str, stored: list[str]) -> list[str]:
+    """The registered names, in the registry's order: the live registry when a plugin already imported it, else the
+    stored table's."""
     if module in sys.modules:
-        return set(getattr(sys.modules[module], registry))
-    return set(stored)
+        return list(getattr(sys.modules[module], registry))
+    return list(stored)
+
+
+def import_problem(path: str) -> str | None:
+    """Why the module of an import path (``package.module:name``) cannot be imported, found with
+    ``importlib.util.find_spec`` (which runs no module's code but its parent packages'), in the words the registry's
+    import gives after torch; None when it can be found (whether it has the name is left to the import)."""
+    module, sep, attr = path.partition(":")
+    if not sep:
+        module, _, attr = path.rpartition(".")
+    if not module or not attr:
+        return None
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as the registry's import_object does
+    try:
+        found = importlib.util.find_spec(module)
+    except ModuleNotFoundError as exc:  # a parent package is missing
+        return f"cannot import {module!r} for {path!r}: {exc}"
+    except Exception:  # noqa: BLE001 - a parent package raised: the import after torch says how
+        return None
+    return None if found is not None else f"cannot import {module!r} for {path!r}: No module named {module!r}"
+
+
+def _is_import_path(name: Any) -> bool:
+    """A ``task`` or ``reward_funcs`` entry written as an import path, not a name, a folder or a hub id."""
+    return (isinstance(name, str) and (":" in name or "." in name) and "/" not in name
+            and not name.startswith(("~", ".")) and not os.path.isdir(name))
+
+
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def _file_columns(path: Path) -> list[str] | None:
+    """The columns of one data file, from its first row or header (parquet: its schema); None when unreadable."""
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet  # no torch; datasets reads parquet with it too
+
+            return list(pyarrow.parquet.read_schema(path).names)
+        with path.open(encoding="utf-8") as handle:
+            if path.suffix == ".csv":
+                return next(csv.reader(handle), None)
+            if path.suffix == ".jsonl":
+                first = next((line for line in handle if line.strip()), None)
+                row = json.loads(first) if first is not None else None
+            else:
+                data = json.load(handle)
+                row = data[0] if isinstance(data, list) and data else None
+    except (OSError, ValueError, ImportError, UnicodeDecodeError):
+        return None
+    return list(row) if isinstance(row, dict) else None
+
+
+def dataset_columns(folder: str, split: str) -> list[str] | None:
+    """A local dataset folder's columns for ``split``, read from its own files without ``datasets``: a folder
+    written by ``save_to_disk`` (its ``dataset_info.json``; a DatasetDict's split subfolder), or a folder of data
+    files (the first file named after the split, or the only data file); None when they cannot be told this way
+    (the load after torch then decides)."""
+    root = Path(folder)
+    for info in (root / split / "dataset_info.json", root / "dataset_info.json"):
+        if info.is_file() and (info.parent == root / split or not (root / "dataset_dict.json").is_file()):
+            try:
+                features = json.loads(info.read_text(encoding="utf-8")).get("features")
+            except (OSError, ValueError):
+                return None
+            return list(features) if isinstance(features, dict) else None
+    if (root / "README.md").is_file() and "configs:" in (root / "README.md").read_text(errors="replace"):
+        return None  # the card chooses the data files: only datasets reads that
+    files = sorted(p for p in root.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+    named = [p for p in files if p.name.startswith(split) or p.parent.name == split]
+    chosen = named or (files if len(files) == 1 and split == "train" else [])
+    return _file_columns(chosen[0]) if chosen else None
+
+
+def _check_data(value: Value, origin: Origin) -> None:
+    """The import paths of ``task`` and ``reward_funcs`` (by find_spec), and a local ``math`` dataset's columns (from
+    its own files): refused as the run would refuse them after torch, headed by where each field was set."""
+    task = value("task")
+    if _is_import_path(task) and (problem := import_problem(task)) is not None:
+        raise RecipeError(f"{origin('task')}: {problem}")
+    rewards = value("reward_funcs")
+    for name in [rewards] if isinstance(rewards, str) else rewards if isinstance(rewards, list) else []:
+        if _is_import_path(name) and (problem := import_problem(name)) is not None:
+            raise RecipeError(f"{origin('reward_funcs')}: {problem}")
+    dataset, split = value("dataset"), value("split")
+    if task != "math" or value("dataset_config") is not None or not isinstance(dataset, str) or not isinstance(
+            split, str) or not os.path.isdir(dataset):
+        return
+    columns = dataset_columns(dataset, split)
+    if columns is None:
+        return
+    for field in ("problem_column", "answer_column"):
+        column = value(field)
+        if isinstance(column, str) and column not in columns:
+            raise RecipeError(f"{origin(field)}: {missing_column(column, field, columns)}")
 
 
 def check_values(value: Value, origin: Origin, given: Given, table: Mapping[str, Any]) -> None:
@@ -172,7 +233,13 @@ def check_values(value: Value, origin: Origin, given: Given, table: Mapping[str,
         batch = {name: typed(name) for name in BATCH_FIELDS}
     except (TypeError, ValueError):  # a value of the wrong type: the full parse says what the field takes
         return
-    if options.group_transform in _known("dfpo_trl.transforms", "TRANSFORMS", table["transforms"]):
+    transforms = _known("dfpo_trl.transforms", "TRANSFORMS", table["transforms"])
+    if isinstance(options.group_transform, str) and options.group_transform not in transforms:
+        raise RecipeError(
+            f"invalid value(s): {origin('group_transform')}: group_transform={options.group_transform!r} is not a "
+            f"DFPO transform; {transform_fix(transforms)}."
+        )
+    if options.group_transform in transforms:
         try:
             check_sequence_options(options)
         except ValueError as exc:
@@ -186,3 +253,4 @@ def check_values(value: Value, origin: Origin, given: Given, table: Mapping[str,
     if isinstance(task, str) and task not in tasks and ":" not in task and "." not in task:
         raise RecipeError(f"{origin('task')}: " + unknown_name(f"unknown task {task!r}; known tasks", task, tasks,
                                                                "module:factory"))
+    _check_data(value, origin)

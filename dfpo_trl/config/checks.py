@@ -28,7 +28,7 @@ from .options import (
     TOKEN_WEIGHTINGS,
     TRANSFORM_GRADIENTS,
 )
-from .rules import FieldRule, integer, one_of, optional, problems, quoted
+from .rules import FieldRule, integer, one_of, optional, problems, quoted, transform_fix
 from .trl_field_rules import TRL_FIELD_RULES
 
 __all__ = ["FIELD_RULES", "check_fields"]
@@ -41,10 +41,7 @@ def registered_transform(value: Any, _: Any) -> bool:
 
 
 def _transform_fix(_value: Any, _config: Any) -> str:
-    return (
-        f"use one of {quoted(registered_transforms(), ', ')}, or register the transform first with "
-        "dfpo_trl.register_transform (in dfpo-train: --plugins MODULE, docs/extending.md)"
-    )
+    return transform_fix(registered_transforms())
 
 
 FIELD_RULES: tuple[FieldRule, ...] = (

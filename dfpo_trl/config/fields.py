@@ -33,6 +33,7 @@ from .options import (
     TransformGradient,
     ZeroAdvantageRule,
 )
+from .trl_field_rules import launched_processes, whole_groups_problem
 
 # transformers >= 5.24 renamed gradient_checkpointing to activation_checkpointing and warns whenever the old name
 # is set, which TRL's config does by default (True), so every run warned. Older 5.x releases know only the old name.
@@ -245,7 +246,39 @@ class DFPOConfig(GRPOConfig):
         self.delta_gamma = read_gamma(self.delta_gamma)
         check_fields(self)  # every field's own rule first, all problems at once
         check_combinations(self)  # then the rules between fields, the first one broken
+        self._check_whole_groups()
+        self._resolve_precision()
         super().__post_init__()
+
+    def _check_whole_groups(self) -> None:
+        """TRL's whole-groups rule in the words ``dfpo-train`` uses (the fields a user sets and the nearest values
+        that fix it), instead of TRL's bare "generation_batch_size must be divisible by num_generations"; left to
+        TRL when another launcher started the processes without ``WORLD_SIZE``."""
+        processes = launched_processes()
+        names = ("per_device_train_batch_size", "steps_per_generation", "gradient_accumulation_steps",
+                 "generation_batch_size", "num_generations")
+        problem = None if processes is None else whole_groups_problem({n: getattr(self, n) for n in names}, processes)
+        if problem is not None:
+            raise ValueError(f"{problem}.")
+
+    def _resolve_precision(self) -> None:
+        """TRL turns ``bf16`` on when it is unset, and transformers then refuses a machine without a bfloat16 GPU
+        ("Your setup doesn't support bf16/gpu"), so ``DFPOConfig(output_dir=...)`` failed on every CPU. Unset
+        ``bf16`` on such a machine means float32 (what the CPU recipe sets); an explicit ``bf16=True`` there without
+        ``use_cpu`` is refused naming both fixes. With a bfloat16 GPU, or ``use_cpu``, TRL's default stands."""
+        if self.fp16 or self.use_cpu or self.bf16 is False:
+            return
+        from transformers import training_args as hf_args  # the very check transformers' refusal makes
+
+        if hf_args.is_torch_bf16_gpu_available() or hf_args.is_torch_xla_available():
+            return
+        if self.bf16 is None:
+            self.bf16 = False
+            return
+        raise ValueError(
+            "bf16=True needs a GPU with bfloat16 support, and this machine has none; set use_cpu=True to train in "
+            "bfloat16 on the CPU, or leave bf16 unset (float32 here, TRL's bfloat16 default on such a GPU)"
+        )
 
     @property
     def sequence_rewrite_active(self) -> bool:

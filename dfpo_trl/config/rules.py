@@ -12,7 +12,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Check", "FieldRule", "finite", "integer", "one_of", "optional", "problems", "quoted", "unknown_name"]
+__all__ = [
+    "Check", "FieldRule", "finite", "integer", "missing_column", "one_of", "optional", "problems", "quoted",
+    "transform_fix", "unknown_name",
+]  # fmt: skip
 
 Check = Callable[[Any, Any], bool]  # (value, the object holding it) -> whether the value is valid
 
@@ -91,3 +94,21 @@ def unknown_name(head: str, name: str, known: Iterable[str], path_form: str) -> 
     close = difflib.get_close_matches(name, names, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return f"{head}: {names}, or an import path '{path_form}'.{hint}"
+
+
+def transform_fix(names: Iterable[str]) -> str:
+    """What to do about a ``group_transform`` no registry holds: DFPOConfig's rule and ``dfpo-train``'s check before
+    torch (which reads the built-in names from its stored table) say it in these words."""
+    return (
+        f"use one of {quoted(tuple(names), ', ')}, or register the transform first with "
+        "dfpo_trl.register_transform (in dfpo-train: --plugins MODULE, docs/extending.md)"
+    )
+
+
+def missing_column(column: str, field: str, available: Iterable[str]) -> str:
+    """A ``math`` dataset without the column a field names: the math task's refusal after loading it, and
+    ``dfpo-train``'s before torch (from the dataset's own files), in the same words, with the flag as it is spelt."""
+    return (
+        f"math task: column {column!r} not found; available columns: {list(available)}; set {field} (CLI: --{field}) "
+        "to the dataset's column"
+    )

@@ -10,6 +10,7 @@ from typing import Any
 
 from datasets import Dataset, DatasetDict
 
+from ..config.rules import missing_column
 from .base import TRAIN_SPLIT, RewardFunc, check_split, completion_text
 from .safe import safe_reward
 
@@ -72,6 +73,14 @@ def _saved_to_disk(path: str) -> bool:
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
+class MissingColumnError(ValueError):
+    """The dataset lacks the column ``field`` names: ``dfpo-train`` heads the message with where that field was set."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class MathTask:
     """Problems and answers from any Hugging Face ``datasets`` dataset, graded by math-verify.
@@ -124,13 +133,13 @@ class MathTask:
                 if "split" in str(exc).lower():
                     raise ValueError(
                         f"math task: dataset {source!r} has no split {split_name!r} ({exc}); set split / "
-                        f"test_split (CLI: --split / --test-split)"
+                        f"test_split (CLI: --split / --test_split)"
                     ) from exc
                 raise
         if split_name not in source:
             raise ValueError(
                 f"math task: split {split_name!r} not in the dataset; available splits: {list(source)}; set "
-                f"split / test_split (CLI: --split / --test-split)"
+                f"split / test_split (CLI: --split / --test_split)"
             )
         return source[split_name]
 
@@ -140,11 +149,7 @@ class MathTask:
         raw = self._load(self.split if split == TRAIN_SPLIT else self.test_split)
         for column, fld in ((self.problem_column, "problem_column"), (self.answer_column, "answer_column")):
             if column not in raw.column_names:
-                flag = "--" + fld.replace("_", "-")
-                raise ValueError(
-                    f"math task: column {column!r} not found; available columns: {raw.column_names}; set "
-                    f"{fld} (CLI: {flag}) to the dataset's column"
-                )
+                raise MissingColumnError(fld, missing_column(column, fld, raw.column_names))
         if split == TRAIN_SPLIT:
             raw = raw.shuffle(seed=seed)
         if n is not None:

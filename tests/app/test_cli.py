@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -574,11 +575,23 @@ def _math_dir(tmp_path: Path) -> Path:
 def test_missing_dataset_column_names_it_and_the_flag(
     tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Refused before torch from the dataset's own files, and by the run after loading it, in the same line: where
+    the field was set, the columns there are, and the flag as it is spelt."""
+    from dfpo_trl.app.data import build_datasets, build_task
+    from dfpo_trl.app.train import command_line_origin
+
     recipe = write_recipe(tmp_path, f"use_cpu: true\ntask: math\ndataset: {_math_dir(tmp_path)}\n")
-    code = main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")])
+    argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")]
+    code = main(argv)
     err = capsys.readouterr().err
-    assert code == 2
-    assert "column 'problem' not found" in err and "'question'" in err and "--problem-column" in err
+    said = ("problem_column (its default): math task: column 'problem' not found; available columns: ['question', "
+            "'answer']; set problem_column (CLI: --problem_column) to the dataset's column")
+    assert code == 2 and err == f"dfpo-train: error: {said}\n"
+    script_args, training_args, _ = parse_args(argv)
+    task = build_task(script_args, command_line_origin(argv))
+    with pytest.raises(RecipeError) as refused:
+        build_datasets(script_args, task, training_args.seed, command_line_origin(argv))
+    assert str(refused.value) == said
 
 
 def test_max_prompt_length_drops_long_prompts(tiny_model_dir: Path) -> None:
@@ -854,16 +867,30 @@ def test_every_layout_has_a_start_up_line() -> None:
 
 
 def test_failing_reward_names_function_and_completion(
-    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """One line (exit 1): the user's frame, the exception, the completion, its group and the training row, and that
+    row is one the function fails on (an even first operand)."""
+    from dfpo_trl.tasks import get_task
+
     (tmp_path / "my_rewards.py").write_text(
         "def boom(prompts, completions, a, **kwargs):\n"
         "    return [1.0 / (x % 2) for x in a]  # fails on completions of prompts with an even first operand\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     recipe = write_recipe(tmp_path, tiny_recipe(reward_funcs=["my_rewards:boom"], skip_eval=True, plot=False))
-    with pytest.raises(RuntimeError, match=r"reward function 'boom' failed on completion \d+: .*division by zero"):
-        main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")])
+    code = main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    said = re.fullmatch(
+        r"dfpo-train: error: reward function 'boom' at .*my_rewards\.py:2: raised ZeroDivisionError: float division by "
+        r"zero on completion (\d+) of the rollout's 8 \(group (\d+), its completion (\d+) of 4; training row (\d+)\); "
+        r"fix the function or drop it from reward_funcs", err.strip().splitlines()[-1])
+    assert said, err
+    completion, group, within, row = map(int, said.groups())
+    assert (group, within) == divmod(completion, 4)
+    train = get_task("arithmetic").build_dataset("train", 16, 0)
+    assert train[row]["a"] % 2 == 0
 
 
 def _cli_process(rank: int, port: int, argv: list[str], out_dir: str) -> None:

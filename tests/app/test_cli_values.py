@@ -62,6 +62,20 @@ def _value_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
             rf"learning_rate in {re.escape(str(listed))}, line {_line(listed, 'learning_rate')}: learning_rate is a "
             r"list \(\[1e-05, 2e-05\]\); learning_rate takes a number",
         ),
+        "NaN epsilon": ([r, "--epsilon", "nan"],
+                        r"--epsilon on the command line: epsilon=nan is NaN, not a finite number; GSPO and DFPO use "
+                        r"3e-4"),
+        "NaN learning rate": ([r, "--learning_rate", "nan"],
+                              r"--learning_rate on the command line: learning_rate=nan is NaN, not a finite number; "
+                              r"e\.g\. 2e-6"),
+        "infinite temperature": ([r, "--temperature", "inf"],
+                                 r"--temperature on the command line: temperature=inf is infinite, not a finite "
+                                 r"number; use 1\.0"),
+        "unknown group_transform": (
+            [r, "--group_transform", "min_replase"],
+            r"invalid value\(s\): --group_transform on the command line: group_transform='min_replase' is not a "
+            r"DFPO transform; use one of 'none', 'min_replace', .*register the transform first",
+        ),
         "text for a number": ([r, "--learning_rate", "fast"],
                               r"--learning_rate on the command line: invalid float value: 'fast'; .*takes a number"),
         "rollout without whole groups": (
@@ -87,13 +101,38 @@ def _fast_only_cases(tmp_path: Path, request: pytest.FixtureRequest) -> dict[str
     recipe.write_text(RECIPE)
     plugged = tmp_path / "plugged.yaml"
     plugged.write_text(RECIPE + "plugins: [dfpo_plugin_that_raises]\n")
+    data = tmp_path / "mathdata"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"question": "What is 1 + 1?", "answer": "2"}\n')
+    saved = tmp_path / "saved"
+    (saved / "train").mkdir(parents=True)
+    (saved / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    (saved / "train" / "dataset_info.json").write_text('{"features": {"q": {}, "answer": {}}}')
+    math_recipe = tmp_path / "math.yaml"
+    math_recipe.write_text(RECIPE + f"task: math\ndataset: {data}\n")
     return {
+        "reward function module missing": (
+            [str(recipe), "--reward_funcs", "arithmetic_correct", "no_such_module:f"],
+            r"--reward_funcs on the command line: cannot import 'no_such_module' for 'no_such_module:f': No module "
+            r"named 'no_such_module'$"),
+        "task module missing": (
+            [str(recipe), "--task", "no_such_pkg.tasks:make"],
+            r"--task on the command line: cannot import 'no_such_pkg.tasks' for 'no_such_pkg.tasks:make': No module "
+            r"named 'no_such_pkg'$"),
+        "dataset folder without the problem column": (
+            [str(math_recipe)],
+            r"problem_column \(its default\): math task: column 'problem' not found; available columns: "
+            r"\['question', 'answer'\]; set problem_column \(CLI: --problem_column\) to the dataset's column$"),
+        "saved dataset without the set problem column": (
+            [str(recipe), "--task", "math", "--dataset", str(saved), "--problem_column", "question"],
+            r"--problem_column on the command line: math task: column 'question' not found; available columns: "
+            r"\['q', 'answer'\]; set problem_column \(CLI: --problem_column\)"),
         "unknown task": ([str(recipe), "--task", "arithmetc"],
                          r"--task on the command line: unknown task 'arithmetc'; known tasks: .*Did you mean "
                          r"'arithmetic'\?"),
         "plugin that raises": ([str(plugged)],
                                rf"plugins in {re.escape(str(plugged))}, line 5: importing 'dfpo_plugin_that_raises' "
-                               r"failed: RuntimeError: the plugin broke"),
+                               r"failed at dfpo_plugin_that_raises.py:1: RuntimeError: the plugin broke"),
     }
 
 
@@ -199,16 +238,21 @@ def test_learning_rate_example_is_the_main_jobs(tmp_path: Path) -> None:
 
 
 def test_rules_left_to_the_full_parse_name_where_their_fields_were_set(tmp_path: Path) -> None:
-    """DFPO's own fields' rules and the rules that read the transform registry run in the full parse only; their
-    refusals are headed by where each field they name was set (recipe line or flag), in the order they name them."""
+    """DFPO's own fields' rules and the rules between fields the value checks leave out run in the full parse
+    only; their refusals are headed by where each field they name was set (recipe line or flag), in the order they
+    name them. An unknown group_transform is the value checks' (the built-in names are in the stored table)."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE + "importance_sampling_level: sequence\ngroup_transform: no_such_transform\n")
     with pytest.raises(RecipeError) as refused:
         parse_args([str(recipe), "--transform_scale", "0"])
     assert str(refused.value).startswith(
-        f"group_transform in {recipe}, line {_line(recipe, 'group_transform')} and --transform_scale on the command "
-        "line: invalid value(s): group_transform='no_such_transform' is not a DFPO transform"
+        f"invalid value(s): group_transform in {recipe}, line {_line(recipe, 'group_transform')}: "
+        "group_transform='no_such_transform' is not a DFPO transform; use one of 'none', 'min_replace'"
     )
+    recipe.write_text(RECIPE + "importance_sampling_level: sequence\n")
+    with pytest.raises(RecipeError) as refused:
+        parse_args([str(recipe), "--transform_scale", "0"])
+    assert str(refused.value).startswith("--transform_scale on the command line: invalid value(s): transform_scale=0.0")
     recipe.write_text(RECIPE + "importance_sampling_level: sequence\ngroup_transform: min_replace\n"
                       "off_policy_mask_threshold: 0.5\n")
     with pytest.raises(RecipeError) as refused:
@@ -259,3 +303,19 @@ def test_processes_come_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> No
     assert launched_processes() is None
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert launched_processes() == 4
+
+
+def test_help_after_a_recipe_shows_the_recipes_value(capsys: pytest.CaptureFixture[str]) -> None:
+    """`dfpo-train RECIPE --help` showed "--seed (default: 42)" beside a recipe that sets 0: the recipe's value is
+    shown beside the default, and without a recipe only the default."""
+    from dfpo_trl.app.main import main
+
+    for argv in ([str(MAIN_RECIPE), "--help"], ["--config", str(MAIN_RECIPE), "-h"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        assert f"  --seed (default: 42; {MAIN_RECIPE} sets 0)\n" in out
+        assert f"  --max_steps (default: -1; {MAIN_RECIPE} sets 12)\n" in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "  --seed (default: 42)\n" in capsys.readouterr().out

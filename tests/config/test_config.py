@@ -293,3 +293,42 @@ def test_readme_field_table_is_the_fields_help():
     table = config_docs.readme_table()
     assert table in readme and table.count("\n") == 1 + len(dfpo_fields())
     assert config_docs.main(["--check"]) == 0
+
+
+def test_a_batch_without_whole_groups_is_refused_in_the_clis_words(monkeypatch, tmp_path):
+    """From Python as from the command line: one owner for the rule (TRL's bare "generation_batch_size (5) must be
+    divisible by num_generations (4)" named no fix); the CLI heads the same words with where each field was set."""
+    from dfpo_trl.app.args import RecipeError
+    from dfpo_trl.app.precheck import precheck
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    said = ("a rollout of per_device_train_batch_size 5 x 1 process x gradient_accumulation_steps 1 = 5 completions "
+            "does not hold whole groups of num_generations 4 (TRL: generation_batch_size must be divisible by "
+            "num_generations); set per_device_train_batch_size to a multiple of 4 (e.g. 4 or 8), or num_generations "
+            "to a divisor of 5 (e.g. 5).")
+    with pytest.raises(ValueError) as refused:
+        config(per_device_train_batch_size=5, num_generations=4)
+    assert str(refused.value) == said
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("use_cpu: true\nnum_generations: 4\n")
+    with pytest.raises(RecipeError) as cli:
+        precheck([str(recipe), "--per_device_train_batch_size", "5"])
+    assert str(cli.value).endswith(f": {said}")
+
+
+def test_unset_bf16_is_float32_on_a_machine_without_a_bfloat16_gpu():
+    """The README's DFPOConfig(...) (no use_cpu, no bf16) on a CPU: TRL's bf16 default made transformers refuse the
+    machine. Unset bf16 is off there; an explicit bf16=True without use_cpu is refused in one line."""
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    if is_torch_bf16_gpu_available():
+        assert DFPOConfig(output_dir="out").bf16 is True  # TRL's default stands
+        return
+    assert DFPOConfig(output_dir="out").bf16 is False
+    assert DFPOConfig(output_dir="out", use_cpu=True).bf16 is True  # TRL's default, asked for on the CPU
+    with pytest.raises(ValueError) as refused:
+        DFPOConfig(output_dir="out", bf16=True)
+    assert str(refused.value) == (
+        "bf16=True needs a GPU with bfloat16 support, and this machine has none; set use_cpu=True to train in "
+        "bfloat16 on the CPU, or leave bf16 unset (float32 here, TRL's bfloat16 default on such a GPU)"
+    )

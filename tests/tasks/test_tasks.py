@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import re
 from pathlib import Path
@@ -153,12 +154,77 @@ def test_safe_reward_names_function_and_index() -> None:
     wrapped = safe_reward(fragile_reward)
     assert wrapped.__name__ == "fragile_reward"
     assert wrapped(prompts=["p"] * 2, completions=["ok", "fine"], answer=[1, 2]) == [2.0, 4.0]
-    expected = r"^reward function 'fragile_reward' failed on completion 2: "
-    with pytest.raises(RuntimeError, match=expected) as info:
+    line = fragile_reward.__code__.co_firstlineno + 2
+    with pytest.raises(RuntimeError) as info:
         wrapped(
             prompts=["p"] * 4, completions=["a", "b", "boom", "boom"], answer=[1, 2, 3, 4], log_extra=None
         )
+    assert str(info.value) == (
+        f"reward function 'fragile_reward' at {_here()}:{line}: raised KeyError: 'missing' on completion 2 of the "
+        "rollout's 4; fix the function or drop it from reward_funcs"
+    )
     assert isinstance(info.value.__cause__, KeyError)
+    wrapped.group_size = 2  # DFPOTrainer sets it (num_generations): the message names the group
+    with pytest.raises(RuntimeError, match=r"on completion 3 of the rollout's 4 \(group 1, its completion 1 of 2\);"):
+        wrapped(prompts=["p"] * 4, completions=["a", "b", "c", "boom"])
+
+
+def _here() -> str:
+    """This file as the messages show it (relative to the working directory when below it)."""
+    return os.path.relpath(__file__) if not os.path.relpath(__file__).startswith("..") else __file__
+
+
+class FirstCallFails:
+    """Raises on its first call only (state the re-run cannot reproduce): the message says the batch."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, prompts, completions, **kwargs):
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("not ready")
+        return [1.0] * len(completions)
+
+
+def test_safe_reward_failure_without_a_completion_names_the_batch() -> None:
+    wrapped = safe_reward(FirstCallFails())
+    line = FirstCallFails.__call__.__code__.co_firstlineno + 3
+    with pytest.raises(RuntimeError) as info:
+        wrapped(prompts=["p"] * 2, completions=["a", "b"])
+    assert str(info.value) == (
+        f"reward function 'FirstCallFails' at {_here()}:{line}: raised ValueError: not ready on the rollout's batch "
+        "of 2 completions; fix the function or drop it from reward_funcs"
+    )
+
+
+def short_reward(prompts, completions, **kwargs):
+    return [1.0] * (len(completions) - 1)
+
+
+def nan_reward(prompts, completions, **kwargs):
+    return [1.0, float("nan"), 0.0][: len(completions)]
+
+
+def test_safe_reward_refuses_a_wrong_length_and_nan() -> None:
+    line = short_reward.__code__.co_firstlineno
+    with pytest.raises(RuntimeError) as info:
+        safe_reward(short_reward)(prompts=["p"] * 3, completions=["a", "b", "c"])
+    assert str(info.value) == (
+        f"reward function 'short_reward' at {_here()}:{line}: returned 2 rewards for 3 completions, on the rollout's "
+        "batch of 3 completions; return one float per completion, in order (None where the reward does not apply)"
+    )
+    wrapped = safe_reward(nan_reward)
+    wrapped.group_size = 3
+    line = nan_reward.__code__.co_firstlineno
+    with pytest.raises(RuntimeError) as info:
+        wrapped(prompts=["p"] * 3, completions=["a", "b", "c"])
+    assert str(info.value) == (
+        f"reward function 'nan_reward' at {_here()}:{line}: returned nan, not a finite number, on completion 1 of the "
+        "rollout's 3 (group 0, its completion 1 of 3); return one float per completion, in order (None where the "
+        "reward does not apply)"
+    )
+    assert safe_reward(nan_reward)(prompts=["p"], completions=["a"]) == [1.0]
 
 
 def test_safe_reward_is_idempotent_and_picklable() -> None:
@@ -183,7 +249,7 @@ def test_safe_reward_async() -> None:
     assert is_async_callable(wrapped)
     assert not is_async_callable(safe_reward(fragile_reward))
     assert asyncio.run(wrapped(prompts=["p"], completions=["good"])) == [1.0]
-    expected = "reward function 'areward' failed on completion 1: bad completion"
+    expected = r"reward function 'areward' at .*: raised ValueError: bad completion on completion 1 of the rollout's 2"
     with pytest.raises(RuntimeError, match=expected):
         asyncio.run(wrapped(prompts=["p", "p"], completions=["good", "bad"]))
 
@@ -349,7 +415,7 @@ def test_math_missing_column_error() -> None:
         task.build_dataset("train", None, 0)
     msg = str(info.value)
     assert "'problem'" in msg and "['question', 'final']" in msg and "problem_column" in msg
-    assert "--problem-column" in msg
+    assert "(CLI: --problem_column)" in msg and getattr(info.value, "field", None) == "problem_column"
     task = get_task("math", dataset=_math_data(), problem_column="question")
     with pytest.raises(ValueError, match=r"column 'answer' not found.*answer_column"):
         task.build_dataset("train", None, 0)

@@ -274,7 +274,8 @@ def test_cli_without_the_plugin_names_the_fix_and_a_failing_plugin_is_one_line(t
         from dfpo_trl import register_transform
         register_transform("bad", lambda w, a: w, balances="equal")
     """)
-    with pytest.raises(RecipeError, match=r"importing 'dfpo_bad_plugin' failed: ValueError: .*balances='equal'"):
+    with pytest.raises(RecipeError, match=r"importing 'dfpo_bad_plugin' failed at .*dfpo_bad_plugin.py:\d+: "
+                       r"ValueError: .*balances='equal'"):
         parse_args([str(recipe), "--plugins", "dfpo_bad_plugin"])
 
 
