@@ -57,6 +57,7 @@ from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
 from .trl_hooks.pending import PendingCall, trainer_config
 from .trl_hooks.resume import load_rollout_state, replay_sampler_epochs, save_rollout_state, without_tied_keys
+from .trl_hooks.sync_watchdog import watched_vllm_generation
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class DFPOTrainer(GRPOTrainer):
         arguments["args"] = config = trainer_config(arguments.get("args"), arguments["model"])
         # Before TRL's __init__, which tags the model with _tag_names (a hub push carries the model's tags).
         self._tag_names = card_tags(config.token_weighting)
-        super().__init__(**arguments)
+        # In vLLM server mode TRL's set-up and weight sync run under a deadline (trl_hooks/sync_watchdog.py).
+        with watched_vllm_generation(config.vllm_sync_timeout):
+            super().__init__(**arguments)
         check_trainer_attributes(self)
         self._pending: PendingCall | None = None  # see PendingCall
         self._unwrapped: tuple[torch.nn.Module, torch.nn.Module] | None = None  # see unwrapped_model
