@@ -244,7 +244,7 @@ class DFPOConfig(GRPOConfig):
         "Seconds a server-mode weight sync to vLLM may take before the run stops with one line naming the "
         "addresses and variables to check, instead of hanging (the set-up gets `vllm_server_timeout` on top); 0: "
         "no limit. The default is an estimate with a wide margin, not yet measured on a multi-node GPU host",
-        "ours; docs/cli.md",
+        "ours; docs/cli.md#several-nodes-the-preflight-and-a-stalled-weight-sync",
     )
 
     def __post_init__(self) -> None:

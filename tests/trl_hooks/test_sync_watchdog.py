@@ -11,18 +11,16 @@ and the weight update's are, and they are what blocks when the server is dead or
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from standin_vllm import GetOnlyServer, SilentServer
 from tiny import save_tiny_chat_model, tiny_recipe
 
 from dfpo_trl.trl_hooks.sync_watchdog import STALL_EXIT_CODE, SyncWatchdog
@@ -36,85 +34,11 @@ VLLM_PRESENT = (
 )
 
 
-class SilentServer:
-    """Accepts TCP connections on 127.0.0.1 and never answers (a hung server, or a firewall that accepts):
-    ``requests`` without a timeout waits on it forever. Records when the first connection came."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.first_accept: float | None = None
-        self.held: list[socket.socket] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            if self.first_accept is None:
-                self.first_accept = time.monotonic()
-            self.held.append(conn)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        for conn in self.held:
-            conn.close()
-        self.sock.close()
-
-
 @pytest.fixture
 def silent_server() -> Iterator[SilentServer]:
     server = SilentServer()
     yield server
     server.close()
-
-
-class GetOnlyServer(ThreadingHTTPServer):
-    """Answers TRL's GETs (/health, /v1/models) as ``vllm serve`` does, never answers a POST (the weight update's
-    requests): a server that died or hung between two rollouts. Records when the first POST arrived."""
-
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.first_post: float | None = None
-        super().__init__(("127.0.0.1", 0), _GetOnlyHandler)
-        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.release.set()
-        self.shutdown()
-        self.server_close()
-
-
-class _GetOnlyHandler(BaseHTTPRequestHandler):
-    server: GetOnlyServer
-
-    def log_message(self, *args: object) -> None:  # quiet
-        pass
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        body = {"/health": {}, "/v1/models": {"data": [{"id": "tiny", "root": "tiny"}]}}.get(self.path)
-        data = json.dumps(body if body is not None else {"detail": "Not Found"}).encode()
-        self.send_response(200 if body is not None else 404)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_POST(self) -> None:  # noqa: N802
-        if self.server.first_post is None:
-            self.server.first_post = time.monotonic()
-        self.server.release.wait(120)  # bounded: the test's teardown releases it
 
 
 def tree(path: Path) -> dict[str, str]:
