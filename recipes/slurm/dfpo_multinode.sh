@@ -123,7 +123,7 @@ run)
                  "server's log above, or raise SERVER_WAIT_S if it is still loading" >&2
             exit 1
         fi
-        sleep 10
+        sleep "${HEALTH_POLL_S:-10}"
     done
     echo "dfpo_multinode.sh: vLLM server up at $url after $(( SECONDS - start )) s"
     "${SRUN_TRAIN[@]}" bash "$REPO/recipes/slurm/dfpo_multinode.sh" task-preflight
@@ -133,7 +133,7 @@ run)
     # A server that exits mid-run (crashed, OOM, its node lost) would leave the trainers retrying or blocked: stop
     # training then (SIGTERM, dfpo-train's clean stop; SIGKILL after STOP_GRACE_S). Polled: `wait -n PID` needs
     # bash 5.1.
-    while kill -0 "$train_pid" 2>/dev/null && kill -0 "$server_pid" 2>/dev/null; do sleep 5; done
+    while kill -0 "$train_pid" 2>/dev/null && kill -0 "$server_pid" 2>/dev/null; do sleep "${MONITOR_POLL_S:-5}"; done
     if kill -0 "$train_pid" 2>/dev/null; then
         echo "dfpo_multinode.sh: the vLLM server on $SERVER_NODE exited during training; stopping training (SIGTERM," \
              "SIGKILL after STOP_GRACE_S=$STOP_GRACE_S s)" >&2

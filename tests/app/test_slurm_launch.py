@@ -8,6 +8,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,79 @@ def test_sbatch_header_wires_the_time_limit_signal_and_bad_exit() -> None:
     assert launcher.count("--kill-on-bad-exit=1") == 2
     for name in ("VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_GID_INDEX"):
         assert f"# {name}:" in text  # each network variable is explained where it is set
+
+
+# ---------------------------------------------------------------------------------------- the job, on one machine
+
+SHIMS = ROOT / "tests" / "app" / "slurm_shims"  # srun, scontrol, vllm (a stand-in server), accelerate (a stand-in run)
+
+
+def run_job(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], list[dict], float]:
+    """The sbatch script's batch step on this machine: Slurm's srun and scontrol, `vllm serve` and `accelerate
+    launch` are stand-ins (tests/app/slurm_shims/); the preflight is the real one, on two "nodes" over Gloo."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        vllm_port = s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        main_port = s.getsockname()[1]
+    config = tmp_path / "accel.yaml"
+    config.write_text(yaml.safe_dump({**ACCEL, "use_cpu": True}))  # the preflight's GPU check: none here
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": "tiny", "use_vllm": True, "vllm_mode": "server",
+                                      "output_dir": str(tmp_path / "out")}))
+    log = tmp_path / "log.jsonl"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    base = {
+        "PATH": f"{SHIMS}{os.pathsep}{Path(os.sys.executable).parent}{os.pathsep}{clean['PATH']}",
+        "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FAKE_LOG": str(log),
+        "SLURM_JOB_NODELIST": "n0 n1 srv", "SLURM_SUBMIT_DIR": str(ROOT),
+        "RECIPE": str(recipe), "ACCELERATE_CONFIG": str(config), "MODEL": "tiny", "OUTPUT_DIR": str(tmp_path / "out"),
+        "GPUS_PER_NODE": "1", "SERVER_TP": "1", "VLLM_PORT": str(vllm_port), "MAIN_PORT": str(main_port),
+        "SERVER_HOST": "127.0.0.1", "MASTER_HOST": "127.0.0.1", "HEALTH_POLL_S": "0.5", "MONITOR_POLL_S": "0.5",
+        "STOP_GRACE_S": "20",
+    }
+    start = time.monotonic()
+    proc = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, timeout=240,
+                          env={**clean, **base, **env}, cwd=tmp_path)
+    took = time.monotonic() - start
+    events = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc, events, took
+
+
+@pytest.mark.distributed
+def test_job_starts_the_server_then_the_preflight_then_training(tmp_path: Path) -> None:
+    proc, events, _ = run_job(tmp_path, FAKE_SERVER_START_S="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert events[0]["role"] == "server" and events[0]["argv"][:2] == ["serve", "tiny"]
+    assert sorted(e["rank"] for e in events if e["role"] == "train") == [0, 1]
+    out = proc.stdout
+    assert out.index("vLLM server up at http://127.0.0.1:") < out.index("preflight: node 0") < \
+        out.index("training ended with exit code 0")
+    for rank in (0, 1):
+        assert f"preflight: ok   node {rank}: vLLM server http://127.0.0.1:" in out
+        assert f"preflight: ok   node {rank}: output_dir {tmp_path / 'out'} is the same directory on every node" in out
+
+
+@pytest.mark.distributed
+def test_job_stops_training_when_the_server_dies_and_never_trains_without_one(tmp_path: Path) -> None:
+    """The server exits 6 s after start, mid-training (the stand-in run would take 120 s): the job sends SIGTERM,
+    training stops as dfpo-train does (143), the job ends with that code in seconds. A server that fails at start
+    ends the job before any preflight or training."""
+    proc, events, took = run_job(tmp_path, FAKE_SERVER_EXIT_S="6", FAKE_TRAIN_S="120")
+    ended = time.time()
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert "the vLLM server on srv exited during training; stopping training" in proc.stderr
+    assert [e["role"] for e in events][-1] == "server-exit"  # training had started when the server died
+    assert sorted(e["rank"] for e in events if e["role"] == "train") == [0, 1]
+    lost = ended - events[-1]["time"]
+    print(f"server lost to the job's end: {lost:.1f} s (the job took {took:.1f} s)")
+    assert lost < 20, lost
+    (tmp_path / "log.jsonl").unlink()
+    proc, events, _ = run_job(tmp_path, FAKE_SERVER_FAIL="1")
+    assert proc.returncode == 1
+    assert "the vLLM server on srv exited before http://127.0.0.1:" in proc.stderr
+    assert [e["role"] for e in events] == ["server"] and "preflight:" not in proc.stdout
