@@ -118,7 +118,10 @@ def read_settings(argv: Sequence[str]) -> Settings:
     accel = _load_yaml(args.config_file, "accelerate config") if args.config_file else {}
 
     def pick(flag: Any, source: dict[str, Any], key: str, default: Any = None) -> Any:
-        return flag if flag is not None else source.get(key, default)
+        """The flag, else the file's value (a null there is unset: zero3_4x8.yaml's main_process_ip), else default."""
+        if flag is not None:
+            return flag
+        return default if source.get(key) is None else source[key]
 
     use_vllm = str(pick(args.use_vllm, recipe, "use_vllm", False)).lower() in ("true", "1", "yes")
     server_mode = use_vllm and str(pick(args.vllm_mode, recipe, "vllm_mode", "colocate")) == "server"

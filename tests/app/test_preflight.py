@@ -70,6 +70,23 @@ def test_gpu_count_against_the_accelerate_config(tmp_path: Path, capsys: pytest.
         preflight.check_gpus(settings(use_cpu=False, num_processes=30, num_machines=4))
 
 
+def test_settings_come_from_the_training_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training command's own arguments: flags beat the accelerate config and the recipe, a null in the config
+    is unset (zero3_4x8.yaml's main_process_ip: MASTER_ADDR then), Slurm's node id is the machine rank, and flags
+    the preflight does not read are ignored."""
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("SLURM_NODEID", "3")
+    seen = preflight.read_settings([str(ROOT / "recipes/qwen3_32b.yaml"), "--config_file",
+                                    str(ROOT / "recipes/accelerate/zero3_4x8.yaml"), "--vllm_server_host", "10.0.0.9",
+                                    "--max_steps", "3", "--output_dir", "/shared/out"])
+    assert (seen.num_machines, seen.num_processes, seen.machine_rank) == (4, 32, 3)
+    assert (seen.main_process_ip, seen.main_process_port) == ("10.0.0.1", 29500)
+    assert seen.server_mode and seen.server_url == "http://10.0.0.9:8000" and seen.group_port == 51216
+    assert (seen.model, seen.output_dir, seen.use_cpu) == ("Qwen/Qwen3-32B", "/shared/out", False)
+    seen = preflight.read_settings([str(ROOT / "recipes/smollm2_cpu.yaml"), "--machine_rank", "0"])
+    assert not seen.server_mode and seen.use_cpu and seen.num_machines == 1 and seen.machine_rank == 0
+
+
 def test_output_dir_not_writable(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
