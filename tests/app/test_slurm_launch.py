@@ -172,17 +172,17 @@ def test_job_starts_the_server_then_the_preflight_then_training(tmp_path: Path) 
 
 @pytest.mark.distributed
 def test_job_stops_training_when_the_server_dies_and_never_trains_without_one(tmp_path: Path) -> None:
-    """The server exits 6 s after start, mid-training (the stand-in run would take 120 s): the job sends SIGTERM,
-    training stops as dfpo-train does (143), the job ends with that code in seconds. A server that fails at start
-    ends the job before any preflight or training."""
-    proc, events, took = run_job(tmp_path, FAKE_SERVER_EXIT_S="6", FAKE_TRAIN_S="120")
+    """The server exits 1 s after both training tasks started (the stand-in run would take 120 s): the job sends
+    SIGTERM, training stops as dfpo-train does (143), the job ends with that code in seconds. A server that fails at
+    start ends the job before any preflight or training."""
+    proc, events, took = run_job(tmp_path, FAKE_SERVER_EXIT_AFTER_TRAIN="2", FAKE_TRAIN_S="120")
     ended = time.time()
     assert proc.returncode == 143, proc.stdout + proc.stderr
     assert "the vLLM server on srv exited during training; stopping training" in proc.stderr
     assert [e["role"] for e in events][-1] == "server-exit"  # training had started when the server died
     assert sorted(e["rank"] for e in events if e["role"] == "train") == [0, 1]
     lost = ended - events[-1]["time"]
-    print(f"server lost to the job's end: {lost:.1f} s (the job took {took:.1f} s)")
+    print(f"server lost to the job's end: {lost:.1f} s (the job took {took:.1f} s)")  # poll: 0.5 s
     assert lost < 20, lost
     (tmp_path / "log.jsonl").unlink()
     proc, events, _ = run_job(tmp_path, FAKE_SERVER_FAIL="1")
