@@ -59,6 +59,7 @@ from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, a
 from .trl_hooks.pending import PendingCall, trainer_config
 from .trl_hooks.resume import load_rollout_state, replay_sampler_epochs, save_rollout_state, without_tied_keys
 from .trl_hooks.sampling_ratio import RatioWatch
+from .trl_hooks.sync_watchdog import watched_vllm_generation
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ class DFPOTrainer(GRPOTrainer):
         arguments["args"] = config = trainer_config(arguments.get("args"), arguments["model"])
         # Before TRL's __init__, which tags the model with _tag_names (a hub push carries the model's tags).
         self._tag_names = card_tags(config.token_weighting)
-        super().__init__(**arguments)
+        # In vLLM server mode TRL's set-up and weight sync run under a deadline (trl_hooks/sync_watchdog.py).
+        with watched_vllm_generation(config.vllm_sync_timeout):
+            super().__init__(**arguments)
         check_trainer_attributes(self)
         for reward in self.reward_funcs:  # a failing reward's message names the completion's group
             if isinstance(reward, SafeReward):

@@ -84,6 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("dfpo_trl").setLevel(logging.INFO)
     args = sys.argv[1:] if argv is None else list(argv)
+    if "--preflight" in args:  # the checks to run on every node before a multi-node job (docs/cli.md)
+        from .preflight import main as preflight
+
+        return preflight([a for a in args if a != "--preflight"])
     if "--help-all" in args or "-h" in args or "--help" in args:
         code = print_help(args)
         if code:

@@ -28,7 +28,7 @@ from .options import (
     TOKEN_WEIGHTINGS,
     TRANSFORM_GRADIENTS,
 )
-from .rules import FieldRule, integer, one_of, optional, problems, quoted, transform_fix
+from .rules import FieldRule, finite, integer, one_of, optional, problems, quoted, transform_fix
 from .trl_field_rules import TRL_FIELD_RULES
 
 __all__ = ["FIELD_RULES", "check_fields"]
@@ -79,6 +79,11 @@ FIELD_RULES: tuple[FieldRule, ...] = (
     FieldRule("token_weighting", one_of(TOKEN_WEIGHTINGS), "is not valid", "use 'none' or 'delta' (DelTA)"),
     # ---- DelTA's fields: their rules are DelTA's own (dfpo_trl.delta.weights), shared with its functions
     *DELTA_RULES,
+    # ---- the server-mode weight sync's deadline (trl_hooks/sync_watchdog.py)
+    FieldRule(
+        "vllm_sync_timeout", lambda v, _: finite(v) and v >= 0, "must be a number of seconds >= 0",
+        "use 0 for no limit, or more seconds than one weight sync takes (default 600)",
+    ),
 )
 
 

@@ -240,6 +240,13 @@ class DFPOConfig(GRPOConfig):
     delta_random: bool = documented(
         False, "Control: λ ~ U[λ_min, λ_max] on the same tokens, seeded from `seed`.", "DelTA ablation"
     )
+    vllm_sync_timeout: float = documented(
+        600.0,
+        "Seconds a server-mode weight sync to vLLM may take before the run stops with one line naming the "
+        "addresses and variables to check, instead of hanging (the set-up gets `vllm_server_timeout` on top); 0: "
+        "no limit. The default is an estimate with a wide margin, not yet measured on a multi-node GPU host",
+        "ours; docs/cli.md#several-nodes-the-preflight-and-a-stalled-weight-sync",
+    )
 
     def __post_init__(self) -> None:
         self._resolve_checkpointing_alias()
