@@ -2,7 +2,7 @@
 hashes to the SHA-256 the script records and the file is tracked, committed and clean in git.
 
 Study v3's guard compared only the ``sha256`` field written inside the file, so a file with altered content and the
-same field passed, and nothing checked that the file was committed before the runs (RESULTS §13; issue 44). Here the
+same field passed, and nothing checked that the file was committed before the runs (RESULTS §13). Here the
 hash is over the file's bytes, the script holds the expected value as a constant (so changing the registration means
 changing the script, in a commit), and git must say the file is tracked with no uncommitted change (staged, unstaged
 or untracked). :func:`run_provenance` is what every run record of such a stage carries.

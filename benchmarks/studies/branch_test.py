@@ -1,4 +1,4 @@
-"""Study v4's branch test (issue 44, items 1–2): does the transform change one update, from one state, on one rollout?
+"""Study v4's branch test: does the transform change one update, from one state, on one rollout?
 
 A *branch point* is taken from a real trajectory: a policy state θ_k (weights and AdamW state) and the micro-batch of a
 rollout generated j ≥ 1 optimizer steps earlier, at θ_{k−j} (TRL buffers ``steps_per_generation`` = S + 1 micro-batches
@@ -87,7 +87,7 @@ class Probe:
 
     @classmethod
     def from_task(cls, task: Any, n: int, temperature: float, seed: int = 0) -> Probe:
-        rows = task.build_dataset("eval", n, seed)
+        rows = task.build_dataset("test", n, seed)
         return cls([r["prompt"] for r in rows], [list(task.equivalent_forms(r)) for r in rows], temperature)
 
     def measure(self, model: Any, tokenizer: Any) -> dict[str, list[float]]:
@@ -186,9 +186,11 @@ def one_step(trainer: DFPOTrainer, batch: dict[str, Any], rng_seed: int) -> dict
             "residual_two_sided": last(RESIDUAL + "_two_sided"), "phi_mean": last("transform/phi_mean")}
 
 
-def branch(arms: Sequence[DFPOTrainer], point: BranchPoint, probe: Probe, tokenizer: Any,
-           terms: dict[str, float], before: dict[str, list[float]]) -> dict[str, Any]:
-    """Both arms from ``point``: load, check that they start bit-identical, one step each, probe after. A record."""
+def branch(arms: Sequence[DFPOTrainer], point: BranchPoint, probe: Probe, tokenizer: Any, terms: dict[str, float],
+           before: dict[str, list[float]], repeat: DFPOTrainer | None = None) -> dict[str, Any]:
+    """Both arms from ``point``: load, check that they start bit-identical, one step each, probe after. A record.
+    With ``repeat`` (a second trainer of arm 0's transform) the step of arm 0 is taken again from the same point:
+    ``aa_floor`` = mean_p |o_p^a − o_p^repeat| after the step, the device's nondeterminism floor (0 on the CPU)."""
     for trainer in arms:
         load_state(trainer, point)
     identical = identical_states(arms[0], arms[1])
@@ -199,6 +201,12 @@ def branch(arms: Sequence[DFPOTrainer], point: BranchPoint, probe: Probe, tokeni
         step = one_step(trainer, point.batch, rng_seed=point.seed * 100_003 + point.step)
         out["arms"].append({"transform": trainer.args.group_transform, **step,
                             "after": probe.measure(trainer.model, tokenizer)})
+    if repeat is not None:
+        load_state(repeat, point)
+        one_step(repeat, point.batch, rng_seed=point.seed * 100_003 + point.step)
+        again = probe.measure(repeat.model, tokenizer)["log_odds"]
+        first = out["arms"][0]["after"]["log_odds"]
+        out["aa_floor"] = sum(abs(x - y) for x, y in zip(first, again, strict=True)) / len(first)
     return out
 
 
@@ -249,19 +257,26 @@ def branch_trainers(model: Any, tokenizer: Any, task: Any, setting: Setting, see
 
 def run_trajectory(model: Any, tokenizer: Any, task: Any, setting: Setting, seed: int, output_dir: str,
                    on_record: Callable[[dict[str, Any]], None], arms: Sequence[str] = ARMS,
-                   max_points: int | None = None, train_size: int = 512, **extra: Any) -> DFPOTrainer:
+                   max_points: int | None = None, train_size: int = 512, aa_every: int | None = None,
+                   **extra: Any) -> DFPOTrainer:
     """A GSPO trajectory of ``setting.steps`` optimizer steps on ``task`` from ``model``; every branch point (j ≥
-    ``min_staleness``, at most ``max_points``) branched into ``arms`` and its record handed to ``on_record``."""
+    ``min_staleness``, at most ``max_points``) branched into ``arms`` and its record handed to ``on_record``; every
+    ``aa_every``-th point also repeats arm 0 (the A/A floor, :func:`branch`)."""
     probe = Probe.from_task(task, setting.probe_prompts, setting.temperature)
     trainer = DFPOTrainer(model=model, reward_funcs=task.reward_funcs,
                           args=setting.config("none", output_dir, seed, **extra),
                           train_dataset=task.build_dataset("train", train_size, seed), processing_class=tokenizer)
     arm_trainers = branch_trainers(model, tokenizer, task, setting, seed, output_dir, arms, **extra)
+    repeat = branch_trainers(model, tokenizer, task, setting, seed, output_dir, arms[:1], **extra)[0] \
+        if aa_every else None
+    count = [0]
 
     def on_point(point: BranchPoint) -> None:
         terms = term_size(trainer, point.batch)
         before = probe.measure(trainer.model, tokenizer)
-        on_record({"setting": setting.name, **branch(arm_trainers, point, probe, tokenizer, terms, before)})
+        again = repeat if aa_every and count[0] % aa_every == 0 else None
+        count[0] += 1
+        on_record({"setting": setting.name, **branch(arm_trainers, point, probe, tokenizer, terms, before, again)})
 
     trainer.add_callback(BranchPoints(trainer, setting, seed, probe, tokenizer, on_point, max_points))
     trainer.train()

@@ -37,7 +37,7 @@ class TinyFormsTask:
     reward_funcs: list[Any] = dataclasses.field(default_factory=lambda: [digit_share])
 
     def build_dataset(self, split: str, n: int | None = None, seed: int = 0) -> Dataset:
-        g = torch.Generator().manual_seed(seed + (0 if split == "train" else 1000))
+        g = torch.Generator().manual_seed(seed + (0 if split == "train" else 1000))  # "test": the probe
         a = torch.randint(0, 5, (n or 16,), generator=g).tolist()
         b = torch.randint(0, 5, (n or 16,), generator=g).tolist()
         return Dataset.from_dict({"prompt": [f"Compute {x} + {y} =" for x, y in zip(a, b, strict=True)],

@@ -1,6 +1,6 @@
 """benchmarks/lib/registration.py: a stage starts only from a registration whose whole content hashes to the value the
 script records and that is committed and clean in git; a tampered file (same recorded field, altered content), an
-uncommitted one and an untracked one are refused (issue 44, item 4)."""
+uncommitted one and an untracked one are refused."""
 
 from __future__ import annotations
 
