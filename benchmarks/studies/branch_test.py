@@ -214,7 +214,7 @@ class BranchPoints(TrainerCallback):
     """At each optimizer step's end of the trajectory trainer: when the next micro-batch is j ≥ ``min_staleness``
     steps stale, hand a :class:`BranchPoint` to ``on_point``; when the next step generates, score the probe at the
     generating θ (the rollout's policy, against which "the direction the policy has moved since the rollout" is
-    read)."""
+    read). After ``max_points`` points the trajectory stops."""
 
     def __init__(self, trainer: DFPOTrainer, setting: Setting, seed: int, probe: Probe, tokenizer: Any,
                  on_point: Callable[[BranchPoint], None], max_points: int | None = None) -> None:
@@ -240,6 +240,8 @@ class BranchPoints(TrainerCallback):
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             self.on_point(point)
         trainer.model.train()
+        if self.max_points is not None and self.points >= self.max_points:
+            control.should_training_stop = True  # nothing left to branch: the trajectory ends here
 
 
 def branch_trainers(model: Any, tokenizer: Any, task: Any, setting: Setting, seed: int, output_dir: str,

@@ -157,7 +157,10 @@ def read_trajectory(path: pathlib.Path) -> dict[str, Any]:
 def stage(args: argparse.Namespace, name: str) -> None:
     """Run the stage's trajectories not yet complete (a crash is recorded and not rerun), within --deadline-s."""
     state = admitted()
-    seeds = PREREGISTRATION["pilot_seeds"] if name == "pilot" else planned_seeds(args)
+    if name == "cpu-pilot" and not (args.cpu and args.seeds):
+        raise SystemExit("--stage cpu-pilot needs --cpu and --seeds (seeds outside the registered ones, e.g. 900)")
+    seeds = PREREGISTRATION["pilot_seeds"] if name == "pilot" else args.seeds if name == "cpu-pilot" \
+        else planned_seeds(args)
     began = time.time()
     for setting_name in args.settings:
         for seed in seeds[setting_name] if isinstance(seeds, dict) else seeds:
@@ -303,7 +306,8 @@ def main(argv: list[str] | None = None) -> Any:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--preregister", action="store_true")
-    mode.add_argument("--stage", choices=["pilot", "main"])
+    mode.add_argument("--stage", choices=["pilot", "main", "cpu-pilot"],
+                      help="cpu-pilot: a labelled look at a few points on the CPU, never analysed or planned from")
     mode.add_argument("--analyse", metavar="OUT_DIR")
     p.add_argument("--model", default=None)
     p.add_argument("--out-dir", default="/tmp/study_v4")
@@ -311,6 +315,7 @@ def main(argv: list[str] | None = None) -> Any:
     p.add_argument("--deadline-s", type=float, default=None)
     p.add_argument("--max-points", type=int, default=None, help="branch points per trajectory (default: all)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU (a CPU pilot)")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="cpu-pilot only: its trajectory seeds")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "study_v4.json"))
     args = p.parse_args(argv)
     if args.preregister:

@@ -47,7 +47,8 @@ class TinyFormsTask:
         return [f"Answer: {row['answer']}", f"so {row['answer']}"]
 
 
-def trajectory(tmp_path: pathlib.Path, arms: tuple[str, str]) -> tuple[list[dict[str, Any]], dict[int, Any], Any]:
+def trajectory(tmp_path: pathlib.Path, arms: tuple[str, str],
+               max_points: int | None = None) -> tuple[list[dict[str, Any]], dict[int, Any], Any]:
     """A 3-step GSPO trajectory (S = 2) of the tiny model, branched at every stale point into ``arms``; the records,
     the trajectory's weights after each step, and the arm trainers."""
     task, tokenizer = TinyFormsTask(), tiny_tokenizer()
@@ -72,7 +73,7 @@ def trajectory(tmp_path: pathlib.Path, arms: tuple[str, str]) -> tuple[list[dict
             after[state.global_step] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
     trainer.add_callback(Weights())
-    trainer.add_callback(bt.BranchPoints(trainer, SETTING, 0, probe, tokenizer, on_point))
+    trainer.add_callback(bt.BranchPoints(trainer, SETTING, 0, probe, tokenizer, on_point, max_points))
     trainer.train()
     return records, after, arm_trainers
 
@@ -101,8 +102,8 @@ def test_branches_start_identical_differ_by_the_transform_and_gspo_repeats_the_t
 
 @pytest.mark.slow
 def test_transform_none_on_both_arms_has_an_effect_of_exactly_zero(tmp_path: pathlib.Path) -> None:
-    records, _, _ = trajectory(tmp_path, ("none", "none"))
-    assert records
+    records, after, _ = trajectory(tmp_path, ("none", "none"), max_points=1)
+    assert len(records) == 1 and sorted(after) == [1]  # max_points = 1: the trajectory stops after its point
     for record in records:
         assert record["identical_start"]
         a, b = record["arms"]
