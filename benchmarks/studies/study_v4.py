@@ -163,7 +163,7 @@ def stage(args: argparse.Namespace, name: str) -> None:
         else planned_seeds(args)
     began = time.time()
     for setting_name in args.settings:
-        for seed in seeds[setting_name] if isinstance(seeds, dict) else seeds:
+        for seed in seeds.get(setting_name, []) if isinstance(seeds, dict) else seeds:
             path = pathlib.Path(args.out_dir) / name / setting_name / f"s{seed}.jsonl"
             if path.exists():
                 continue  # complete, or a crash: never rerun

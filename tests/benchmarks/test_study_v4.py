@@ -129,3 +129,18 @@ def test_the_sample_size_rule_asks_for_more_points_when_the_pilot_is_noisier(tmp
     assert 200 <= quiet["points"] < noisy["points"] <= 1000
     assert quiet["deff"] >= 2 and quiet["trajectories"] == -(-quiet["points"] // 20)
     assert quiet["seeds"][0] == 100
+
+
+def test_main_needs_the_pilot_s_plan_and_cpu_pilot_its_own_seeds(tmp_path: pathlib.Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(study_v4, "admitted", lambda: {"clean": True})
+    ran: list[tuple[str, str, int]] = []
+    monkeypatch.setattr(study_v4, "run_one", lambda args, stage, name, seed, state: ran.append((stage, name, seed)))
+    with pytest.raises(SystemExit, match="run --stage pilot first"):
+        study_v4.main(["--stage", "main", "--model", "m", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="needs --cpu and --seeds"):
+        study_v4.main(["--stage", "cpu-pilot", "--model", "m", "--out-dir", str(tmp_path)])
+    (tmp_path / "plan.json").write_text(json.dumps({"registration_sha256": study_v4.REGISTRATION_SHA256, "settings": {
+        "main": {"seeds": [100, 101]}, "control": {"error": "fewer than 3 pilot branch points"}}}))
+    study_v4.main(["--stage", "main", "--model", "m", "--out-dir", str(tmp_path)])
+    assert ran == [("main", "main", 100), ("main", "main", 101)]
