@@ -134,7 +134,7 @@ def run_one(args: argparse.Namespace, stage: str, name: str, seed: int, state: d
         out.flush()
 
         def on_record(record: dict[str, Any]) -> None:
-            out.write(json.dumps(record) + "\n")
+            out.write(json.dumps({**record, "elapsed_s": time.time() - began}) + "\n")
             out.flush()
 
         model, tokenizer = load_model(args.model)
