@@ -288,9 +288,8 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
             gate = PREREGISTRATION["control_gate"]["min"]
             entry["gate"] = {"value": entry["imbalance_at_S"], "min": gate,
                              "passed": entry["imbalance_at_S"] is not None and entry["imbalance_at_S"] >= gate}
-        for seed, rows in trajectories.items():
-            pooled.setdefault(f"{name}/{seed}", []).extend(
-                (r["imbalance"], r["oriented"] / move if move > 0 else 0.0) for r in rows)
+        for seed, rows in trajectories.items():  # the registered co-primary: each point's own relative effect
+            pooled.setdefault(f"{name}/{seed}", []).extend((r["imbalance"], r["relative"]) for r in rows)
         out["settings"][name] = entry
     out["slope"] = cluster_bootstrap(pooled, lambda pts: (fit := ols(pts)) and fit[0])
     out["intercept"] = cluster_bootstrap(pooled, lambda pts: (fit := ols(pts)) and fit[1])

@@ -99,9 +99,11 @@ def test_analysis_reads_back_a_planted_slope_the_gate_and_a_crash(tmp_path: path
     rng = random.Random(0)
     main = tmp_path / "main"
     for seed in range(4):
-        write(main, "main", seed, [point(i := rng.uniform(0, 0.1), 0.05, 0.8 * i, 1 + k % 4) for k in range(12)])
-        write(main, "control", seed, [point(i := rng.uniform(0.05, 0.3), 0.05, 0.8 * i, 1 + k % 16)
-                                      for k in range(16)])
+        # GSPO's own movement varies by point: the slope is on each point's own relative effect (as registered)
+        write(main, "main", seed, [point(i := rng.uniform(0, 0.1), rng.uniform(0.02, 0.08), 0.8 * i, 1 + k % 4)
+                                   for k in range(12)])
+        write(main, "control", seed, [point(i := rng.uniform(0.05, 0.3), rng.uniform(0.02, 0.08), 0.8 * i,
+                                            1 + k % 16) for k in range(16)])
         write(main, "main", 50 + seed, [point(0.0, 0.0, 0.0, 1)])  # no signal: counted, not analysed
     write(main, "main", 99, [point(0.5, 0.05, 0.0, 1)], complete=False)
     result = study_v4.analyse(tmp_path)
