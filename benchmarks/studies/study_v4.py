@@ -179,15 +179,17 @@ def stage(args: argparse.Namespace, name: str) -> None:
         plan(pathlib.Path(args.out_dir))
 
 
-def effect_rows(folder: pathlib.Path, with_no_signal: bool = False) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """{setting: {trajectory: [row per branch point]}} of complete trajectories; a row holds the terms and effects.
-    Points without signal (advantage mass 0: no update in either arm) are left out unless ``with_no_signal``."""
+def effect_rows(folder: pathlib.Path, with_no_signal: bool = False,
+                with_crashes: bool = False) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """{setting: {trajectory: [row per branch point]}} of complete trajectories (``with_crashes``: of crashed ones
+    too, for the registered sensitivity analysis); a row holds the terms and effects. Points without signal
+    (advantage mass 0: no update in either arm, I undefined) are left out unless ``with_no_signal``."""
     from benchmarks.studies.branch_test import effects
 
     out: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for path in sorted(folder.glob("*/s*.jsonl")):
         t = read_trajectory(path)
-        if not t["complete"]:
+        if not (t["complete"] or with_crashes):
             continue
         rows = [{"staleness": p["staleness"], **p["terms"], **effects(p),
                  "residual": [a["residual"] for a in p["arms"]], "grad_norm": [a["grad_norm"] for a in p["arms"]],
@@ -291,6 +293,8 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
         for seed, rows in trajectories.items():  # the registered co-primary: each point's own relative effect
             pooled.setdefault(f"{name}/{seed}", []).extend((r["imbalance"], r["relative"]) for r in rows)
         out["settings"][name] = entry
+    with_crashes = effect_rows(out_dir / "main", with_crashes=True).get("main", {})
+    out["sensitivity_with_crashed_points"] = cluster_bootstrap(with_crashes, ratio_of_means) if crashes else None
     out["slope"] = cluster_bootstrap(pooled, lambda pts: (fit := ols(pts)) and fit[0])
     out["intercept"] = cluster_bootstrap(pooled, lambda pts: (fit := ols(pts)) and fit[1])
     return out

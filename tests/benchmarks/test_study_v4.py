@@ -108,6 +108,9 @@ def test_analysis_reads_back_a_planted_slope_the_gate_and_a_crash(tmp_path: path
     write(main, "main", 99, [point(0.5, 0.05, 0.0, 1)], complete=False)
     result = study_v4.analyse(tmp_path)
     assert result["crashes"] == [str(main / "main" / "s99.jsonl")]
+    crashed = result["sensitivity_with_crashed_points"]  # the crash's one point (effect 0) joins only here
+    assert crashed["items"] == result["settings"]["main"]["points"] + 1
+    assert crashed["value"] < result["settings"]["main"]["primary_relative"]["value"]
     assert result["settings"]["main"]["points"] == 48 and result["settings"]["main"]["no_signal_points"] == 4
     assert result["slope"]["value"] == pytest.approx(0.8, rel=1e-9)
     assert result["slope"]["low"] == pytest.approx(0.8, rel=1e-6) and result["intercept"]["value"] == pytest.approx(
