@@ -165,18 +165,41 @@ def stage(args: argparse.Namespace, name: str) -> None:
     for setting_name in args.settings:
         for seed in seeds.get(setting_name, []) if isinstance(seeds, dict) else seeds:
             path = pathlib.Path(args.out_dir) / name / setting_name / f"s{seed}.jsonl"
-            if path.exists():
-                continue  # complete, or a crash: never rerun
             if args.deadline_s is not None and time.time() - began > args.deadline_s:
                 print(f"{name}: deadline reached; run the same command again", flush=True)
                 return
+            if not claim(path):
+                continue  # complete, a crash (never rerun), or another process of the same command runs it
             try:
                 run_one(args, name, setting_name, seed, state)
             except Exception as error:  # recorded as a crash (no complete line), the stage goes on
                 with path.open("a") as out:
                     out.write(json.dumps({"crash": f"{type(error).__name__}: {error}"[:400]}) + "\n")
     if name == "pilot":
-        plan(pathlib.Path(args.out_dir))
+        out = pathlib.Path(args.out_dir)
+        files = [out / "pilot" / n / f"s{seed}.jsonl" for n in PREREGISTRATION["settings"] for seed in seeds]
+        waiting = [str(f) for f in files if not f.exists() or not finished(f)]
+        if waiting:  # another process still runs them, or one was cut: `--plan OUT` once every process has ended
+            print(f"pilot: {len(waiting)} trajectories not finished; plan.json not written", flush=True)
+        else:
+            plan(out)
+
+
+def finished(path: pathlib.Path) -> bool:
+    """A trajectory file with its complete line or a recorded crash (not one still running, nor one cut off)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return any(x.get("complete") or "crash" in x for x in lines)
+
+
+def claim(path: pathlib.Path) -> bool:
+    """Create ``path`` exclusively (O_EXCL): True for the one process that may run that trajectory, so several
+    processes of the same stage command can share one GPU without running a seed twice."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.open("x").close()
+    except FileExistsError:
+        return False
+    return True
 
 
 def effect_rows(folder: pathlib.Path, with_no_signal: bool = False,
@@ -312,6 +335,8 @@ def main(argv: list[str] | None = None) -> Any:
     mode.add_argument("--stage", choices=["pilot", "main", "cpu-pilot"],
                       help="cpu-pilot: a labelled look at a few points on the CPU, never analysed or planned from")
     mode.add_argument("--analyse", metavar="OUT_DIR")
+    mode.add_argument("--plan", metavar="OUT_DIR", help="the sample-size rule on the pilot -> OUT_DIR/plan.json (once "
+                      "every pilot process has ended; a trajectory cut off counts as a crash)")
     p.add_argument("--model", default=None)
     p.add_argument("--out-dir", default="/tmp/study_v4")
     p.add_argument("--settings", nargs="+", default=list(PREREGISTRATION["settings"]))
@@ -331,6 +356,8 @@ def main(argv: list[str] | None = None) -> Any:
             raise SystemExit("--model is required for a stage")
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         return stage(args, args.stage)
+    if args.plan:
+        return plan(pathlib.Path(args.plan))
     result = analyse(pathlib.Path(args.analyse))
     common.write_json(args.out, result)
     return result

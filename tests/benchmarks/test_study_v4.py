@@ -149,3 +149,32 @@ def test_main_needs_the_pilot_s_plan_and_cpu_pilot_its_own_seeds(tmp_path: pathl
         "main": {"seeds": [100, 101]}, "control": {"error": "fewer than 3 pilot branch points"}}}))
     study_v4.main(["--stage", "main", "--model", "m", "--out-dir", str(tmp_path)])
     assert ran == [("main", "main", 100), ("main", "main", 101)]
+
+
+def test_a_trajectory_is_claimed_by_one_process_only(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "main" / "main" / "s100.jsonl"
+    assert study_v4.claim(path) and not study_v4.claim(path)
+    monkeypatch.setattr(study_v4, "admitted", lambda: {"clean": True})
+    ran: list[int] = []
+    monkeypatch.setattr(study_v4, "run_one", lambda args, stage, name, seed, state: ran.append(seed))
+    (tmp_path / "plan.json").write_text(json.dumps({"registration_sha256": study_v4.REGISTRATION_SHA256, "settings": {
+        "main": {"seeds": [100, 101]}}}))
+    study_v4.main(["--stage", "main", "--model", "m", "--out-dir", str(tmp_path)])
+    assert ran == [101]  # 100 was claimed (by "another process")
+
+
+def test_the_pilot_plans_only_once_every_trajectory_has_finished(tmp_path: pathlib.Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(study_v4, "admitted", lambda: {"clean": True})
+    monkeypatch.setattr(study_v4, "run_one", lambda args, stage, name, seed, state: None)
+    planned: list[pathlib.Path] = []
+    monkeypatch.setattr(study_v4, "plan", lambda out: planned.append(out))
+    for name in study_v4.PREREGISTRATION["settings"]:
+        for seed in study_v4.PREREGISTRATION["pilot_seeds"]:
+            write(tmp_path / "pilot", name, seed, [], complete=not (name == "control" and seed == 2))
+    study_v4.main(["--stage", "pilot", "--model", "m", "--out-dir", str(tmp_path)])
+    assert not planned  # control s2 still running (or cut off): no plan yet
+    with (tmp_path / "pilot" / "control" / "s2.jsonl").open("a") as out:
+        out.write(json.dumps({"crash": "RuntimeError: CUDA out of memory"}) + "\n")
+    study_v4.main(["--stage", "pilot", "--model", "m", "--out-dir", str(tmp_path)])
+    assert planned == [tmp_path]
