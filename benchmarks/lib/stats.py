@@ -10,7 +10,8 @@ import random
 import statistics
 from typing import Any
 
-__all__ = ["bootstrap_median", "clean", "diff_ci", "fmt", "fmt_ci", "mean_ci", "mde_t", "t_ppf", "t_quantile"]
+__all__ = ["bootstrap_median", "clean", "cluster_bootstrap", "diff_ci", "fmt", "fmt_ci", "mean_ci", "mde_t", "ols",
+           "t_ppf", "t_quantile"]
 
 
 def t_quantile(df: float) -> float:
@@ -97,3 +98,37 @@ def bootstrap_median(values: list[float], draws: int = 4000, seed: int = 0) -> l
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
     return [medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]]
+
+
+def ols(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares (slope, intercept) of y on x; None below 2 points or when x does not vary."""
+    if len(points) < 2:
+        return None
+    mx, my = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return slope, my - slope * mx
+
+
+def cluster_bootstrap(clusters: dict[Any, list[Any]], statistic: Any, draws: int = 4000,
+                      seed: int = 0) -> dict[str, Any] | None:
+    """``statistic`` (a function of a list of items, returning a float or None) on every item of ``clusters`` pooled,
+    with a 95% percentile interval from ``draws`` resamplings of whole clusters with replacement (items of one cluster,
+    e.g. the branch points of one trajectory, are not independent); None below 2 clusters or without a value."""
+    keys = sorted(clusters, key=str)
+    if len(keys) < 2:
+        return None
+    point = statistic([item for k in keys for item in clusters[k]])
+    if point is None:
+        return None
+    rng = random.Random(seed)
+    boot = sorted(v for _ in range(draws)
+                  if (v := statistic([item for k in rng.choices(keys, k=len(keys)) for item in clusters[k]]))
+                  is not None)
+    if not boot:
+        return None
+    return {"value": point, "low": boot[int(0.025 * len(boot))], "high": boot[int(0.975 * len(boot)) - 1],
+            "se": statistics.stdev(boot) if len(boot) > 1 else 0.0, "clusters": len(keys),
+            "items": sum(len(clusters[k]) for k in keys), "draws": len(boot)}

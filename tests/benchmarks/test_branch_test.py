@@ -1,0 +1,158 @@
+"""benchmarks/studies/branch_test.py on the CPU with a tiny model: both branches start bit-identical and differ only by
+the transform; the GSPO arm reproduces the trajectory's own next step; transform none on both arms gives an effect of
+exactly 0; a group whose s̄ are all equal has no term to remove and Min-Replace's step equals GSPO's."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+from typing import Any
+
+import pytest
+import torch
+from datasets import Dataset
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from tiny import random_batch, tiny_model, tiny_tokenizer, with_old_logps  # noqa: E402
+
+from benchmarks.studies import branch_test as bt  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SETTING = bt.Setting(name="tiny", staleness=2, learning_rate=1e-2, epsilon=0.2, epsilon_high=0.28, steps=3,
+                     num_generations=4, groups_per_micro_batch=2, max_completion_length=4, temperature=1.5,
+                     probe_prompts=4)
+
+
+def digit_share(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    return [sum(w.isdigit() for w in c.split()) / 4 for c in completions]
+
+
+@dataclasses.dataclass
+class TinyFormsTask:
+    """Single-digit sums in the tiny tokenizer's words; two equivalent forms ("Answer: s", "so s"); the reward is the
+    share of digit words in the completion (a random tiny model's groups then almost always have signal)."""
+
+    reward_funcs: list[Any] = dataclasses.field(default_factory=lambda: [digit_share])
+
+    def build_dataset(self, split: str, n: int | None = None, seed: int = 0) -> Dataset:
+        g = torch.Generator().manual_seed(seed + (0 if split == "train" else 1000))  # "test": the probe
+        a = torch.randint(0, 5, (n or 16,), generator=g).tolist()
+        b = torch.randint(0, 5, (n or 16,), generator=g).tolist()
+        return Dataset.from_dict({"prompt": [f"Compute {x} + {y} =" for x, y in zip(a, b, strict=True)],
+                                  "answer": [str(x + y) for x, y in zip(a, b, strict=True)]})
+
+    def equivalent_forms(self, row: dict[str, Any]) -> list[str]:
+        return [f"Answer: {row['answer']}", f"so {row['answer']}"]
+
+
+def trajectory(tmp_path: pathlib.Path, arms: tuple[str, str],
+               max_points: int | None = None) -> tuple[list[dict[str, Any]], dict[int, Any], Any]:
+    """A 3-step GSPO trajectory (S = 2) of the tiny model, branched at every stale point into ``arms``; the records,
+    the trajectory's weights after each step, and the arm trainers."""
+    task, tokenizer = TinyFormsTask(), tiny_tokenizer()
+    model = tiny_model(0)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    probe = bt.Probe.from_task(task, SETTING.probe_prompts, SETTING.temperature)
+    trainer = bt.DFPOTrainer(model=model, reward_funcs=task.reward_funcs,
+                             args=SETTING.config("none", str(tmp_path), 0, use_cpu=True),
+                             train_dataset=task.build_dataset("train", 64, 0), processing_class=tokenizer)
+    arm_trainers = bt.branch_trainers(model, tokenizer, task, SETTING, 0, str(tmp_path), arms, use_cpu=True)
+    records: list[dict[str, Any]] = []
+    after: dict[int, Any] = {}
+
+    def on_point(point: bt.BranchPoint) -> None:
+        terms = bt.term_size(trainer, point.batch)
+        record = bt.branch(arm_trainers, point, probe, tokenizer, terms, probe.measure(trainer.model, tokenizer))
+        record["weights"] = [{k: v.clone() for k, v in t.model.state_dict().items()} for t in arm_trainers]
+        records.append(record)
+
+    class Weights(bt.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            after[state.global_step] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    trainer.add_callback(Weights())
+    trainer.add_callback(bt.BranchPoints(trainer, SETTING, 0, probe, tokenizer, on_point, max_points))
+    trainer.train()
+    return records, after, arm_trainers
+
+
+@pytest.mark.slow
+def test_branches_start_identical_differ_by_the_transform_and_gspo_repeats_the_trajectory(
+        tmp_path: pathlib.Path) -> None:
+    records, after, _ = trajectory(tmp_path, bt.ARMS)
+    assert [(r["step"], r["staleness"]) for r in records] == [(1, 1), (2, 2)]  # S = 2: j = 1, 2; step 3 regenerates
+    for record in records:
+        assert record["identical_start"]
+        assert [a["transform"] for a in record["arms"]] == ["none", "min_replace"]
+        # the GSPO arm's step is the trajectory's own next step (same micro-batch, state and optimizer): same weights
+        nxt = after[record["step"] + 1]
+        for name, value in record["weights"][0].items():
+            torch.testing.assert_close(value, nxt[name], rtol=0, atol=1e-6 * max(1.0, float(value.abs().max())))
+        terms = record["terms"]
+        assert 0 <= terms["imbalance"] <= 1 and 0 <= terms["removed_share"] <= 2
+    stale = records[-1]
+    assert stale["terms"]["s_bar_spread"] > 0 and stale["terms"]["removed_share"] > 0  # two steps stale: a term
+    differ = [any(not torch.equal(v, r["weights"][1][k]) for k, v in r["weights"][0].items()) for r in records]
+    assert differ[-1]  # Min-Replace changed the update where there was a term
+    e = bt.effects(stale)
+    assert all(map(lambda v: v == v, e.values()))  # finite numbers, no NaN
+
+
+@pytest.mark.slow
+def test_transform_none_on_both_arms_has_an_effect_of_exactly_zero(tmp_path: pathlib.Path) -> None:
+    records, after, _ = trajectory(tmp_path, ("none", "none"), max_points=1)
+    assert len(records) == 1 and sorted(after) == [1]  # max_points = 1: the trajectory stops after its point
+    for record in records:
+        assert record["identical_start"]
+        a, b = record["arms"]
+        assert a["after"] == b["after"] and a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+        assert all(torch.equal(v, record["weights"][1][k]) for k, v in record["weights"][0].items())
+        assert all(value == 0.0 for key, value in bt.effects(record).items() if key != "gspo_move")
+
+
+def test_equal_weights_in_a_group_leave_no_term_and_min_replace_steps_as_gspo(tmp_path: pathlib.Path) -> None:
+    """Every s̄_i of a group equal (the same log-ratio shift on every row of a group): I = R = 0 and the two arms'
+    steps from one state are the same (φ = 1 everywhere)."""
+    tokenizer = tiny_tokenizer()
+    task = TinyFormsTask()
+    setting = dataclasses.replace(SETTING, learning_rate=1e-2)
+    arms = bt.branch_trainers(tiny_model(3), tokenizer, task, setting, 0, str(tmp_path), bt.ARMS, use_cpu=True)
+    ids, mask, adv, _ = random_batch(rows=8, length=6, seed=2, group_size=4)
+    shift = torch.tensor([0.05] * 4 + [-0.03] * 4).unsqueeze(1).expand(8, 6).clone()
+    batch = with_old_logps(arms[0], ids, mask, adv, shift, group_ids=torch.tensor([0] * 4 + [1] * 4))
+    terms = bt.term_size(arms[0], batch)
+    # s̄ are equal up to float32 rounding of the log-probs (ε ≈ 1.2e-7 on values near 1)
+    assert terms["imbalance"] < 1e-6 and terms["removed_share"] < 1e-6 and terms["s_bar_spread"] < 1e-6
+    assert terms["signal_groups"] == 2
+    point = bt.BranchPoint(0, 1, 1, {k: v.clone() for k, v in arms[0].model.state_dict().items()},
+                           arms[0].optimizer.state_dict(), batch, None)
+    steps = []
+    for trainer in arms:
+        bt.load_state(trainer, point)
+        steps.append(bt.one_step(trainer, batch, rng_seed=0))
+    assert max_weight_gap(arms) < 1e-6  # the same update, up to float32 rounding
+    assert steps[0]["loss"] == pytest.approx(steps[1]["loss"], rel=1e-5)
+
+    # and a group with unequal s̄ is a term: the same check then fails, so the check can fail. Every member shares
+    # its first two tokens and has the same length, nothing is clipped: the trainer's shared-prefix meter reads a
+    # residual under GSPO and ~0 under Min-Replace (Corollary 3.3)
+    ids[:4, :2], ids[4:, :2] = ids[0, :2], ids[4, :2]
+    full = torch.ones_like(mask)
+    uneven = with_old_logps(arms[0], ids, full, adv, torch.linspace(-0.1, 0.1, 8).unsqueeze(1).expand(8, 6).clone(),
+                            group_ids=torch.tensor([0] * 4 + [1] * 4))
+    terms = bt.term_size(arms[0], uneven)
+    assert terms["removed_share"] > 1e-3 and terms["imbalance"] > 1e-3 and terms["clipped_share"] == 0
+    steps = []
+    for trainer in arms:
+        bt.load_state(trainer, point)
+        steps.append(bt.one_step(trainer, uneven, rng_seed=0))
+    assert max_weight_gap(arms) > 1e-4
+    assert steps[0]["residual"] > 0.01 and steps[1]["residual"] < 1e-5
+
+
+def max_weight_gap(arms: list[Any]) -> float:
+    """The largest |Δ| between the two arms' weights, relative to the step the first arm took (lr = 1e-2)."""
+    a, b = arms[0].model.state_dict(), arms[1].model.state_dict()
+    return max(float((a[k] - b[k]).abs().max()) for k in a) / SETTING.learning_rate
