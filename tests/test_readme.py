@@ -178,6 +178,7 @@ def test_every_benchmark_script_is_in_the_benchmarks_readme() -> None:
                                                  flags=re.MULTILINE)}
     assert {"lib/common.py", "reports/report_long_run.py", "reports/report_launch_shape.py"} <= helpers
     launched = set(re.findall(r"(?:python|\.yaml) benchmarks/([\w/]+\.py)\b", readme))
+    launched |= {m.replace(".", "/") + ".py" for m in re.findall(r"python -m benchmarks\.([\w.]+)", readme)}
     assert not scripts - helpers - launched, f"no command in benchmarks/README.md for {scripts - helpers - launched}"
 
 
