@@ -36,6 +36,7 @@ from .parser import parse_args
 from .precheck import field_origin, recipe_argv
 from .progress import close_progress_bar, use_dfpo_progress_bar
 from .signals import signal_name
+from .vllm_eval import avg_at_k_callback, check_eval_batch
 
 __all__ = ["default_process_group", "parse_and_run", "run"]
 
@@ -67,13 +68,19 @@ def run(
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
         train = filter_long_prompts(train, tokenizer, script_args.max_prompt_length, training_args.chat_template_kwargs)
     training_args.model_init_kwargs = model_init_kwargs(training_args, model_args)
+    avg_at_k = heldout is not None and training_args.use_vllm  # held-out avg@k through TRL's eval path (vLLM)
+    if avg_at_k:
+        check_eval_batch(training_args)
     # Every check has passed (a refusal leaves output_dir as it was); nothing has written there yet.
     set_aside_earlier_results(training_args.output_dir)
 
     curves = CurveMetricsCallback(threshold=script_args.reward_threshold)
     callbacks: list[Any] = [curves]
-    heldout_cb = None
-    if heldout is not None:
+    heldout_cb: Any = None
+    if avg_at_k:
+        heldout_cb = avg_at_k_callback(task, heldout, reward_funcs, training_args, script_args.eval_every)
+        callbacks.insert(0, heldout_cb)
+    elif heldout is not None:
         heldout_cb = HeldoutAccuracyCallback(
             task,
             heldout,
@@ -90,9 +97,12 @@ def run(
         train_dataset=train,
         peft_config=get_peft_config(model_args),
         callbacks=callbacks,
+        eval_dataset=heldout if avg_at_k else None,
     )
     if heldout_cb is not None:
         heldout_cb.metrics = trainer.dfpo_metrics
+    if avg_at_k:
+        heldout_cb.trainer = trainer
     drift_cb = None
     if drift_problems is not None:
         drift_cb = DriftMeterCallback(
