@@ -77,3 +77,34 @@ def test_an_eval_batch_that_splits_a_problems_k_completions_is_refused() -> None
     with pytest.raises(RecipeError, match=r"per_device_eval_batch_size \(8\).*num_generations_eval \(3.*"
                        r"--per_device_eval_batch_size 6"):
         check_eval_batch(args)
+
+
+def test_dfpo_train_with_use_vllm_reports_avg_at_k(stand_in_vllm: Any, tmp_path: Path,  # noqa: F811
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI run: avg@k in the log history, the summary, the printed lines and the figure's title."""
+    import json
+
+    from tiny import save_tiny_chat_model, tiny_recipe
+    from transformers import AutoModelForCausalLM
+
+    from dfpo_trl.app.main import main
+
+    model_dir = save_tiny_chat_model(tmp_path / "model")
+    stand_in_vllm(AutoModelForCausalLM.from_pretrained(model_dir))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(tiny_recipe(use_vllm=True, vllm_mode="colocate", num_generations_eval=2,
+                                  per_device_eval_batch_size=4, eval_every=1, plot=False))
+    out = tmp_path / "out"
+    assert main([str(recipe), "--model_name_or_path", str(model_dir), "--output_dir", str(out)]) == 0
+    summary = json.loads((out / "dfpo_summary.json").read_text())
+    heldout = summary["heldout"]
+    assert heldout["metric"] == "avg@2" and [s for s, _ in heldout["curve"]] == [0, 1, 2]
+    assert heldout["before"] == heldout["curve"][0][1] and heldout["after"] == heldout["curve"][-1][1]
+    rows = summary["log_history"]
+    assert any("eval_reward" in row for row in rows)  # TRL's own eval metrics
+    assert [r["heldout/accuracy"] for r in rows if "heldout/accuracy" in r] == [heldout["curve"][1][1]]
+    printed = capsys.readouterr()
+    text = printed.out + printed.err
+    assert "held-out avg@2 before training" in text and "held-out avg@2 at step 1" in text
+    assert "held-out avg@2            " in text  # the summary's line
+
