@@ -24,6 +24,7 @@ from typing import Any
 
 from .args import ModelUnavailableError, RecipeError
 from .help import short_help
+from .oom import RunOutOfMemory
 from .plugins import import_plugins, requested_plugins
 from .precheck import precheck, stored_field_table
 from .signals import exit_code, signal_name, sigterm_interrupts
@@ -78,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2
+    except RunOutOfMemory as exc:  # the phase, the sizes and the settings that lower it (oom.py)
+        print(f"dfpo-train: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as exc:  # outside training (loading, saving): nothing partial worth describing
         name = signal_name(exc)
         print(f"\ndfpo-train: {'interrupted' if name == 'SIGINT' else 'stopped by ' + name}", file=sys.stderr)

@@ -31,6 +31,7 @@ from .data import (
 )
 from .evaluation import HeldoutAccuracyCallback
 from .model import model_init_kwargs, resolve_model
+from .oom import out_of_memory_as_one_line, watch_phases
 from .outputs import PREVIOUS_RUN_DIR, save_model, set_aside_previous_outputs, write_outputs
 from .parser import parse_args
 from .precheck import field_origin, recipe_argv
@@ -116,12 +117,14 @@ def run(
         )
         trainer.add_callback(drift_cb)
     use_dfpo_progress_bar(trainer)
+    watch_phases(trainer, heldout_cb)  # an out-of-memory error names its phase (oom.py)
     train_start = time.monotonic()
     setup_seconds = train_start - start - model_seconds
     interrupted = False
     stop_signal = None
     try:
-        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        with out_of_memory_as_one_line(trainer, script_args):  # one line, nothing removed (oom.py)
+            trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: keep what was learned about the run, not a traceback
         interrupted = True
         stop_signal = signal_name(exc)
