@@ -92,8 +92,10 @@ class VLLMAvgAtKCallback(HeldoutAccuracyCallback):
         finally:
             self.recorder.recording = False
             model.train(was_training)
-        means = self.trainer.accelerator.gather_for_metrics(per_problem_means(self.recorder.values, self.k),
-                                                            use_gather_object=True)
+        # Every process's problems (a plain gather: gather_for_metrics trims by the last dataloader's remainder).
+        from accelerate.utils import gather_object
+
+        means = gather_object(per_problem_means(self.recorder.values, self.k))
         return (sum(means) / len(means) if means else 0.0), time.monotonic() - start
 
 
