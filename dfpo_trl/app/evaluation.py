@@ -132,6 +132,7 @@ class HeldoutAccuracyCallback(TrainerCallback):
         self.chat_template_kwargs = chat_template_kwargs
         self.every = every
         self.metrics = metrics
+        self.label = "greedy accuracy"  # what the messages call the measure (vllm_eval: avg@k)
         self.results: dict[str, Any] = {
             "n": len(problems), "before": None, "after": None, "curve": [], "resumed_at": None,
         }
@@ -165,7 +166,7 @@ class HeldoutAccuracyCallback(TrainerCallback):
         if state.is_world_process_zero:
             # tqdm.write: printed above an open progress bar instead of glued to its end.
             tqdm.write(
-                f"held-out greedy accuracy {when} training: {accuracy:.3f} ({len(self.problems)} problems, "
+                f"held-out {self.label} {when} training: {accuracy:.3f} ({len(self.problems)} problems, "
                 f"{seconds:.0f} s)"
             )
 
@@ -196,7 +197,7 @@ class HeldoutAccuracyCallback(TrainerCallback):
             said = (f"at resume (step {step}): {accuracy:.3f} ({n} problems, {seconds:.0f} s; the checkpoint holds no "
                     "accuracy before training)")
         if state.is_world_process_zero:
-            tqdm.write(f"held-out greedy accuracy {said}")
+            tqdm.write(f"held-out {self.label} {said}")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.every or state.global_step % self.every != 0 or state.global_step >= state.max_steps:
@@ -205,7 +206,7 @@ class HeldoutAccuracyCallback(TrainerCallback):
         self.results["periodic_seconds"] = round(self.results.get("periodic_seconds", 0.0) + seconds, 1)
         self._record(state.global_step, accuracy)
         if state.is_world_process_zero:  # the curve as it grows, above the progress bar
-            tqdm.write(f"held-out greedy accuracy at step {state.global_step}: {accuracy:.3f} ({seconds:.0f} s)")
+            tqdm.write(f"held-out {self.label} at step {state.global_step}: {accuracy:.3f} ({seconds:.0f} s)")
         if self.metrics is not None:
             self.metrics.add_mean("train", "heldout/accuracy", torch.tensor(float(accuracy), dtype=torch.float64), 1.0)
 

@@ -25,6 +25,7 @@ from typing import Any
 from .._usercode import UserCodeError
 from .args import ModelUnavailableError, RecipeError
 from .help import short_help
+from .oom import RunOutOfMemory
 from .plugins import import_plugins, requested_plugins
 from .precheck import precheck, read_recipe, stored_field_table
 from .signals import exit_code, signal_name, sigterm_interrupts
@@ -100,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2
-    except UserCodeError as exc:  # the user's reward, task, data or plugin failed: their frame, not a traceback
+    except (UserCodeError, RunOutOfMemory) as exc:  # the user's code failed (their frame), or out of memory (oom.py)
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:  # outside training (loading, saving): nothing partial worth describing

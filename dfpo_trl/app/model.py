@@ -14,7 +14,7 @@ from trl import ModelConfig
 from ..config import DFPOConfig
 from . import logger
 from .args import ModelUnavailableError
-from .embedded import embedded_model_converted, embedded_model_path
+from .embedded import embedded_model_converted, embedded_model_path, gguf_converted, gguf_model_path
 
 __all__ = [
     "EMBEDDED_LABEL", "ModelUnavailableError", "check_hub_checkpoint", "hub_reachable", "model_init_kwargs",
@@ -65,9 +65,12 @@ def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tupl
         return str(path), EMBEDDED_LABEL
     if os.path.isdir(name):
         return name, name
+    if name.lower().endswith(".gguf") and os.path.isfile(os.path.expanduser(name)):
+        return _local_gguf(name, cache_dir), name
     if os.path.exists(name) or name.startswith((".", "/", "~")):
         raise ModelUnavailableError(
-            f"model_name_or_path={name!r} is not a directory; give a transformers checkpoint directory, a hub id, "
+            f"model_name_or_path={name!r} is not a directory; give a transformers checkpoint directory, a local .gguf "
+            "file, a hub id, "
             "or omit it to use the embedded SmolLM2-135M-Instruct default."
         )
     check_hub_checkpoint(
@@ -76,6 +79,23 @@ def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tupl
         "or omit model_name_or_path to train the embedded SmolLM2-135M-Instruct default, which needs no network.",
     )
     return name, name
+
+
+def _local_gguf(name: str, cache_dir: str | None) -> str:
+    """A local GGUF file converted once to a transformers checkpoint (embedded.gguf_model_path); a file that
+    cannot be converted is refused in one line naming the field."""
+    if not gguf_converted(name, cache_dir):
+        logger.info("model_name_or_path %s: converting the GGUF once to a transformers checkpoint", name)
+    try:
+        path = gguf_model_path(name, cache_dir)
+    except Exception as exc:  # noqa: BLE001 - the reader's errors vary with the file; re-raised with the field
+        raise ModelUnavailableError(
+            f"model_name_or_path={name!r}: this GGUF cannot be converted to a transformers checkpoint "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}); give a checkpoint "
+            "directory or a hub id instead"
+        ) from exc
+    logger.info("GGUF model checkpoint: %s", path)
+    return str(path)
 
 
 def check_hub_checkpoint(name: str, revision: str | None, what: str, fix: str) -> None:

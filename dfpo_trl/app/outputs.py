@@ -196,7 +196,8 @@ def _heldout_line(heldout: dict[str, Any]) -> str:
     elif resumed is not None:
         where = f"; resumed at step {resumed}, the accuracy before training is the checkpoint's"
     delta = after - before if before is not None and after is not None else None
-    return (f"held-out greedy accuracy   {_fmt(before)} -> {_fmt(after)}  ({_fmt(delta, '+.3f')}{since}, "
+    label = heldout.get("metric", "greedy accuracy")  # "avg@k" through vLLM (vllm_eval)
+    return (f"held-out {label:<18}{_fmt(before)} -> {_fmt(after)}  ({_fmt(delta, '+.3f')}{since}, "
             f"{heldout['n']} fixed problems{where})")
 
 

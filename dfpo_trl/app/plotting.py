@@ -109,7 +109,8 @@ def _accuracy_panel(ax: Any, heldout: Mapping[str, Mapping[str, Any]]) -> None:
         _accuracy_bars(ax, heldout)
     n = next((r.get("n") for r in heldout.values() if r.get("n")), None)
     ax.set_ylim(0, 1.08)
-    ax.set_title(f"held-out greedy accuracy{f' ({n} problems)' if n else ''}", fontsize=10)
+    metric = next((r.get("metric") for r in heldout.values() if r.get("metric")), "greedy accuracy")
+    ax.set_title(f"held-out {metric}{f' ({n} problems)' if n else ''}", fontsize=10)
 
 
 def _accuracy_curves(ax: Any, heldout: Mapping[str, Mapping[str, Any]]) -> None:

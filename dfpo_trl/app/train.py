@@ -34,11 +34,13 @@ from .data import (
 )
 from .evaluation import HeldoutAccuracyCallback
 from .model import model_init_kwargs, resolve_model
+from .oom import out_of_memory_as_one_line, watch_phases
 from .outputs import PREVIOUS_RUN_DIR, save_model, set_aside_previous_outputs, write_outputs
 from .parser import parse_args
 from .precheck import field_origin, recipe_argv
 from .progress import close_progress_bar, use_dfpo_progress_bar
 from .signals import signal_name
+from .vllm_eval import avg_at_k_callback, check_eval_batch
 
 __all__ = ["default_process_group", "parse_and_run", "run"]
 
@@ -70,14 +72,20 @@ def run(
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
         train = filter_long_prompts(train, tokenizer, script_args.max_prompt_length, training_args.chat_template_kwargs)
     training_args.model_init_kwargs = model_init_kwargs(training_args, model_args)
+    avg_at_k = heldout is not None and training_args.use_vllm  # held-out avg@k through TRL's eval path (vLLM)
+    if avg_at_k:
+        check_eval_batch(training_args)
     # An earlier run's results move to previous_run/ once this run has trained a step (or is about to write its
     # own): a failure before that (the user's reward on the first rollout) leaves output_dir as it was.
     earlier = EarlierResults(training_args.output_dir)
 
     curves = CurveMetricsCallback(threshold=script_args.reward_threshold)
     callbacks: list[Any] = [curves, earlier]
-    heldout_cb = None
-    if heldout is not None:
+    heldout_cb: Any = None
+    if avg_at_k:
+        heldout_cb = avg_at_k_callback(task, heldout, reward_funcs, training_args, script_args.eval_every)
+        callbacks.insert(0, heldout_cb)
+    elif heldout is not None:
         heldout_cb = HeldoutAccuracyCallback(
             task,
             heldout,
@@ -94,9 +102,12 @@ def run(
         train_dataset=train,
         peft_config=get_peft_config(model_args),
         callbacks=callbacks,
+        eval_dataset=heldout if avg_at_k else None,
     )
     if heldout_cb is not None:
         heldout_cb.metrics = trainer.dfpo_metrics
+    if avg_at_k:
+        heldout_cb.trainer = trainer
     drift_cb = None
     if drift_problems is not None:
         drift_cb = DriftMeterCallback(
@@ -110,12 +121,14 @@ def run(
         )
         trainer.add_callback(drift_cb)
     use_dfpo_progress_bar(trainer)
+    watch_phases(trainer, heldout_cb)  # an out-of-memory error names its phase (oom.py)
     train_start = time.monotonic()
     setup_seconds = train_start - start - model_seconds
     interrupted = False
     stop_signal = None
     try:
-        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        with out_of_memory_as_one_line(trainer, script_args):  # one line, nothing removed (oom.py)
+            trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except RewardError as exc:  # the user's reward failed: one line, with the training row it was scoring
         close_progress_bar(trainer)
         raise UserCodeError(exc.said(training_row(train, exc.prompt))) from exc

@@ -1,0 +1,109 @@
+"""Held-out avg@k through TRL's own evaluation (vLLM when ``use_vllm`` is on): the paper's measure, the mean
+correctness over k sampled completions per held-out problem, at the run's sampling settings.
+
+TRL's ``GRPOTrainer.evaluate`` samples ``num_generations_eval`` completions per ``eval_dataset`` row through the same
+generation path as training (vLLM here), scores them with the reward functions and logs ``eval_rewards/<name>/mean``.
+That logged value is a mean of per-batch means (a short last batch weighs as much as a full one), so avg@k is computed
+here from the correctness reward's own values, recorded while the evaluation runs: per problem the mean of its k
+rewards (``None`` left out), then the mean over problems. The callback is :class:`HeldoutAccuracyCallback` with the
+measurement swapped, so the summary, the log history (``heldout/accuracy``), the curve and the figure carry avg@k
+where they carry the greedy accuracy without vLLM (docs/decisions.md, "Held-out avg@k through vLLM").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .args import RecipeError
+from .evaluation import HeldoutAccuracyCallback
+
+__all__ = ["EvalRewardRecorder", "VLLMAvgAtKCallback", "check_eval_batch", "eval_k"]
+
+
+def eval_k(training_args: Any) -> int:
+    """k of avg@k: TRL's ``num_generations_eval``, which TRL itself defaults to ``num_generations``."""
+    return int(training_args.num_generations_eval or training_args.num_generations)
+
+
+def check_eval_batch(training_args: Any) -> None:
+    """Refuse an eval batch that would split a problem's k completions across batches or processes: TRL samples
+    the k of a problem next to each other, and avg@k groups them per process batch."""
+    k, batch = eval_k(training_args), training_args.per_device_eval_batch_size
+    if batch % k:
+        raise RecipeError(
+            f"per_device_eval_batch_size ({batch}) must be a multiple of num_generations_eval ({k}, the k of the "
+            f"held-out avg@k through vLLM): set --per_device_eval_batch_size {k * max(1, batch // k)} or "
+            "--num_generations_eval to a divisor of it"
+        )
+
+
+class EvalRewardRecorder:
+    """The correctness reward, returned unchanged, that keeps its values while ``recording`` is on (the
+    evaluation). Keeps the wrapped function's ``__name__``: TRL logs rewards under it."""
+
+    def __init__(self, reward: Any) -> None:
+        self.reward = reward
+        self.recording = False
+        self.values: list[float | None] = []
+        self.__name__ = getattr(reward, "__name__", type(reward).__name__)
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+        rewards = self.reward(prompts=prompts, completions=completions, **kwargs)
+        if self.recording:
+            self.values.extend(None if r is None else float(r) for r in rewards)
+        return rewards
+
+
+def per_problem_means(values: list[float | None], k: int) -> list[float]:
+    """The mean of each consecutive run of k rewards (one problem's), ``None`` left out; a problem with no scored
+    completion is left out."""
+    means = []
+    for start in range(0, len(values), k):
+        scored = [v for v in values[start : start + k] if v is not None]
+        if scored:
+            means.append(sum(scored) / len(scored))
+    return means
+
+
+class VLLMAvgAtKCallback(HeldoutAccuracyCallback):
+    """:class:`HeldoutAccuracyCallback` measuring avg@k through ``trainer.evaluate()`` (TRL's eval path: the
+    trainer's ``eval_dataset``, ``num_generations_eval``, vLLM when on) instead of greedy ``generate``. Set
+    ``trainer`` once the trainer exists. ``results["metric"]`` is ``"avg@k"`` with k filled in."""
+
+    def __init__(self, task: Any, problems: Any, recorder: EvalRewardRecorder, k: int, every: int = 0,
+                 metrics: Any = None) -> None:
+        super().__init__(task, problems, every=every, metrics=metrics)
+        self.recorder = recorder
+        self.k = k
+        self.trainer: Any = None
+        self.label = f"avg@{k}"
+        self.results["metric"] = self.label
+
+    def _accuracy(self, model: Any, processing_class: Any) -> tuple[float, float]:
+        if self.trainer is None:
+            raise RuntimeError("VLLMAvgAtKCallback.trainer is not set: assign the trainer before train()")
+        start = time.monotonic()
+        self.recorder.values = []
+        self.recorder.recording = True
+        was_training = model.training
+        try:
+            self.trainer.evaluate()  # logs TRL's eval_* metrics (rewards, lengths) at this step
+        finally:
+            self.recorder.recording = False
+            model.train(was_training)
+        # Every process's problems (a plain gather: gather_for_metrics trims by the last dataloader's remainder).
+        from accelerate.utils import gather_object
+
+        means = gather_object(per_problem_means(self.recorder.values, self.k))
+        return (sum(means) / len(means) if means else 0.0), time.monotonic() - start
+
+
+def avg_at_k_callback(task: Any, heldout: Any, reward_funcs: list[Any], training_args: Any,
+                      every: int) -> VLLMAvgAtKCallback:
+    """The avg@k callback for a ``use_vllm`` run: wraps the correctness reward (``reward_funcs[0]``, in place) so
+    the evaluation's values are kept. Pass ``heldout`` to the trainer as ``eval_dataset`` and set ``.trainer``."""
+    check_eval_batch(training_args)
+    recorder = EvalRewardRecorder(reward_funcs[0])
+    reward_funcs[0] = recorder
+    return VLLMAvgAtKCallback(task, heldout, recorder, eval_k(training_args), every=every)
