@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .config import DFPOConfig
     from .trainer import DFPOTrainer
     from .transforms import register_transform, registered_transforms, unregister_transform
+    from .trl_hooks.errors import TRLCompatibilityError, UntestedTRLWarning
 
 silence_library_deprecations()
 
@@ -31,12 +32,23 @@ silence_library_deprecations()
 _PUBLIC = {
     "DFPOConfig": ".config",
     "DFPOTrainer": ".trainer",
+    "TRLCompatibilityError": ".trl_hooks.errors",
+    "UntestedTRLWarning": ".trl_hooks.errors",
     "register_transform": ".transforms",
     "registered_transforms": ".transforms",
     "unregister_transform": ".transforms",
 }
 
-__all__ = ["DFPOConfig", "DFPOTrainer", "register_transform", "registered_transforms", "unregister_transform"]
+# The stable public API (docs/README.md, "Stable names"): every other name in dfpo_trl's modules is internal.
+__all__ = [
+    "DFPOConfig",
+    "DFPOTrainer",
+    "TRLCompatibilityError",
+    "UntestedTRLWarning",
+    "register_transform",
+    "registered_transforms",
+    "unregister_transform",
+]
 __version__ = "0.1.0"
 
 
@@ -44,7 +56,8 @@ def __getattr__(name: str) -> Any:
     """Import a public name's module when the name is first read, and keep the name here."""
     if name not in _PUBLIC:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    importlib.import_module(".trainer", __name__)  # checks TRL's touch points: an incompatible TRL stops here
+    if _PUBLIC[name] != ".trl_hooks.errors":  # the error and warning stay importable under any TRL, to catch them
+        importlib.import_module(".trainer", __name__)  # checks TRL's touch points: an incompatible TRL stops here
     value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
     globals()[name] = value
     return value

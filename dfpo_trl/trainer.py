@@ -12,6 +12,7 @@ Every touch point is declared and checked at import in :mod:`dfpo_trl.trl_hooks.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Iterator
@@ -106,6 +107,10 @@ class DFPOTrainer(GRPOTrainer):
         warning = on_policy_identity_warning(self, self.plan.transform.name) if self.plan.rewrites_sequences else None
         if warning:
             logger.warning(warning)
+
+    # help(), inspect.signature and IDEs show GRPOTrainer's own parameters, read from the installed TRL, not copied:
+    # __init__ takes *args/**kwargs only to bind them against that same signature (bind_call).
+    __init__.__signature__ = inspect.signature(GRPOTrainer.__init__)  # type: ignore[attr-defined]
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         """TRL's card (DFPO's name, tags and citation from the class attributes above), plus DelTA's sentence and

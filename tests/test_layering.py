@@ -1,5 +1,5 @@
-"""The package's import graph, read from the source with ``ast``: no circle between its packages, and the
-configuration at the bottom (``dfpo_trl/__init__.py``'s docstring declares the layers).
+"""The package's import graph, read from the source with ``ast``: no circle between its packages, none between its
+files (modules), and the configuration at the bottom (``dfpo_trl/__init__.py``'s docstring declares the layers).
 
 A "package" here is a top-level subpackage of ``dfpo_trl`` (``objectives``, ``config``, ...) or a top-level module
 (``trainer``, ``precision``, ...); ``dfpo_trl/__init__.py`` itself is left out (it names the public names of every
@@ -136,6 +136,40 @@ def simple_cycles(graph: dict[str, set[str]]) -> int:
     return count
 
 
+def _module_of(dotted: str, modules: set[str]) -> str | None:
+    """The module of ``modules`` a dotted import target names: itself, or the module a name is taken from
+    (``pkg.mod.name`` -> ``pkg.mod``); None when it is outside them."""
+    while dotted:
+        if dotted in modules:
+            return dotted
+        dotted = dotted.rpartition(".")[0]
+    return None
+
+
+def module_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module (file) -> the other modules of ``root`` it imports, lazy imports included, TYPE_CHECKING ones not.
+    A package's ``__init__`` counts as the module of the package's name, and ``dfpo_trl/__init__.py`` is left out, as
+    in :func:`package_graph`; importing ``pkg.mod`` also runs ``pkg/__init__``, but that edge is the package's, not a
+    file's, so only the named module counts."""
+    paths = {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+    modules = set(paths) - {root.name}
+    graph: dict[str, set[str]] = {}
+    for module in sorted(modules):
+        path = paths[module]
+        edges = graph.setdefault(module, set())
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in _imports(tree.body):
+            targets = _targets(node, module, path.name == "__init__.py")
+            named = targets[1:] if isinstance(node, ast.ImportFrom) else targets
+            for target in named:
+                other = _module_of(target, modules)
+                if other is None and isinstance(node, ast.ImportFrom):
+                    other = _module_of(targets[0], modules)  # ``from .mod import name``: the module ``mod``
+                if other is not None and other != module:
+                    edges.add(other)
+    return graph
+
+
 def test_the_checker_sees_a_circle_and_a_lazy_import(tmp_path: Path) -> None:
     """The checker itself: a lazy import makes a circle, one under TYPE_CHECKING does not."""
     root = tmp_path / "dfpo_trl"
@@ -155,6 +189,34 @@ def test_the_checker_sees_a_circle_and_a_lazy_import(tmp_path: Path) -> None:
 def test_no_circle_between_packages() -> None:
     found = circles(package_graph())
     assert not found, f"package-level import circles ({simple_cycles(package_graph())} elementary): {found}"
+
+
+def test_the_file_checker_sees_a_lazy_circle_inside_one_package(tmp_path: Path) -> None:
+    """The file-level checker: two modules of one package importing each other (one lazily) are a circle that the
+    package-level check cannot see; ``from . import mod`` names the module, a package's own ``__init__`` is not
+    imported by its module's relative imports."""
+    root = tmp_path / "dfpo_trl"
+    (root / "app").mkdir(parents=True)
+    (root / "app" / "__init__.py").write_text("")
+    (root / "app" / "fields.py").write_text("from .parser import make_parser\nfrom . import values\n")
+    (root / "app" / "parser.py").write_text("def f():\n    from .fields import build\n")
+    (root / "app" / "values.py").write_text("import json\n")
+    graph = module_graph(root)
+    assert graph == {
+        "dfpo_trl.app": set(),
+        "dfpo_trl.app.fields": {"dfpo_trl.app.parser", "dfpo_trl.app.values"},
+        "dfpo_trl.app.parser": {"dfpo_trl.app.fields"},
+        "dfpo_trl.app.values": set(),
+    }
+    assert circles(graph) == [["dfpo_trl.app.fields", "dfpo_trl.app.parser"]]
+    assert package_graph(root) == {"app": set()}  # invisible at package level
+
+
+def test_no_circle_between_files() -> None:
+    """No two modules import each other, even through others or lazily (an import inside a function)."""
+    graph = module_graph()
+    found = circles(graph)
+    assert not found, f"file-level import circles ({simple_cycles(graph)} elementary): {found}"
 
 
 #: The bottom of the graph, lowest first: each imports only the ones before it. The transform registry sits below the

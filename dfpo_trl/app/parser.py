@@ -12,6 +12,7 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 from trl import ModelConfig, TrlParser
@@ -20,10 +21,13 @@ from ..config.fields import DFPOConfig, dfpo_fields
 from ..tasks import TASKS
 from ..transforms import TRANSFORMS
 from .args import DFPOScriptArguments, RecipeError
+from .help import LEADING_FIELDS
 from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
 from .precheck import (
+    PRECHECKED_FIELDS,
     check_max_steps,
+    library_versions,
     precheck,
     read_command_line,
     read_recipe,
@@ -198,6 +202,52 @@ def numeric_kind(action: argparse.Action) -> str | None:
     return None
 
 
+def _entry(parser: DFPOParser, name: str) -> dict[str, Any]:
+    """What ``--help`` shows of a field: its default (as repr, None when it has none), the flag that turns a True
+    default off, and its help text."""
+    action = parser.primary_action(name)
+    default = None if action.default is None else repr(action.default)
+    negated = parser.negated_flag(name) if action.default is True else None
+    return {"default": default, "negated": negated, "help": " ".join((action.help or "").replace("%%", "%").split())}
+
+
+def numeric_fields(parser: DFPOParser) -> dict[str, list[Any]]:
+    """Every field that takes one number: ``[type, default, optional]`` (the type as ``"float"`` or ``"int"``, the
+    default as the full parse's type error shows it, whether ``none`` unsets it), so that the fast path types their
+    values as the parser does."""
+    numeric = {}
+    for name in sorted(parser.field_defaults):
+        action = parser.primary_action(name)
+        kind = numeric_kind(action)
+        if kind is not None:
+            numeric[name] = [kind, parser.field_defaults[name], action.type not in (float, int)]
+    return numeric
+
+
+def build_field_table(parser: DFPOParser) -> dict[str, Any]:
+    """Everything the fast path reads, from ``parser`` (with whatever plugins registered when it was built). Here,
+    not in ``fields.py`` (which writes it to ``field_table.json``), because the full parse's refusals read it too:
+    the two modules would import each other."""
+    options: dict[str, list[str]] = {}
+    for action in parser._actions:
+        if action.dest not in ("help", "config"):
+            options.setdefault(action.dest, []).extend(action.option_strings)
+    script = [f.name for f in fields(DFPOScriptArguments)]
+    dfpo = [spec.name for spec in dfpo_fields()]
+    shown = [*LEADING_FIELDS, *dfpo, *(n for n in script if n not in LEADING_FIELDS)]
+    return {
+        "versions": library_versions(),
+        "options": {name: options[name] for name in sorted(options)},
+        "defaults": {name: parser.primary_action(name).default for name in PRECHECKED_FIELDS},
+        "numeric": numeric_fields(parser),
+        "tasks": sorted(TASKS),
+        "transforms": [name for name, entry in TRANSFORMS.items() if entry.builtin],  # registry order
+        "dfpo_fields": dfpo,
+        "script_fields": script,
+        "entries": {name: _entry(parser, name) for name in shown},
+    }
+
+
 def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence[str], recipe: str | None) -> str:
     """argparse's bad value ("argument --learning_rate/--learning-rate: invalid float value: 'abc'") as one line
     naming where the value was set (flag or recipe line) and what the field takes."""
@@ -222,8 +272,6 @@ def _said_with_origins(args: Sequence[str], message: str) -> str:
     """A refusal of the dataclasses' checks as the fast value checks say it (naming where each value was set, in
     DFPO's words for TRL's whole-groups rule); when those checks find nothing (a rule they leave to the full parse,
     e.g. DFPO's own fields'), as the dataclass said it, headed by where the fields it names were set."""
-    from .fields import build_field_table
-
     table = build_field_table(make_parser())
     try:
         precheck(args, table)

@@ -10,7 +10,21 @@ from typing import Any
 from .options import ASSIGNMENTS, CONTRASTS, GAMMA_RULES, GAMMA_UPDATES, SCOPES, ZERO_ADVANTAGE_RULES
 from .rules import FieldRule, finite, integer, one_of, quoted
 
-__all__ = ["DELTA_RULES", "read_gamma"]
+__all__ = [
+    "DELTA_GAMMA_DEFAULT",
+    "DELTA_LAMBDA_MAX_DEFAULT",
+    "DELTA_LAMBDA_MIN_DEFAULT",
+    "DELTA_REFINE_STEPS_DEFAULT",
+    "DELTA_RULES",
+    "read_gamma",
+]
+
+#: DelTA's defaults (the authors' released code), here once: ``DFPOConfig``'s ``delta_lambda_min``,
+#: ``delta_lambda_max``, ``delta_refine_steps`` and ``delta_gamma`` and the math of ``delta/weights.py`` both read them.
+DELTA_LAMBDA_MIN_DEFAULT: float = 0.8
+DELTA_LAMBDA_MAX_DEFAULT: float = 1.2
+DELTA_REFINE_STEPS_DEFAULT: int = 1
+DELTA_GAMMA_DEFAULT: str = "std"
 
 
 def read_gamma(gamma: Any) -> Any:

@@ -16,9 +16,16 @@ from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from ..transforms import GROUP_TRANSFORMS, TRANSFORMS
+from ..transforms.builtins import SCALE_FACTOR_DEFAULT, TRUNCATE_FLOOR_DEFAULT
 from .checks import check_fields
 from .combinations import check_combinations
-from .delta_rules import read_gamma
+from .delta_rules import (
+    DELTA_GAMMA_DEFAULT,
+    DELTA_LAMBDA_MAX_DEFAULT,
+    DELTA_LAMBDA_MIN_DEFAULT,
+    DELTA_REFINE_STEPS_DEFAULT,
+    read_gamma,
+)
 from .method import method_in_use
 from .options import (
     Assignment,
@@ -129,10 +136,10 @@ class DFPOConfig(GRPOConfig):
         "DFPO eq. 47, 49, 50, 18, 51, 52–55, Table 3; docs/design.md, docs/extending.md",
     )
     transform_scale: float = documented(
-        0.5, "κ of the `\"scale\"` ablation, s̃ = κ s̄; finite and > 0.", "DFPO Table 3 (κ = 0.5)"
+        SCALE_FACTOR_DEFAULT, "κ of the `\"scale\"` ablation, s̃ = κ s̄; finite and > 0.", "DFPO Table 3 (κ = 0.5)"
     )
     transform_truncate_floor: float = documented(
-        1e-6,
+        TRUNCATE_FLOOR_DEFAULT,
         "ϵ of `\"truncate_rebalance\"`, s⁺ = max(s̄, ϵ): an underflow guard in (0, 1), below the on-policy weight 1.",
         "DFPO eq. 52 (no value given there)",
     )
@@ -202,14 +209,18 @@ class DFPOConfig(GRPOConfig):
         "`bnpo`, `dr_grpo`, `dapo`).",
         "DelTA; docs/delta.md",
     )
-    delta_lambda_min: float = documented(0.8, "λ_min of λ = λ_min + (λ_max − λ_min) α; 0 < λ_min ≤ λ_max.", "DelTA")
-    delta_lambda_max: float = documented(1.2, "λ_max of that range; finite.", "DelTA")
+    delta_lambda_min: float = documented(
+        DELTA_LAMBDA_MIN_DEFAULT, "λ_min of λ = λ_min + (λ_max − λ_min) α; 0 < λ_min ≤ λ_max.", "DelTA"
+    )
+    delta_lambda_max: float = documented(DELTA_LAMBDA_MAX_DEFAULT, "λ_max of that range; finite.", "DelTA")
     delta_refine_steps: int = documented(
-        1, "K, the centroid refinements (≥ 0; 0: \"w/o refinement\").", "DelTA, its released recipe"
+        DELTA_REFINE_STEPS_DEFAULT,
+        "K, the centroid refinements (≥ 0; 0: \"w/o refinement\").",
+        "DelTA, its released recipe",
     )
     # A str field so that the command line accepts the names; a number (or a numeric string) is a fixed gamma.
     delta_gamma: str = documented(
-        "std",
+        DELTA_GAMMA_DEFAULT,
         "γ of α = σ(margin / γ): `\"std\"` (the side's margins' std), `\"mean_abs\"` (their mean |margin|; ours) "
         "or a fixed number > 0.",
         "DelTA's released code; docs/delta.md",

@@ -18,7 +18,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..config.delta_rules import DELTA_RULES
+from ..config.delta_rules import (
+    DELTA_GAMMA_DEFAULT,
+    DELTA_LAMBDA_MAX_DEFAULT,
+    DELTA_LAMBDA_MIN_DEFAULT,
+    DELTA_REFINE_STEPS_DEFAULT,
+    DELTA_RULES,
+)
 from ..config.rules import integer, problems
 from ..precision import compute_dtype as _compute_dtype
 from .centroids import Gamma, Reducer, refined_scores, side_sums
@@ -134,11 +140,11 @@ def token_weights(
     vectors: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    lambda_min: float = 0.8,
-    lambda_max: float = 1.2,
-    refine_steps: int = 1,
+    lambda_min: float = DELTA_LAMBDA_MIN_DEFAULT,
+    lambda_max: float = DELTA_LAMBDA_MAX_DEFAULT,
+    refine_steps: int = DELTA_REFINE_STEPS_DEFAULT,
     *,
-    gamma: Gamma = "std",
+    gamma: Gamma = DELTA_GAMMA_DEFAULT,
     gamma_update: str = "lagged",
     zero_advantage: str = "lambda_min",
     assignment: str = "soft",
@@ -186,11 +192,11 @@ def token_weights_from_hidden(
     token_probs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    lambda_min: float = 0.8,
-    lambda_max: float = 1.2,
-    refine_steps: int = 1,
+    lambda_min: float = DELTA_LAMBDA_MIN_DEFAULT,
+    lambda_max: float = DELTA_LAMBDA_MAX_DEFAULT,
+    refine_steps: int = DELTA_REFINE_STEPS_DEFAULT,
     *,
-    gamma: Gamma = "std",
+    gamma: Gamma = DELTA_GAMMA_DEFAULT,
     gamma_update: str = "lagged",
     zero_advantage: str = "lambda_min",
     assignment: str = "soft",

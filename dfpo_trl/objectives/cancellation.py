@@ -33,7 +33,7 @@ from ..config.options import (
     OneSidedPolicy,
 )
 from ..transforms import GroupTransform, get_transform, min_replace_on_subset, not_retargetable
-from ..transforms.builtins import _check_groups
+from ..transforms.builtins import SCALE_FACTOR_DEFAULT, TRUNCATE_FLOOR_DEFAULT, _check_groups
 
 __all__ = [
     "GroupSides",
@@ -112,8 +112,8 @@ def balance_group_weights(
     survives: torch.Tensor,
     one_sided: OneSidedPolicy = "keep",
     *,
-    scale_factor: float = 0.5,
-    truncate_floor: float = 1e-6,
+    scale_factor: float = SCALE_FACTOR_DEFAULT,
+    truncate_floor: float = TRUNCATE_FLOOR_DEFAULT,
 ) -> tuple[torch.Tensor, GroupSides]:
     """s̃ of ``cancellation_target="gradient"`` for (num_groups, G) tensors, and the groups' sides (eq. C8).
 
@@ -160,8 +160,8 @@ def transform_group_weights(
     target: CancellationTarget = "weights",
     one_sided: OneSidedPolicy = "keep",
     *,
-    scale_factor: float = 0.5,
-    truncate_floor: float = 1e-6,
+    scale_factor: float = SCALE_FACTOR_DEFAULT,
+    truncate_floor: float = TRUNCATE_FLOOR_DEFAULT,
 ) -> tuple[torch.Tensor, GroupSides]:
     """s̃ of the configured transform for (num_groups, G) tensors, and the groups' sides (eq. C8).
 

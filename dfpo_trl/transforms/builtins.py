@@ -36,6 +36,10 @@ SCALE_FACTOR_RULE = (
     "must be a finite number > 0 (the factor κ of the 'scale' ablation: 0 drops every update, a negative κ "
     "reverses it)"
 )
+#: The defaults of ``scale``'s κ and ``truncate_rebalance``'s ϵ, here once: ``DFPOConfig``'s ``transform_scale`` and
+#: ``transform_truncate_floor`` default to them (the config imports the transforms, never the reverse).
+SCALE_FACTOR_DEFAULT: float = 0.5
+TRUNCATE_FLOOR_DEFAULT: float = 1e-6
 SCALE_FACTOR_FIX = "the paper uses 0.5"
 TRUNCATE_FLOOR_RULE = (
     "must be in (0, 1) (a floor far below the weights, which are 1 on-policy: a floor >= 1 would replace them)"
@@ -58,8 +62,10 @@ def valid_truncate_floor(floor: Any) -> bool:
     return _real(floor) and 0 < floor < 1
 
 __all__ = [
+    "SCALE_FACTOR_DEFAULT",
     "SCALE_FACTOR_FIX",
     "SCALE_FACTOR_RULE",
+    "TRUNCATE_FLOOR_DEFAULT",
     "TRUNCATE_FLOOR_FIX",
     "TRUNCATE_FLOOR_RULE",
     "W_MAX",
@@ -242,7 +248,9 @@ def positive_orth_proj(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tenso
     return _to_output(torch.where(has_adv, v, x), w.dtype)
 
 
-def truncate_rebalance(w: torch.Tensor, advantages: torch.Tensor, floor: float = 1e-6) -> torch.Tensor:
+def truncate_rebalance(
+    w: torch.Tensor, advantages: torch.Tensor, floor: float = TRUNCATE_FLOOR_DEFAULT
+) -> torch.Tensor:
     """Truncate-and-Rebalance (eq. 52–55), the paper's closed-form stand-in for eq. 51.
 
     s⁺ = max(w, floor); δ = Âᵀs⁺ = M_P − M_N with M_P = Σ_P Â_i s⁺_i, M_N = Σ_N (−Â_i) s⁺_i.
@@ -287,7 +295,7 @@ def truncate_rebalance(w: torch.Tensor, advantages: torch.Tensor, floor: float =
     return _to_output(s_plus * factor, w.dtype)
 
 
-def scale(w: torch.Tensor, advantages: torch.Tensor, factor: float = 0.5) -> torch.Tensor:
+def scale(w: torch.Tensor, advantages: torch.Tensor, factor: float = SCALE_FACTOR_DEFAULT) -> torch.Tensor:
     """Global scaling s̃ = factor · w, the "DFPO (scale by 0.5)" ablation of Table 3.
 
     It shrinks updates without any in-group consistency, to separate "smaller steps" from the

@@ -22,6 +22,8 @@ from packaging.version import Version
 from torch import Tensor
 from trl import GRPOTrainer
 
+from .errors import TRLCompatibilityError, UntestedTRLWarning
+
 __all__ = [
     "MULTIMODAL_KEYS",
     "SUPPORTED_TRL",
@@ -111,13 +113,6 @@ MULTIMODAL_KEYS: tuple[str, ...] = (
     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )
 
-
-class TRLCompatibilityError(ImportError):
-    """The installed TRL lacks a method, parameter or attribute dfpo_trl hooks (a release DFPO does not support)."""
-
-
-class UntestedTRLWarning(UserWarning):
-    """The installed TRL is outside the tested range, though every touch point checks out."""
 
 
 def _import_helpers() -> tuple[Callable[..., Any], ...]:
