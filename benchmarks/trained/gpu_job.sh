@@ -1,6 +1,6 @@
 #!/bin/bash
-# The trained-weights jobs on the GPU machine, after the kit (../shared/device: prepare.sh, prepare-vllm.sh,
-# prepare-qwen.sh; .dev/setup.sh has installed TRL and vLLM and written the Qwen checkpoint). From the repo root:
+# The trained-weights jobs on the GPU machine, after the GPU kit (benchmarks/README.md, "The GPU kit": its setup
+# has installed TRL and vLLM and written the Qwen checkpoint). From the repo root:
 #   bash benchmarks/trained/gpu_job.sh is        the IS-ratio measurement, one process per sampling setting
 #   bash benchmarks/trained/gpu_job.sh learn     starts the learning runs, detached (they outlive the call)
 #   bash benchmarks/trained/gpu_job.sh poll 25   waits 25 s, prints progress, aggregates what has finished into $OUT
