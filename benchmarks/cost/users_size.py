@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any
 
 import yaml
@@ -143,6 +144,7 @@ def recipe_config(args: argparse.Namespace) -> dict[str, Any]:
         config.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
                       vllm_max_model_length=args.max_model_length)
     config["max_steps"] = args.rollouts * config["steps_per_generation"] // config["gradient_accumulation_steps"]
+    config.update(getattr(args, "config_extra", None) or {})  # a caller's further fields (the cards job's sleep mode)
     return config
 
 
@@ -215,7 +217,7 @@ class Runner:
         trainer._generate_and_score_completions = clock.timed("rollout_s", trainer._generate_and_score_completions)
         forwarded: list[int] = []
         if getattr(trainer, "pre_pass", None) is not None:
-            forward = trainer.pre_pass.forward
+            forward = clock.timed("pre_pass_s", trainer.pre_pass.forward)
             trainer.pre_pass.forward = lambda ids, *rest: (forwarded.append(ids.size(0)), forward(ids, *rest))[1]
         if method.endswith("_per_sample"):
             trainers.keep_per_sample_order(trainer)
@@ -225,11 +227,13 @@ class Runner:
             generation.sync_weights()  # the shared engine holds the last run's weights: load this run's
             generation.sync_weights = clock.timed("weight_sync_s", generation.sync_weights)
         start = time.perf_counter()
-        crash = None
+        crash, crash_frames = None, []
         try:
             trainer.train()
         except Exception as error:  # a crash is recorded as a crash, and the next run goes on
             crash = f"{type(error).__name__}: {error}"
+            crash_frames = [f"{frame.name} ({pathlib.Path(frame.filename).name}:{frame.lineno})"
+                            for frame in traceback.extract_tb(error.__traceback__)[-8:]]
         for step in clock.steps:  # the optimizer steps' own time: the step without its rollout
             step["loss_steps_s"] = step["total_s"] - step.get("rollout_s", 0.0)
         record: dict[str, Any] = {
@@ -240,6 +244,7 @@ class Runner:
             "total_s": sum(s["total_s"] for s in clock.steps),
             "loss_steps_s": sum(s["loss_steps_s"] for s in clock.steps),
             "pre_pass_rows": sum(forwarded), "pre_pass_chunks": len(forwarded),
+            "crash_frames": crash_frames if crash else None,
         }
         history = trainer.state.log_history
         for key in ("transform/phi_mean", "transform/phi_min", "clip_ratio/region_mean", "reward_std"):
@@ -247,6 +252,7 @@ class Runner:
             record[key] = values
         if torch.cuda.is_available():
             record["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            record["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
             free, total = torch.cuda.mem_get_info()
             record["device_used_gib_at_end"] = (total - free) / 2**30
         if self.args.lora:

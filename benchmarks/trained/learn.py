@@ -6,7 +6,8 @@ completion length and sampling settings; the offline two-step arithmetic task) w
 at a time on the one GPU, each started once the one before has built its vLLM engine, the two arms of a seed
 started next to each other so that they share the GPU's load; one record per run with its checkout. Beside them
 ``nvidia-smi`` samples each process's GPU memory every 2 s. ``--is-flags`` are the importance-sampling fields every run
-gets (the setting chosen from benchmarks/trained/is_ratio.py's measurement).
+gets (the setting chosen from benchmarks/trained/is_ratio.py's measurement); ``--contrasts`` adds one-off runs
+(:data:`CONTRASTS`); ``--gpus 0 1`` spreads the runs over two GPUs, ``--parallel`` on each.
 
     python -m benchmarks.trained.learn --model /root/models/qwen2.5-coder-0.5b-instruct --out-dir /tmp/learn \
         --parallel 3 --seeds 0 1 2
@@ -33,6 +34,14 @@ from benchmarks.lib.common import Run
 
 RECIPE = common.ROOT / "benchmarks" / "trained" / "qwen05_lora.yaml"
 ARMS = {"off": ["--group_transform", "none"], "min_replace": ["--group_transform", "min_replace"]}
+# One run each (seed 0), beside the arms; their flags come after ``--is-flags``, so they override them:
+# * ``min_replace_is_on``: TRL 1.16's default importance-sampling correction (``sequence_mask``) left on, the setting
+#   the recipes had before the measurement, to show in a run what the chosen setting (correction off) changes;
+# * ``transformers_eval``: the CLI's held-out path without vLLM (greedy ``generate``, before and after one step), to
+#   time against the avg@k evaluation through vLLM of the other runs on the same card.
+CONTRASTS = {"min_replace_is_on": ["--group_transform", "min_replace", "--vllm_importance_sampling_correction", "true"],
+             "transformers_eval": ["--group_transform", "min_replace", "--use_vllm", "false", "--max_steps", "1",
+                                   "--eval_every", "0"]}
 KEPT = ("step_time", "reward", "heldout/accuracy", "sampling/importance_sampling_ratio/mean",
         "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max",
         "sampling/sampling_logp_difference/mean", "diagnostics/phi_mean_off_policy",
@@ -50,11 +59,24 @@ def memory_sampler(path: pathlib.Path) -> subprocess.Popen | None:
                              "-l", "2"], stdout=out, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+def build_queue(args: argparse.Namespace) -> list[Run]:
+    """The runs in start order: per seed its arms side by side, the IS contrast beside seed 0's Min-Replace run,
+    the other contrasts last."""
+    is_flags = shlex.split(args.is_flags)
+    queue = [Run("benchmarks.trained.tasks:two_step", arm, seed, ARMS[arm] + is_flags)
+             for seed in args.seeds for arm in args.arms]
+    contrasts = {name: Run("benchmarks.trained.tasks:two_step", name, args.seeds[0], is_flags + CONTRASTS[name])
+                 for name in args.contrasts}
+    if "min_replace_is_on" in contrasts:  # next to its seed's Min-Replace run, under the same load
+        queue.insert(2, contrasts.pop("min_replace_is_on"))
+    queue += contrasts.values()
+    return queue
+
+
 def launch_runs(args: argparse.Namespace) -> None:
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    queue = [Run("benchmarks.trained.tasks:two_step", arm, seed, ARMS[arm] + shlex.split(args.is_flags))
-             for seed in args.seeds for arm in args.arms]
+    queue = build_queue(args)
     sampler = memory_sampler(out / "gpu_memory.csv")
     try:
         common.launch(args, queue, skip_failed=True)
@@ -117,12 +139,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deadline-s", type=float, default=None)
     parser.add_argument("--expected-run-s", type=float, default=300.0)
     parser.add_argument("--is-flags", default="", help="importance-sampling fields every run gets, one string")
+    parser.add_argument("--contrasts", nargs="*", choices=list(CONTRASTS), default=[],
+                        help="one-off runs beside the arms (seed: the first of --seeds)")
+    parser.add_argument("--gpus", type=int, nargs="*", default=[], help="CUDA devices; --parallel runs on each")
+    parser.add_argument("--vllm-memory", type=float, default=None,
+                        help="vllm_gpu_memory_utilization of every run (default: the recipe's)")
     parser.add_argument("extra", nargs="*", help="further dfpo-train flags after --")
     args = parser.parse_args(argv)
     if args.aggregate:
         aggregate(pathlib.Path(args.aggregate), pathlib.Path(args.out))
         return
-    args.via_accelerate, args.vllm_memory, args.skip_done, args.gpus = False, None, [], []
+    args.via_accelerate, args.skip_done = False, []
     args.start_timeout = 300.0  # the next run starts once this one's engine is up (vLLM's start-up profiling)
     args.began = time.time()
     launch_runs(args)

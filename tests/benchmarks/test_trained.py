@@ -87,3 +87,42 @@ def test_two_step_task_answers_and_splits():
     scores = reward(prompts=[None] * 2, completions=[f"so Answer: {held['answer'][0]}", "Answer: 0"],
                     answer=[held["answer"][0]] * 2)
     assert scores == [1.0, 0.0]
+
+
+def test_learning_queue_orders_arms_and_contrasts():
+    """Each contrast overrides the runs' IS fields (its flags come last) and the IS contrast runs beside seed 0's
+    Min-Replace run; an unknown contrast is refused by the parser."""
+    import argparse
+
+    from benchmarks.trained import learn
+
+    args = argparse.Namespace(seeds=[0, 1], arms=["off", "min_replace"], contrasts=["transformers_eval",
+                              "min_replace_is_on"], is_flags="--vllm_importance_sampling_correction false")
+    queue = learn.build_queue(args)
+    assert [(r.method, r.seed) for r in queue] == [("off", 0), ("min_replace", 0), ("min_replace_is_on", 0),
+                                                   ("off", 1), ("min_replace", 1), ("transformers_eval", 0)]
+    is_on = queue[2].flags
+    assert is_on[is_on.index("--vllm_importance_sampling_correction", 2) + 1] == "true"  # the last one wins
+    assert queue[1].flags[-1] == "false"
+    assert queue[-1].flags[queue[-1].flags.index("--use_vllm") + 1] == "false"
+
+
+def test_cards_decide_only_what_the_uncapped_run_settles():
+    """Below peak allocated + overhead: cannot fit; at or above peak reserved + overhead: fits; between: a capped
+    run is needed (stage 2), and a crashed or CPU run decides nothing."""
+    from benchmarks.trained import cards_8b
+
+    run = {"peak_allocated_gib": 23.0, "peak_reserved_gib": 30.0, "overhead_gib": 0.5, "crash": None}
+    assert cards_8b.decide(23.4, run) == "does not fit"
+    assert cards_8b.decide(23.5, run) is None and cards_8b.decide(30.4, run) is None
+    assert cards_8b.decide(30.5, run) == "fits"
+    assert cards_8b.decide(80, {**run, "crash": "OutOfMemoryError"}) is None
+    assert cards_8b.decide(80, {**run, "peak_allocated_gib": None}) is None
+    uncapped = {"transformers_b8": run, "vllm_b8": {**run, "engine_gib": 20.0, "crash": "boom"}}
+    assert cards_8b.stage_two(uncapped, (24, 32, 40)) == [("transformers_b8", 24)]
+    capped = {"transformers_b8@24": {"crash": None, "peak_reserved_gib": 23.9}}
+    assert cards_8b.cell(24, "transformers_b8", uncapped, capped)["how"] == "measured"
+    entry = cards_8b.cell(40, "transformers_b8", uncapped, capped)
+    assert (entry["fits"], entry["how"]) == (True, "deduced")
+    engine = cards_8b.cell(40, "vllm_b8", {"vllm_b8": {**run, "engine_gib": 20.0}}, {})
+    assert engine["vllm_gpu_memory_utilization"] == 0.5 and engine["how"] == "deduced"
