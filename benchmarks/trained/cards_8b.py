@@ -127,7 +127,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed, config_extra={"vllm_enable_sleep_mode": True} if config["sleep"] else {})
     started = time.perf_counter()
     record: dict[str, Any] = {"config": args.one, "cap_gib": args.cap_gib, "allocator": config["alloc"] or "default",
-                              "device_total_gib": total_gib}
+                              "device_total_gib": total_gib,
+                              "engine_gib_requested": args.engine_gib if config["vllm"] else None}
     try:
         runner = users_size.Runner(runner_args, args.model_dir)
         if config["vllm"]:
@@ -210,7 +211,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     cards = (0.2, 0.3, 0.5) if args.smoke else CARDS_GIB
-    names = ["transformers_b8", "transformers_b4"] if args.smoke else list(CONFIGS)
+    names = ["transformers_b8", "transformers_b4"] if args.smoke else (args.configs or list(CONFIGS))
     if not (pathlib.Path(args.model_dir) / "config.json").exists():
         from benchmarks.cost import users_size
         from benchmarks.lib import trainers
@@ -229,13 +230,14 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                               "card": common.device_name("cpu" if args.smoke else "cuda"),
                               "engine_gib": args.engine_gib, "completion_length": args.completion_length}
     run_lanes(args, [(n, None) for n in names], work)
-    uncapped = {n: r for n in names if (r := read(work, f"{n}@uncapped")) is not None}
+    # every configuration with a record in ``work``: an earlier driver's too (``--configs`` reruns some)
+    uncapped = {n: r for n in CONFIGS if (r := read(work, f"{n}@uncapped")) is not None}
     jobs = [] if args.smoke else stage_two(uncapped, cards)  # no allocator cap on the CPU
     print(f"stage 2: {len(jobs)} capped runs: {jobs}", flush=True)
     run_lanes(args, jobs, work)
     capped = {f"{n}@{c}": r for n, c in jobs if (r := read(work, f"{n}@{c}")) is not None}
     result.update(uncapped=uncapped, capped=capped, cards_gib=list(cards),
-                  table=[cell(card, name, uncapped, capped) for name in TABLE_CONFIGS if name in names
+                  table=[cell(card, name, uncapped, capped) for name in TABLE_CONFIGS if name in uncapped
                          for card in cards],
                   missing=[n for n in names if n not in uncapped] + [f"{n}@{c}" for n, c in jobs
                                                                        if f"{n}@{c}" not in capped])
@@ -257,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-length", type=int, default=2048)
     parser.add_argument("--budget-s", type=float, default=1200.0, help="start no run after this many seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
+                        help="run only these (default: all); the table takes every record in --work")
     parser.add_argument("--smoke", action="store_true", help="CPU: a tiny model, transformers generation only")
     parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--cap-gib", type=float, default=None, help=argparse.SUPPRESS)
