@@ -71,17 +71,25 @@ from benchmarks.lib.vllm_tools import (  # noqa: E402
 def benchmark_server_command(
     args: argparse.Namespace, python: str | None = None, scale_out: bool = False
 ) -> list[str]:
-    """This run's server: one GPU, local only, half the card, a 1k context (the 135M model needs no more)."""
-    return server_command(args.model, host="127.0.0.1", port=args.port, gpu_memory_utilization=0.5,
+    """This run's server: one GPU, local only, ``--gpu-memory-utilization`` of the card (half by default; sync_fault.py
+    asks less, the GPUs may be shared), a 1k context (the 135M model needs no more)."""
+    return server_command(args.model, host="127.0.0.1", port=args.port,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           max_model_len=1024, enforce_eager=args.enforce_eager, scale_out=scale_out, python=python)
 
 
 def start_server(args: argparse.Namespace, log: pathlib.Path) -> tuple[subprocess.Popen, float]:
+    """The server on ``args.server_gpu``, up (``/health``), and its start-up seconds; stopped again when it does not
+    come up (or the wait is interrupted), so that no server outlives a failed start."""
     command = benchmark_server_command(args, python=sys.executable, scale_out=vllm_has_scale_out())
     env = {**os.environ, **SERVER_ENV, "CUDA_VISIBLE_DEVICES": str(args.server_gpu)}
     with open(log, "w") as handle:
         process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-    return process, wait_for_health(args.port, process, args.server_timeout)
+    try:
+        return process, wait_for_health(args.port, process, args.server_timeout)
+    except BaseException:
+        stop_server(process)
+        raise
 
 
 
@@ -152,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server-gpu", type=int, default=1)
     p.add_argument("--trainer-gpu", type=int, default=0)
     p.add_argument("--server-timeout", type=float, default=300.0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="the server's share of its GPU")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="per-token |log-prob| difference allowed on top of twice the same-weights floor")
     p.add_argument("--enforce-eager", action="store_true",

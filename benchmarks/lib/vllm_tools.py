@@ -5,6 +5,7 @@ the saved model), one more weight push when training ends, and the timing of TRL
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -141,12 +142,17 @@ def wait_for_health(port: int, process: subprocess.Popen, timeout: float) -> flo
 
 
 def stop_server(process: subprocess.Popen) -> None:
-    """Stop the server's whole process group by its id (vLLM's API server has engine children)."""
+    """Stop the server's whole process group by its id (vLLM's API server has engine children); a group already
+    gone (a server that died, or was killed by a fault test) is no error."""
     try:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        process.poll()
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def server_logprobs(port: int, model: str, token_ids: list[int], prompt_tokens: int) -> list[float]:
