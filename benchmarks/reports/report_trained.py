@@ -154,28 +154,219 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
         "untruncated row is used above).",
         "",
     ]
-    runs = partial_runs(folder / "learn_qwen05_partial_logs.tgz")
-    if runs:
-        lines += [
-            "**The learning runs did not finish** (`benchmarks/trained/learn.py`, `qwen05_lora.yaml`: the 8B LoRA "
-            "recipe's objective, LoRA, batch shape, 768-token completions and sampling, the correction off, the "
-            "offline two-step arithmetic task; six runs at once on the one GPU). The session's device time ended "
-            "before any reached step 100, so no comparison of DFPO off and Min-Replace is made here. What the logs "
-            "show, as they stood:",
-            "",
-            "| run | optimizer steps reached | median step time (s, six runs sharing the GPU) | sampled reward, "
-            "first 3 rollouts → last 3 | held-out greedy accuracy before training (problems, seconds) |",
-            "|---|---|---|---|---|",
-        ]
-        for run in runs:
-            before = run["heldout_before"]
-            held = f"{before[0]} ({before[1]}, {before[2]} s)" if before else "–"
-            lines.append(f"| {run['method']} seed {run['seed']} | {run['steps']} | {run['step_time']:.2f} | "
-                         f"{run['reward_first']:.3f} → {run['reward_last']:.3f} | {held} |")
-        peaks = peak_memory_gib(folder / "learn_qwen05_partial_logs.tgz")
-        if peaks:
-            lines += ["", f"Each of the {len(peaks)} processes (trainer and its colocated engine at "
-                      "`vllm_gpu_memory_utilization` 0.12) peaked at "
-                      f"{peaks[0]:.1f}–{peaks[-1]:.1f} GiB in `nvidia-smi`, most of it the engine's reservation."]
-        lines.append("")
+    learn = load_json(folder / "learn_qwen05.json")
+    if learn:
+        lines += learn_lines(learn, fig_dir, out)
+        earlier = partial_runs(folder / "learn_qwen05_partial_logs.tgz")
+        if earlier:
+            lines += [f"(An earlier session's {len(earlier)} learning runs were cut by the device budget at steps "
+                      f"{min(r['steps'] for r in earlier)}–{max(r['steps'] for r in earlier)}; their logs are kept in "
+                      "`learn_qwen05_partial_logs.tgz` and not used.)", ""]
+    cards = load_json(folder / "cards_8b.json")
+    if cards:
+        lines += cards_lines(cards)
+    return lines
+
+
+# ------------------------------------------------------------------------------------------- the learning runs
+def series_mean(run: dict[str, Any], key: str, from_step: int = 1) -> float | None:
+    values = [v for step, v in run["series"].get(key, []) if step >= from_step]
+    return statistics.fmean(values) if values else None
+
+
+def paired_time_ratios(runs: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """Per seed with both arms complete: Min-Replace's whole-loop time (the sum of TRL's ``step_time``) ÷ DFPO off's,
+    the two started side by side and sharing the GPU."""
+    by = {(r["method"], r["seed"]): r for r in runs if r.get("complete")}
+    out = []
+    for (method, seed), run in sorted(by.items()):
+        if method == "min_replace" and ("off", seed) in by:
+            mine = sum(v for _, v in run["series"]["step_time"])
+            base = sum(v for _, v in by[("off", seed)]["series"]["step_time"])
+            out.append((seed, mine / base))
+    return out
+
+
+def learn_figure(record: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path) -> str:
+    """Left: held-out avg@k over steps, one line a run. Right: the IS contrast's gradient norm and TRL's ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"off": "tab:blue", "min_replace": "tab:orange", "min_replace_is_on": "tab:red"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for run in record["runs"]:
+        curve = (run.get("heldout") or {}).get("curve") or []
+        if run["method"] in colours and curve and run.get("complete"):
+            left.plot([c[0] for c in curve], [c[1] for c in curve], marker="o", color=colours[run["method"]],
+                      alpha=0.8, label=f"{run['method']} s{run['seed']}")
+    left.set_xlabel("optimizer step")
+    left.set_ylabel("held-out avg@k")
+    left.legend(fontsize=7)
+    for run in record["runs"]:
+        if run["method"] in ("min_replace_is_on",) or (run["method"] == "min_replace" and run["seed"] == 0):
+            grad = [(step, v) for step, v in run["series"].get("grad_norm", []) if v > 0]  # 0: no group had signal
+            right.scatter([s for s, _ in grad], [v for _, v in grad], s=9, color=colours[run["method"]],
+                          label=f"{run['method']} s{run['seed']}: grad norm (steps with signal)")
+    right.set_yscale("log")
+    right.set_xlabel("optimizer step")
+    right.set_ylabel("gradient norm (before clipping)")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, fig_dir, "trained_learning.png", out, 110)
+
+
+def learn_lines(record: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path) -> list[str]:
+    from benchmarks.lib.stats import mean_ci
+
+    runs = record["runs"]
+    card = next((r["card"] for r in runs if r.get("card")), "?")
+    commits = sorted({(r.get("checkout") or {}).get("commit", "?")[:10] for r in runs})
+    metric = next(((r.get("heldout") or {}).get("metric") for r in runs if (r.get("heldout") or {}).get("metric")),
+                  "held-out accuracy")
+    lines = [
+        f"**Learning runs** ({card}; commit {', '.join(commits)}; `benchmarks/trained/learn.py`, `qwen05_lora.yaml`: "
+        "the 8B LoRA recipe's objective, LoRA, batch shape, 768-token completions and sampling, colocated vLLM, "
+        "importance-sampling correction off (the recipes' setting), the offline two-step task; all runs at once on "
+        "the GPU, the two arms of a seed started next to each other). `min_replace_is_on` is seed 0's Min-Replace "
+        "run with TRL's default correction (`sequence_mask`) left on; `transformers_eval` runs one step without "
+        "vLLM to time the greedy held-out path.",
+        "",
+        f"| run | exit | steps | {metric} before → after (curve) | TRL's IS ratio, mean | off-policy φ, mean | "
+        "clipped share (rows with signal) | one-sided groups | median step s | whole loop s | held-out eval s "
+        "(before, after) | peak GPU GiB |",
+        "|---" * 12 + "|",
+    ]
+    for run in runs:
+        held = run.get("heldout") or {}
+        curve = " ".join(f"{step}:{acc:.2f}" for step, acc in held.get("curve") or [])
+        fmt = lambda v, d=3: "–" if v is None else f"{v:.{d}f}"  # noqa: E731
+        steps = run["series"].get("step_time", [])
+        memory = run.get("peak_gpu_memory_mib")
+        lines.append(
+            f"| {run['method']} s{run['seed']} | {run['exit_code']} | {run.get('steps')} | "
+            f"{fmt(held.get('before'))} → {fmt(held.get('after'))} ({curve}) | "
+            f"{fmt(series_mean(run, 'sampling/importance_sampling_ratio/mean'), 3)} | "
+            f"{fmt(series_mean(run, 'diagnostics/phi_mean_off_policy'))} | "
+            f"{fmt(series_mean(run, 'diagnostics/clip_fraction_signal'))} | "
+            f"{fmt(series_mean(run, 'cancellation/one_sided_groups'))} | "
+            f"{fmt(statistics.median(v for _, v in steps) if steps else None, 2)} | "
+            f"{fmt(sum(v for _, v in steps) if steps else None, 0)} | "
+            f"{fmt(held.get('before_seconds'), 0)}, {fmt(held.get('after_seconds'), 0)} | "
+            f"{fmt(memory / 1024 if memory else None, 1)} |")
+    ratios = paired_time_ratios(runs)
+    if ratios:
+        logs = mean_ci([math.log(r) for _, r in ratios])
+        text = ", ".join(f"seed {s}: {r:.3f}" for s, r in ratios)
+        if logs is not None and logs[3] >= 2:
+            text += (f"; geometric mean {math.exp(logs[0]):.3f}, 95% t-interval {math.exp(logs[1]):.3f}–"
+                     f"{math.exp(logs[2]):.3f} over {logs[3]} seeds")
+        lines += ["", f"Whole-loop time, Min-Replace ÷ DFPO off (sum of TRL's `step_time`, paired by seed): {text}."]
+    lines += ["", f"![learning runs]({learn_figure(record, fig_dir, out)})", ""]
+    lines += learn_findings(runs)
+    return lines
+
+
+def learn_findings(runs: list[dict[str, Any]]) -> list[str]:
+    """What the runs show, each number read from them: learning, the IS contrast, the evaluation paths' times."""
+    by = {(r["method"], r["seed"]): r for r in runs}
+    done = [r for r in runs if r.get("complete") and r["method"] in ("off", "min_replace")]
+    stopped = [f"{r['method']} s{r['seed']}" for r in runs if r.get("exit_code") == 143]
+    lines = []
+    if done:
+        gains = [(r["heldout"]["after"] - r["heldout"]["before"]) for r in done]
+        lines.append(
+            f"Every complete run learned: avg@k rose by {min(gains):+.2f} to {max(gains):+.2f} over 100 steps "
+            f"({len(done)} runs, {len({r['seed'] for r in done})} seeds per arm). With two seeds per arm and a "
+            "seed-to-seed spread as large as the arms' difference, no comparison of DFPO off and Min-Replace is "
+            "made from these runs."
+            + (f" {', '.join(stopped)} were stopped by hand (exit 143) at the start so that the others could "
+               "finish within the device budget." if stopped else ""))
+    on, off = by.get(("min_replace_is_on", 0)), by.get(("min_replace", 0))
+    if on and off and on.get("complete") and off.get("complete"):
+        def signal_mean(run: dict[str, Any]) -> float:  # over steps with signal (0: no group had both signs)
+            return statistics.fmean(v for _, v in run["series"]["grad_norm"] if v > 0)
+
+        g_on, g_off = signal_mean(on), signal_mean(off)
+        ratio = series_mean(on, "sampling/importance_sampling_ratio/mean")
+        lines += ["", f"The importance-sampling setting in a run (seed 0, Min-Replace, the same rollouts' settings): "
+                  f"with TRL's default correction on, the rollouts' mean sequence ratio was {ratio:.3f} and the mean "
+                  f"gradient norm over steps with signal {g_on:.3f}, against {g_off:.3f} with the correction off "
+                  f"(the recipes' setting), {g_off / g_on:.1f}× larger; the held-out avg@k after 100 steps was "
+                  f"{on['heldout']['after']:.3f} on and {off['heldout']['after']:.3f} off (one seed each: Adam's "
+                  "normalisation absorbs much of a uniform shrink, not the length-dependent part)."]
+    greedy = by.get(("transformers_eval", 0))
+    sampled = [r for r in done if (r.get("heldout") or {}).get("before_seconds")]
+    if greedy and sampled:
+        held = greedy["heldout"]
+        seconds = [r["heldout"][key] for r in sampled for key in ("before_seconds", "after_seconds")
+                   if r["heldout"].get(key)]
+        lines += ["", f"Evaluation paths, on the same GPU shared by all the runs (so indicative only): avg@8 through "
+                  f"vLLM (64 problems × 8 sampled completions of up to 768 tokens) took {min(seconds):.0f}–"
+                  f"{max(seconds):.0f} s; transformers' greedy path (64 completions, batch 64) took "
+                  f"{held['before_seconds']:.0f} and {held['after_seconds']:.0f} s, about "
+                  f"{8 * held['before_seconds'] / statistics.median(seconds):.1f}× longer per completion than the "
+                  "median vLLM evaluation."]
+    hashes = sorted({json_key(r.get("checkout") or {})[:12] for r in runs})
+    lines += ["", "Provenance: the records name commit 0f29322 with an uncommitted diff (source hashes "
+              f"{', '.join(hashes)}): the GPU machine's copy of the repository kept this session's first commit as "
+              "HEAD. The tree it ran was commit 94ac975's benchmark and product code with two edits not yet committed "
+              "(cards_8b.py's `--configs`, committed next; a draft of this report); DFPO off seed 0 started before "
+              "the `--configs` edit reached the machine, the other runs after it, hence two source hashes. Neither "
+              "edit is imported by the runs.", ""]
+    return lines
+
+
+def json_key(checkout: dict[str, Any]) -> str:
+    return str(checkout.get("source_sha256") or "?")
+
+
+# ------------------------------------------------------------------------------------------------- the 8B cards
+def cards_lines(record: dict[str, Any]) -> list[str]:
+    """The 8B LoRA recipe's cards table (``trained/cards_8b.py --table``): a row per configuration, a cell per card."""
+    rows = record["rows"]
+    cards = record["cards_gib"]
+    sample = next((r for r in rows if not r["crash"]), None)
+    lines = [
+        "**The 8B LoRA recipe's cards** (`benchmarks/trained/cards_8b.py`; records in `results/trained/cards_8b/`). "
+        "One NVIDIA H200 (141 GB); Qwen3-8B's architecture with random weights, `recipes/qwen3_8b_lora.yaml`'s LoRA, "
+        "batch, 768-token completions and Min-Replace; one rollout and its two optimizer steps per process. The need "
+        "is PyTorch's peak reserved memory plus what the process holds outside PyTorch (the CUDA context and "
+        "libraries: `nvidia-smi` less `memory_reserved`, 0.7–0.9 GiB). A card of N GB is taken as N GiB. A cell is "
+        "*deduced* from the uncapped run (below the peak allocated plus overhead: cannot fit; at or above the need: "
+        "fits); no cell here needed a capped run, except the default allocator's 32 and 40 GB, which were not run. "
+        "The times are one rollout on a GPU shared with other jobs (study v4's processes): indicative only.",
+        "",
+        "| configuration | peak allocated GiB | need GiB | " + " | ".join(f"{c:g} GB" for c in cards)
+        + " | rollout s (generation s) | pre-pass share of the loop |",
+        "|---" * (5 + len(cards)) + "|",
+    ]
+    for r in rows:
+        label = f"{r['generation']}, batch {r['batch']}"
+        if r["generation"] != "transformers":
+            label += f", engine {r['engine_gib_requested']:g} GiB" + (", sleep mode" if r["sleep_mode"] else "")
+        if r["allocator"] == "default":
+            label += ", default allocator"
+        if r["crash"]:
+            lines.append(f"| {label} ({r['variant']}) | – | – | " + " | ".join("–" for _ in cards)
+                         + f" | crashed: {r['crash'][:90]} | – |")
+            continue
+
+        def mark(c: dict[str, Any]) -> str:
+            if c["fits"] is None:
+                return "not run"
+            verdict = "yes" if c["fits"] else "no"
+            util = ""
+            if c["fits"] and "vllm_gpu_memory_utilization" in c:
+                util = f", util {c['vllm_gpu_memory_utilization']:.2f}"
+            return f"{verdict} ({c['how']}{util})"
+
+        generation = f" ({r['generation_s']:.1f})" if r.get("generation_s") else ""
+        share = f"{100 * r['pre_pass_share']:.1f}%" if r["pre_pass_s"] else "no pre-pass"
+        lines.append(f"| {label} | {r['peak_allocated_gib']:.1f} | {r['needs_gib']:.1f} | "
+                     + " | ".join(mark(c) for c in r["cards"]) + f" | {r['rollout_s']:.1f}{generation} | {share} |")
+    if sample:
+        lines += ["", "util: the `vllm_gpu_memory_utilization` that gives the engine the same memory on that card "
+                  "(engine GiB ÷ card GiB). Settings per card are in `recipes/qwen3_8b_lora.yaml`'s header.", ""]
     return lines

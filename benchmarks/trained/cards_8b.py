@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -50,7 +51,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "vllm_b4": {"vllm": True, "sleep": False, "batch": 4, "alloc": EXPANDABLE},
     "vllm_b8_sleep": {"vllm": True, "sleep": True, "batch": 8, "alloc": EXPANDABLE},
 }
-TABLE_CONFIGS = ("transformers_b8", "transformers_b4", "vllm_b8", "vllm_b4", "vllm_b8_sleep")
+TABLE_CONFIGS = ("transformers_b8", "transformers_b4", "vllm_b8", "vllm_b4", "vllm_b8_sleep")  # with stage 2
 
 
 def method_of(config: dict[str, Any]) -> str:
@@ -71,27 +72,61 @@ def decide(card_gib: float, record: dict[str, Any]) -> str | None:
     return None
 
 
-def cell(card_gib: float, name: str, uncapped: dict[str, Any], capped: dict[str, Any]) -> dict[str, Any]:
-    """One table cell: fits or not, how it was known, the peak reserved memory it needs, the engine setting."""
-    config, run = CONFIGS[name], uncapped.get(name) or {}
-    entry: dict[str, Any] = {"card_gib": card_gib, "config": name, "batch": config["batch"],
-                             "allocator": config["alloc"] or "default"}
-    if config["vllm"]:
-        entry["vllm_gpu_memory_utilization"] = round(run.get("engine_gib", 0.0) / card_gib, 3) if run else None
-        entry["vllm_enable_sleep_mode"] = config["sleep"]
-    key = f"{name}@{card_gib}"
-    if key in capped:
-        result = capped[key]
-        entry["fits"], entry["how"] = result["crash"] is None, "measured"
-        entry["peak_reserved_gib"] = result.get("peak_reserved_gib")
-        entry["crash"] = result["crash"]
-        return entry
-    verdict = decide(card_gib, run) if run else None
-    entry["fits"] = None if verdict is None else verdict == "fits"
-    entry["how"] = "deduced" if verdict is not None else "not run"
-    if run and not run.get("crash"):
-        entry["peak_reserved_gib"] = run.get("peak_reserved_gib")
-    return entry
+def row(stem: str, run: dict[str, Any], records: dict[str, dict[str, Any]], cards: tuple[float, ...],
+        default_engine_gib: float, borrowed_overhead: float | None) -> dict[str, Any]:
+    """One configuration's row: its uncapped run's peaks and times, and a cell per card (fits or not, and how that
+    is known: ``measured`` by a capped run ``<name>@<card>``, ``deduced`` by :func:`decide`, or ``not run``)."""
+    name, tag = stem.split("@", 1)
+    config = CONFIGS[name]
+    suffix = tag.removeprefix("uncapped")
+    asked = re.search(r"_engine(\d+)", suffix)
+    engine = run.get("engine_gib_requested") or (float(asked.group(1)) if asked else default_engine_gib)
+    overhead, overhead_note = run.get("overhead_gib"), "measured"
+    if config["vllm"] and config["sleep"] and borrowed_overhead is not None:
+        # vLLM's sleep mode unmaps the engine's memory and PyTorch still counts it as reserved, so nvidia-smi's
+        # figure at the end is below PyTorch's: take the largest overhead the other vLLM runs measured
+        overhead, overhead_note = borrowed_overhead, "from the other vLLM runs (sleep mode)"
+    steps = run.get("steps") or []
+    total = sum(step["total_s"] for step in steps)
+    pre_pass = sum(step.get("pre_pass_s", 0.0) for step in steps)
+    out: dict[str, Any] = {
+        "variant": name + suffix, "config": name, "batch": config["batch"], "allocator": config["alloc"] or "default",
+        "generation": "vLLM colocate" if config["vllm"] else "transformers", "sleep_mode": config["sleep"],
+        "engine_gib_requested": engine if config["vllm"] else None, "crash": run.get("crash"),
+        "peak_allocated_gib": run.get("peak_allocated_gib"), "peak_reserved_gib": run.get("peak_reserved_gib"),
+        "overhead_gib": overhead, "overhead": overhead_note,
+        "needs_gib": None if run.get("crash") or overhead is None or run.get("peak_reserved_gib") is None
+        else run["peak_reserved_gib"] + overhead,  # None on the CPU (no allocator to read)
+        "rollout_s": steps[0].get("rollout_s") if steps else None,
+        "generation_s": steps[0].get("generation_s") if steps else None,
+        "whole_s": total or None, "pre_pass_s": pre_pass, "pre_pass_share": pre_pass / total if total else None,
+        "cards": [],
+    }
+    judged = {**run, "overhead_gib": overhead}
+    for card in cards:
+        entry: dict[str, Any] = {"card_gib": card}
+        if config["vllm"]:
+            entry["vllm_gpu_memory_utilization"] = round(engine / card, 3)
+        capped = records.get(f"{name}@{card}") if not suffix else None
+        if capped is not None:
+            entry.update(fits=capped.get("crash") is None, how="measured", crash=capped.get("crash"))
+        else:
+            verdict = decide(card, judged)
+            entry.update(fits=None if verdict is None else verdict == "fits",
+                         how="deduced" if verdict is not None else ("crashed" if run.get("crash") else "not run"))
+        out["cards"].append(entry)
+    return out
+
+
+def tabulate(work: pathlib.Path, cards: tuple[float, ...], default_engine_gib: float) -> list[dict[str, Any]]:
+    """A row per uncapped run recorded in ``work`` (``<config>@uncapped[_variant].json``; a variant such as
+    ``_engine20`` names what differs), with capped runs (``<config>@<card>.json``) as the cells they measured."""
+    records = {path.stem: json.loads(path.read_text()) for path in sorted(work.glob("*@*.json"))}
+    uncapped = {stem: r for stem, r in records.items() if stem.split("@", 1)[1].startswith("uncapped")}
+    measured = [r["overhead_gib"] for stem, r in uncapped.items() if CONFIGS[stem.split("@")[0]]["vllm"]
+                and not CONFIGS[stem.split("@")[0]]["sleep"] and not r.get("crash") and r.get("overhead_gib")]
+    borrowed = max(measured) if measured else None
+    return [row(stem, run, records, cards, default_engine_gib, borrowed) for stem, run in uncapped.items()]
 
 
 def process_gib() -> float | None:
@@ -235,17 +270,20 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     jobs = [] if args.smoke else stage_two(uncapped, cards)  # no allocator cap on the CPU
     print(f"stage 2: {len(jobs)} capped runs: {jobs}", flush=True)
     run_lanes(args, jobs, work)
-    capped = {f"{n}@{c}": r for n, c in jobs if (r := read(work, f"{n}@{c}")) is not None}
-    result.update(uncapped=uncapped, capped=capped, cards_gib=list(cards),
-                  table=[cell(card, name, uncapped, capped) for name in TABLE_CONFIGS if name in uncapped
-                         for card in cards],
+    result.update(cards_gib=list(cards), rows=tabulate(work, cards, args.engine_gib),
                   missing=[n for n in names if n not in uncapped] + [f"{n}@{c}" for n, c in jobs
-                                                                       if f"{n}@{c}" not in capped])
+                                                                       if read(work, f"{n}@{c}") is None])
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-    for entry in result["table"]:
-        print(f"{entry['config']:22s} {entry['card_gib']:>5} GiB  fits={entry['fits']!s:5s} ({entry['how']}) "
-              f"reserved={entry.get('peak_reserved_gib')}", flush=True)
+    print_table(result["rows"])
     return result
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    for entry in rows:
+        cells = " ".join(f"{c['card_gib']:g}:{'?' if c['fits'] is None else 'yes' if c['fits'] else 'no'}"
+                         for c in entry["cards"])
+        needs = "?" if entry["needs_gib"] is None else f"{entry['needs_gib']:.2f}"
+        print(f"{entry['variant']:36s} needs {needs:>6s} GiB  {cells}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -262,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
                         help="run only these (default: all); the table takes every record in --work")
     parser.add_argument("--smoke", action="store_true", help="CPU: a tiny model, transformers generation only")
+    parser.add_argument("--table", metavar="WORK", default=None,
+                        help="no runs: the table from the records in WORK (with --out)")
     parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--cap-gib", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -272,6 +312,12 @@ def main(argv: list[str] | None = None) -> None:
         record = run_one(args)
         pathlib.Path(args.out).write_text(json.dumps(record))
         print(json.dumps({k: v for k, v in record.items() if k != "steps"})[:3000], flush=True)
+        return
+    if args.table:
+        rows = tabulate(pathlib.Path(args.table), CARDS_GIB, args.engine_gib)
+        pathlib.Path(args.out).write_text(json.dumps({"cards_gib": list(CARDS_GIB), "records": args.table,
+                                                      "rows": rows}, indent=1))
+        print_table(rows)
         return
     if args.smoke and args.model_dir == "/root/models/random-qwen3-8b":
         args.model_dir = str(pathlib.Path(args.work) / "tiny-model")
