@@ -28,7 +28,7 @@ one device), reuses vllm_server.py's server (its command, start and ``/health`` 
 
 Each run is ``dfpo_trl.app.main.main`` (what ``python -m dfpo_trl`` runs) in a child process of this script
 (``--child``), which adds only the DEBUG level for the watchdog, the sync size, the pause after the first checkpoint
-and one ``SYNC_FAULT {json}`` line per event. Every step is bounded (``--budget-s`` for the whole script, 360 s by
+and one ``SYNC_FAULT {json}`` line per event. Every step is bounded (``--budget-s`` for the whole script, 480 s by
 default), a step that fails is recorded with its log tail and the next one still runs, and every child process group
 is stopped on exit. ``--out`` gets the record (cards, versions, the checkout, every time and line, exit codes); a
 short table is printed last.
@@ -448,7 +448,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-steps", type=int, default=2, help="a checkpoint every this many steps")
     p.add_argument("--fault-timeout", type=float, default=30.0,
                    help="the fault run's --vllm_sync_timeout (below TRL's 60 s of retries on a refused connection)")
-    p.add_argument("--budget-s", type=float, default=360.0, help="the whole script's wall-clock bound")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="the whole script's wall-clock bound (330 s cut the resume on 2 H200s)")
     p.add_argument("--commit", help="the checkout's commit, when this copy of it has no .git")
     p.add_argument("--print-commands", action="store_true",
                    help="print the server line, the three dfpo-train lines and the recipe, and exit (no GPU)")
