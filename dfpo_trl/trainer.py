@@ -39,6 +39,7 @@ from .objectives.plan import ObjectivePlan
 from .objectives.step import TRLLoss, WholeGroups, micro_step_objective
 from .objectives.weights import loss_mask
 from .tasks.safe import RewardError, SafeReward, defined_at
+from .trl_hooks.callback import DFPOCallback
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
     applied_is_ratio,
@@ -204,6 +205,7 @@ class DFPOTrainer(GRPOTrainer):
         if self.pre_pass is not None and self._step % self.args.gradient_accumulation_steps == 0:
             # s̄ and s̃ at the optimizer step's θ, attached to its micro-batches (no forward when θ = θ_old)
             values = self.pre_pass.run(self._buffered_inputs, self._step, self._trl_loss(), applies_is_ratio(self))
+            self._call_dfpo_callbacks("on_pre_pass", values=values)
             attach_pre_pass(self._buffered_inputs, self._step, values)
             log_pre_pass(self.dfpo_metrics, values.objective, values.skipped, group_metrics=self.plan.group_metrics,
                          off_policy=off_policy_step(self))
@@ -273,6 +275,7 @@ class DFPOTrainer(GRPOTrainer):
             sampling=inputs.get("sampling_per_token_logps"), is_ratio=applied_is_ratio(self, inputs),
             lambda_bar=inputs.get(DELTA_WEIGHTS_KEY) if plan.uses_delta else None,
         )
+        self._call_dfpo_callbacks("on_micro_step", step=step)
         inputs["advantages"] = step.loss_inputs.advantages
         if step.loss_inputs.old_per_token_logps is not None:
             inputs["old_per_token_logps"] = step.loss_inputs.old_per_token_logps
@@ -286,6 +289,13 @@ class DFPOTrainer(GRPOTrainer):
             watch_gradient_energy(self.dfpo_metrics, model, logps, inputs, capture, self.temperature,
                                   plan.energy_buckets, plan.energy_form)
         return out
+
+    def _call_dfpo_callbacks(self, event: str, **values: Any) -> None:
+        """Hand DFPO's values to each :class:`~dfpo_trl.trl_hooks.callback.DFPOCallback` among the trainer's
+        callbacks, as transformers hands its own events: an observer reads them without replacing a name."""
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, DFPOCallback):
+                getattr(callback, event)(self.args, self.state, self.control, **values)
 
     # -------------------------------------------------------------------------------------------- resume
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

@@ -102,6 +102,7 @@ TRAINER_ATTRIBUTES: tuple[str, ...] = (
     "_buffered_inputs", "_step", "_metrics", "num_generations", "num_generations_eval", "num_iterations",
     "epsilon_low", "epsilon_high", "loss_type", "importance_sampling_level", "temperature", "use_vllm",
     "vllm_importance_sampling_correction", "off_policy_mask_threshold",
+    "callback_handler", "control",  # transformers' own: DFPOCallback's events go through them (trl_hooks/callback.py)
 )
 
 
