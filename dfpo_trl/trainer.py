@@ -16,7 +16,7 @@ import inspect
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -45,14 +45,14 @@ from .trl_hooks.compat import (
     applied_is_ratio,
     applies_is_ratio,
     bind_call,
+    check_one_value_each,
     check_rewrite_ran,
     check_trainer_attributes,
     disable_gradient_checkpointing,
+    diverted_metrics,
     generate_every,
-    metric_lengths,
     off_policy_step,
     on_policy_identity_warning,
-    remove_appended,
     trl_off_policy_keep,
     trl_runs_old_logps_forward,
 )
@@ -232,17 +232,19 @@ class DFPOTrainer(GRPOTrainer):
     # ---------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """TRL's loss on a shallow copy of ``inputs`` that DFPO rewrites right after the policy forward pass; where
-        the rewrite is active, TRL's clip fractions of this call give way to DFPO's count (metrics/clip.py)."""
+        the rewrite is active, TRL's clip fractions of this call (counted on the rewritten inputs) go to a sink and
+        DFPO's count, pending in its store, is the one logged (metrics/clip.py)."""
         inputs = dict(inputs)  # the buffered rollout is reused across iterations: never mutate it
         if self.model.training:
             log_step_reward(self.dfpo_metrics, inputs)
-        trl_metrics = self._metrics["train" if self.model.training else "eval"]
-        recount = metric_lengths(trl_metrics, CLIP_RATIO_METRICS) if self.plan.recounts_clip_fractions else None
-        with self._expecting(PendingCall(partial(self._rewrite_after_forward, inputs))) as call:
+        mode = "train" if self.model.training else "eval"
+        recount = diverted_metrics(self._metrics, mode, CLIP_RATIO_METRICS) if self.plan.recounts_clip_fractions \
+            else nullcontext()
+        with recount as trl_counts, self._expecting(PendingCall(partial(self._rewrite_after_forward, inputs))) as call:
             loss = super()._compute_loss(model=model, inputs=inputs)
         check_rewrite_ran(call.on_forward, self.plan.active_options)
-        if recount is not None:  # TRL counted the rewritten inputs: DFPO's count, pending in its store, stands in
-            remove_appended(trl_metrics, recount)
+        if trl_counts is not None:
+            check_one_value_each(trl_counts)  # then dropped
         return loss
 
     def _get_per_token_logps_and_entropies(self, model: torch.nn.Module, *args: Any, **kwargs: Any):

@@ -72,8 +72,8 @@ def profile_labels() -> list[Label]:
         "flush_dfpo_metrics", "_trl_loss",
     )]
     labels += [Label(dt, f, f, True) for f in (
-        "log_step_reward", "metric_lengths", "remove_appended", "loss_mask", "applied_is_ratio", "energy_capture",
-        "micro_step_objective", "log_micro_step", "log_pre_pass", "off_policy_step",
+        "log_step_reward", "diverted_metrics", "check_one_value_each", "loss_mask", "applied_is_ratio",
+        "energy_capture", "micro_step_objective", "log_micro_step", "log_pre_pass", "off_policy_step",
     )]
     labels += [
         Label(dt, "watch_token_coefficients", "watch_token_coefficients", True, hooked_tensor_arg=2),
