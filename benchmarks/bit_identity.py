@@ -3,7 +3,7 @@
     python benchmarks/bit_identity.py --out /tmp/after.json                 # this checkout
     python benchmarks/bit_identity.py --compare /tmp/before.json /tmp/after.json
 
-Each configuration trains the tiny random Llama of ``tests/tiny.py`` with ``DFPOTrainer.train()`` for ``--steps``
+Each configuration trains the tiny random Llama of ``dfpo_trl.testing`` with ``DFPOTrainer.train()`` for ``--steps``
 optimizer steps (seed 0, float32, one process, transformers' generate, two micro-steps per optimizer step and a
 rollout every four, so off-policy steps and the transform's input differ from on-policy ones). The fingerprint is
 the SHA-256 of every parameter's bytes after training and the exact ``repr`` of every logged number. Equal
@@ -23,9 +23,8 @@ import tempfile
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
-# name -> DFPOConfig fields on top of tests/tiny.base_args and SHARED
+# name -> DFPOConfig fields on top of dfpo_trl.testing.tiny_config_kwargs and SHARED
 SEQUENCE = {"importance_sampling_level": "sequence", "epsilon": 3e-2, "epsilon_high": 4e-2}
 CONFIGS: dict[str, dict[str, Any]] = {
     "off_token": {"group_transform": "none"},
@@ -57,15 +56,14 @@ SHARED = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "s
 
 def fingerprint(name: str, steps: int) -> dict[str, Any]:
     """Train one configuration for ``steps`` optimizer steps; the parameters' SHA-256 and every logged number."""
-    import tiny
     import torch
 
     from dfpo_trl import DFPOConfig, DFPOTrainer
+    from dfpo_trl.testing import tiny_trainer
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out:
-        trainer = tiny.make_trainer(DFPOTrainer, DFPOConfig, output_dir=out, max_steps=steps,
-                                    **{**SHARED, **CONFIGS[name]})
+        trainer = tiny_trainer(DFPOTrainer, DFPOConfig, output_dir=out, max_steps=steps, **{**SHARED, **CONFIGS[name]})
         trainer.train()
     digest = hashlib.sha256()
     for key, value in sorted(trainer.model.state_dict().items()):

@@ -10,7 +10,8 @@ other, even through others): ``precision`` (the compute dtype); ``transforms`` (
 registry); ``config`` (``DFPOConfig``, each option's values, every rule a value must meet, the method a config trains
 with); ``objectives`` (the objective as pure math) and ``trl_hooks`` (the few places DFPO touches TRL); ``metrics``,
 ``groups`` and ``tasks``; ``delta`` (DelTA's weights, which read the groups' ids and log metrics); ``trainer`` wires
-them into TRL; ``app`` is the ``dfpo-train`` program (docs/README.md has the map).
+them into TRL; ``testing`` (the tiny builders and the trainer's observers, public) and ``app`` (the ``dfpo-train``
+program) sit on top (docs/README.md has the map).
 """
 
 from __future__ import annotations

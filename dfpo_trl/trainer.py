@@ -16,7 +16,7 @@ import inspect
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -39,19 +39,20 @@ from .objectives.plan import ObjectivePlan
 from .objectives.step import TRLLoss, WholeGroups, micro_step_objective
 from .objectives.weights import loss_mask
 from .tasks.safe import RewardError, SafeReward, defined_at
+from .trl_hooks.callback import DFPOCallback
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
     applied_is_ratio,
     applies_is_ratio,
     bind_call,
+    check_one_value_each,
     check_rewrite_ran,
     check_trainer_attributes,
     disable_gradient_checkpointing,
+    diverted_metrics,
     generate_every,
-    metric_lengths,
     off_policy_step,
     on_policy_identity_warning,
-    remove_appended,
     trl_off_policy_keep,
     trl_runs_old_logps_forward,
 )
@@ -204,6 +205,7 @@ class DFPOTrainer(GRPOTrainer):
         if self.pre_pass is not None and self._step % self.args.gradient_accumulation_steps == 0:
             # s̄ and s̃ at the optimizer step's θ, attached to its micro-batches (no forward when θ = θ_old)
             values = self.pre_pass.run(self._buffered_inputs, self._step, self._trl_loss(), applies_is_ratio(self))
+            self._call_dfpo_callbacks("on_pre_pass", values=values)
             attach_pre_pass(self._buffered_inputs, self._step, values)
             log_pre_pass(self.dfpo_metrics, values.objective, values.skipped, group_metrics=self.plan.group_metrics,
                          off_policy=off_policy_step(self))
@@ -230,17 +232,19 @@ class DFPOTrainer(GRPOTrainer):
     # ---------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """TRL's loss on a shallow copy of ``inputs`` that DFPO rewrites right after the policy forward pass; where
-        the rewrite is active, TRL's clip fractions of this call give way to DFPO's count (metrics/clip.py)."""
+        the rewrite is active, TRL's clip fractions of this call (counted on the rewritten inputs) go to a sink and
+        DFPO's count, pending in its store, is the one logged (metrics/clip.py)."""
         inputs = dict(inputs)  # the buffered rollout is reused across iterations: never mutate it
         if self.model.training:
             log_step_reward(self.dfpo_metrics, inputs)
-        trl_metrics = self._metrics["train" if self.model.training else "eval"]
-        recount = metric_lengths(trl_metrics, CLIP_RATIO_METRICS) if self.plan.recounts_clip_fractions else None
-        with self._expecting(PendingCall(partial(self._rewrite_after_forward, inputs))) as call:
+        mode = "train" if self.model.training else "eval"
+        recount = diverted_metrics(self._metrics, mode, CLIP_RATIO_METRICS) if self.plan.recounts_clip_fractions \
+            else nullcontext()
+        with recount as trl_counts, self._expecting(PendingCall(partial(self._rewrite_after_forward, inputs))) as call:
             loss = super()._compute_loss(model=model, inputs=inputs)
         check_rewrite_ran(call.on_forward, self.plan.active_options)
-        if recount is not None:  # TRL counted the rewritten inputs: DFPO's count, pending in its store, stands in
-            remove_appended(trl_metrics, recount)
+        if trl_counts is not None:
+            check_one_value_each(trl_counts)  # then dropped
         return loss
 
     def _get_per_token_logps_and_entropies(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
@@ -273,6 +277,7 @@ class DFPOTrainer(GRPOTrainer):
             sampling=inputs.get("sampling_per_token_logps"), is_ratio=applied_is_ratio(self, inputs),
             lambda_bar=inputs.get(DELTA_WEIGHTS_KEY) if plan.uses_delta else None,
         )
+        self._call_dfpo_callbacks("on_micro_step", step=step)
         inputs["advantages"] = step.loss_inputs.advantages
         if step.loss_inputs.old_per_token_logps is not None:
             inputs["old_per_token_logps"] = step.loss_inputs.old_per_token_logps
@@ -286,6 +291,13 @@ class DFPOTrainer(GRPOTrainer):
             watch_gradient_energy(self.dfpo_metrics, model, logps, inputs, capture, self.temperature,
                                   plan.energy_buckets, plan.energy_form)
         return out
+
+    def _call_dfpo_callbacks(self, event: str, **values: Any) -> None:
+        """Hand DFPO's values to each :class:`~dfpo_trl.trl_hooks.callback.DFPOCallback` among the trainer's
+        callbacks, as transformers hands its own events: an observer reads them without replacing a name."""
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, DFPOCallback):
+                getattr(callback, event)(self.args, self.state, self.control, **values)
 
     # -------------------------------------------------------------------------------------------- resume
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

@@ -1,50 +1,34 @@
-"""Tiny models, tokenizers and batches built in the test process (no hub access)."""
+"""The tests' own helpers on top of :mod:`dfpo_trl.testing` (the tiny model, tokenizer, data, reward and trainer,
+and the observers, which this module re-exports for the tests and benchmarks that import them from here): the tiny
+CLI recipe, hand-made batches, gradients of the real loss, gloo ranks."""
 
 from __future__ import annotations
 
-import functools
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import yaml
-from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-WORDS = ["<pad>", "<eos>", "<bos>"] + list("0123456789+=") + ["Compute", "Answer:", "is", "the", "so"]
+from dfpo_trl.testing import (
+    WORDS,
+    addition_dataset,
+    last_digit_reward,
+    observe_micro_steps,
+    record_pre_passes,
+    record_row_weights,
+    save_tiny_chat_model,
+    tiny_model,
+    tiny_tokenizer,
+)
+from dfpo_trl.testing import tiny_config_kwargs as base_args
+from dfpo_trl.testing import tiny_trainer as make_trainer
 
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {w: i for i, w in enumerate(WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
-    tok.padding_side = "left"
-    return tok
-
-
-def tiny_model(seed: int = 0, hidden: int = 32, layers: int = 2, tied: bool = False) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=tied,
-    )
-    return LlamaForCausalLM(config)
-
-
-def save_tiny_chat_model(path: Any, tied: bool = False) -> Any:
-    """A tiny random Llama and the word-level tokenizer with a chat template, saved to ``path`` as a real
-    checkpoint is (what ``--model_name_or_path`` reads); returns ``path``."""
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    model = tiny_model(tied=tied)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+__all__ = [  # what the tests import from here, dfpo_trl.testing's names among them
+    "TINY_RECIPE", "WORDS", "addition_dataset", "base_args", "capturing", "end_rank", "free_port",
+    "fused_completion_logps", "hand_batch", "last_digit_reward", "loss_and_grads", "make_trainer",
+    "observe_micro_steps", "random_batch", "record_pre_passes", "record_row_weights", "save_tiny_chat_model",
+    "shared_prefix_residual", "spawn_ranks", "tiny_model", "tiny_recipe", "tiny_tokenizer", "with_old_logps",
+]  # fmt: skip
 
 
 #: The tiny ``dfpo-train`` run of the end-to-end CLI tests: one group of G = 4 per micro-batch, two micro-steps per
@@ -83,29 +67,6 @@ def tiny_recipe(**changes: Any) -> str:
     keeps its default)."""
     recipe = {**TINY_RECIPE, **changes}
     return yaml.safe_dump({key: value for key, value in recipe.items() if value is not None}, sort_keys=False)
-
-
-def addition_dataset(n: int = 16, seed: int = 0) -> Dataset:
-    g = torch.Generator().manual_seed(seed)
-    pairs = torch.randint(0, 10, (n, 2), generator=g).tolist()
-    return Dataset.from_dict(
-        {"prompt": [f"Compute {a} + {b} =" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]}
-    )
-
-
-def last_digit_reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
-    """1 when the completion contains the answer's last digit; noisy enough that groups have signal."""
-    return [float(ans[-1] in comp) for comp, ans in zip(completions, answer, strict=True)]
-
-
-def base_args(**overrides: Any) -> dict[str, Any]:
-    args: dict[str, Any] = dict(
-        output_dir="/tmp/dfpo-test-out", per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=6, learning_rate=1e-2, report_to="none", logging_steps=1, save_strategy="no",
-        use_cpu=True, bf16=False, seed=0, disable_tqdm=True,
-    )
-    args.update(overrides)
-    return args
 
 
 def hand_batch(
@@ -148,72 +109,6 @@ def capturing(trainer_cls: type) -> type:
             return out
 
     return Capturing
-
-
-def observe_micro_steps(trainer: Any, observe: Callable[[Any], None]) -> None:
-    """Call ``observe`` with the :class:`~dfpo_trl.objectives.step.StepObjective` each loss micro-step of ``trainer``
-    returns, as its loss used it. The seam is the one call the trainer makes, ``micro_step_objective`` as the trainer
-    module names it: wrapped once per process, each call handed to the observers of the trainer whose objective plan
-    it was made with (a test may build several trainers)."""
-    import dfpo_trl.trainer as trainer_module
-
-    wrapper = trainer_module.micro_step_objective
-    if not hasattr(wrapper, "observers"):
-        objective = wrapper
-
-        @functools.wraps(objective)
-        def wrapper(plan: Any, *args: Any, **kwargs: Any) -> Any:
-            step = objective(plan, *args, **kwargs)
-            for owner, observer in list(wrapper.observers):
-                if owner() is None:
-                    wrapper.observers.remove((owner, observer))
-                elif owner().plan is plan:
-                    observer(step)
-            return step
-
-        wrapper.observers = []
-        trainer_module.micro_step_objective = wrapper
-    wrapper.observers.append((weakref.ref(trainer), observe))
-
-
-def record_row_weights(trainer: Any) -> list[Any]:
-    """The sequence weights (s̄, s̃, U, two-sided flags) each loss of ``trainer`` uses, in order: the ``weights`` of
-    the :class:`~dfpo_trl.objectives.step.ObjectiveValues` each micro-step returns (when it has any)."""
-    used: list[Any] = []
-
-    def recording(step: Any) -> None:
-        if step.values.weights is not None:
-            used.append(step.values.weights)
-
-    observe_micro_steps(trainer, recording)
-    return used
-
-
-def record_pre_passes(trainer: Any) -> list[Any]:
-    """The :class:`~dfpo_trl.groups.prepass.PrePassValues` of each pre-pass of ``trainer``, in order (its public
-    ``pre_pass.run`` wrapped)."""
-    values: list[Any] = []
-    run = trainer.pre_pass.run
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        values.append(run(*args, **kwargs))
-        return values[-1]
-
-    trainer.pre_pass.run = recording
-    return values
-
-
-def make_trainer(trainer_cls: type, config_cls: type, seed: int = 0, model: Any = None, **overrides: Any):
-    trainer = trainer_cls(
-        model=tiny_model(seed) if model is None else model,
-        reward_funcs=last_digit_reward,
-        args=config_cls(**base_args(**overrides)),
-        train_dataset=addition_dataset(),
-        processing_class=tiny_tokenizer(),
-    )
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    return trainer
 
 
 def loss_and_grads(trainer: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -57,7 +57,8 @@ class Label:
 
 
 def profile_labels() -> list[Label]:
-    """DFPO's entry points on the loss path (as trainer.py reaches them) and the TRL methods they wrap."""
+    """DFPO's entry points on the loss path (as trainer.py reaches them) and the TRL methods they wrap, each
+    :func:`checked`."""
     from trl import GRPOTrainer
 
     import dfpo_trl.trainer as dt
@@ -71,8 +72,8 @@ def profile_labels() -> list[Label]:
         "flush_dfpo_metrics", "_trl_loss",
     )]
     labels += [Label(dt, f, f, True) for f in (
-        "log_step_reward", "metric_lengths", "remove_appended", "loss_mask", "applied_is_ratio", "energy_capture",
-        "micro_step_objective", "log_micro_step", "log_pre_pass", "off_policy_step",
+        "log_step_reward", "diverted_metrics", "check_one_value_each", "loss_mask", "applied_is_ratio",
+        "energy_capture", "micro_step_objective", "log_micro_step", "log_pre_pass", "off_policy_step",
     )]
     labels += [
         Label(dt, "watch_token_coefficients", "watch_token_coefficients", True, hooked_tensor_arg=2),
@@ -80,7 +81,16 @@ def profile_labels() -> list[Label]:
         Label(GroupDelivery, "whole_groups", "layout.whole_groups", True),
         Label(MetricStore, "_add", "metric_store.add", True),
     ]
-    return [label for label in labels if label.attribute in vars(label.owner)]
+    return checked(labels)
+
+
+def checked(labels: list[Label]) -> list[Label]:
+    """``labels``, once each owner defines its attribute: a renamed or moved part would otherwise drop out of the
+    profile unnoticed, so a missing one raises ``LookupError`` naming it."""
+    missing = [label.label for label in labels if label.attribute not in vars(label.owner)]
+    if missing:
+        raise LookupError(f"profile labels whose callable is gone (renamed or moved? update this list): {missing}")
+    return labels
 
 
 def _labelled(fn: Callable[..., Any], label: str) -> Callable[..., Any]:

@@ -19,16 +19,21 @@ import sys
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from tiny import addition_dataset, base_args, last_digit_reward, tiny_model, tiny_tokenizer  # noqa: E402
 
 from benchmarks.lib import common, trainers  # noqa: E402
 from dfpo_trl import DFPOConfig, DFPOTrainer  # noqa: E402
 from dfpo_trl.groups.choice import pre_pass_rows  # noqa: E402
+from dfpo_trl.testing import (  # noqa: E402
+    addition_dataset,
+    last_digit_reward,
+    tiny_config_kwargs,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 CASES = [(2, 4, 2, 8), (1, 4, 2, 8), (3, 6, 1, 4), (2, 8, 2, 8), (3, 4, 4, 8), (2, 3, 3, 6), (3, 4, 1, 4)]
 GSPO = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.2, epsilon_high=0.28)
@@ -45,9 +50,10 @@ def count(b: int, G: int, A: int, S: int, seed: int, order: str) -> list[int]:
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
     per_rollout = S // A
-    args = DFPOConfig(**base_args(**GSPO, per_device_train_batch_size=b, num_generations=G,
-                                  gradient_accumulation_steps=A, steps_per_generation=S, seed=seed,
-                                  max_steps=2 * per_rollout, max_completion_length=4, group_transform="min_replace"))
+    args = DFPOConfig(**tiny_config_kwargs(**GSPO, per_device_train_batch_size=b, num_generations=G,
+                                           gradient_accumulation_steps=A, steps_per_generation=S, seed=seed,
+                                           max_steps=2 * per_rollout, max_completion_length=4,
+                                           group_transform="min_replace"))
     trainer = DFPOTrainer(model=model, reward_funcs=last_digit_reward, args=args, train_dataset=addition_dataset(64),
                           processing_class=tiny_tokenizer())
     if order == "per_sample":

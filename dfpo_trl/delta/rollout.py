@@ -1,12 +1,12 @@
-"""DelTA at rollout time, as pure functions: λ̄ of a rollout in its loss's domain, and what DelTA logs of it.
+"""DelTA at rollout time, as pure functions: λ̄ of a batch, in its loss's domain, and what DelTA logs of it.
 
 The steps are those of docs/delta.md:
 
-* :func:`delta_weights` / :func:`delta_token_weights`: λ and λ̄ of one batch under a ``DFPOConfig``'s ``delta_*``
-  fields (:func:`coefficient_options`), λ̄ self-normalised over the batch or per sequence;
+* :func:`delta_token_weights`, DelTA's one public entry point: λ̄ of one batch under a ``DFPOConfig``'s ``delta_*``
+  fields, self-normalised over the batch (the token-mean loss's domain);
 * :func:`normalisation_domain`: where λ̄ must average 1 so that the loss's own normaliser is kept;
-* :func:`rollout_weights`: λ and λ̄ of one rollout batch (:func:`delta_weights` with that domain; on one process
-  with ``loss_type="dapo"`` exactly :func:`delta_token_weights`);
+* :func:`_rollout_weights`: the trainer's call, λ and λ̄ of one rollout batch in that domain, through the same
+  computation (on one process with ``loss_type="dapo"`` its λ̄ is exactly :func:`delta_token_weights`'s);
 * :func:`sum_over_processes` / :func:`weight_reducer`: the ``all_reduce`` of the weights' statistics;
 * :func:`side_means` and :func:`token_table`: what DelTA logs.
 
@@ -29,16 +29,13 @@ from ..config.rules import quoted
 from ..objectives.normalise import self_normalise
 from ..precision import compute_dtype as _compute_dtype
 from .centroids import Reducer
-from .weights import DeltaFields, config_token_weights
+from .weights import _DEFAULT_CHUNK, DeltaFields, _weights_core
 
 __all__ = [
     "DELTA_WEIGHTS_KEY",
-    "coefficient_options",
     "delta_token_weights",
-    "delta_weights",
     "format_token_table",
     "normalisation_domain",
-    "rollout_weights",
     "side_means",
     "sum_over_processes",
     "token_table",
@@ -49,63 +46,31 @@ DELTA_WEIGHTS_KEY = "delta_weights"
 TOKEN_TABLE_SIZE = 10
 
 
-def coefficient_options(config: DeltaFields) -> dict[str, Any]:
-    """:func:`token_weights_from_hidden` keyword arguments from a ``DFPOConfig``'s ``delta_*`` fields.
-
-    ``delta_scope`` is not among them: it decides whether the caller passes an ``all_reduce``.
-
-    Args:
-        config: the ``delta_*`` fields (a ``DFPOConfig``).
-
-    Returns:
-        ``{"lambda_min": ..., "random_weights": ...}`` for :func:`token_weights_from_hidden`.
-    """
-    return dict(
-        lambda_min=config.delta_lambda_min,
-        lambda_max=config.delta_lambda_max,
-        refine_steps=config.delta_refine_steps,
-        gamma=config.delta_gamma,
-        gamma_update=config.delta_gamma_update,
-        zero_advantage=config.delta_zero_advantage,
-        assignment=config.delta_assignment,
-        contrast=config.delta_contrast,
-        random_weights=config.delta_random,
-    )
-
-
 @torch.no_grad()
-def delta_weights(
+def _lambda_and_bar(
     hidden: Tensor,
     logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
     config: DeltaFields,
-    *,
-    per_sequence: bool = False,
-    all_reduce: Reducer | None = None,
-    generator: torch.Generator | None = None,
+    per_sequence: bool,
+    all_reduce: Reducer | None,
+    generator: torch.Generator | None,
 ) -> tuple[Tensor, Tensor]:
-    """(λ, λ̄) of one rollout batch under ``config``'s DelTA options (docs/delta.md steps 1–6).
+    """(λ, λ̄) of one batch under ``config``'s DelTA options (docs/delta.md steps 1–6), the one computation behind
+    :func:`delta_token_weights` and :func:`_rollout_weights`; the options were checked when the config was built.
 
     λ from the proxy v = (1 − p) h with p = exp(``logprobs``); λ̄ = λ N / Z over the masked tokens of the whole
-    batch (the token-mean loss's domain; over all processes through ``all_reduce``) or, with ``per_sequence``,
-    of each row; λ̄ is 0 outside ``mask``. The trainer's weights come from here.
-
-    Args:
-        hidden: (B, T, d) LM-head inputs h.
-        logprobs: (B, T) the sampled tokens' log-probabilities at the sampling temperature.
-        advantages: (B,) Â.
-        mask: (B, T), nonzero on response tokens.
-        config: the ``delta_*`` fields.
-        per_sequence: λ̄ averages 1 per row instead of over the batch.
-        all_reduce: element-wise sum over processes (None: this process alone).
-        generator: the random-λ control's generator.
-
-    Returns:
-        (λ, λ̄), each (B, T); λ̄ is 0 outside ``mask``.
+    batch (over all processes through ``all_reduce``) or, with ``per_sequence``, of each row; λ̄ is 0 outside
+    ``mask``.
     """
     probs = logprobs.detach().to(_compute_dtype(hidden, logprobs)).exp()
-    raw = config_token_weights(hidden, probs, advantages, mask, config, all_reduce=all_reduce, generator=generator)
+    coef = 1.0 - probs.detach().to(_compute_dtype(hidden))
+    raw = _weights_core(
+        hidden, coef, advantages, mask, config.delta_lambda_min, config.delta_lambda_max, config.delta_refine_steps,
+        config.delta_gamma, config.delta_gamma_update, config.delta_zero_advantage, config.delta_assignment,
+        config.delta_contrast, generator, config.delta_random, all_reduce, _DEFAULT_CHUNK,
+    )
     if per_sequence:
         bar = self_normalise(raw, mask, dim=-1)
     else:
@@ -137,7 +102,7 @@ def delta_token_weights(
     Returns:
         λ̄ (B, T).
     """
-    return delta_weights(hidden, logprobs, advantages, mask, config, generator=generator)[1]
+    return _lambda_and_bar(hidden, logprobs, advantages, mask, config, False, None, generator)[1]
 
 
 def normalisation_domain(loss_type: str) -> str:
@@ -185,7 +150,7 @@ def weight_reducer(args: DeltaFields, num_processes: int) -> Reducer | None:
     return None
 
 
-def rollout_weights(
+def _rollout_weights(
     hidden: Tensor,
     logprobs: Tensor,
     advantages: Tensor,
@@ -195,7 +160,8 @@ def rollout_weights(
     all_reduce: Reducer | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """λ (B, T) of one rollout batch and λ̄, λ self-normalised over the rollout-time domain of ``args.loss_type``.
+    """λ (B, T) of one rollout batch and λ̄, λ self-normalised over the rollout-time domain of ``args.loss_type``:
+    the trainer's weights (:mod:`dfpo_trl.delta.weighting`), through the computation of :func:`delta_token_weights`.
 
     Per sequence for ``grpo``; over the whole rollout batch (all processes through ``all_reduce``) for
     ``dapo``, ``dr_grpo`` and ``bnpo`` (whose micro-batch normalisation is redone at loss time, by
@@ -203,17 +169,19 @@ def rollout_weights(
     ``delta_*`` fields choose the rules.
 
     Args:
-        hidden, logprobs, advantages, mask, all_reduce, generator: as in :func:`delta_weights`.
+        hidden: (B, T, d) LM-head inputs h.
+        logprobs: (B, T) the sampled tokens' log-probabilities at the sampling temperature.
+        advantages: (B,) Â.
+        mask: (B, T), nonzero on response tokens.
         args: the ``DFPOConfig`` (its ``delta_*`` fields and ``loss_type``).
+        all_reduce: element-wise sum over processes (None: this process alone).
+        generator: the random-λ control's generator.
 
     Returns:
-        (λ, λ̄), each (B, T).
+        (λ, λ̄), each (B, T); λ̄ is 0 outside ``mask``.
     """
     per_sequence = normalisation_domain(args.loss_type) == DOMAIN_SEQUENCE
-    return delta_weights(
-        hidden, logprobs, advantages, mask, args, per_sequence=per_sequence, all_reduce=all_reduce,
-        generator=generator,
-    )
+    return _lambda_and_bar(hidden, logprobs, advantages, mask, args, per_sequence, all_reduce, generator)
 
 
 def side_means(values: Tensor, advantages: Tensor, mask: Tensor, all_reduce: Reducer | None = None) -> Tensor:

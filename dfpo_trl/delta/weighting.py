@@ -13,7 +13,7 @@ With ``token_weighting="delta"``, once per *training* rollout batch, after TRL h
   That forward also gives p = exp(log p) of every sampled token at the rollout-time parameters. TRL scores the
   last T positions of ``log_probs``, whose position j is predicted from hidden position j, so completion token t
   uses ``last_hidden_state[:, -(T+1) + t]``.
-* :meth:`DeltaWeighting.weigh` computes λ and λ̄ (:func:`~dfpo_trl.delta.rollout.rollout_weights`; statistics
+* :meth:`DeltaWeighting.weigh` computes λ and λ̄ (:func:`~dfpo_trl.delta.rollout._rollout_weights`; statistics
   all-reduced over processes unless ``delta_scope="process"``) and stores λ̄ per row in ``output["delta_weights"]``
   (B, T). TRL's buffering, shuffling and splitting carry it with its row, so the weights stay fixed across
   ``num_iterations``; the loss-input rewrite applies it (eq. DelTA-weighted-objective).
@@ -37,8 +37,8 @@ from ..metrics.store import MetricStore
 from ..trl_hooks.lm_head import HiddenCapture
 from .rollout import (
     DELTA_WEIGHTS_KEY,
+    _rollout_weights,
     format_token_table,
-    rollout_weights,
     side_means,
     sum_over_processes,
     token_table,
@@ -81,7 +81,7 @@ class DeltaWeighting:
         if config.delta_random:  # seeded per rollout: no state a checkpoint would have to save
             generator = rollout_generator(shape.seed, shape.process_index, step, stream=DELTA_RANDOM_STREAM,
                                           device=hidden.device)
-        raw, weights = rollout_weights(
+        raw, weights = _rollout_weights(
             hidden, capture.logps.float(), advantages, mask, config,
             all_reduce=weight_reducer(config, shape.num_processes), generator=generator,
         )

@@ -1,13 +1,15 @@
-"""DelTA token weights λ (docs/delta.md): the public pure functions.
+"""DelTA token weights λ (docs/delta.md): the math, private to the package.
 
 Scores each rollout token by how characteristic its proxy gradient vector is of its own advantage side versus the
 other (eq. DelTA-alpha) and maps the scores into λ ∈ [λ_min, λ_max];
 :func:`~dfpo_trl.objectives.normalise.self_normalise` turns them into the stop-gradient multipliers λ̄
-(eq. DelTA-weighted-objective). The functions check their options against the config's rules
-(:data:`~dfpo_trl.config.delta_rules.DELTA_RULES`); a config's options were checked once, when it was built, so the
-rollouts use :func:`config_token_weights`, which does not check them again. Defaults are the authors' released
-code's rules; the conventions (support, empty sides, precision, distributed reductions) are in docs/delta.md,
-"Conventions of the functions". Everything here is a ``no_grad`` function of detached tensors.
+(eq. DelTA-weighted-objective). The one public entry point is :func:`dfpo_trl.delta.delta_token_weights`
+(:mod:`dfpo_trl.delta.rollout`), which computes λ under a config's options, checked once when the config was built.
+:func:`_token_weights` (proxy vectors) and :func:`_token_weights_from_hidden` (the LM-head-row proxy) take the
+options as keyword arguments and check them against the config's rules
+(:data:`~dfpo_trl.config.delta_rules.DELTA_RULES`): the reference forms the tests hold the math to. Defaults are
+the authors' released code's rules; the conventions (support, empty sides, precision, distributed reductions) are in
+docs/delta.md, "Conventions of the functions". Everything here is a ``no_grad`` function of detached tensors.
 """
 
 from __future__ import annotations
@@ -29,12 +31,7 @@ from ..config.rules import integer, problems
 from ..precision import compute_dtype as _compute_dtype
 from .centroids import Gamma, Reducer, refined_scores, side_sums
 
-__all__ = [
-    "DeltaFields",
-    "config_token_weights",
-    "token_weights",
-    "token_weights_from_hidden",
-]
+__all__ = ["DeltaFields"]
 
 _DEFAULT_CHUNK = 16384
 
@@ -136,7 +133,7 @@ def _weights_core(
     return out.reshape(b, t)
 
 
-def token_weights(
+def _token_weights(
     vectors: Tensor,
     advantages: Tensor,
     mask: Tensor,
@@ -187,7 +184,7 @@ def token_weights(
     )
 
 
-def token_weights_from_hidden(
+def _token_weights_from_hidden(
     hidden: Tensor,
     token_probs: Tensor,
     advantages: Tensor,
@@ -206,21 +203,21 @@ def token_weights_from_hidden(
     all_reduce: Reducer | None = None,
     chunk_tokens: int = _DEFAULT_CHUNK,
 ) -> Tensor:
-    """:func:`token_weights` for the LM-head-row proxy v = (1 − p) h without materialising v.
+    """:func:`_token_weights` for the LM-head-row proxy v = (1 − p) h without materialising v.
 
     DelTA's proxy (docs/delta.md step 1): ∇_{W_y} log p(y) = (1 − p(y)) h. ``hidden`` (B, T, d) are the final
     hidden states feeding the LM head, ``token_probs`` (B, T) the sampled tokens' probabilities p. Sums are
     Σ w (1 − p) h (matmuls over h), distances use ‖v − μ‖² = (1−p)²‖h‖² − 2(1−p) h·μ + ‖μ‖² (docs/delta.md);
     the only (tokens × d) temporaries are float32 copies of at most ``chunk_tokens`` rows of h.
-    Equal to ``token_weights((1 - token_probs)[..., None] * hidden, ...)`` up to float rounding.
+    Equal to ``_token_weights((1 - token_probs)[..., None] * hidden, ...)`` up to float rounding.
 
     Args:
         hidden: (B, T, d) LM-head inputs h.
         token_probs: (B, T) the sampled tokens' probabilities p.
-        advantages, mask, and the keyword options: as :func:`token_weights`.
+        advantages, mask, and the keyword options: as :func:`_token_weights`.
 
     Returns:
-        λ (B, T), as :func:`token_weights` returns it.
+        λ (B, T), as :func:`_token_weights` returns it.
     """
     _check_options(
         chunk_tokens, lambda_min=lambda_min, lambda_max=lambda_max, refine_steps=refine_steps, gamma=gamma,
@@ -232,32 +229,3 @@ def token_weights_from_hidden(
         assignment, contrast, generator, random_weights, all_reduce, chunk_tokens,
     )
 
-
-def config_token_weights(
-    hidden: Tensor,
-    token_probs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    config: DeltaFields,
-    *,
-    generator: torch.Generator | None = None,
-    all_reduce: Reducer | None = None,
-) -> Tensor:
-    """:func:`token_weights_from_hidden` under a ``DFPOConfig``'s DelTA options, which the config checked once when
-    it was built (:data:`~dfpo_trl.config.delta_rules.DELTA_RULES`), so a rollout does not check them again.
-
-    Args:
-        hidden, token_probs, advantages, mask: as :func:`token_weights_from_hidden`.
-        config: the ``delta_*`` fields (``delta_scope`` is the caller's ``all_reduce``).
-        generator: the random-λ control's generator (``delta_random``).
-        all_reduce: element-wise sum over processes of the statistics; None: this process's shard alone.
-
-    Returns:
-        λ (B, T), as :func:`token_weights` returns it.
-    """
-    coef = 1.0 - token_probs.detach().to(_compute_dtype(hidden))
-    return _weights_core(
-        hidden, coef, advantages, mask, config.delta_lambda_min, config.delta_lambda_max, config.delta_refine_steps,
-        config.delta_gamma, config.delta_gamma_update, config.delta_zero_advantage, config.delta_assignment,
-        config.delta_contrast, generator, config.delta_random, all_reduce, _DEFAULT_CHUNK,
-    )

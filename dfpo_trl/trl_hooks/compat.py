@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import trl
@@ -32,14 +33,14 @@ __all__ = [
     "TRLCompatibilityError",
     "UntestedTRLWarning",
     "bind_call",
+    "check_one_value_each",
     "check_rewrite_ran",
     "check_touch_points",
     "check_trainer_attributes",
     "disable_gradient_checkpointing",
+    "diverted_metrics",
     "generate_every",
     "get_config_model_id",
-    "metric_lengths",
-    "remove_appended",
     "split_tensor_dict",
     "trl_off_policy_keep",
     "trl_runs_old_logps_forward",
@@ -102,6 +103,7 @@ TRAINER_ATTRIBUTES: tuple[str, ...] = (
     "_buffered_inputs", "_step", "_metrics", "num_generations", "num_generations_eval", "num_iterations",
     "epsilon_low", "epsilon_high", "loss_type", "importance_sampling_level", "temperature", "use_vllm",
     "vllm_importance_sampling_correction", "off_policy_mask_threshold",
+    "callback_handler", "control",  # transformers' own: DFPOCallback's events go through them (trl_hooks/callback.py)
 )
 
 
@@ -186,25 +188,40 @@ def check_rewrite_ran(forward_left: object | None, active_options: str) -> None:
         )
 
 
-def metric_lengths(metrics: dict[str, list[float]], names: tuple[str, ...]) -> dict[str, int]:
-    """How many values TRL's ``_metrics[mode]`` holds for each of ``names`` (without creating the keys)."""
-    return {name: len(metrics.get(name, ())) for name in names}
+class _DivertedMetrics:
+    """TRL's ``_metrics[mode]`` during one call, with the appends to ``names`` going to a sink instead."""
+
+    def __init__(self, metrics: dict[str, list[float]], names: tuple[str, ...]) -> None:
+        self.metrics, self.sink = metrics, {name: [] for name in names}
+
+    def __getitem__(self, name: str) -> list[float]:
+        return self.sink[name] if name in self.sink else self.metrics[name]
 
 
-def remove_appended(metrics: dict[str, list[float]], lengths: dict[str, int]) -> None:
-    """Remove the value one TRL call appended to each metric of ``lengths`` (their lengths before the call), for
-    DFPO's own count to stand in for it. TRL 1.16's ``_compute_loss`` appends exactly one value per clipped-loss
-    call; anything else means TRL changed how it logs them, and DFPO's count would sit beside TRL's wrong one."""
-    for name, before in lengths.items():
-        values = metrics.get(name, [])
-        if len(values) != before + 1:
+@contextmanager
+def diverted_metrics(metrics: dict[str, Any], mode: str, names: tuple[str, ...]) -> Iterator[dict[str, list[float]]]:
+    """Inside the ``with`` block, the values TRL appends to ``metrics[mode][name]`` for ``names`` go to the sink it
+    yields, which the caller drops after :func:`check_one_value_each`: DFPO's own count of them is then the only one
+    logged, and TRL's values are never written to its logs. Every other name reaches ``metrics[mode]`` as before."""
+    real = metrics[mode]
+    diverted = _DivertedMetrics(real, names)
+    metrics[mode] = diverted
+    try:
+        yield diverted.sink
+    finally:
+        metrics[mode] = real
+
+
+def check_one_value_each(sink: dict[str, list[float]]) -> None:
+    """Raise :class:`TRLCompatibilityError` unless TRL appended exactly one value to each diverted metric: TRL 1.16's
+    ``_compute_loss`` does so per clipped-loss call; anything else means TRL changed how it logs them, and DFPO's
+    count would sit beside a wrong one or stand in for none."""
+    for name, values in sink.items():
+        if len(values) != 1:
             raise _incompatible(
-                f"GRPOTrainer._compute_loss appended {len(values) - before} values to _metrics[{name!r}] where "
-                "DFPO expects one per call (DFPO replaces TRL's clip fractions with its own count)"
+                f"GRPOTrainer._compute_loss appended {len(values)} values to _metrics[{name!r}] where DFPO expects "
+                "one per call (DFPO's own count of the clip fractions replaces TRL's)"
             )
-        values.pop()
-        if not values:
-            del metrics[name]
 
 
 def bind_call(method_name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:

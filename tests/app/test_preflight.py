@@ -1,6 +1,6 @@
-"""``dfpo-train --preflight`` (dfpo_trl/app/preflight.py): each check's line and fix, against this machine, stand-in
-servers on 127.0.0.1, and two processes on one machine standing for two nodes (a Gloo rendezvous, the shared
-output_dir marker, the versions)."""
+"""``dfpo-train --preflight`` (dfpo_trl/app/preflight.py and its preflight_* modules): each check's line and fix,
+against this machine, stand-in servers on 127.0.0.1, and two processes on one machine standing for two nodes (a Gloo
+rendezvous, the shared output_dir marker, the versions)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 from standin_vllm import GetOnlyServer, SilentServer
 
-from dfpo_trl.app import preflight
+from dfpo_trl.app import preflight, preflight_server
 from dfpo_trl.app.main import main
 from dfpo_trl.app.preflight import PreflightFailure, Settings, check_interfaces, check_server, nccl_interfaces
 
@@ -105,7 +105,7 @@ def test_server_checks_against_a_stand_in(monkeypatch: pytest.MonkeyPatch) -> No
                                                    r" fix: serve the recipe's model \(vllm serve Qwen/Qwen3-32B\)"):
             check_server(settings(server_url=server.url, model="Qwen/Qwen3-32B"))
         assert check_server(settings(server_url=server.url, model="/models/tiny"))  # a local copy of the same name
-        monkeypatch.setattr(preflight, "_local_version", lambda name: "0.30.0" if name == "vllm" else None)
+        monkeypatch.setattr(preflight_server, "local_version", lambda name: "0.30.0" if name == "vllm" else None)
         with pytest.raises(PreflightFailure, match="runs vLLM 0.26.0, this node has 0.30.0"):
             check_server(settings(server_url=server.url))
         server.routes.pop("/get_world_size")
@@ -119,7 +119,7 @@ def test_server_checks_against_a_stand_in(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_server_that_never_answers_fails_in_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
     server = SilentServer()
-    monkeypatch.setattr(preflight, "HTTP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(preflight_server, "HTTP_TIMEOUT_S", 1.0)
     start = time.monotonic()
     try:
         with pytest.raises(PreflightFailure, match="accepts connections but /health or /v1/models did not answer "
@@ -133,8 +133,8 @@ def test_server_that_never_answers_fails_in_bounded_time(monkeypatch: pytest.Mon
 def test_advertised_rendezvous_address_is_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     """Node 0 advertising one address and reaching the server from another: a warning line with the fix."""
     server = GetOnlyServer()
-    monkeypatch.setattr(preflight, "_is_loopback", lambda host: False)
-    monkeypatch.setattr(preflight, "advertised_address", lambda: "10.9.9.9")
+    monkeypatch.setattr(preflight_server, "_is_loopback", lambda host: False)
+    monkeypatch.setattr(preflight_server, "advertised_address", lambda: "10.9.9.9")
     try:
         lines = dict((line, status) for status, line in check_server(settings(server_url=server.url)))
     finally:
@@ -206,7 +206,7 @@ def test_two_nodes_with_separate_output_dirs_or_versions_fail_on_every_node(tmp_
         assert code == 1
         assert f"preflight: FAIL node {rank}: output_dir {outputs[rank]} is not shared: node 1 (" in err
         assert "cannot read the marker node 0" in err and "fix: put output_dir on storage every node mounts" in err
-    other_torch = ("import dfpo_trl.app.preflight as p\n_v = p.versions\n"
+    other_torch = ("import dfpo_trl.app.preflight_cluster as p\n_v = p.versions\n"
                    "p.versions = lambda: {**_v(), 'torch': '0.0.1'}\n")
     shared = tmp_path / "shared"
     results = _nodes(tmp_path, [shared, shared], patch={1: other_torch})

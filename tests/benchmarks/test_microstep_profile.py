@@ -47,3 +47,15 @@ def test_microstep_profile_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert syncs["non_logging_steps"]["log_per_step"] == 0
     assert all(site.startswith("dfpo_trl/metrics/store.py") for site in syncs["logging_steps"]["log_sites"])
     assert "min_replace" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_profile_label_whose_callable_is_gone_fails_loudly() -> None:
+    """Every label's callable is where the profile looks for it; one renamed away raises, naming it, instead of
+    dropping out of the profile."""
+    from types import SimpleNamespace
+
+    from benchmarks.cost.microstep_parts import Label, checked, profile_labels
+
+    assert len(profile_labels()) == 26
+    with pytest.raises(LookupError, match=r"\['gone_label'\]"):
+        checked([Label(SimpleNamespace, "__init__", "kept", False), Label(SimpleNamespace, "gone", "gone_label", True)])

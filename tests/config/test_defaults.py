@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from dfpo_trl.config import DFPOConfig
-from dfpo_trl.delta.weights import token_weights, token_weights_from_hidden
+from dfpo_trl.delta.weights import _token_weights as token_weights
+from dfpo_trl.delta.weights import _token_weights_from_hidden as token_weights_from_hidden
 from dfpo_trl.objectives.cancellation import balance_group_weights
 from dfpo_trl.transforms.builtins import scale, truncate_rebalance
 

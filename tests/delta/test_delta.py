@@ -5,19 +5,17 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from tolerance import assert_close_to_rounding
 
 import dfpo_trl.delta.weights as delta_weights_module
-from dfpo_trl.delta import (
-    coefficient_options,
-    config_token_weights,
-    self_normalise,
-    token_weights,
-    token_weights_from_hidden,
-)
+from dfpo_trl.delta.rollout import _rollout_weights
+from dfpo_trl.delta.weights import _token_weights as token_weights
+from dfpo_trl.delta.weights import _token_weights_from_hidden as token_weights_from_hidden
+from dfpo_trl.objectives.normalise import self_normalise
 
 LMIN, LMAX = 0.8, 1.2
 # Our earlier rules, each one option away from the released code's defaults (docs/delta.md).
@@ -446,25 +444,33 @@ def test_option_validation():
         token_weights_from_hidden(v, torch.rand(3, 3), adv, mask)
 
 
+def config_options(config: Any) -> dict[str, Any]:
+    """A ``DFPOConfig``'s ``delta_*`` fields as the keyword arguments of the checked functions (``delta_scope`` is
+    the caller's ``all_reduce``)."""
+    names = ("lambda_min", "lambda_max", "refine_steps", "gamma", "gamma_update", "zero_advantage", "assignment",
+             "contrast")  # fmt: skip
+    return {name: getattr(config, f"delta_{name}") for name in names} | {"random_weights": config.delta_random}
+
+
 def test_a_configs_options_are_checked_once_not_every_rollout(monkeypatch: pytest.MonkeyPatch):
-    """DFPOConfig checks its delta_* fields when it is built; the rollouts' λ (config_token_weights) is
+    """DFPOConfig checks its delta_* fields when it is built; the rollouts' λ (``_rollout_weights``) is
     token_weights_from_hidden's under those options and runs no check of its own."""
     hidden, adv, mask = make_batch()
-    probs = torch.rand(mask.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    logprobs = torch.rand(mask.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).log()
     config = SimpleNamespace(
         loss_type="dapo", delta_lambda_min=0.7, delta_lambda_max=1.4, delta_refine_steps=2, delta_gamma="mean_abs",
         delta_gamma_update="current", delta_zero_advantage="one", delta_scope="process", delta_assignment="soft",
         delta_contrast="within", delta_random=False,
     )
-    expected = token_weights_from_hidden(hidden, probs, adv, mask, **coefficient_options(config))
+    expected = token_weights_from_hidden(hidden, logprobs.exp(), adv, mask, **config_options(config))
 
     def checked(*_: object, **__: object) -> None:
         raise AssertionError("a rollout checked the options again")
 
     monkeypatch.setattr(delta_weights_module, "_check_options", checked)
-    assert torch.equal(config_token_weights(hidden, probs, adv, mask, config), expected)
+    assert torch.equal(_rollout_weights(hidden, logprobs, adv, mask, config)[0], expected)
     with pytest.raises(AssertionError, match="checked the options again"):
-        token_weights_from_hidden(hidden, probs, adv, mask)  # a direct call still checks its arguments
+        token_weights_from_hidden(hidden, logprobs.exp(), adv, mask)  # a direct call still checks its arguments
 
 
 def test_no_grad_through_weights():

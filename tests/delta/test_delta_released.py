@@ -22,8 +22,11 @@ from test_delta import naive_weights
 from tiny import base_args, free_port
 
 from dfpo_trl import DFPOConfig
-from dfpo_trl.delta import delta_token_weights, self_normalise, token_weights_from_hidden
-from dfpo_trl.delta.rollout import rollout_weights, sum_over_processes, weight_reducer
+from dfpo_trl.delta import delta_token_weights
+from dfpo_trl.delta.rollout import _rollout_weights as rollout_weights
+from dfpo_trl.delta.rollout import sum_over_processes, weight_reducer
+from dfpo_trl.delta.weights import _token_weights_from_hidden as token_weights_from_hidden
+from dfpo_trl.objectives.normalise import self_normalise
 
 LMIN, LMAX = 0.8, 1.2
 HALF = math.log(0.5)  # p = 1/2: v = h / 2

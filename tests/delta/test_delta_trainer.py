@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_delta import config_options
 from tiny import (
     WORDS,
     addition_dataset,
@@ -24,14 +25,15 @@ from tiny import (
 from tolerance import assert_close_to_rounding
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.delta import coefficient_options, self_normalise, token_weights_from_hidden
 from dfpo_trl.delta.rollout import (
     DELTA_WEIGHTS_KEY,
-    rollout_weights,
     side_means,
     sum_over_processes,
     token_table,
 )
+from dfpo_trl.delta.rollout import _rollout_weights as rollout_weights
+from dfpo_trl.delta.weights import _token_weights_from_hidden as token_weights_from_hidden
+from dfpo_trl.objectives.normalise import self_normalise
 
 DELTA = dict(token_weighting="delta", loss_type="dapo")
 
@@ -82,7 +84,7 @@ def manual_hidden_and_probs(trainer, batch: dict[str, Any]) -> tuple[torch.Tenso
 def expected_weights(trainer, batch: dict[str, Any]) -> torch.Tensor:
     hidden, probs = manual_hidden_and_probs(trainer, batch)
     mask = loss_mask(batch)
-    raw = token_weights_from_hidden(hidden, probs, batch["advantages"], mask, **coefficient_options(trainer.args))
+    raw = token_weights_from_hidden(hidden, probs, batch["advantages"], mask, **config_options(trainer.args))
     if trainer.args.loss_type == "grpo":
         return self_normalise(raw, mask, dim=-1) * mask
     return self_normalise(raw, mask) * mask

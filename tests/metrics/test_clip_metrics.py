@@ -5,6 +5,7 @@ rewrite is active."""
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from trl import GRPOConfig, GRPOTrainer
 from dfpo_trl import DFPOConfig, DFPOTrainer
 from dfpo_trl.metrics.clip import CLIP_RATIO_METRICS, clip_fraction_terms
 from dfpo_trl.objectives.weights import clipped_ratios
-from dfpo_trl.trl_hooks.compat import TRLCompatibilityError, metric_lengths, remove_appended
+from dfpo_trl.trl_hooks.compat import TRLCompatibilityError, check_one_value_each, diverted_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -196,7 +197,7 @@ def test_eval_mode_recounts_into_the_eval_metrics():
     batch = row_ratio_batch(trainer, [1.5, 1.0, 1.0, 1.0], [1.0, -1.0, 0.5, -0.5])
     with torch.no_grad():
         trainer.compute_loss(trainer.model, batch)
-    assert "clip_ratio/high_mean" not in trainer._metrics["eval"]  # TRL's count removed, DFPO's pending
+    assert "clip_ratio/high_mean" not in trainer._metrics["eval"]  # TRL's count never logged, DFPO's pending
     trainer.flush_dfpo_metrics("eval")
     assert trainer._metrics["eval"]["clip_ratio/high_mean"] == [0.25]
     assert "clip_ratio/high_mean" not in trainer._metrics["train"]
@@ -211,11 +212,17 @@ def test_hand_batch_without_old_logps_is_on_policy_and_counts_nothing():
 
 
 def test_trl_logging_other_than_one_value_per_call_stops_the_replacement():
-    """DFPO removes the one value TRL's call appended; a TRL that appends none or two must not leave a mix."""
-    metrics = {"clip_ratio/low_mean": [0.5], "clip_ratio/high_mean": [0.5, 0.25]}
-    lengths = {"clip_ratio/low_mean": 0, "clip_ratio/high_mean": 1}
-    remove_appended(metrics, lengths)
-    assert metrics == {"clip_ratio/high_mean": [0.5]}  # an emptied list is dropped: TRL would log it as None
-    assert metric_lengths(metrics, CLIP_RATIO_METRICS)["clip_ratio/low_mean"] == 0 and len(metrics) == 1
+    """TRL's appends to the clip names go to a sink, never to its logs; a TRL that appends none or two must not
+    leave a mix."""
+    metrics: dict[str, Any] = {"train": defaultdict(list, {"clip_ratio/high_mean": [0.5]})}
+    with diverted_metrics(metrics, "train", CLIP_RATIO_METRICS) as sink:
+        for name in CLIP_RATIO_METRICS:
+            metrics["train"][name].append(0.25)  # as TRL's _compute_loss appends, once per call
+        metrics["train"]["entropy"].append(2.0)  # every other name reaches the logs
+    check_one_value_each(sink)
+    assert metrics["train"] == {"clip_ratio/high_mean": [0.5], "entropy": [2.0]}
+    assert sink == {name: [0.25] for name in CLIP_RATIO_METRICS}
+    with diverted_metrics(metrics, "train", CLIP_RATIO_METRICS) as sink:
+        metrics["train"]["clip_ratio/low_mean"].append(0.25)
     with pytest.raises(TRLCompatibilityError, match=r"appended 0 values to _metrics\['clip_ratio/high_mean'\]"):
-        remove_appended(metrics, {"clip_ratio/high_mean": 1})
+        check_one_value_each(sink)

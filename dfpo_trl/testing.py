@@ -1,0 +1,201 @@
+"""``dfpo_trl.testing``: what a test or a benchmark of DFPO needs, offline and in seconds on a CPU (docs/testing.md).
+
+Two parts, both public and stable (this module's ``__all__``):
+
+- **Tiny builders.** A word-level tokenizer over :data:`WORDS`, a randomly initialised 2-layer Llama, a prompt set
+  of single-digit additions, a noisy reward, and a whole tiny trainer. No download: everything is built in the
+  process, so a run's numbers depend only on the seed.
+- **Observers.** :class:`DFPOCallback` (transformers' ``TrainerCallback`` with DFPO's ``on_pre_pass`` and
+  ``on_micro_step`` events) and three helpers on top of it that record what each micro-step's objective returned.
+  They read the values the trainer goes on to use; no name of the trainer or of a module is replaced, so a renamed
+  internal cannot leave an observer silently watching nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from .trl_hooks.callback import DFPOCallback
+
+if TYPE_CHECKING:
+    from .groups.prepass import PrePassValues
+    from .objectives.step import StepObjective
+    from .objectives.weights import RowWeights
+
+__all__ = [
+    "WORDS",
+    "DFPOCallback",
+    "addition_dataset",
+    "last_digit_reward",
+    "observe_micro_steps",
+    "record_pre_passes",
+    "record_row_weights",
+    "save_tiny_chat_model",
+    "tiny_config_kwargs",
+    "tiny_model",
+    "tiny_tokenizer",
+    "tiny_trainer",
+]
+
+#: The tiny vocabulary: padding, end and start tokens, digits, ``+ =`` and a few words of the addition prompts.
+WORDS = ["<pad>", "<eos>", "<bos>"] + list("0123456789+=") + ["Compute", "Answer:", "is", "the", "so"]
+
+
+# --------------------------------------------------------------------------------------------- tiny builders
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over :data:`WORDS` (unknown words read as padding), padding on the left so that prompts
+    end where the completions start, as TRL's rollout expects."""
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def tiny_model(seed: int = 0, hidden: int = 32, layers: int = 2, tied: bool = False) -> LlamaForCausalLM:
+    """A randomly initialised Llama over :data:`WORDS` (``torch.manual_seed(seed)`` first, so equal seeds give equal
+    weights); ``tied`` ties the LM head to the input embedding."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(config)
+
+
+def save_tiny_chat_model(path: str | Path, tied: bool = False) -> str | Path:
+    """A tiny random Llama and the tokenizer with a chat template, saved to ``path`` as a real checkpoint is (what
+    ``dfpo-train --model_name_or_path`` reads); returns ``path``."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    model = tiny_model(tied=tied)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def addition_dataset(n: int = 16, seed: int = 0) -> Dataset:
+    """``n`` prompts ``Compute a + b =`` with single digits drawn from ``seed``, and their ``answer`` column."""
+    pairs = torch.randint(0, 10, (n, 2), generator=torch.Generator().manual_seed(seed)).tolist()
+    return Dataset.from_dict(
+        {"prompt": [f"Compute {a} + {b} =" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]}
+    )
+
+
+def last_digit_reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
+    """1 when the completion contains the answer's last digit: noisy enough that a random model's groups have
+    signal."""
+    return [float(ans[-1] in comp) for comp, ans in zip(completions, answer, strict=True)]
+
+
+def tiny_config_kwargs(**overrides: Any) -> dict[str, Any]:
+    """The tiny runs' config fields (CPU, float32, seed 0, 4 completions per prompt, no saving, no reporting), with
+    ``overrides`` on top: the keyword arguments of a ``DFPOConfig``."""
+    kwargs: dict[str, Any] = dict(
+        output_dir="/tmp/dfpo-test-out",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=1e-2,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def tiny_trainer(
+    trainer_cls: type | None = None, config_cls: type | None = None, seed: int = 0, model: Any = None, **overrides: Any
+) -> Any:
+    """A trainer (``DFPOTrainer`` unless ``trainer_cls``; its config ``DFPOConfig`` unless ``config_cls``) of
+    :func:`tiny_model` ``(seed)`` (or ``model``) on :func:`addition_dataset` with :func:`last_digit_reward`, its
+    config :func:`tiny_config_kwargs` ``(**overrides)``. The model is in train mode and one micro-step makes an
+    optimizer step, so that ``trainer.compute_loss`` can be called directly on a hand-made batch."""
+    if trainer_cls is None or config_cls is None:
+        from .config import DFPOConfig
+        from .trainer import DFPOTrainer
+
+        trainer_cls, config_cls = trainer_cls or DFPOTrainer, config_cls or DFPOConfig
+    trainer = trainer_cls(
+        model=tiny_model(seed) if model is None else model,
+        reward_funcs=last_digit_reward,
+        args=config_cls(**tiny_config_kwargs(**overrides)),
+        train_dataset=addition_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+# ------------------------------------------------------------------------------------------------- observers
+class _Calling(DFPOCallback):
+    """The callback behind the helpers below: hands each event's value to a plain function."""
+
+    def __init__(
+        self,
+        micro_step: Callable[[StepObjective], None] | None = None,
+        pre_pass: Callable[[PrePassValues], None] | None = None,
+    ) -> None:
+        self.micro_step, self.pre_pass = micro_step, pre_pass
+
+    def on_pre_pass(self, args: Any, state: Any, control: Any, *, values: PrePassValues, **kwargs: Any) -> None:
+        if self.pre_pass is not None:
+            self.pre_pass(values)
+
+    def on_micro_step(self, args: Any, state: Any, control: Any, *, step: StepObjective, **kwargs: Any) -> None:
+        if self.micro_step is not None:
+            self.micro_step(step)
+
+
+def observe_micro_steps(trainer: Any, observe: Callable[[StepObjective], None]) -> DFPOCallback:
+    """Call ``observe`` with the :class:`~dfpo_trl.objectives.step.StepObjective` of each loss micro-step of
+    ``trainer``, as its loss uses it; returns the callback (``trainer.remove_callback`` stops it)."""
+    callback = _Calling(micro_step=observe)
+    trainer.add_callback(callback)
+    return callback
+
+
+def record_row_weights(trainer: Any) -> list[RowWeights]:
+    """A list that fills, in order, with the sequence weights (s̄, s̃, U, two-sided flags) each loss micro-step of
+    ``trainer`` uses: the ``weights`` of its objective's values, when it has any."""
+    used: list[RowWeights] = []
+
+    def recording(step: StepObjective) -> None:
+        if step.values.weights is not None:
+            used.append(step.values.weights)
+
+    observe_micro_steps(trainer, recording)
+    return used
+
+
+def record_pre_passes(trainer: Any) -> list[PrePassValues]:
+    """A list that fills, in order, with the :class:`~dfpo_trl.groups.prepass.PrePassValues` of each pre-pass of
+    ``trainer`` (group layout ``pre_pass``)."""
+    values: list[PrePassValues] = []
+    trainer.add_callback(_Calling(pre_pass=values.append))
+    return values
