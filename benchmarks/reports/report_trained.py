@@ -268,6 +268,9 @@ def learn_lines(record: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path
     return lines
 
 
+IS_MEAN = "sampling/importance_sampling_ratio/mean"
+
+
 def learn_findings(runs: list[dict[str, Any]]) -> list[str]:
     """What the runs show, each number read from them: learning, the IS contrast, the evaluation paths' times."""
     by = {(r["method"], r["seed"]): r for r in runs}
@@ -295,7 +298,11 @@ def learn_findings(runs: list[dict[str, Any]]) -> list[str]:
                   f"gradient norm over steps with signal {g_on:.3f}, against {g_off:.3f} with the correction off "
                   f"(the recipes' setting), {g_off / g_on:.1f}× larger; the held-out avg@k after 100 steps was "
                   f"{on['heldout']['after']:.3f} on and {off['heldout']['after']:.3f} off (one seed each: Adam's "
-                  "normalisation absorbs much of a uniform shrink, not the length-dependent part)."]
+                  "normalisation absorbs much of a uniform shrink, not the length-dependent part). Across the "
+                  "steps with signal, the correlation of the log gradient norm with the log of the rollout's mean "
+                  f"completion length was {length_correlation(on, 'grad_norm'):+.2f} with the correction on and "
+                  f"{length_correlation(off, 'grad_norm'):+.2f} off, and the rollout's log mean ratio fell with its "
+                  f"mean length (correlation {length_correlation(on, IS_MEAN):+.2f})."]
     greedy = by.get(("transformers_eval", 0))
     sampled = [r for r in done if (r.get("heldout") or {}).get("before_seconds")]
     if greedy and sampled:
@@ -316,6 +323,16 @@ def learn_findings(runs: list[dict[str, Any]]) -> list[str]:
               "the `--configs` edit reached the machine, the other runs after it, hence two source hashes. Neither "
               "edit is imported by the runs.", ""]
     return lines
+
+
+def length_correlation(run: dict[str, Any], key: str) -> float:
+    """Pearson correlation over steps of log(``key``) with log(mean completion length), positive values only."""
+    lengths = dict(run["series"]["completions/mean_length"])
+    pairs = [(math.log(lengths[step]), math.log(v)) for step, v in run["series"][key] if v > 0 and step in lengths]
+    xs, ys = [a for a, _ in pairs], [b for _, b in pairs]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    cov = sum((a - mx) * (b - my) for a, b in pairs)
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in xs) * sum((b - my) ** 2 for b in ys))
 
 
 def json_key(checkout: dict[str, Any]) -> str:

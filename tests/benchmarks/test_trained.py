@@ -150,3 +150,24 @@ def test_cards_table_reads_capped_runs_variants_and_sleep_mode_overhead(tmp_path
     sleep = rows["vllm_b8_sleep"]
     assert sleep["overhead_gib"] == 0.9 and sleep["cards"][1]["fits"] is False  # 39.3 + 0.9 > 40
     assert all(c["how"] == "crashed" and c["fits"] is None for c in rows["vllm_b8_engine20"]["cards"])
+
+
+def test_report_length_correlation_and_paired_time_ratios():
+    """The report's run-level numbers: a gradient that falls as exp(-c·length) correlates −1 in logs; steps with a
+    zero gradient (no signal) are left out; the time ratio pairs the arms by seed, complete runs only."""
+    from benchmarks.reports.report_trained import length_correlation, paired_time_ratios
+
+    lengths = [[s, 50.0 * s] for s in range(1, 6)]
+    run = {"series": {"completions/mean_length": lengths,
+                      "grad_norm": [[s, math.exp(-0.01 * 50.0 * s) if s != 3 else 0.0] for s in range(1, 6)]}}
+    # log g = −0.5 s is linear in s, not in log length: the correlation is negative and not exactly −1
+    value = length_correlation(run, "grad_norm")
+    assert -1.0 < value < -0.9
+    run["series"]["grad_norm"] = [[s, (50.0 * s) ** -2] for s in range(1, 6)]
+    assert abs(length_correlation(run, "grad_norm") + 1.0) < 1e-12
+    timing = {"step_time": [[1, 2.0], [2, 4.0]]}
+    runs = [{"method": "off", "seed": 0, "complete": True, "series": timing},
+            {"method": "min_replace", "seed": 0, "complete": True, "series": {"step_time": [[1, 3.0], [2, 3.0]]}},
+            {"method": "min_replace", "seed": 1, "complete": True, "series": timing},
+            {"method": "off", "seed": 1, "complete": False, "series": timing}]
+    assert paired_time_ratios(runs) == [(0, 1.0)]
