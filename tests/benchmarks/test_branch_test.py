@@ -175,10 +175,11 @@ def plain_log_odds(state: dict[str, torch.Tensor], probe: bt.Probe) -> list[floa
     return (logps[:, 0] - logps[:, 1]).tolist()
 
 
-def step_by_hand(point: bt.BranchPoint, transform: str, folder: pathlib.Path) -> dict[str, torch.Tensor]:
+def step_by_hand(point: bt.BranchPoint, transform: str,
+                 folder: pathlib.Path) -> tuple[dict[str, torch.Tensor], float]:
     """One optimizer step of ``transform`` from ``point``, independent of the meter's copies: a fresh model loaded
     with θ_k, its own DFPOTrainer (the real ``compute_loss``), the AdamW state loaded from the point, backward,
-    clipping at max_grad_norm and the step taken here. Returns the stepped weights."""
+    clipping at max_grad_norm and the step taken here. Returns the stepped weights and the pre-clip gradient norm."""
     task, tokenizer = TinyFormsTask(), tiny_tokenizer()
     model = tiny_model(7)
     model.load_state_dict(point.model_state)
@@ -191,9 +192,9 @@ def step_by_hand(point: bt.BranchPoint, transform: str, folder: pathlib.Path) ->
     model.train()
     torch.manual_seed(point.seed * 100_003 + point.step)  # the seed the meter's step uses
     trainer.compute_loss(model, dict(point.batch)).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.args.max_grad_norm)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.args.max_grad_norm)
     trainer.optimizer.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, float(norm)
 
 
 @pytest.mark.slow
@@ -210,8 +211,10 @@ def test_the_meter_agrees_with_the_step_applied_by_hand_and_reads_a_nonzero_pair
     probe = bt.Probe.from_task(TinyFormsTask(), SETTING.probe_prompts, SETTING.temperature)
     generation = plain_log_odds(tiny_model(0).state_dict(), probe)  # θ_rollout of point (2, 2): the initial weights
     before = plain_log_odds(point.model_state, probe)
-    stepped = [step_by_hand(point, transform, tmp_path / transform) for transform in bt.ARMS]
+    stepped, norms = zip(*(step_by_hand(point, transform, tmp_path / transform) for transform in bt.ARMS),
+                         strict=True)
     assert [arm["transform"] for arm in record["arms"]] == list(bt.ARMS)
+    assert [arm["grad_norm"] for arm in record["arms"]] == pytest.approx(list(norms), rel=1e-5)
     for meter_weights, weights in zip(record["weights"], stepped, strict=True):
         for name, value in weights.items():
             torch.testing.assert_close(meter_weights[name], value, rtol=0,
@@ -238,6 +241,47 @@ def test_the_meter_agrees_with_the_step_applied_by_hand_and_reads_a_nonzero_pair
     assert effects["oriented"] == pytest.approx(oriented, abs=1e-4 * paired)
     assert effects["gspo_move"] == pytest.approx(move, abs=1e-4 * move)
     assert effects["oriented"] != 0.0
+
+
+def terms_by_hand(point: bt.BranchPoint, eps_low: float, eps_high: float, temperature: float) -> dict[str, float]:
+    """Imbalance and removed share (eq. 44–50) at θ_k on the point's micro-batch, from a fresh model's full logits
+    under the bf16 autocast the trainer computes with (TRL's bf16 default): ρ_i the masked mean log-ratio to the
+    rollout's log-probs, s̄ the sign-aware clip, s̃ the group minimum; groups of ``num_generations`` rows in order."""
+    model = tiny_model(7)
+    model.load_state_dict(point.model_state)
+    batch = point.batch
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].size(1)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, -width - 1:-1].float() / temperature
+    logps = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1).double()
+    mask = batch["completion_mask"].double()
+    rho = ((logps - batch["old_per_token_logps"].double()) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    s, a = rho.exp(), batch["advantages"].double()
+    c = s.clamp(1 - eps_low, 1 + eps_high)
+    s_bar = torch.where(a >= 0, torch.minimum(s, c), torch.maximum(s, c)).view(-1, SETTING.num_generations)
+    a = a.view(-1, SETTING.num_generations)
+    s_tilde = s_bar.amin(-1, keepdim=True)
+    mass = (a.abs() * s_bar).sum()
+    return {"imbalance": float((a * s_bar).sum(-1).abs().sum() / mass),
+            "removed_share": float((a * (s_bar - s_tilde)).abs().sum() / mass)}
+
+
+@pytest.mark.slow
+def test_the_recorded_term_sizes_agree_with_a_recomputation_by_hand(tmp_path: pathlib.Path) -> None:
+    """The terms are read on the trajectory's own model, a path the issue-44 probe bug did not touch: checked against
+    eq. 44–50 computed here, under the same bf16 autocast (they agree to about 1e-7; at the rollout's θ both terms
+    would read about 0, so a term read at the wrong weights fails)."""
+    records, _, _ = trajectory(tmp_path, bt.ARMS)
+    for record in records:
+        point = record["point"]
+        assert torch.equal(point.batch["group_ids"].view(-1, SETTING.num_generations)[:, 0].repeat_interleave(
+            SETTING.num_generations), point.batch["group_ids"])  # whole groups, in order, as terms_by_hand reads them
+        truth = terms_by_hand(point, SETTING.epsilon, SETTING.epsilon_high, SETTING.temperature)
+        for key, value in truth.items():
+            assert record["terms"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert records[-1]["terms"]["removed_share"] > 1e-2  # a term of a size the check can see
 
 
 def test_each_arm_probe_reads_its_own_weights_when_the_trajectory_model_is_patched(tmp_path: pathlib.Path) -> None:
