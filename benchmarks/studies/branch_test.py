@@ -25,10 +25,11 @@ callback; the trajectory's RNG is left untouched by the branches (``torch.random
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -91,14 +92,42 @@ class Probe:
         return cls([r["prompt"] for r in rows], [list(task.equivalent_forms(r)) for r in rows], temperature)
 
     def measure(self, model: Any, tokenizer: Any) -> dict[str, list[float]]:
-        """Per prompt, D1 (log-odds, form 0 against 1) and D4 (log-mass of the set), float64 → lists."""
+        """Per prompt, D1 (log-odds, form 0 against 1) and D4 (log-mass of the set), float64 → lists; read through
+        the model's own class forward (:func:`class_forward`), so every probe of a branch point (rollout, before,
+        each arm after) reads that model's weights in float32, whatever a trainer installed on it."""
         k = len(self.forms[0])
         flat_prompts = [p for p in self.prompts for _ in range(k)]
         flat_forms = [f for forms in self.forms for f in forms]
-        logps = completion_log_probs(model, tokenizer, flat_prompts, flat_forms, temperature=self.temperature,
-                                     end_ids=end_token_ids(tokenizer, model)).view(len(self.prompts), k)
+        with class_forward(model):
+            logps = completion_log_probs(model, tokenizer, flat_prompts, flat_forms, temperature=self.temperature,
+                                         end_ids=end_token_ids(tokenizer, model)).view(len(self.prompts), k)
         stats = equivalent_set_stats(logps)
         return {"log_odds": stats["log_odds"].tolist(), "set_logp": stats["set_logp"].tolist()}
+
+
+@contextlib.contextmanager
+def class_forward(model: Any) -> Iterator[Any]:
+    """``model`` with its instance-level ``forward`` set aside for the block, so a call runs the class's forward on
+    ``model``'s own weights. A trainer installs one: TRL's fused LM head (``add_fused_lm_head``) and, once
+    prepared, accelerate's bf16 autocast wrapper. Both hold the forward they wrap in a closure bound to the model
+    they patched, so on a deep copy of a patched model (whose functions ``copy.deepcopy`` keeps by reference) a plain
+    call runs the ORIGINAL model's weights; and the autocast wrapper sits on the trajectory's model only, so its
+    probes would be read in bf16 and the arms' in float32."""
+    patched = model.__dict__.pop("forward", None)
+    try:
+        yield model
+    finally:
+        if patched is not None:
+            model.forward = patched
+
+
+def own_copy(model: Any) -> Any:
+    """A deep copy of ``model`` whose forward is its class's (no instance-level ``forward``, see
+    :func:`class_forward`): the branch trainer then patches a model whose every path reads the copy's weights."""
+    out = copy.deepcopy(model)
+    out.__dict__.pop("forward", None)
+    out.__dict__.pop("_original_forward", None)  # accelerate's, if ``model`` was prepared
+    return out
 
 
 @dataclasses.dataclass
@@ -246,10 +275,11 @@ class BranchPoints(TrainerCallback):
 
 def branch_trainers(model: Any, tokenizer: Any, task: Any, setting: Setting, seed: int, output_dir: str,
                     arms: Sequence[str] = ARMS, **extra: Any) -> list[DFPOTrainer]:
-    """One DFPOTrainer per arm, each on its own copy of ``model``, with its optimizer created."""
+    """One DFPOTrainer per arm, each on its own copy of ``model`` (:func:`own_copy`: ``model`` may already be the
+    trajectory trainer's, patched), with its optimizer created."""
     out = []
     for transform in arms:
-        trainer = DFPOTrainer(model=copy.deepcopy(model), reward_funcs=task.reward_funcs,
+        trainer = DFPOTrainer(model=own_copy(model), reward_funcs=task.reward_funcs,
                               args=setting.config(transform, output_dir, seed, **extra),
                               train_dataset=task.build_dataset("train", 8, seed), processing_class=tokenizer)
         trainer.create_optimizer()
