@@ -75,7 +75,9 @@ class Setting:
             temperature=self.temperature, importance_sampling_level="sequence", loss_type="grpo",
             epsilon=self.epsilon, epsilon_high=self.epsilon_high, scale_rewards="none", group_granular_batches=True,
             group_transform=transform, log_mechanism_metrics=True, logging_steps=1, report_to="none",
-            save_strategy="no", disable_tqdm=True, use_vllm=False, **extra)
+            save_strategy="no", disable_tqdm=True, use_vllm=False,
+            bf16=False, fp16=False,  # the registration's float32: TRL's GRPOConfig turns bf16 autocast on by default
+            **extra)
 
 
 @dataclasses.dataclass

@@ -245,7 +245,7 @@ def test_the_meter_agrees_with_the_step_applied_by_hand_and_reads_a_nonzero_pair
 
 def terms_by_hand(point: bt.BranchPoint, eps_low: float, eps_high: float, temperature: float) -> dict[str, float]:
     """Imbalance and removed share (eq. 44–50) at θ_k on the point's micro-batch, from a fresh model's full logits
-    under the bf16 autocast the trainer computes with (TRL's bf16 default): ρ_i the masked mean log-ratio to the
+    in float32, as the registered setting trains (``bf16=False``): ρ_i the masked mean log-ratio to the
     rollout's log-probs, s̄ the sign-aware clip, s̃ the group minimum; groups of ``num_generations`` rows in order."""
     model = tiny_model(7)
     model.load_state_dict(point.model_state)
@@ -253,7 +253,7 @@ def terms_by_hand(point: bt.BranchPoint, eps_low: float, eps_high: float, temper
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     width = batch["completion_ids"].size(1)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attention).logits[:, -width - 1:-1].float() / temperature
     logps = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1).double()
     mask = batch["completion_mask"].double()
@@ -271,7 +271,7 @@ def terms_by_hand(point: bt.BranchPoint, eps_low: float, eps_high: float, temper
 @pytest.mark.slow
 def test_the_recorded_term_sizes_agree_with_a_recomputation_by_hand(tmp_path: pathlib.Path) -> None:
     """The terms are read on the trajectory's own model, a path the issue-44 probe bug did not touch: checked against
-    eq. 44–50 computed here, under the same bf16 autocast (they agree to about 1e-7; at the rollout's θ both terms
+    eq. 44–50 computed here, in the same float32 (they agree to about 1e-7; at the rollout's θ both terms
     would read about 0, so a term read at the wrong weights fails)."""
     records, _, _ = trajectory(tmp_path, bt.ARMS)
     for record in records:
@@ -307,3 +307,10 @@ def test_each_arm_probe_reads_its_own_weights_when_the_trajectory_model_is_patch
     moved = probe.measure(arms[1].model, tokenizer)["log_odds"]
     assert moved == pytest.approx(plain_log_odds(arms[1].model.state_dict(), probe), abs=1e-9)
     assert max(abs(x - y) for x, y in zip(moved, start[1], strict=True)) > 1e-3
+
+
+def test_the_setting_trains_in_float32_as_registered() -> None:
+    """The registration says float32 weights: TRL's GRPOConfig turns bf16 autocast on by default, the setting must
+    turn it off (the 2026-11-28 run did not)."""
+    config = SETTING.config("none", "/tmp/unused", 0, use_cpu=True)
+    assert config.bf16 is False and config.fp16 is False
