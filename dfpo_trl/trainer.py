@@ -28,11 +28,11 @@ from .delta.rollout import DELTA_WEIGHTS_KEY
 from .delta.weighting import DeltaWeighting
 from .groups.choice import LAYOUT_PRE_PASS, choose_layout, describe_layout, refuse_multimodal_model
 from .groups.layout import GroupDelivery
-from .groups.prepass import PrePass, attach_pre_pass
+from .groups.prepass import PrePass
 from .groups.shape import run_shape
 from .metrics.clip import CLIP_RATIO_METRICS
 from .metrics.hooks import energy_capture, watch_gradient_energy, watch_token_coefficients
-from .metrics.objective import log_micro_step, log_pre_pass
+from .metrics.objective import log_micro_step
 from .metrics.step_reward import attach_row_rewards, log_step_reward, row_rewards
 from .metrics.store import MetricStore
 from .objectives.plan import ObjectivePlan
@@ -99,7 +99,8 @@ class DFPOTrainer(GRPOTrainer):
         refuse_multimodal_model(name, self.plan.active_options, self.accelerator.unwrap_model(self.model),
                                 self.processing_class)
         self.layout = GroupDelivery(name, shape, self.accelerator, self.plan.needs_groups, self.plan.active_options)
-        self.pre_pass = PrePass(shape, self.plan, self.accelerator, self._prepass_logps) \
+        self.pre_pass = PrePass(shape, self.plan, self.accelerator, self.dfpo_metrics,
+                                self._get_per_token_logps_and_entropies, self.args.gradient_checkpointing_kwargs) \
             if name == LAYOUT_PRE_PASS else None
         # every process: the layout, why it was chosen and what it costs, in one line
         logger.info(describe_layout(name, self.args, shape.num_processes))
@@ -192,8 +193,8 @@ class DFPOTrainer(GRPOTrainer):
         return capture
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
-        """TRL's buffering, with each rollout regrouped for the layout and, in the pre-pass layout, the pre-pass at
-        the first micro-step of each optimizer step (its metrics logged)."""
+        """TRL's buffering, with each rollout regrouped for the layout and, in the pre-pass layout, the pre-pass's
+        one call (it runs at the first micro-step of each optimizer step: groups/prepass.py)."""
         regenerated = self.model.training and (
             self._step % generate_every(self) == 0 or self._buffered_inputs is None
         )
@@ -202,25 +203,12 @@ class DFPOTrainer(GRPOTrainer):
             return inputs
         if regenerated:
             self._buffered_inputs = self.layout.regroup(self._buffered_inputs, self.state.global_step)
-        if self.pre_pass is not None and self._step % self.args.gradient_accumulation_steps == 0:
-            # s̄ and s̃ at the optimizer step's θ, attached to its micro-batches (no forward when θ = θ_old)
-            values = self.pre_pass.run(self._buffered_inputs, self._step, self._trl_loss(), applies_is_ratio(self))
-            self._call_dfpo_callbacks("on_pre_pass", values=values)
-            attach_pre_pass(self._buffered_inputs, self._step, values)
-            log_pre_pass(self.dfpo_metrics, values.objective, values.skipped, group_metrics=self.plan.group_metrics,
-                         off_policy=off_policy_step(self))
+        if self.pre_pass is not None:  # s̄ and s̃ at the optimizer step's θ, attached to its micro-batches
+            values = self.pre_pass.before_micro_step(self._buffered_inputs, self._step, self.model, self._trl_loss(),
+                                                     applies_is_ratio(self))
+            if values is not None:  # it ran: the first micro-step of an optimizer step
+                self._call_dfpo_callbacks("on_pre_pass", values=values)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
-
-    @torch.no_grad()
-    def _prepass_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                       batch_size: int) -> torch.Tensor:
-        """The policy's per-token log-probs of a pre-pass chunk, through TRL's log-prob helper (no grad)."""
-        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                model=self.model, input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
-                batch_size=batch_size,
-            )
-        return logps
 
     def _trl_loss(self) -> TRLLoss:
         """TRL's loss settings as its loss reads them now; its off-policy mask through this trainer's

@@ -63,6 +63,7 @@ def profile_labels() -> list[Label]:
 
     import dfpo_trl.trainer as dt
     from dfpo_trl.groups.layout import GroupDelivery
+    from dfpo_trl.groups.prepass import PrePass
     from dfpo_trl.metrics.store import MetricStore
 
     trl_methods = ("training_step", "_prepare_inputs", "_compute_loss", "_get_per_token_logps_and_entropies", "log")
@@ -73,12 +74,13 @@ def profile_labels() -> list[Label]:
     )]
     labels += [Label(dt, f, f, True) for f in (
         "log_step_reward", "diverted_metrics", "check_one_value_each", "loss_mask", "applied_is_ratio",
-        "energy_capture", "micro_step_objective", "log_micro_step", "log_pre_pass", "off_policy_step",
+        "energy_capture", "micro_step_objective", "log_micro_step", "off_policy_step",
     )]
     labels += [
         Label(dt, "watch_token_coefficients", "watch_token_coefficients", True, hooked_tensor_arg=2),
         Label(dt, "watch_gradient_energy", "watch_gradient_energy", True, hooked_tensor_arg=2),
         Label(GroupDelivery, "whole_groups", "layout.whole_groups", True),
+        Label(PrePass, "before_micro_step", "pre_pass.before_micro_step", True),
         Label(MetricStore, "_add", "metric_store.add", True),
     ]
     return checked(labels)

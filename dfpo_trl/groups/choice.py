@@ -2,8 +2,9 @@
 
 A transform needs every member's s̄ at the same θ. :func:`choose_layout` picks the cheapest layout that makes the
 coefficients exact for the batch sizes and process count, and refuses only what no layout can make exact;
-:func:`describe_layout` is the start-up line that says why and what it costs; the multimodal refusals belong to the
-layouts that regroup TRL's rollout, which treat every tensor as one row per sample.
+:func:`describe_layout` is the start-up line that says why and what it costs (the pre-pass's rows are its schedule's
+closed form, :func:`~dfpo_trl.groups.prepass_schedule.pre_pass_rows`, re-exported here); the multimodal refusals
+belong to the layouts that regroup TRL's rollout, which treat every tensor as one row per sample.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config.options import GROUP_LAYOUT_AUTO, GROUP_LAYOUT_PRE_PASS, GROUP_LAYOUT_REDISTRIBUTED
 from ..trl_hooks.compat import MULTIMODAL_KEYS
+from .prepass_schedule import pre_pass_rows
 
 if TYPE_CHECKING:
     from ..config import DFPOConfig
@@ -131,32 +133,6 @@ def describe_layout(layout: str, args: DFPOConfig, processes: int) -> str:
         )
     return (f"{head} (no in-group transform active: TRL's batch order): no extra cost; group metrics only on "
             "micro-batches that hold whole groups (group_granular_batches: true gives them every step)")
-
-
-def pre_pass_rows(
-    per_device: int, accumulation: int, steps_per_generation: int, group_size: int, iterations: int = 1
-) -> list[int]:
-    """Rows the pre-pass forwards on one process at each optimizer step of a rollout (docs/layouts.md, "The
-    pre-pass and its cost"), for a process that holds whole groups (per-device batch × steps_per_generation a
-    multiple of G). The layout lays each group's rows consecutively, so the step that trains rows [kR, (k+1)R)
-    (R = accumulation × per-device batch) forwards every row of the groups those rows touch: G·⌈R/G⌉ when R is a
-    multiple of G or G of R, at most G more otherwise. The first step after a rollout forwards none (θ = θ_old);
-    with ``iterations`` > 1 the buffer is trained again from its first row.
-
-    Returns:
-        One count per optimizer step of the rollout, in order.
-    """
-    trained, local = accumulation * per_device, per_device * steps_per_generation
-    per_pass = steps_per_generation // accumulation  # optimizer steps per pass over the buffer
-    rows = []
-    for k in range(per_pass * iterations):
-        if k == 0:
-            rows.append(0)
-            continue
-        start = (k % per_pass) * trained
-        touched = (start + trained - 1) // group_size - start // group_size + 1
-        rows.append(min(touched * group_size, local))
-    return rows
 
 
 def regroups_batches(layout: str) -> bool:

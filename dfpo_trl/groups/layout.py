@@ -4,8 +4,9 @@ Built once by the trainer (the choice is :func:`~dfpo_trl.groups.choice.choose_l
 (:class:`~dfpo_trl.groups.shape.RunShape`) and the accelerator. It marks each rollout row with its group and row id,
 regroups each rollout where its layout needs it (group-granular shuffle, redistribution), and at loss time
 delivers the micro-batch's whole groups (:class:`~dfpo_trl.objectives.step.WholeGroups`): an index into its rows,
-the pre-pass values (:mod:`dfpo_trl.groups.prepass`, attached before the optimizer step), or a gather that
-completes them across processes (:mod:`dfpo_trl.groups.gather`). It computes no objective: that is
+the pre-pass values (attached before the optimizer step and read back by :class:`~dfpo_trl.groups.prepass.PrePass`,
+which also decides the pre-pass layout's order), or a gather that completes them across processes
+(:mod:`dfpo_trl.groups.gather`). It computes no objective: that is
 :func:`~dfpo_trl.objectives.step.objective_values`'s. (The config field ``group_layout`` names the layout asked for,
 :data:`~dfpo_trl.config.options.GroupLayout` its values; this class is the chosen one at work.)
 """
@@ -18,7 +19,6 @@ from typing import Any
 from torch import Tensor
 
 from ..objectives.step import GatheredGroups, RowScalars, WholeGroups
-from ..objectives.weights import RowWeights
 from ..trl_hooks.compat import split_tensor_dict
 from .batches import concat_sequence_dicts, permute_sequence_dict
 from .choice import (
@@ -32,7 +32,6 @@ from .gather import gather_groups
 from .ids import (
     GROUP_IDS_KEY,
     GROUP_SHUFFLE_STREAM,
-    PRE_PASS_ORDER_STREAM,
     ROW_IDS_KEY,
     WHOLE_GROUPS_KEY,
     consecutive_group_ids,
@@ -42,7 +41,7 @@ from .ids import (
     rollout_generator,
     rollout_ids,
 )
-from .prepass import PRE_PASS_KEYS
+from .prepass import PrePass
 from .redistribute import redistribute
 from .shape import RunShape
 
@@ -78,15 +77,15 @@ class GroupDelivery:
         if self.name in (LAYOUT_GROUP_GRANULAR, LAYOUT_PRE_PASS):
             # Whole groups in consecutive rows, groups in a random order: every micro-batch holds whole groups
             # (group_granular), or an optimizer step's rows come from as few groups as its size allows, the only
-            # ones the pre-pass forwards (pre_pass; docs/layouts.md, "The pre-pass and its cost").
-            stream = GROUP_SHUFFLE_STREAM if self.name == LAYOUT_GROUP_GRANULAR else PRE_PASS_ORDER_STREAM
+            # ones the pre-pass forwards (pre_pass, the order PrePass.order decides; docs/layouts.md, "The pre-pass
+            # and its cost").
             full = concat_sequence_dicts(buffered)
-            generator = rollout_generator(  # DFPO's own draw: torch's global RNG stream stays TRL's
-                shape.seed, shape.process_index, step, stream=stream
-            )
-            buffered = split_tensor_dict(permute_sequence_dict(full, group_granular_order(full[GROUP_IDS_KEY],
-                                                                                          generator)),
-                                         shape.steps_per_generation)
+            if self.name == LAYOUT_PRE_PASS:
+                order = PrePass.order(full[GROUP_IDS_KEY], shape, step)
+            else:  # DFPO's own draw: torch's global RNG stream stays TRL's
+                generator = rollout_generator(shape.seed, shape.process_index, step, stream=GROUP_SHUFFLE_STREAM)
+                order = group_granular_order(full[GROUP_IDS_KEY], generator)
+            buffered = split_tensor_dict(permute_sequence_dict(full, order), shape.steps_per_generation)
         elif self.name == LAYOUT_REDISTRIBUTED:
             full = redistribute(buffered, self.accelerator, shape.num_generations, shape.per_device_batch,
                                 shape.seed, step)
@@ -122,7 +121,7 @@ class GroupDelivery:
             processes.
         """
         index = self.group_index(inputs, mode)
-        precomputed = RowWeights(*(inputs[key] for key in PRE_PASS_KEYS)) if PRE_PASS_KEYS[1] in inputs else None
+        precomputed = PrePass.attached(inputs)
         gather = None
         if index is None and precomputed is None:
             gather = partial(self._gather, self._row_ids(inputs), self._group_ids(inputs, mode), mode)

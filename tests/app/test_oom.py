@@ -13,8 +13,8 @@ import torch
 from tiny import save_tiny_chat_model, tiny_recipe
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, LlamaModel
 
-from dfpo_trl import DFPOTrainer
 from dfpo_trl.app.main import main
+from dfpo_trl.groups.prepass import PrePass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trl_hooks"))
 import test_vllm_colocate  # noqa: E402
@@ -92,7 +92,7 @@ def test_loss_micro_step(tmp_path: Path, model_dir: Path, capsys: pytest.Capture
 
 def test_dfpo_pre_pass(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str],
                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(DFPOTrainer, "_prepass_logps", out_of_memory)
+    monkeypatch.setattr(PrePass, "forward", out_of_memory)
     line = run_until_oom(tmp_path, model_dir, capsys, skip_eval=True, group_layout="pre_pass",
                          per_device_train_batch_size=2)  # groups of 4 split over micro-steps: the pre-pass runs
     assert "out of memory in the DFPO pre-pass at step 1 " in line  # the first off-policy step

@@ -173,22 +173,23 @@ def test_pre_pass_forwards_in_chunks_of_prepass_batch_size(prepass_batch_size, c
                        -1.0 - 0.1 * torch.rand(8, 5, generator=g))
     seen: list[int] = []
 
-    def recording(input_ids, *args):  # noqa: ANN001, ANN202
+    def recording(*, input_ids, **kwargs):  # noqa: ANN001, ANN003, ANN202
         seen.append(input_ids.size(0))
-        return trainer._prepass_logps(input_ids, *args)
+        return trainer.pre_pass.log_probs(input_ids=input_ids, **kwargs)
 
     def s_bar(of: DFPOTrainer, logps: torch.Tensor) -> torch.Tensor:  # the objective of the two whole groups
         values = objective_values(of.plan, logps, batch["old_per_token_logps"], batch["advantages"], loss_mask(batch),
                                   WholeGroups(index=torch.arange(8).view(2, 4)), of._trl_loss())
         return values.weights.s_bar
 
-    pre_pass = PrePass(trainer.layout.shape, trainer.plan, trainer.accelerator, recording)  # its forward: data in
-    chunked = s_bar(trainer, pre_pass.policy_logps(batch, torch.arange(8)))
+    pre_pass = PrePass(trainer.layout.shape, trainer.plan, trainer.accelerator, trainer.dfpo_metrics,
+                       recording)  # its log-prob helper: data in
+    chunked = s_bar(trainer, pre_pass.policy_logps(batch, torch.arange(8), trainer.model))
     assert seen == chunks
     one_by_one = make_trainer(DFPOTrainer, DFPOConfig, **SEQ, group_transform="min_replace",
                               per_device_train_batch_size=2, num_generations=4, steps_per_generation=4,
                               gradient_accumulation_steps=2, prepass_batch_size=1)
-    reference = s_bar(one_by_one, one_by_one.pre_pass.policy_logps(batch, torch.arange(8)))
+    reference = s_bar(one_by_one, one_by_one.pre_pass.policy_logps(batch, torch.arange(8), one_by_one.model))
     assert_close_to_rounding(chunked, reference)  # forwards of other batch sizes: equal up to float32 rounding
 
 
