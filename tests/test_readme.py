@@ -167,18 +167,19 @@ def test_no_tracker_issue_numbers() -> None:
 
 
 def test_every_benchmark_script_is_in_the_benchmarks_readme() -> None:
-    """benchmarks/README.md's table names every script of benchmarks/ (what it measures, the machine, the results),
-    and says how to run each one."""
+    """benchmarks/README.md's table names every module of the dfpo_bench package (what it measures, the machine, the
+    results; paths relative to benchmarks/dfpo_bench/), and says how to run each one."""
     readme = (ROOT / "benchmarks" / "README.md").read_text()
     table = {m.group(1) for m in re.finditer(r"^\| `([\w/]+\.py)` \|", readme, flags=re.MULTILINE)}
-    scripts = {str(p.relative_to(ROOT / "benchmarks")) for p in (ROOT / "benchmarks").rglob("*.py")}
+    package = ROOT / "benchmarks" / "dfpo_bench"
+    scripts = {str(p.relative_to(package)) for p in package.rglob("*.py") if p.name != "__init__.py"}
     assert scripts <= table, f"add to benchmarks/README.md's table: {sorted(scripts - table)}"
     # imported, not run: the table says "a helper" or "nothing" (a section that report.py writes)
     helpers = {m.group(1) for m in re.finditer(r"^\| `([\w/]+\.py)` \| (?:a helper|nothing):", readme,
                                                  flags=re.MULTILINE)}
     assert {"lib/common.py", "reports/report_long_run.py", "reports/report_launch_shape.py"} <= helpers
-    launched = set(re.findall(r"(?:python|\.yaml) benchmarks/([\w/]+\.py)\b", readme))
-    launched |= {m.replace(".", "/") + ".py" for m in re.findall(r"python -m benchmarks\.([\w.]+)", readme)}
+    launched = set(re.findall(r"(?:python|\.yaml|accelerate launch|torchrun) benchmarks/dfpo_bench/([\w/]+\.py)\b", readme))
+    launched |= {m.replace(".", "/") + ".py" for m in re.findall(r"python -m dfpo_bench\.([\w.]+)", readme)}
     assert not scripts - helpers - launched, f"no command in benchmarks/README.md for {scripts - helpers - launched}"
 
 

@@ -106,7 +106,7 @@ class SyncWatchdog:
             yield
         finally:
             done.set()
-        # what a phase takes is what its deadline should be set from (benchmarks/launch/sync_fault.py reads this)
+        # what a phase takes is what its deadline should be set from (dfpo_bench.launch.sync_fault reads this)
         logger.debug("%s finished in %.3f s of its %.0f s limit", what, time.monotonic() - start, limit)
 
 

@@ -12,7 +12,7 @@ from dfpo_trl.testing import DFPOCallback
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# the users'-size ordering of benchmarks/bit_identity.py: a micro-batch smaller than a group, so the pre-pass layout
+# the users'-size ordering of dfpo_bench.bit_identity: a micro-batch smaller than a group, so the pre-pass layout
 PRE_PASS = dict(importance_sampling_level="sequence", epsilon=3e-2, epsilon_high=4e-2, group_transform="min_replace",
                 per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=4,
                 num_generations=4, learning_rate=5e-2, log_mechanism_metrics=True)

@@ -1,0 +1,173 @@
+"""Whole-loop cost with vLLM colocated: each DFPO transform's optimizer-step time against TRL's GRPOTrainer.
+
+    # on the GPU machine, after the kit's setup with vLLM; one worker per GPU, ~4 minutes
+    python -m dfpo_bench.cost.loop_cost --gpus 2 3 --rounds 4 --out $OUT/loop_cost.json
+
+Each worker (one process, one GPU) builds ONE vLLM engine and reuses it for every run (TRL's colocated
+``VLLMGeneration`` builds its engine through ``vllm.LLM``; here the second and later constructions return the first
+engine, and each run pushes its own initial weights into it before training). A run is a short training of one
+method (``--steps`` optimizer steps of the GPU recipe's shape: G = 8, 32 completions per micro-step, 4 steps per
+generation, GSPO's sequence ratio); its time is the mean wall time of the optimizer steps after the first rollout
+(generation, weight sync and loss steps included; CUDA synchronised). A round runs every method once in a shuffled
+order; the ratio of a method to ``GRPOTrainer`` is taken within a round (same GPU, minutes apart) and its median
+over all rounds of all workers is given with a bootstrap interval over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pathlib
+import random
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+RECIPE = ROOT / "recipes" / "smollm2_gpu_vllm.yaml"
+METHODS = {  # name -> DFPOConfig fields on top of the recipe (None: TRL's GRPOTrainer)
+    "trl": None,
+    "dfpo_off": {"group_transform": "none"},
+    "min_replace": {"group_transform": "min_replace"},
+    "orth_proj": {"group_transform": "orth_proj"},
+    "positive_orth_proj": {"group_transform": "positive_orth_proj"},
+    "truncate_rebalance": {"group_transform": "truncate_rebalance"},
+    "min_replace_gradient": {"group_transform": "min_replace", "cancellation_target": "gradient"},
+}
+
+
+def share_one_engine() -> None:
+    """Every ``vllm.LLM`` TRL builds in this process after the first is the first (same model, same settings)."""
+    import trl.generation.vllm_generation as generation
+
+    first: dict[str, Any] = {}
+    build = generation.LLM
+
+    def shared(*args: Any, **kwargs: Any) -> Any:
+        if "engine" not in first:
+            first["engine"] = build(*args, **kwargs)
+        return first["engine"]
+
+    generation.LLM = shared
+
+
+def one_run(method: str, model: str, steps: int, seed: int) -> dict[str, Any]:
+    import torch
+    from dfpo_trl import DFPOConfig, DFPOTrainer
+    from dfpo_trl.tasks import get_task, safe_reward
+    from trl import GRPOConfig, GRPOTrainer
+
+    from dfpo_bench.lib.timing import StepClock
+    from dfpo_bench.lib.vllm_tools import grpo_kwargs
+
+    extra = METHODS[method]
+    config, values = grpo_kwargs(RECIPE, {})
+    config.update(output_dir=f"/tmp/loop_cost/{method}", max_steps=steps, save_strategy="no", report_to="none",
+                  disable_tqdm=True, logging_steps=1, seed=seed, model_init_kwargs={"dtype": "float32"})
+    task = get_task("arithmetic")
+    train = task.build_dataset("train", 2000, seed)
+    rewards = [safe_reward(f) for f in task.reward_funcs]
+    clock = StepClock()
+    if extra is None:
+        trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=GRPOConfig(**config), train_dataset=train,
+                              callbacks=[clock])
+    else:
+        trainer = DFPOTrainer(model=model, reward_funcs=rewards, args=DFPOConfig(**config, **extra),
+                              train_dataset=train, callbacks=[clock])
+    trainer.vllm_generation.sync_weights()  # the shared engine holds the last run's weights: load this run's
+    trainer.train()
+    per_rollout = config["steps_per_generation"]
+    times = [s["total_s"] for s in clock.steps]
+    measured = times[per_rollout:]
+    phi = [h["transform/phi_mean"] for h in trainer.state.log_history if "transform/phi_mean" in h]
+    record = {"method": method, "trainer": type(trainer).__name__, "step_s": times,
+              "mean_step_s": statistics.fmean(measured), "phi_mean": statistics.fmean(phi) if phi else None}
+    del trainer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return record
+
+
+def worker(args: argparse.Namespace) -> None:
+    share_one_engine()
+    rng = random.Random(args.seed)
+    rounds = []
+    for r in range(args.rounds):
+        order = list(args.methods)
+        rng.shuffle(order)
+        runs = {m: one_run(m, args.model, args.steps, seed=r) for m in order}
+        rounds.append({"order": order, "runs": runs})
+        pathlib.Path(args.worker_out).write_text(json.dumps(rounds) + "\n")
+        print(f"round {r}: " + ", ".join(f"{m} {runs[m]['mean_step_s']:.3f}s" for m in order), flush=True)
+
+
+def bootstrap_interval(values: list[float], draws: int = 4000, seed: int = 0) -> list[float]:
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return [medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]]
+
+
+def summarise(rounds: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for method in methods:
+        if method == "trl":
+            continue
+        ratios = [r["runs"][method]["mean_step_s"] / r["runs"]["trl"]["mean_step_s"] for r in rounds]
+        out[method] = {"rounds": len(ratios), "median_ratio_to_trl": statistics.median(ratios),
+                       "interval_95": bootstrap_interval(ratios), "ratios": ratios}
+    out["trl_median_step_s"] = statistics.median(r["runs"]["trl"]["mean_step_s"] for r in rounds)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="/root/models/smollm2-135m-instruct")
+    p.add_argument("--gpus", nargs="+", default=["0"])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (the first rollout is not timed)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="/tmp/loop_cost.json")
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker_out:
+        worker(args)
+        return
+    if "trl" not in args.methods:
+        p.error("--methods must include trl, the baseline of every ratio")
+    from dfpo_bench.lib.common import installed_versions as versions
+
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    children = []
+    for i, gpu in enumerate(args.gpus):
+        part = out.with_name(f"{out.stem}_gpu{gpu}.json")
+        command = [sys.executable, __file__, "--worker-out", str(part), "--model", args.model, "--rounds",
+                   str(args.rounds), "--steps", str(args.steps), "--seed", str(args.seed + i), "--methods",
+                   *args.methods]
+        log = open(out.with_name(f"{out.stem}_gpu{gpu}.log"), "w")  # noqa: SIM115 - closed with the child
+        children.append((gpu, part, log, subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                                          env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})))
+    rounds, cards = [], {}
+    for gpu, part, log, child in children:
+        child.wait()
+        log.close()
+        if part.exists():
+            rounds += json.loads(part.read_text())
+        cards[gpu] = subprocess.run(["nvidia-smi", "-i", gpu, "--query-gpu=name", "--format=csv,noheader"],
+                                    capture_output=True, text=True).stdout.strip()
+    result = {"cards": cards, "versions": versions(), "recipe": RECIPE.name, "model": args.model,
+              "steps_per_run": args.steps, "methods": args.methods, "rounds": rounds,
+              "command": "python -m dfpo_bench.cost.loop_cost " + " ".join(argv if argv is not None else sys.argv[1:])}
+    complete = [r for r in rounds if set(r["runs"]) == set(args.methods)]
+    if complete:
+        result["summary"] = summarise(complete, args.methods)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result.get("summary", {}), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Loss + backward time of every objective on ONE fixed rollout batch, against TRL's own GSPO, interleaved.
+
+Whole training loops drift by up to 28% between phases on the GPU machines, which hides an overhead of 1–2%. This
+benchmark removes everything but the code that differs between methods: the same model, the same hand-built
+off-policy batch (old log-probs shifted so that some sequences are clipped), and for each method only
+``trainer.compute_loss(model, batch)`` and ``loss.backward()``. Methods are interleaved in many short rounds
+(each round: every method ``--reps`` times, in a shuffled order), and the ratio to TRL's ``GRPOTrainer`` is
+taken within each round, then bootstrapped over rounds (95% interval of the median of the per-round ratios).
+
+    # on the GPU machine (model from the kit), ~2 minutes
+    python -m dfpo_bench.cost.loss_step --model /root/models/smollm2-135m-instruct --out-dir $OUT
+    # a Qwen3-1.7B-sized random init
+    python -m dfpo_bench.cost.loss_step --random-config qwen3-1.7b --rows 16 --completion-length 512 --out-dir $OUT
+    # CPU check of the pipeline
+    python -m dfpo_bench.cost.loss_step --random-config tiny --device cpu --rounds 3 --reps 1 --out-dir /tmp/ls
+
+Writes ``loss_step_<tag>.json``: device, model, shapes, per method the per-round times, their median, the
+ratio to TRL with its interval, and whether the method's loss equals TRL's where it must (``dfpo_none``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import random
+import statistics
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+from dfpo_bench.lib import common, stats, trainers  # noqa: E402
+
+BASELINE = "trl_gspo"
+# TRL's GRPOTrainer itself, then DFPOTrainer with DFPO off, then each objective (weights and gradient targets).
+DEFAULT_METHODS = (
+    BASELINE, "dfpo_none", "min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance",
+    "min_replace_grad", "positive_orth_proj_grad", "min_replace_grad_zero", "none_score",
+)
+
+
+def method_overrides(name: str) -> tuple[type, type, dict[str, Any]]:
+    """(trainer class, config class, overrides); ``trl_gspo`` is TRL's GRPOTrainer with GSPO's settings."""
+    if name == BASELINE:
+        return trainers.trainer_and_config("gspo", baseline_trainer="trl")
+    return trainers.trainer_and_config(name, baseline_trainer="dfpo")
+
+
+def fixed_batch(args: argparse.Namespace, tokenizer: Any, device: str) -> dict[str, Any]:
+    """One off-policy rollout batch of ``--rows`` rows in groups of ``--group-size``: random prompt and completion
+    tokens, completion lengths between half and all of ``--completion-length``, zero-mean advantages per group."""
+    import torch
+    from dfpo_trl.groups.ids import WHOLE_GROUPS_KEY, consecutive_group_ids
+
+    g = torch.Generator().manual_seed(args.seed)
+    rows, length, vocab = args.rows, args.completion_length, len(tokenizer)
+    lengths = torch.randint(length // 2, length + 1, (rows,), generator=g)
+    completion_mask = (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    rewards = torch.randint(0, 2, (rows // args.group_size, args.group_size), generator=g).float()
+    advantages = (rewards - rewards.mean(1, keepdim=True)).view(-1)
+    batch = {
+        "prompt_ids": torch.randint(0, vocab, (rows, args.prompt_length), generator=g),
+        "prompt_mask": torch.ones(rows, args.prompt_length, dtype=torch.long),
+        "completion_ids": torch.randint(0, vocab, (rows, length), generator=g),
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "num_items_in_batch": completion_mask.sum(),
+        "group_ids": consecutive_group_ids(rows, args.group_size),
+        "row_ids": torch.arange(rows),
+        # What DFPOTrainer's _prepare_inputs marks on a buffered micro-batch of whole groups (TRL ignores it), so
+        # the loss takes the training path instead of re-checking the groups of a hand-built batch.
+        WHOLE_GROUPS_KEY: True,
+    }
+    # Old log-probs = current ones minus a per-row shift of a few ε (set after the model exists, in main()).
+    batch["row_shift"] = args.shift * torch.randn(rows, 1, generator=g)
+    return {k: (v.to(device) if hasattr(v, "to") else v) for k, v in batch.items()}
+
+
+def build_trainer(name: str, model: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
+    from datasets import Dataset
+
+    trainer_cls, config_cls, overrides = method_overrides(name)
+    config = config_cls(**trainers.config_kwargs(
+        device=args.device, seed=args.seed, max_steps=1, per_device_train_batch_size=args.rows,
+        num_generations=args.group_size, steps_per_generation=2, max_completion_length=args.completion_length,
+        learning_rate=1e-6, gradient_checkpointing=not args.no_gradient_checkpointing,
+    ), **overrides)
+    dataset = Dataset.from_dict({"prompt": ["x"] * args.rows})
+    trainer = trainer_cls(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
+                          train_dataset=dataset, processing_class=tokenizer)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="pretrained checkpoint (default: --random-config)")
+    parser.add_argument("--random-config", default="tiny", choices=trainers.RANDOM_CONFIGS)
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=tuple(trainers.DTYPES))
+    parser.add_argument("--methods", nargs="+", default=None, help=f"default: {' '.join(DEFAULT_METHODS)}")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--completion-length", type=int, default=256)
+    parser.add_argument("--shift", type=float, default=2e-3, help="std of the per-row log-ratio offset")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-gradient-checkpointing", action="store_true")
+    parser.add_argument("--tag", default=None)
+    parser.add_argument("--out-dir", required=True)
+    args = parser.parse_args()
+    common.quiet()
+    import torch
+
+    methods = args.methods or [m for m in DEFAULT_METHODS if m == BASELINE or m in trainers.METHODS]
+    for name in methods:
+        if name != BASELINE:
+            trainers.check_methods([name])
+    if args.rows % args.group_size:
+        raise SystemExit(f"--rows {args.rows} must be a multiple of --group-size {args.group_size}")
+    tokenizer = trainers.load_tokenizer(args.tokenizer or args.model or trainers.default_tokenizer_path())
+    model = trainers.build_model(
+        args.model, None if args.model else args.random_config, tokenizer, trainers.DTYPES[args.dtype], args.device,
+        args.seed,
+    )
+    built = {name: build_trainer(name, model, tokenizer, args) for name in methods}
+    batch = fixed_batch(args, tokenizer, args.device)
+    shift = batch.pop("row_shift")
+    probe = built[methods[0]]
+    with torch.no_grad():
+        current, _, _ = probe._get_per_token_logps_and_entropies(
+            model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].size(1),
+        )
+    batch["old_per_token_logps"] = (current - shift).float()
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+
+    def step(name: str) -> tuple[float, float]:
+        model.zero_grad(set_to_none=True)
+        sync()
+        start = time.perf_counter()
+        loss = built[name].compute_loss(model, dict(batch))
+        loss.backward()
+        sync()
+        return time.perf_counter() - start, float(loss.detach())
+
+    losses = {name: step(name)[1] for name in methods}
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    order_rng = random.Random(args.seed)
+    started = time.time()
+    for round_index in range(args.warmup + args.rounds):
+        order = list(methods)
+        order_rng.shuffle(order)
+        for name in order:
+            per_rep = [step(name)[0] for _ in range(args.reps)]
+            if round_index >= args.warmup:
+                times[name].append(statistics.median(per_rep))
+    result: dict[str, Any] = {
+        "device": common.device_name(args.device), "versions": common.versions(),
+        "model": pathlib.Path(args.model).name if args.model else f"random-{args.random_config}",
+        "dtype": args.dtype, "rows": args.rows, "group_size": args.group_size,
+        "completion_length": args.completion_length, "prompt_length": args.prompt_length,
+        "gradient_checkpointing": not args.no_gradient_checkpointing, "rounds": args.rounds, "reps": args.reps,
+        "wall_s": round(time.time() - started, 1), "baseline": BASELINE, "methods": {},
+    }
+    base = times[BASELINE] if BASELINE in times else None
+    for name in methods:
+        entry: dict[str, Any] = {"round_median_s": times[name], "median_s": statistics.median(times[name]),
+                                 "loss": losses[name]}
+        if base is not None and name != BASELINE:
+            ratios = [t / b for t, b in zip(times[name], base, strict=True)]
+            low, high = stats.bootstrap_median(ratios)
+            entry.update(ratio_to_trl=statistics.median(ratios), ratio_interval_95=[low, high])
+        result["methods"][name] = entry
+    if "dfpo_none" in losses and BASELINE in losses:
+        result["dfpo_none_loss_equals_trl"] = losses["dfpo_none"] == losses[BASELINE]
+    tag = args.tag or result["model"]
+    common.write_json(pathlib.Path(args.out_dir) / f"loss_step_{tag}.json", result)
+    print(f"device: {result['device']}; model {result['model']}, {args.rows} rows x {args.completion_length} "
+          f"tokens, {args.rounds} rounds x {args.reps} reps, {result['wall_s']} s")
+    print(f"{'method':26s} {'median ms':>10s} {'ratio':>7s}  95% interval")
+    for name, entry in result["methods"].items():
+        ratio = entry.get("ratio_to_trl")
+        interval = entry.get("ratio_interval_95")
+        print(f"{name:26s} {1e3 * entry['median_s']:10.2f} "
+              + (f"{ratio:7.3f}  [{interval[0]:.3f}, {interval[1]:.3f}]" if ratio is not None else "      -"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Rows the pre-pass forwards per off-policy optimizer step, DFPO's group order against TRL's per-sample order (CPU).
+
+    python -m dfpo_bench.cost.prepass_rows --out benchmarks/results/prepass_rows.json
+
+A tiny random Llama trains with Min-Replace in the pre-pass layout on one process; a forward pre-hook on the model
+counts the rows of every forward run without gradient, per optimizer step (the counter of
+``tests/groups/test_prepass_order.py``). In the optimizer steps that do not generate, GRPOTrainer forwards none, so
+that count is the pre-pass's F. ``per_sample`` keeps TRL's per-sample order of the rollout (the layout before DFPO
+ordered it by groups) by replacing the layout's regrouping with the whole-group marking alone. Several seeds, as
+TRL's shuffle makes F random under the per-sample order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+import torch  # noqa: E402
+from dfpo_trl import DFPOConfig, DFPOTrainer  # noqa: E402
+from dfpo_trl.groups.choice import pre_pass_rows  # noqa: E402
+from dfpo_trl.testing import (  # noqa: E402
+    addition_dataset,
+    last_digit_reward,
+    tiny_config_kwargs,
+    tiny_model,
+    tiny_tokenizer,
+)
+
+from dfpo_bench.lib import common, trainers  # noqa: E402
+
+CASES = [(2, 4, 2, 8), (1, 4, 2, 8), (3, 6, 1, 4), (2, 8, 2, 8), (3, 4, 4, 8), (2, 3, 3, 6), (3, 4, 1, 4)]
+GSPO = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.2, epsilon_high=0.28)
+
+
+def count(b: int, G: int, A: int, S: int, seed: int, order: str) -> list[int]:
+    """F of each off-policy optimizer step of two rollouts."""
+    model = tiny_model(seed)
+    rows = [0]
+
+    def hook(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            rows[0] += kwargs.get("input_ids", args[0] if args else None).size(0)
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    per_rollout = S // A
+    args = DFPOConfig(**tiny_config_kwargs(**GSPO, per_device_train_batch_size=b, num_generations=G,
+                                           gradient_accumulation_steps=A, steps_per_generation=S, seed=seed,
+                                           max_steps=2 * per_rollout, max_completion_length=4,
+                                           group_transform="min_replace"))
+    trainer = DFPOTrainer(model=model, reward_funcs=last_digit_reward, args=args, train_dataset=addition_dataset(64),
+                          processing_class=tiny_tokenizer())
+    if order == "per_sample":
+        trainers.keep_per_sample_order(trainer)
+    counts: list[int] = []
+    step = trainer.training_step
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        rows[0] = 0
+        out = step(*a, **kw)
+        counts.append(rows[0])
+        return out
+
+    trainer.training_step = counted
+    trainer.train()
+    per_step = [sum(counts[k * A:(k + 1) * A]) for k in range(2 * per_rollout)]
+    return [per_step[k] for k in range(2 * per_rollout) if k % per_rollout]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results/prepass_rows.json")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    common.quiet()
+    results = []
+    for b, G, A, S in CASES:
+        entry: dict[str, Any] = {"b": b, "G": G, "A": A, "steps_per_generation": S, "R": A * b,
+                                 "predicted": pre_pass_rows(b, A, S, G)[1:]}
+        for order in ("groups", "per_sample"):
+            counted = [count(b, G, A, S, seed, order) for seed in range(args.seeds)]
+            entry[order] = {"per_seed": counted, "mean_F": statistics.fmean(v for c in counted for v in c)}
+        entry["F_over_R"] = {o: entry[o]["mean_F"] / (A * b) for o in ("groups", "per_sample")}
+        results.append(entry)
+        print(f"b {b} G {G} A {A} S {S} R {A * b}: F {entry['groups']['mean_F']:.2f} (groups) vs "
+              f"{entry['per_sample']['mean_F']:.2f} (per-sample order)", flush=True)
+    common.write_json(args.out, {"card": common.device_name("cpu"), "versions": common.versions(),
+                                 "command": "python -m dfpo_bench.cost.prepass_rows " + " ".join(sys.argv[1:]),
+                                 "cases": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""ZeRO-3 on several GPUs: exact in-group coefficients when groups span processes and micro-steps.
+
+Three phases, one command each (see benchmarks/README.md):
+
+* ``--phase reference`` (one process, no DeepSpeed): s̄ and s̃ of every row of one fixed generation batch at
+  the initial weights, the single-process reference of docs/layouts.md.
+* ``--phase zero3`` (``accelerate launch --config_file recipes/accelerate/zero3_2gpu.yaml``): the same batch,
+  sliced per process as TRL slices a rollout, trained for one optimizer step of several micro-steps with
+  groups cut across processes and micro-steps (layout ``pre_pass``); every process records the s̄, s̃ its loss
+  used and the loss. Then, with real generation, a few steps of the pre-pass layout against the co-located
+  one (same generation batch, whole groups per micro-batch) for the step-time comparison.
+* ``--phase compare``: writes ``zero3.json`` (its fields: ``phase_compare`` below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+from dfpo_trl import DFPOConfig, DFPOTrainer  # noqa: E402
+from dfpo_trl.tasks import get_task  # noqa: E402
+
+from dfpo_bench.lib.exactness import (  # noqa: E402
+    EPS_HIGH,
+    EPS_LOW,
+    SIZES,
+    TRANSFORM,
+    Recorder,
+    fixed_batch,
+    model_logps,
+    reference_weights,
+    serve_fixed_rows,
+)
+from dfpo_bench.lib.timing import StepClock  # noqa: E402
+
+
+def phase_reference(args: argparse.Namespace) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    batch = fixed_batch(args.model, args.world)
+    logps = model_logps(model, batch)
+    batch["old_per_token_logps"] = logps - batch.pop("log_ratio_shift")
+    s_bar, s_tilde = reference_weights(logps, batch["old_per_token_logps"], batch["completion_mask"],
+                                       batch["advantages"], SIZES["num_generations"], (EPS_LOW, EPS_HIGH))
+    torch.save({"batch": batch, "s_bar": s_bar, "s_tilde": s_tilde}, args.out_dir / "zero3_reference.pt")
+    print(f"reference: {s_bar.numel()} rows, transform changed {(s_tilde != s_bar).sum().item()} weights")
+
+
+
+
+
+
+
+
+def base_config(args: argparse.Namespace, **overrides: Any) -> DFPOConfig:
+    values: dict[str, Any] = dict(
+        output_dir="/tmp/dfpo-zero3-trainer", importance_sampling_level="sequence", loss_type="grpo",
+        epsilon=EPS_LOW, epsilon_high=EPS_HIGH, group_transform=TRANSFORM, bf16=False, report_to="none",
+        save_strategy="no", logging_steps=1, max_completion_length=32, disable_tqdm=True, seed=0,
+        use_cpu=not torch.cuda.is_available(),
+    )
+    values.update(overrides)
+    return DFPOConfig(**values)
+
+
+def phase_zero3(args: argparse.Namespace) -> None:
+    reference = torch.load(args.out_dir / "zero3_reference.pt")
+    task = get_task("arithmetic")
+    dataset = task.build_dataset("train", 256, 0)
+    # 1. exactness: one optimizer step (two micro-steps) on the fixed batch. DFPOConfig refuses a learning rate of
+    # 0 (its range checks); at 1e-30 every update rounds off, so θ stays the initial θ as at 0.
+    config = base_config(args, **SIZES, learning_rate=1e-30, max_steps=1)
+    trainer = Recorder(model=args.model, reward_funcs=task.reward_funcs, args=config, train_dataset=dataset)
+    trainer.records = []
+    rank = trainer.accelerator.process_index
+    local = SIZES["per_device_train_batch_size"] * SIZES["steps_per_generation"]
+    serve_fixed_rows(trainer, reference["batch"], rank, local, SIZES["num_generations"])
+    trainer.train()
+    torch.save(trainer.records, args.out_dir / f"zero3_rank{rank}.pt")
+    # 2. step time: the pre-pass layout against whole groups per micro-batch, same generation batch.
+    timings = {}
+    for name, sizes in (
+        ("co_located", dict(per_device_train_batch_size=8, num_generations=8, steps_per_generation=4)),
+        ("pre_pass", dict(per_device_train_batch_size=4, num_generations=8, steps_per_generation=8,
+                          gradient_accumulation_steps=2)),
+    ):
+        clock = StepClock()
+        config = base_config(args, **sizes, learning_rate=1e-6, max_steps=args.timing_steps)
+        run = DFPOTrainer(model=args.model, reward_funcs=task.reward_funcs, args=config, train_dataset=dataset,
+                          callbacks=[clock])
+        run.train()
+        losses = [h["loss"] for h in run.state.log_history if "loss" in h]
+        timings[name] = {"layout": run.group_layout, "step_s": [s["total_s"] for s in clock.steps], "loss_finite": all(
+            v == v and abs(v) != float("inf") for v in losses)}
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    timings["_run"] = {"zero_stage": plugin.zero_stage if plugin is not None else 0,
+                       "processes": trainer.accelerator.num_processes}
+    if rank == 0:
+        (args.out_dir / "zero3_timing.json").write_text(json.dumps(timings))
+
+
+def phase_compare(args: argparse.Namespace) -> None:
+    reference = torch.load(args.out_dir / "zero3_reference.pt")
+    diffs, layouts, losses = [], set(), []
+    for path in sorted(args.out_dir.glob("zero3_rank*.pt")):
+        for record in torch.load(path):
+            ids = record["row_ids"]
+            diffs.append((record["s_bar"] - reference["s_bar"][ids]).abs().max().item())
+            diffs.append((record["s_tilde"] - reference["s_tilde"][ids]).abs().max().item())
+            layouts.add(record["layout"])
+            losses.append(record["loss"])
+    timing = json.loads((args.out_dir / "zero3_timing.json").read_text())
+    run = timing.pop("_run")
+    warm = {k: v["step_s"][2:] or v["step_s"] for k, v in timing.items()}
+    result = {
+        "device": args.device_name, "gpus": run["processes"], "zero_stage": run["zero_stage"],
+        "steps": args.timing_steps,
+        "layout": sorted(layouts), "coefficients_match_reference": bool(diffs) and max(diffs) < args.tolerance,
+        "max_abs_diff": max(diffs) if diffs else None, "tolerance": args.tolerance,
+        "loss_finite": all(v == v and abs(v) != float("inf") for v in losses)
+        and all(v["loss_finite"] for v in timing.values()),
+        "median_step_s": {k: statistics.median(v) for k, v in warm.items()},
+        "layouts_timed": {k: v["layout"] for k, v in timing.items()},
+    }
+    result["pre_pass_over_co_located"] = result["median_step_s"]["pre_pass"] / result["median_step_s"]["co_located"]
+    (args.out_dir / "zero3.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phase", choices=["reference", "zero3", "compare"], required=True)
+    parser.add_argument("--model", default="/root/models/smollm2-135m-instruct")
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--timing-steps", type=int, default=6)
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--device-name", default=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    {"reference": phase_reference, "zero3": phase_zero3, "compare": phase_compare}[args.phase](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""What the jobs share: records and provenance, statistics, timing, the trainers they build, vLLM helpers."""

@@ -1,0 +1,1 @@
+"""RESULTS.md and its figures, written from the results the jobs recorded."""

@@ -1,0 +1,61 @@
+#!/bin/bash
+# The trained-weights jobs on the GPU machine, after the GPU kit (benchmarks/README.md, "The GPU kit": its setup
+# has installed TRL and vLLM and written the checkpoints). From the repo root:
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh is               the IS-ratio measurement, one process per sampling setting
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh learn GPUS N      the learning runs, detached, N at a time on each of GPUS ("0 1")
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh cards GPU         the 8B recipe's cards (cards_8b.py), detached, on one GPU
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh study GPU         study v4 (pilot, plan, main, analysis), detached, 3 processes
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh poll S            waits S s, prints progress, packs what exists into $OUT
+# A detached job dies with the machine, which goes back 30 s after a call returns: keep calling `poll`.
+set -u
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+model=/root/models/qwen2.5-coder-0.5b-instruct
+smol=/root/models/smollm2-135m-instruct
+case "$1" in
+  is)
+    for s in untruncated_t1 recipe_8b_lora recipe_32b; do
+      timeout 200 python -m dfpo_bench.trained.is_ratio --model $model --setting $s --out /tmp/is_$s.json \
+        > /tmp/is_$s.log 2>&1; echo "$s exit $?"; tail -1 /tmp/is_$s.log
+    done
+    python -m dfpo_bench.trained.is_ratio --out "$OUT/is_ratio.json" --merge /tmp/is_*.json > /dev/null
+    tar czf "$OUT/is_logs.tgz" /tmp/is_*.log 2>/dev/null ;;
+  learn)
+    mkdir -p /tmp/learn
+    setsid nohup python -m dfpo_bench.trained.learn --model $model --out-dir /tmp/learn --gpus $2 --parallel "$3" \
+      --seeds 0 1 2 --contrasts min_replace_is_on transformers_eval --vllm-memory "${4:-0.06}" \
+      --is-flags "--vllm_importance_sampling_correction false" > /tmp/learn/driver.log 2>&1 < /dev/null &
+    echo "learning runs started, $3 at a time on GPUs $2" ;;
+  cards)
+    mkdir -p /tmp/cards
+    CUDA_VISIBLE_DEVICES=$2 setsid nohup python -m dfpo_bench.trained.cards_8b --out /tmp/cards/cards_8b.json \
+      --work /tmp/cards --tokenizer $smol > /tmp/cards/driver.log 2>&1 < /dev/null &
+    echo "cards started on GPU $2" ;;
+  study)
+    mkdir -p /tmp/v4
+    CUDA_VISIBLE_DEVICES=$2 setsid nohup bash -c "
+      run() { for i in 1 2 3; do python -m dfpo_bench.studies.study_v4 --stage \$1 --model $smol --out-dir /tmp/v4 \
+        > /tmp/v4/\$1_\$i.log 2>&1 & sleep 5; done; wait; }
+      run pilot && python -m dfpo_bench.studies.study_v4 --plan /tmp/v4 > /tmp/v4/plan.log 2>&1 && run main
+      python -m dfpo_bench.studies.study_v4 --analyse /tmp/v4 --out /tmp/v4/study_v4.json > /tmp/v4/analyse.log 2>&1
+    " > /tmp/v4/driver.log 2>&1 < /dev/null &
+    echo "study v4 started on GPU $2" ;;
+  poll)
+    sleep "${2:-20}"
+    nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
+    if [ -d /tmp/learn ]; then
+      tail -4 /tmp/learn/driver.log
+      for f in /tmp/learn/logs/*.log; do echo "$(basename "$f"): $(grep -c "'step_time'" "$f") steps"; done
+      python -m dfpo_bench.trained.learn --aggregate /tmp/learn --out "$OUT/learn_qwen05.json" > /dev/null 2>&1
+      tar czf "$OUT/learn_logs.tgz" /tmp/learn/logs /tmp/learn/gpu_memory.csv /tmp/learn/driver.log /tmp/learn/runs \
+        2>/dev/null
+    fi
+    if [ -d /tmp/cards ]; then
+      tail -3 /tmp/cards/driver.log; ls /tmp/cards/*.json 2>/dev/null | xargs -n1 basename | tr '\n' ' '; echo
+      tar czf "$OUT/cards.tgz" /tmp/cards/*.json /tmp/cards/*.log 2>/dev/null
+    fi
+    if [ -d /tmp/v4 ]; then
+      for f in /tmp/v4/*/*/s*.jsonl; do echo "$f: $(wc -l < "$f") lines"; done 2>/dev/null | tail -12
+      tail -2 /tmp/v4/*.log 2>/dev/null | tail -12
+      tar czf "$OUT/study_v4.tgz" /tmp/v4 2>/dev/null
+    fi ;;
+esac

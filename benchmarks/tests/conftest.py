@@ -1,0 +1,38 @@
+"""Fixtures of the benchmarks' tests (the product's tests keep their own in tests/conftest.py: neither imports the
+other)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def transformers_logging_restored() -> Iterator[None]:
+    """A job run in-process (``common.quiet()``) sets transformers' verbosity for the whole process; a later test
+    that reads transformers' warnings must still see them, whatever ran before it."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    yield
+    transformers.logging.set_verbosity(verbosity)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny matmuls on a shared CPU are many times faster on one thread (and bit-identical run to run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def gpu_recipes_parse_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU recipes set bf16, which TrainingArguments refuses on a CPU-only machine at parse time; parsing is what
+    is tested, so the GPU check answers yes."""
+    import transformers.training_args as training_args
+
+    monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda: True)

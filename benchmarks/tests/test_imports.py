@@ -1,0 +1,82 @@
+"""The benchmarks reach dfpo_trl only through its stable names: every import of dfpo_bench and of these tests is
+walked (AST), and an import of dfpo_trl that is neither in ``dfpo_trl.__all__`` nor in ``dfpo_trl.testing.__all__``
+fails unless it is one of :data:`INTERNAL`, the named reaches still left, held exactly (a new one fails; one that goes
+must leave the list). Nothing here puts a folder on ``sys.path``, and the library's own tests never import dfpo_bench.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dfpo_trl
+import dfpo_trl.testing
+
+BENCH = Path(__file__).resolve().parents[1]
+ROOT = BENCH.parent
+
+# (module, name) pairs still imported from dfpo_trl's internals, each with the job that needs it; "" for a module import.
+INTERNAL: dict[tuple[str, str], str] = {}
+
+
+def imports_of(path: Path) -> list[tuple[str, str, int]]:
+    """(module, name, line) of every absolute import in ``path``; name "" for ``import module``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.module, alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, "", node.lineno) for alias in node.names]
+    return found
+
+
+def python_files(*folders: Path) -> list[Path]:
+    files = sorted(p for folder in folders for p in folder.rglob("*.py"))
+    assert files, folders
+    return files
+
+
+def dfpo_imports() -> dict[tuple[str, str], list[str]]:
+    """Every import of dfpo_trl in dfpo_bench and its tests that is not a stable name, with where it is."""
+    stable = {("dfpo_trl", name) for name in dfpo_trl.__all__} | {("dfpo_trl", "")}
+    stable |= {("dfpo_trl.testing", name) for name in dfpo_trl.testing.__all__}
+    found: dict[tuple[str, str], list[str]] = {}
+    for path in python_files(BENCH / "dfpo_bench", BENCH / "tests"):
+        for module, name, line in imports_of(path):
+            if module.split(".")[0] == "dfpo_trl" and (module, name) not in stable:
+                found.setdefault((module, name), []).append(f"{path.relative_to(ROOT)}:{line}")
+    return found
+
+
+def test_the_benchmarks_import_only_stable_names_and_the_listed_internals() -> None:
+    found = dfpo_imports()
+    new = {key: where for key, where in found.items() if key not in INTERNAL}
+    assert not new, f"dfpo_bench imports internals of dfpo_trl (use a stable name, or add a seam): {new}"
+    gone = sorted(set(INTERNAL) - set(found))
+    assert not gone, f"no longer imported: remove from INTERNAL {gone}"
+
+
+def test_the_walk_sees_a_reach_into_the_library(tmp_path: Path) -> None:
+    """The walker reads every form an import takes (from-import, dotted module import, inside a function)."""
+    source = tmp_path / "job.py"
+    source.write_text("import dfpo_trl.trainer as t\n\ndef f():\n    from dfpo_trl.groups.ids import group_index\n"
+                      "from dfpo_trl import DFPOConfig\n")
+    assert {(m, n) for m, n, _ in imports_of(source)} == {
+        ("dfpo_trl.trainer", ""), ("dfpo_trl.groups.ids", "group_index"), ("dfpo_trl", "DFPOConfig")}
+
+
+def test_nothing_puts_a_folder_on_sys_path() -> None:
+    """The package is installed (or on PYTHONPATH), never found by a script editing ``sys.path``."""
+    edits = [f"{path.relative_to(ROOT)}:{node.lineno}"
+             for path in python_files(BENCH / "dfpo_bench", BENCH / "tests")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "path"
+             and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+    assert not edits, edits
+
+
+def test_the_library_and_its_tests_never_import_the_benchmarks() -> None:
+    reaches = [f"{path.relative_to(ROOT)}:{line}" for path in python_files(ROOT / "dfpo_trl", ROOT / "tests")
+               for module, _, line in imports_of(path)
+               if module.split(".")[0] in ("dfpo_bench", "benchmarks")]
+    assert not reaches, reaches
