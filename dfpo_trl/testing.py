@@ -3,8 +3,9 @@
 Two parts, both public and stable (this module's ``__all__``):
 
 - **Tiny builders.** A word-level tokenizer over :data:`WORDS`, a randomly initialised 2-layer Llama, a prompt set
-  of single-digit additions, a noisy reward, and a whole tiny trainer. No download: everything is built in the
-  process, so a run's numbers depend only on the seed.
+  of single-digit additions, a noisy reward, a whole tiny trainer, and the tiny ``dfpo-train`` recipe that runs the
+  CLI end to end on that model saved as a checkpoint. No download: everything is built in the process, so a run's
+  numbers depend only on the seed.
 - **Observers.** :class:`DFPOCallback` (transformers' ``TrainerCallback`` with DFPO's ``on_pre_pass`` and
   ``on_micro_step`` events) and three helpers on top of it that record what each micro-step's objective returned.
   They read the values the trainer goes on to use; no name of the trainer or of a module is replaced, so a renamed
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import yaml
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -42,6 +44,7 @@ __all__ = [
     "tiny_model",
     "tiny_tokenizer",
     "tiny_trainer",
+    "write_tiny_recipe",
 ]
 
 #: The tiny vocabulary: padding, end and start tokens, digits, ``+ =`` and a few words of the addition prompts.
@@ -150,6 +153,57 @@ def tiny_trainer(
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     return trainer
+
+
+#: The tiny ``dfpo-train`` run of :func:`write_tiny_recipe`: one group of G = 4 per micro-batch, two micro-steps per
+#: rollout, two optimizer steps of GSPO's sequence-level loss with Min-Replace, sampled hot enough that groups have
+#: signal; held-out evaluation on 4 problems. Nothing saved, nothing reported, CPU, float32, seed 0.
+_TINY_RECIPE: dict[str, Any] = {
+    "use_cpu": True,
+    "bf16": False,
+    "report_to": "none",
+    "disable_tqdm": True,
+    "save_strategy": "no",
+    "save_model": False,
+    "seed": 0,
+    "train_size": 16,
+    "eval_size": 4,
+    "eval_max_new_tokens": 4,
+    "eval_batch_size": 4,
+    "num_generations": 4,
+    "per_device_train_batch_size": 4,
+    "steps_per_generation": 2,
+    "max_completion_length": 4,
+    "max_steps": 2,
+    "logging_steps": 1,
+    "learning_rate": 1.0e-3,
+    "temperature": 1.5,
+    "importance_sampling_level": "sequence",
+    "loss_type": "grpo",
+    "epsilon": 3.0e-4,
+    "epsilon_high": 4.0e-4,
+    "group_transform": "min_replace",
+}
+
+
+def write_tiny_recipe(
+    directory: str | Path, model: str | Path | None = None, output_dir: str | Path | None = None, **changes: Any
+) -> list[str]:
+    """The tiny ``dfpo-train`` run in seconds on a CPU (2 steps, G = 4, GSPO with Min-Replace, held-out evaluation on
+    4 problems), written once so that every end-to-end test or benchmark of the CLI runs the same recipe and states
+    only what it changes. Writes ``directory/recipe.yaml`` with ``changes`` on top of those fields (a change to None
+    drops the field, which then keeps its default) and returns the command line that runs it: the recipe's path, then
+    ``--model_name_or_path model`` (e.g. :func:`save_tiny_chat_model`'s directory) and ``--output_dir output_dir``
+    for those given, as a user gives them; append flags to it, or pass it to ``dfpo_trl.app.main.main``."""
+    recipe = {**_TINY_RECIPE, **changes}
+    path = Path(directory) / "recipe.yaml"
+    path.write_text(yaml.safe_dump({key: value for key, value in recipe.items() if value is not None}, sort_keys=False))
+    argv = [str(path)]
+    if model is not None:
+        argv += ["--model_name_or_path", str(model)]
+    if output_dir is not None:
+        argv += ["--output_dir", str(output_dir)]
+    return argv
 
 
 # ------------------------------------------------------------------------------------------------- observers

@@ -11,7 +11,7 @@ from trl import GRPOTrainer
 
 import dfpo_trl.testing as testing
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.testing import DFPOCallback, record_row_weights, tiny_model, tiny_trainer
+from dfpo_trl.testing import DFPOCallback, record_row_weights, tiny_model, tiny_trainer, write_tiny_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,6 +31,7 @@ def test_all_is_the_stable_list() -> None:
         "tiny_model",
         "tiny_tokenizer",
         "tiny_trainer",
+        "write_tiny_recipe",
     ]
     for name in testing.__all__:
         assert getattr(testing, name) is not None
@@ -44,6 +45,25 @@ def test_the_tiny_model_depends_on_its_seed_alone() -> None:
     tied = tiny_model(tied=True)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     assert tiny_model().lm_head.weight is not tiny_model().model.embed_tokens.weight
+
+
+def test_the_tiny_recipe_is_the_command_line_that_runs_it(tmp_path: Any) -> None:
+    """The recipe's path first, then the model and output_dir flags for those given; a change goes into the recipe,
+    and a change to None drops the field, which then keeps its default. ``dfpo-train`` reads it as written."""
+    from dfpo_trl.app.parser import parse_args
+
+    recipe = str(tmp_path / "recipe.yaml")
+    assert write_tiny_recipe(tmp_path) == [recipe]
+    argv = write_tiny_recipe(tmp_path, tmp_path / "model", tmp_path / "out", max_steps=3, temperature=None)
+    assert argv == [recipe, "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out")]
+    script_args, args, model_args = parse_args(argv)
+    assert (model_args.model_name_or_path, args.output_dir) == (str(tmp_path / "model"), str(tmp_path / "out"))
+    assert (args.max_steps, args.num_generations, args.per_device_train_batch_size, args.steps_per_generation) == (
+        3, 4, 4, 2)  # fmt: skip
+    assert (args.group_transform, args.importance_sampling_level, args.use_cpu, args.seed) == (
+        "min_replace", "sequence", True, 0)  # fmt: skip
+    assert (script_args.train_size, script_args.eval_size) == (16, 4)
+    assert args.temperature == DFPOConfig.__dataclass_fields__["temperature"].default
 
 
 def test_the_callback_sees_every_micro_step_as_the_loss_uses_it(tmp_path: Any) -> None:

@@ -1,13 +1,12 @@
 """The tests' own helpers on top of :mod:`dfpo_trl.testing` (the tiny model, tokenizer, data, reward and trainer,
-and the observers, which this module re-exports for the tests and benchmarks that import them from here): the tiny
-CLI recipe, hand-made batches, gradients of the real loss, gloo ranks."""
+the tiny CLI recipe and the observers, which this module re-exports for the tests and benchmarks that import them from
+here): hand-made batches, gradients of the real loss, gloo ranks."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import yaml
 
 from dfpo_trl.testing import (
     WORDS,
@@ -19,54 +18,17 @@ from dfpo_trl.testing import (
     save_tiny_chat_model,
     tiny_model,
     tiny_tokenizer,
+    write_tiny_recipe,
 )
 from dfpo_trl.testing import tiny_config_kwargs as base_args
 from dfpo_trl.testing import tiny_trainer as make_trainer
 
 __all__ = [  # what the tests import from here, dfpo_trl.testing's names among them
-    "TINY_RECIPE", "WORDS", "addition_dataset", "base_args", "capturing", "end_rank", "free_port",
+    "WORDS", "addition_dataset", "base_args", "capturing", "end_rank", "free_port",
     "fused_completion_logps", "hand_batch", "last_digit_reward", "loss_and_grads", "make_trainer",
     "observe_micro_steps", "random_batch", "record_pre_passes", "record_row_weights", "save_tiny_chat_model",
-    "shared_prefix_residual", "spawn_ranks", "tiny_model", "tiny_recipe", "tiny_tokenizer", "with_old_logps",
+    "shared_prefix_residual", "spawn_ranks", "tiny_model", "tiny_tokenizer", "with_old_logps", "write_tiny_recipe",
 ]  # fmt: skip
-
-
-#: The tiny ``dfpo-train`` run of the end-to-end CLI tests: one group of G = 4 per micro-batch, two micro-steps per
-#: rollout, two optimizer steps of GSPO's sequence-level loss with Min-Replace, sampled hot enough that groups have
-#: signal; held-out evaluation on 4 problems.
-TINY_RECIPE: dict[str, Any] = {
-    "use_cpu": True,
-    "bf16": False,
-    "report_to": "none",
-    "disable_tqdm": True,
-    "save_strategy": "no",
-    "save_model": False,
-    "seed": 0,
-    "train_size": 16,
-    "eval_size": 4,
-    "eval_max_new_tokens": 4,
-    "eval_batch_size": 4,
-    "num_generations": 4,
-    "per_device_train_batch_size": 4,
-    "steps_per_generation": 2,
-    "max_completion_length": 4,
-    "max_steps": 2,
-    "logging_steps": 1,
-    "learning_rate": 1.0e-3,
-    "temperature": 1.5,
-    "importance_sampling_level": "sequence",
-    "loss_type": "grpo",
-    "epsilon": 3.0e-4,
-    "epsilon_high": 4.0e-4,
-    "group_transform": "min_replace",
-}
-
-
-def tiny_recipe(**changes: Any) -> str:
-    """:data:`TINY_RECIPE` with ``changes`` as a recipe's YAML text; a change to None drops the key (the field then
-    keeps its default)."""
-    recipe = {**TINY_RECIPE, **changes}
-    return yaml.safe_dump({key: value for key, value in recipe.items() if value is not None}, sort_keys=False)
 
 
 def hand_batch(

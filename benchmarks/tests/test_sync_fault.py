@@ -160,13 +160,11 @@ def test_the_child_launcher_waits_after_its_first_checkpoint_then_resumes_to_max
     """The launcher the GPU run trains through, on the CPU without a server: the fault run's child stops after its
     first checkpoint until the kill is signalled (nothing is written meanwhile), reports its checkpoints and summary
     as events, and a run resumed from that checkpoint reaches max_steps."""
-    from tiny import save_tiny_chat_model, tiny_recipe
+    from dfpo_trl.testing import save_tiny_chat_model, write_tiny_recipe
 
     model, out, pause = save_tiny_chat_model(tmp_path / "model"), tmp_path / "fault", tmp_path / "pause"
     pause.mkdir()
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(tiny_recipe(model_name_or_path=str(model), output_dir=str(out), save_strategy="steps",
-                                  save_steps=1, skip_eval=True, max_steps=2))
+    argv = write_tiny_recipe(tmp_path, model, out, save_strategy="steps", save_steps=1, skip_eval=True, max_steps=2)
     args = sync_fault.parse(["--work-dir", str(tmp_path), "--trainer-gpu", "0"])
     seen: dict[str, dict[str, str]] = {}
 
@@ -178,14 +176,14 @@ def test_the_child_launcher_waits_after_its_first_checkpoint_then_resumes_to_max
             (pause / "killed").write_text("")
 
     children = sync_fault.Children()
-    first = sync_fault.run_trainer(args, children, "first", [str(recipe)], 240, sync_fault.Budget(300), watch,
+    first = sync_fault.run_trainer(args, children, "first", argv, 240, sync_fault.Budget(300), watch,
                                    env={sync_fault.PAUSE_ENV: str(pause)})
     assert first["status"] == "ok", first.get("log_tail")
     assert (pause / "saved").read_text() == "1" and seen["at_save"] == seen["a_second_later"]
     assert any(name.startswith("checkpoint-1/") for name in seen["at_save"])
     assert first["checkpoints"] == [1, 2] and first["summary"]["steps"] == 2 and first["card"] == "cpu"
     resumed = sync_fault.run_trainer(args, children, "resumed",
-                                     [str(recipe), "--resume_from_checkpoint", str(out / "checkpoint-1")], 240,
+                                     [*argv, "--resume_from_checkpoint", str(out / "checkpoint-1")], 240,
                                      sync_fault.Budget(300))
     assert resumed["status"] == "ok", resumed.get("log_tail")
     assert resumed["checkpoints"] == [2] and resumed["summary"]["steps"] == 2

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from tiny import tiny_recipe
+from tiny import write_tiny_recipe
 
 from dfpo_trl import DFPOConfig
 from dfpo_trl.app.args import DFPOScriptArguments, RecipeError
@@ -465,8 +465,7 @@ def test_task_factory_that_gives_no_task_names_what_it_gave(
     """`--task os:getcwd` loaded the model, called the function and failed on `.reward_funcs` of a str, 16 lines
     later; now one line, before the model is looked at."""
     _no_model(monkeypatch)
-    recipe = write_recipe(tmp_path, tiny_recipe())
-    assert main([recipe, "--output_dir", str(tmp_path / "out"), "--task", "os:getcwd"]) == 2
+    assert main([*write_tiny_recipe(tmp_path, output_dir=tmp_path / "out"), "--task", "os:getcwd"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert f"task 'os:getcwd' gave a str ({os.getcwd()!r}), not a task: it lacks name, reward_funcs, " in line
     assert "build_dataset(split, n, seed) method" in line
@@ -633,8 +632,7 @@ def test_tiny_end_to_end_writes_summary_and_plot(
 ) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "out"
-    recipe = write_recipe(tmp_path, tiny_recipe())
-    assert main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]) == 0
+    assert main(write_tiny_recipe(tmp_path, tiny_model_dir, out)) == 0
     summary = json.loads((out / "dfpo_summary.json").read_text())
     assert summary["steps"] == 2 and summary["method"] == "DFPO min_replace"
     assert summary["heldout"]["n"] == 4
@@ -680,8 +678,7 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     from dfpo_trl.app.callbacks import CurveMetricsCallback
 
     out = tmp_path / "out"
-    recipe = write_recipe(tmp_path, tiny_recipe(eval_size=2))
-    argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]
+    argv = write_tiny_recipe(tmp_path, tiny_model_dir, out, eval_size=2)
     assert main([*argv, "--max_steps", "1", "--save_model", "true"]) == 0
     first = json.loads((out / "dfpo_summary.json").read_text())
     assert first["interrupted"] is False and first["steps"] == 1
@@ -732,8 +729,7 @@ def test_sigterm_stops_like_ctrl_c_with_exit_code_143(
     before = signal.getsignal(signal.SIGTERM)
     monkeypatch.setattr(app_train, "CurveMetricsCallback", SigtermAtStep3)
     out = tmp_path / "out"
-    recipe = write_recipe(tmp_path, tiny_recipe(eval_size=2))
-    code = main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--max_steps", "4"])
+    code = main([*write_tiny_recipe(tmp_path, tiny_model_dir, out, eval_size=2), "--max_steps", "4"])
     captured = capsys.readouterr()
     assert code == 143 and signal.getsignal(signal.SIGTERM) is before
     assert "Traceback" not in captured.err and "DFPO run summary" not in captured.out
@@ -756,8 +752,7 @@ def test_sigterm_outside_training_exits_143(tmp_path: Path, capsys: pytest.Captu
         raise AssertionError("SIGTERM did not interrupt")
 
     monkeypatch.setattr(app_train, "resolve_model", loading)
-    recipe = write_recipe(tmp_path, tiny_recipe())
-    assert main([recipe, "--output_dir", str(tmp_path / "out")]) == 143
+    assert main(write_tiny_recipe(tmp_path, output_dir=tmp_path / "out")) == 143
     assert capsys.readouterr().err.strip() == "dfpo-train: stopped by SIGTERM"
 
 
@@ -815,8 +810,7 @@ def test_a_refusal_leaves_output_dir_as_it_was(
         (out / name).write_bytes(name.encode())
     before = _tree(out)
     _no_model(monkeypatch)  # every refusal comes before the model is looked at
-    recipe = write_recipe(tmp_path, tiny_recipe())
-    argv = [recipe, "--output_dir", str(out), *REFUSALS[refusal]]
+    argv = [*write_tiny_recipe(tmp_path, output_dir=out), *REFUSALS[refusal]]
     assert main(argv) == 2
     _one_error_line(capsys.readouterr().err)
     assert _tree(out) == before
@@ -830,8 +824,7 @@ def test_layout_and_its_cost_are_said_at_start_up(
     in consecutive rows: 8, 8 and 4 rows, 6.67 on average: +74%)."""
     import logging
 
-    recipe = write_recipe(tmp_path, tiny_recipe(skip_eval=True, plot=False))
-    argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"),
+    argv = [*write_tiny_recipe(tmp_path, tiny_model_dir, tmp_path / "out", skip_eval=True, plot=False),
             "--per_device_train_batch_size", "3", "--steps_per_generation", "4", "--max_steps", "1"]
     with caplog.at_level(logging.INFO, logger="dfpo_trl"):
         assert main(argv) == 0
@@ -881,8 +874,8 @@ def test_failing_reward_names_function_and_completion(
         "    return [1.0 / (x % 2) for x in a]  # fails on completions of prompts with an even first operand\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    recipe = write_recipe(tmp_path, tiny_recipe(reward_funcs=["my_rewards:boom"], skip_eval=True, plot=False))
-    code = main([recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")])
+    code = main(write_tiny_recipe(tmp_path, tiny_model_dir, tmp_path / "out", reward_funcs=["my_rewards:boom"],
+                                  skip_eval=True, plot=False))
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
     said = re.fullmatch(
@@ -923,8 +916,7 @@ def test_two_process_run_finishes_and_tears_down_the_process_group(tmp_path: Pat
     from tiny import free_port, spawn_ranks
 
     out = tmp_path / "out"
-    recipe = write_recipe(tmp_path, tiny_recipe(skip_eval=True, plot=False))
-    argv = [recipe, "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]
+    argv = write_tiny_recipe(tmp_path, tiny_model_dir, out, skip_eval=True, plot=False)
     spawn_ranks(_cli_process, (free_port(), argv, str(tmp_path)), nprocs=2)
     for rank in range(2):
         ended = json.loads((tmp_path / f"rank{rank}.json").read_text())

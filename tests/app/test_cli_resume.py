@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny import save_tiny_chat_model, tiny_recipe
+from tiny import save_tiny_chat_model, write_tiny_recipe
 
 from dfpo_trl.app.args import RecipeError
 from dfpo_trl.app.evaluation import BEFORE_KEY
@@ -17,28 +17,21 @@ from dfpo_trl.app.parser import parse_args
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # 4 prompts x G = 4 per rollout, one micro-step per optimizer step, a rollout every 4 steps: step 2 is inside it.
-CHANGES = dict(save_model=None, steps_per_generation=4, max_steps=4, learning_rate=1.0e-2)  # to tiny.TINY_RECIPE
-RUN = tiny_recipe(**CHANGES)
-
-
-def write_recipe(tmp_path: Path, text: str = RUN) -> str:
-    path = tmp_path / "recipe.yaml"
-    path.write_text(text)
-    return str(path)
+CHANGES = dict(save_model=None, steps_per_generation=4, max_steps=4, learning_rate=1.0e-2)  # to the tiny recipe
 
 
 def test_save_steps_on_the_command_line_implies_steps(tmp_path: Path) -> None:
     """Under a recipe with save_strategy "no", --save_steps N used to save nothing, silently: on the command line it
     now means a checkpoint every N steps. A recipe's own pair, or a strategy given with it, stands; the command
     line asking for both N steps and no checkpoints is refused."""
-    recipe = write_recipe(tmp_path)
+    [recipe] = write_tiny_recipe(tmp_path, **CHANGES)
     out = ["--output_dir", str(tmp_path / "out")]
     for flags in (["--save_steps", "3"], ["--save_steps=3"], ["--save-steps", "3"]):
         _, args, _ = parse_args([recipe, *flags, *out])
         assert (args.save_strategy, args.save_steps) == ("steps", 3)
     _, args, _ = parse_args([recipe, *out])
     assert args.save_strategy == "no"
-    _, args, _ = parse_args([write_recipe(tmp_path, tiny_recipe(**CHANGES, save_steps=3)), *out])
+    _, args, _ = parse_args([*write_tiny_recipe(tmp_path, **CHANGES, save_steps=3), *out])
     assert args.save_strategy == "no"  # the recipe's choice
     _, args, _ = parse_args([recipe, "--save_steps", "3", "--save_strategy", "epoch", *out])
     assert args.save_strategy == "epoch"
@@ -65,7 +58,7 @@ def test_resumed_run_continues_and_reports_the_runs_own_before(
     not the resumed model's. From a checkpoint without it (written by another trainer) it measures at the resume
     step and says so: "at resume (step 2)", the gain "since step 2", the curve starting at step 2."""
     out = tmp_path / "out"
-    argv = [write_recipe(tmp_path), "--model_name_or_path", str(tied_model_dir), "--output_dir", str(out)]
+    argv = write_tiny_recipe(tmp_path, tied_model_dir, out, **CHANGES)
     assert main([*argv, "--save_steps", "2"]) == 0
     first = summary(out)
     assert (out / "checkpoint-2" / "dfpo_rollout_state_0.pt").is_file() and (out / "checkpoint-4").is_dir()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import save_tiny_chat_model, tiny_recipe, tiny_tokenizer
+from tiny import save_tiny_chat_model, tiny_tokenizer, write_tiny_recipe
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 import dfpo_trl.app.train as app_train
@@ -18,8 +18,8 @@ from dfpo_trl.app.main import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RUN = tiny_recipe(skip_eval=True, eval_size=None, eval_max_new_tokens=None, eval_batch_size=None, train_size=8,
-                  temperature=None, epsilon=0.2, epsilon_high=0.28)
+RUN = dict(skip_eval=True, eval_size=None, eval_max_new_tokens=None, eval_batch_size=None, train_size=8,
+           temperature=None, epsilon=0.2, epsilon_high=0.28)  # changes to dfpo_trl.testing's tiny recipe
 
 
 def save_reward_model(path: Path, tokenizer: bool = True, chat_template: bool = True) -> Path:
@@ -38,12 +38,6 @@ def save_reward_model(path: Path, tokenizer: bool = True, chat_template: bool = 
     return path
 
 
-def write_recipe(tmp_path: Path) -> str:
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RUN)
-    return str(recipe)
-
-
 def test_reward_model_directory_goes_through_the_cli_into_the_trainer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -57,8 +51,7 @@ def test_reward_model_directory_goes_through_the_cli_into_the_trainer(
             built.append(self)
 
     monkeypatch.setattr(app_train, "DFPOTrainer", Keeping)
-    argv = [write_recipe(tmp_path), "--model_name_or_path", str(policy), "--reward_funcs", str(reward_dir),
-            "--output_dir", str(tmp_path / "out")]
+    argv = [*write_tiny_recipe(tmp_path, policy, tmp_path / "out", **RUN), "--reward_funcs", str(reward_dir)]
     assert main(argv) == 0
     trainer, = built
     model, = trainer.reward_funcs
@@ -92,8 +85,8 @@ def test_unreachable_hub_reward_model_is_one_line(
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     _no_model(monkeypatch)
-    argv = [write_recipe(tmp_path), "--reward_funcs", "no-such-org/no-such-reward-model-dfpo",
-            "--output_dir", str(tmp_path / "out")]
+    argv = [*write_tiny_recipe(tmp_path, output_dir=tmp_path / "out", **RUN), "--reward_funcs",
+            "no-such-org/no-such-reward-model-dfpo"]
     assert main(argv) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "reward model (reward_funcs) 'no-such-org/no-such-reward-model-dfpo'" in line
@@ -114,7 +107,7 @@ def test_reward_model_directory_that_cannot_load_is_one_line(
     _no_model(monkeypatch)
     target = make(tmp_path / "rm")
     capsys.readouterr()  # what saving it printed
-    argv = [write_recipe(tmp_path), "--reward_funcs", str(target), "--output_dir", str(tmp_path / "out")]
+    argv = [*write_tiny_recipe(tmp_path, output_dir=tmp_path / "out", **RUN), "--reward_funcs", str(target)]
     assert main(argv) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert f"reward_funcs: {str(target)!r}" in line and said in line

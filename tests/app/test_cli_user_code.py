@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from tiny import tiny_recipe
+from tiny import write_tiny_recipe
 
 from dfpo_trl.app.main import main
 
@@ -68,9 +68,7 @@ def setup(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch)
     (out / "dfpo_metrics.png").write_bytes(b"\x89PNG\r\n\x1a\nearlier figure")
     (out / "model.safetensors").write_bytes(bytes(range(256)))
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(tiny_recipe(eval_size=2))
-    return [str(recipe), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)], out, before
+    return write_tiny_recipe(tmp_path, tiny_model_dir, out, eval_size=2), out, before
 
 
 def _one_line(capsys: pytest.CaptureFixture[str]) -> str:

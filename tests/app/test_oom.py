@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import save_tiny_chat_model, tiny_recipe
+from tiny import save_tiny_chat_model, write_tiny_recipe
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, LlamaModel
 
 from dfpo_trl.app.main import main
@@ -54,10 +54,9 @@ def run_until_oom(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture
     (out / "checkpoint-1" / "model.safetensors").write_bytes(b"\x00weights\xff")
     (out / "notes.txt").write_text("mine\n")
     before = snapshot(out)
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(tiny_recipe(**changes))
+    argv = write_tiny_recipe(tmp_path, model_dir, out, **changes)
     capsys.readouterr()
-    assert main([str(recipe), "--model_name_or_path", str(model_dir), "--output_dir", str(out)]) == 1
+    assert main(argv) == 1
     assert snapshot(out) == before
     err = capsys.readouterr().err
     assert "Traceback" not in err

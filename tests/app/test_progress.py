@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import save_tiny_chat_model, tiny_model, tiny_recipe, tiny_tokenizer
+from tiny import save_tiny_chat_model, tiny_model, tiny_tokenizer, write_tiny_recipe
 
 from dfpo_trl.app.progress import DFPOProgressCallback, GenerationProgress
 
@@ -34,9 +34,6 @@ def test_generation_progress_counts_tokens_and_finished_completions_and_leaves_s
     assert [r[0] for r in reports] == sorted(r[0] for r in reports)
 
 
-RUN = tiny_recipe(plot=False, disable_tqdm=False)
-
-
 def test_cli_bar_shows_the_rollouts_generation_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -45,9 +42,8 @@ def test_cli_bar_shows_the_rollouts_generation_only(
     it closes) report nothing; the description is cleared when generation ends."""
     from dfpo_trl.app.main import main
 
-    save_tiny_chat_model(tmp_path / "model")
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RUN)
+    argv = write_tiny_recipe(tmp_path, save_tiny_chat_model(tmp_path / "model"), tmp_path / "out", plot=False,
+                             disable_tqdm=False)
 
     shown: list[tuple[int, int, int, int]] = []
     show = DFPOProgressCallback.show_generation
@@ -57,7 +53,6 @@ def test_cli_bar_shows_the_rollouts_generation_only(
         show(self, *report)
 
     monkeypatch.setattr(DFPOProgressCallback, "show_generation", record)
-    argv = [str(recipe), "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out")]
     assert main(argv) == 0
     err = capsys.readouterr().err
     tokens = [token for _, _, token, _ in shown]
@@ -76,11 +71,8 @@ def test_cli_bar_names_the_heldout_evaluation_along_the_run(
     accuracy, and the bar's postfix then shows it."""
     from dfpo_trl.app.main import main
 
-    save_tiny_chat_model(tmp_path / "model")
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(tiny_recipe(plot=False, disable_tqdm=False, eval_max_new_tokens=3))
-    argv = [str(recipe), "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out"),
-            "--eval_every", "1"]  # fmt: skip
+    argv = [*write_tiny_recipe(tmp_path, save_tiny_chat_model(tmp_path / "model"), tmp_path / "out", plot=False,
+                               disable_tqdm=False, eval_max_new_tokens=3), "--eval_every", "1"]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "held-out evaluation: token 1/3, 0/4 completions done" in captured.err

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import WORDS, tiny_recipe, tiny_tokenizer
+from tiny import WORDS, save_tiny_chat_model, tiny_tokenizer, write_tiny_recipe
 
 from dfpo_trl.app.callbacks import DriftMeterCallback, FormShareReward
 from dfpo_trl.metrics.drift import (
@@ -292,27 +292,19 @@ def test_form_share_reward_logs_exact_pooled_shares() -> None:
 # ------------------------------------------------------------------------------------------------ CLI
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny import tiny_model
-
-    path = tmp_path_factory.mktemp("tiny_drift_model")
-    tokenizer = tokenizer_with_template()
-    model = tiny_model()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny_drift_model"))
 
 
-RUN = dict(plot=False, seed=None, max_steps=4, learning_rate=None, temperature=None)  # changes to tiny.TINY_RECIPE
+RUN = dict(plot=False, seed=None, max_steps=4, learning_rate=None, temperature=None)  # changes to the tiny recipe
 
 
 def test_cli_drift_meter_and_periodic_heldout_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
     from dfpo_trl.app.main import main
 
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(tiny_recipe(**RUN, task="two_forms", drift_every=2, drift_size=3, eval_every=2))
     out = tmp_path / "out"
-    assert main([str(recipe), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]) == 0
+    argv = write_tiny_recipe(tmp_path, tiny_model_dir, out, **RUN, task="two_forms", drift_every=2, drift_size=3,
+                             eval_every=2)
+    assert main(argv) == 0
     summary = json.loads((out / "dfpo_summary.json").read_text())
     assert [p["step"] for p in summary["drift"]["curve"]] == [0, 2, 4]
     assert summary["drift"]["forms"] == ["sum", "answer"] and summary["drift"]["n"] == 3
@@ -329,11 +321,10 @@ def test_cli_refuses_drift_on_a_task_without_equivalent_forms(
 ) -> None:
     from dfpo_trl.app.main import main
 
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(tiny_recipe(**RUN, task="arithmetic", drift_every=2))
-    assert main([str(recipe), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "o")]) == 2
+    assert main(write_tiny_recipe(tmp_path, tiny_model_dir, tmp_path / "o", **RUN, task="arithmetic",
+                                  drift_every=2)) == 2
     err = capsys.readouterr().err
     assert "drift_every=2" in err and "two_forms" in err and "'arithmetic'" in err
-    recipe.write_text(tiny_recipe(**RUN, task="two_forms", eval_every=-1))
-    assert main([str(recipe), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "o")]) == 2
+    assert main(write_tiny_recipe(tmp_path, tiny_model_dir, tmp_path / "o", **RUN, task="two_forms",
+                                  eval_every=-1)) == 2
     assert "eval_every must be >= 0" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from standin_vllm import GetOnlyServer, SilentServer
-from tiny import save_tiny_chat_model, tiny_recipe
+from tiny import save_tiny_chat_model, write_tiny_recipe
 
 from dfpo_trl.trl_hooks.sync_watchdog import STALL_EXIT_CODE, SyncWatchdog
 
@@ -88,12 +88,10 @@ def test_run_against_a_server_that_never_answers_ends_within_the_timeout(
     """``dfpo-train`` in server mode against a server that accepts and never answers: TRL's client would wait
     forever for /health. The run ends with exit code 124 within vllm_server_timeout + vllm_sync_timeout of the
     connection, with one line, and output_dir (an earlier checkpoint, a note) is byte for byte as it was."""
-    model = save_tiny_chat_model(tmp_path / "model")
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(tiny_recipe(use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
-                                  vllm_server_port=silent_server.port, vllm_server_timeout=1.0,
-                                  vllm_sync_timeout=3.0, max_steps=2))
     out = tmp_path / "out"
+    argv = write_tiny_recipe(tmp_path, save_tiny_chat_model(tmp_path / "model"), out, use_vllm=True,
+                             vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=silent_server.port,
+                             vllm_server_timeout=1.0, vllm_sync_timeout=3.0, max_steps=2)
     (out / "checkpoint-2").mkdir(parents=True)
     (out / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
     (out / "checkpoint-2" / "dfpo_rollout_state_0.pt").write_bytes(b"\x00" * 64)
@@ -102,7 +100,7 @@ def test_run_against_a_server_that_never_answers_ends_within_the_timeout(
     script = VLLM_PRESENT + "import sys\nfrom dfpo_trl.app.main import main\nsys.exit(main(sys.argv[1:]))\n"
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c", script, str(recipe), "--model_name_or_path", str(model), "--output_dir", str(out)],
+        [sys.executable, "-c", script, *argv],
         capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=300,
     )
     ended = time.monotonic()

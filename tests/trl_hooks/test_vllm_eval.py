@@ -84,18 +84,16 @@ def test_dfpo_train_with_use_vllm_reports_avg_at_k(stand_in_vllm: Any, tmp_path:
     """The CLI run: avg@k in the log history, the summary, the printed lines and the figure's title."""
     import json
 
-    from tiny import save_tiny_chat_model, tiny_recipe
+    from tiny import save_tiny_chat_model, write_tiny_recipe
     from transformers import AutoModelForCausalLM
 
     from dfpo_trl.app.main import main
 
     model_dir = save_tiny_chat_model(tmp_path / "model")
     stand_in_vllm(AutoModelForCausalLM.from_pretrained(model_dir))
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(tiny_recipe(use_vllm=True, vllm_mode="colocate", num_generations_eval=2,
-                                  per_device_eval_batch_size=4, eval_every=1, plot=False))
     out = tmp_path / "out"
-    assert main([str(recipe), "--model_name_or_path", str(model_dir), "--output_dir", str(out)]) == 0
+    assert main(write_tiny_recipe(tmp_path, model_dir, out, use_vllm=True, vllm_mode="colocate", num_generations_eval=2,
+                                  per_device_eval_batch_size=4, eval_every=1, plot=False)) == 0
     summary = json.loads((out / "dfpo_summary.json").read_text())
     heldout = summary["heldout"]
     assert heldout["metric"] == "avg@2" and [s for s, _ in heldout["curve"]] == [0, 1, 2]
