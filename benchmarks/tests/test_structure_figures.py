@@ -1,0 +1,181 @@
+"""dfpo_bench.structure_figures: the line count against a small git repository whose lines are known, the call-path
+tracer against a synthetic chain whose hops are known, and one real Min-Replace step of the tiny trainer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from dfpo_bench.structure_figures import (
+    NotAGitCheckout,
+    TargetNotReached,
+    count_hand_written_lines,
+    main,
+    trace_call_path,
+)
+
+NOTEBOOK = {
+    "cells": [
+        {"cell_type": "code", "source": ["import x\n", "x.run()"], "outputs": [{"text": ["a\n"] * 50}]},
+        {"cell_type": "markdown", "source": "# Title"},
+    ],
+    "metadata": {},
+    "nbformat": 4,
+    "nbformat_minor": 5,
+}
+
+# Each file of the small repository and its (physical lines, non-blank lines), None when it must not count.
+FILES: dict[str, tuple[str, tuple[int, int] | None]] = {
+    "dfpo_trl/__init__.py": ("x = 1\n\ny = 2\n", (3, 2)),
+    "dfpo_trl/core.py": ("a\nb", (2, 2)),  # no newline at the end: the last line still counts
+    "dfpo_trl/table.json": ('{"a":\n1}\n', None),  # data, not a hand-written kind
+    "tests/test_core.py": ("1\n2\n3\n4\n", (4, 4)),
+    "benchmarks/run.py": ("1\n2\n3\n4\n5\n", (5, 5)),
+    "benchmarks/README.md": ("one\n", (1, 1)),
+    "benchmarks/results/out.py": ("1\n" * 100, None),  # under results/: generated
+    "benchmarks/study/results/log.txt": ("1\n" * 100, None),  # a nested results/ folder too
+    "benchmarks/figures/plot.png": ("\x89PNG\n" * 7, None),
+    "docs/guide.md": ("# Guide\n\ntext\n", (3, 2)),
+    "notebooks/demo.ipynb": (json.dumps(NOTEBOOK, indent=1), (3, 3)),  # its cells' sources only
+    "README.md": ("readme\n", (1, 1)),
+    "tools/run": ("#!/bin/sh\necho hi\n", (2, 2)),  # an extensionless script: other
+    "tools/.gitignore": ("*.pyc\n", None),  # extensionless, no #!
+}
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def small_repo(tmp_path: Path) -> Path:
+    """A git repository of :data:`FILES`, committed, plus a tracked symlink and an untracked file (neither counts)."""
+    repo = tmp_path / "repo"
+    for path, (text, _) in FILES.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text)
+    _git(repo, "init", "-q")
+    (repo / "dfpo_trl" / "link.py").symlink_to("core.py")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "files")
+    (repo / "dfpo_trl" / "untracked.py").write_text("1\n" * 10)
+    return repo
+
+
+def _expected(part: str) -> tuple[int, int]:
+    counted = [c for p, (_, c) in FILES.items() if c is not None and (p.split("/")[0] if "/" in p else "") == part]
+    return sum(c[0] for c in counted), sum(c[1] for c in counted)
+
+
+def test_line_count_follows_the_definition(small_repo: Path) -> None:
+    count = count_hand_written_lines(small_repo / "docs")  # any folder of the checkout reads the whole checkout
+    parts = {name: (c.lines, c.nonblank) for name, c in count.parts.items()}
+    assert parts == {
+        "dfpo_trl": _expected("dfpo_trl"),
+        "tests": _expected("tests"),
+        "benchmarks": _expected("benchmarks"),
+        "docs": _expected("docs"),
+        "recipes": (0, 0),
+        "examples": (0, 0),
+        "notebooks": _expected("notebooks"),
+        "other": (_expected("")[0] + _expected("tools")[0], _expected("")[1] + _expected("tools")[1]),
+    }
+    assert parts["dfpo_trl"] == (5, 4) and parts["notebooks"] == (3, 3) and parts["other"] == (3, 3)
+    assert count.total.lines == 5 + 4 + 6 + 3 + 3 + 3 == 24
+    assert count.product_share == pytest.approx(5 / 24)
+    assert count.parts["dfpo_trl"].python_files == 2 and count.parts["benchmarks"].python_lines == 5
+    assert count.checking_over_product == pytest.approx((4 + 5) / 5)
+    assert count.excluded == {"benchmarks results": 2, "not a hand-written kind": 3, "symlink or submodule": 1}
+    assert len(count.commit) == 40 and not count.uncommitted_changes
+    figures = count.as_dict()
+    assert figures["product_lines"] == 5 and figures["python"]["tests_and_benchmarks_over_product"] == 1.8
+    assert json.loads(json.dumps(figures)) == figures
+
+
+def test_a_folder_outside_git_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    with pytest.raises(NotAGitCheckout, match="not a git checkout"):
+        count_hand_written_lines(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--root", str(tmp_path)])
+    assert exit_info.value.code == 2
+
+
+CHAIN = """
+def min_replace():
+    return 1
+
+def b():
+    return min_replace()
+
+def a():
+    return b()
+
+def compute_loss():
+    return a()
+
+def loose():
+    return min_replace()
+"""
+
+OUTSIDE = """
+def min_replace():  # the same name, outside the package: not the target
+    return 0
+
+def compute_loss(inner):  # an enclosing compute_loss outside the package (as TRL's encloses DFPO's)
+    return min_replace() + inner()
+"""
+
+
+def _module(name: str, file: Path, text: str) -> ModuleType:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tracer_counts_the_hops_of_a_known_chain(tmp_path: Path) -> None:
+    package = tmp_path / "fakepkg"
+    chain = _module("fakepkg.chain", package / "chain.py", CHAIN)
+    outside = _module("elsewhere", tmp_path / "elsewhere.py", OUTSIDE)
+
+    path = trace_call_path(lambda: outside.compute_loss(chain.compute_loss), package)
+    assert path.hops == 3
+    assert [(f.module, f.function) for f in path.frames] == [
+        ("fakepkg.chain", "compute_loss"),  # the nearest compute_loss, not the outer one
+        ("fakepkg.chain", "a"),
+        ("fakepkg.chain", "b"),
+        ("fakepkg.chain", "min_replace"),
+    ]
+    assert path.package_modules == ["fakepkg.chain"] and path.other_modules == []
+    assert sys.getprofile() is None  # the profiler is taken off again
+
+    with pytest.raises(TargetNotReached, match="never below a 'compute_loss' frame"):
+        trace_call_path(chain.loose, package)
+    with pytest.raises(TargetNotReached, match="was called$"):
+        trace_call_path(lambda: outside.compute_loss(lambda: 0), package)
+
+
+def test_a_real_min_replace_step(small_repo: Path, tmp_path: Path) -> None:
+    """The whole program (the tiny trainer's one step, traced; the line count of the small repository)."""
+    import dfpo_trl
+
+    out = tmp_path / "figures" / "structure.json"
+    figures = main(["--root", str(small_repo), "--out", str(out)])
+    assert json.loads(out.read_text()) == figures
+    assert figures["lines"]["total"]["lines"] == 24
+    path = figures["min_replace_path"]
+    assert path["hops"] >= 1 and path["hops"] == len(path["path"]) - 1
+    assert path["path"][0][1] == "compute_loss" and path["path"][-1][1] == "min_replace"
+    assert path["package_dir"] == str(Path(dfpo_trl.__file__).resolve().parent)
+    assert path["package_modules"] and all(m.startswith("dfpo_trl.") for m in path["package_modules"])
+    assert path["path"][-1][0] in path["package_modules"]
+    assert not any(m.startswith("dfpo_trl") for m in path["other_modules"])
