@@ -22,25 +22,40 @@ from typing import TYPE_CHECKING, Any
 from ._quiet import silence_library_deprecations
 
 if TYPE_CHECKING:
+    from .app.embedded import embedded_model_path
+    from .app.evaluation import HeldoutAccuracyCallback
+    from .app.main import main as dfpo_train
+    from .app.plotting import plot_metrics
     from .config import DFPOConfig
+    from .tasks import get_reward, get_task, register_reward, register_task
     from .trainer import DFPOTrainer
-    from .transforms import register_transform, registered_transforms, unregister_transform
+    from .transforms import get_transform, register_transform, registered_transforms, unregister_transform
     from .trl_hooks.errors import TRLCompatibilityError, UntestedTRLWarning
 
 silence_library_deprecations()
 
-# Each public name and the module that defines it.
+# Each public name, the module that defines it and its name there.
 _PUBLIC = {
-    "DFPOConfig": ".config",
-    "DFPOTrainer": ".trainer",
-    "TRLCompatibilityError": ".trl_hooks.errors",
-    "UntestedTRLWarning": ".trl_hooks.errors",
-    "register_transform": ".transforms",
-    "registered_transforms": ".transforms",
-    "unregister_transform": ".transforms",
+    "DFPOConfig": (".config", "DFPOConfig"),
+    "DFPOTrainer": (".trainer", "DFPOTrainer"),
+    "TRLCompatibilityError": (".trl_hooks.errors", "TRLCompatibilityError"),
+    "UntestedTRLWarning": (".trl_hooks.errors", "UntestedTRLWarning"),
+    "register_transform": (".transforms", "register_transform"),
+    "registered_transforms": (".transforms", "registered_transforms"),
+    "unregister_transform": (".transforms", "unregister_transform"),
+    "get_transform": (".transforms", "get_transform"),
+    "register_task": (".tasks", "register_task"),
+    "get_task": (".tasks", "get_task"),
+    "register_reward": (".tasks", "register_reward"),
+    "get_reward": (".tasks", "get_reward"),
+    "embedded_model_path": (".app.embedded", "embedded_model_path"),
+    "HeldoutAccuracyCallback": (".app.evaluation", "HeldoutAccuracyCallback"),
+    "plot_metrics": (".app.plotting", "plot_metrics"),
+    "dfpo_train": (".app.main", "main"),
 }
 
-# The stable public API (docs/README.md, "Stable names"): every other name in dfpo_trl's modules is internal.
+# The stable public API (docs/README.md, "Stable names"): every other name in dfpo_trl's modules is internal, except
+# dfpo_trl.testing's own lists.
 __all__ = [
     "DFPOConfig",
     "DFPOTrainer",
@@ -49,6 +64,15 @@ __all__ = [
     "register_transform",
     "registered_transforms",
     "unregister_transform",
+    "get_transform",
+    "register_task",
+    "get_task",
+    "register_reward",
+    "get_reward",
+    "embedded_model_path",
+    "HeldoutAccuracyCallback",
+    "plot_metrics",
+    "dfpo_train",
 ]
 __version__ = "0.1.0"
 
@@ -57,9 +81,10 @@ def __getattr__(name: str) -> Any:
     """Import a public name's module when the name is first read, and keep the name here."""
     if name not in _PUBLIC:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if _PUBLIC[name] != ".trl_hooks.errors":  # the error and warning stay importable under any TRL, to catch them
+    module, attribute = _PUBLIC[name]
+    if module != ".trl_hooks.errors":  # the error and warning stay importable under any TRL, to catch them
         importlib.import_module(".trainer", __name__)  # checks TRL's touch points: an incompatible TRL stops here
-    value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    value = getattr(importlib.import_module(module, __name__), attribute)
     globals()[name] = value
     return value
 

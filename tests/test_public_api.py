@@ -49,6 +49,31 @@ def test_root_all_is_the_stable_list() -> None:
         "register_transform",
         "registered_transforms",
         "unregister_transform",
+        "get_transform",
+        "register_task",
+        "get_task",
+        "register_reward",
+        "get_reward",
+        "embedded_model_path",
+        "HeldoutAccuracyCallback",
+        "plot_metrics",
+        "dfpo_train",
     ]
     for name in dfpo_trl.__all__:
         assert getattr(dfpo_trl, name) is not None
+
+
+def test_each_root_name_is_the_librarys_own_object() -> None:
+    """The root re-exports, it does not wrap: ``dfpo_train`` is the program ``dfpo-train`` runs, and each other name is
+    the object of the module that defines it."""
+    from dfpo_trl.app import embedded, evaluation, main, plotting
+    from dfpo_trl.tasks import registry
+    from dfpo_trl.transforms import registry as transforms
+
+    assert dfpo_trl.dfpo_train is main.main
+    assert dfpo_trl.embedded_model_path is embedded.embedded_model_path
+    assert dfpo_trl.HeldoutAccuracyCallback is evaluation.HeldoutAccuracyCallback
+    assert dfpo_trl.plot_metrics is plotting.plot_metrics
+    assert dfpo_trl.get_transform is transforms.get_transform
+    assert (dfpo_trl.get_task, dfpo_trl.register_task, dfpo_trl.get_reward, dfpo_trl.register_reward) == (
+        registry.get_task, registry.register_task, registry.get_reward, registry.register_reward)

@@ -3,6 +3,7 @@ every micro-step's objective exactly as the loss uses it (docs/testing.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,8 +23,10 @@ def test_all_is_the_stable_list() -> None:
         "WORDS",
         "DFPOCallback",
         "addition_dataset",
+        "hand_batch",
         "last_digit_reward",
         "observe_micro_steps",
+        "random_batch",
         "record_pre_passes",
         "record_row_weights",
         "save_tiny_chat_model",
@@ -31,10 +34,36 @@ def test_all_is_the_stable_list() -> None:
         "tiny_model",
         "tiny_tokenizer",
         "tiny_trainer",
+        "with_old_logps",
         "write_tiny_recipe",
     ]
     for name in testing.__all__:
         assert getattr(testing, name) is not None
+
+
+def test_the_measures_are_the_librarys_own_objects() -> None:
+    """``dfpo_trl.testing.measures`` re-exports, never copies: a check through it reads what a run computes. The
+    list changes with docs/testing.md's table."""
+    import importlib
+
+    from dfpo_trl.testing import measures
+
+    homes = {
+        "dfpo_trl.objectives.weights": ["loss_mask", "post_clip_weights", "sequence_log_ratio", "sign_aware_post_clip"],
+        "dfpo_trl.groups.ids": ["WHOLE_GROUPS_KEY", "consecutive_group_ids", "group_index"],
+        "dfpo_trl.groups.prepass_schedule": ["pre_pass_rows"],
+        "dfpo_trl.metrics.curves": ["jitter2", "steps_to_threshold"],
+        "dfpo_trl.app.callbacks": ["DriftMeterCallback"],
+        "dfpo_trl.metrics.drift": ["completion_log_probs", "end_token_ids", "equivalent_set_stats"],
+        "dfpo_trl.app.evaluation": ["greedy_accuracy"],
+        "dfpo_trl.trl_hooks.sync_watchdog": ["STALL_EXIT_CODE", "SyncWatchdog"],
+    }
+    assert sorted(measures.__all__) == sorted(name for names in homes.values() for name in names)
+    for module, names in homes.items():
+        for name in names:
+            assert getattr(measures, name) is getattr(importlib.import_module(module), name), name
+    documented = (Path(__file__).resolve().parents[1] / "docs" / "testing.md").read_text()
+    assert all(f"`{name}" in documented for name in measures.__all__)
 
 
 def test_the_tiny_model_depends_on_its_seed_alone() -> None:

@@ -11,13 +11,16 @@ import torch
 from dfpo_trl.testing import (
     WORDS,
     addition_dataset,
+    hand_batch,
     last_digit_reward,
     observe_micro_steps,
+    random_batch,
     record_pre_passes,
     record_row_weights,
     save_tiny_chat_model,
     tiny_model,
     tiny_tokenizer,
+    with_old_logps,
     write_tiny_recipe,
 )
 from dfpo_trl.testing import tiny_config_kwargs as base_args
@@ -31,29 +34,6 @@ __all__ = [  # what the tests import from here, dfpo_trl.testing's names among t
 ]  # fmt: skip
 
 
-def hand_batch(
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    advantages: torch.Tensor,
-    old_per_token_logps: torch.Tensor | None,
-    prompt_len: int = 3,
-    group_ids: torch.Tensor | None = None,
-) -> dict[str, Any]:
-    """A rollout batch as TRL's `_generate_and_score_completions` returns it."""
-    rows = completion_ids.size(0)
-    batch: dict[str, Any] = {
-        "prompt_ids": torch.full((rows, prompt_len), 13, dtype=torch.long),
-        "prompt_mask": torch.ones(rows, prompt_len, dtype=torch.long),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": advantages,
-        "num_items_in_batch": completion_mask.sum(),
-    }
-    if old_per_token_logps is not None:
-        batch["old_per_token_logps"] = old_per_token_logps
-    if group_ids is not None:
-        batch["group_ids"] = group_ids
-    return batch
 
 
 def capturing(trainer_cls: type) -> type:
@@ -85,31 +65,8 @@ def loss_and_grads(trainer: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, d
     return loss.detach(), grads
 
 
-def random_batch(rows: int = 8, length: int = 6, seed: int = 1, spread: float = 0.3, group_size: int = 4):
-    """Random completions, some padding, zero-mean advantages per group, old log-probs that put some
-    sequences outside the clip range."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, len(WORDS), (rows, length), generator=g)
-    mask = torch.ones(rows, length, dtype=torch.long)
-    mask[1, 4:] = 0
-    mask[5, 3:] = 0
-    rewards = torch.randn(rows, generator=g).view(-1, group_size)
-    adv = (rewards - rewards.mean(1, keepdim=True)).view(-1)
-    row_shift = spread * torch.randn(rows, 1, generator=g)
-    return ids, mask, adv, row_shift + 0.1 * torch.randn(rows, length, generator=g)
 
 
-def with_old_logps(trainer, ids, mask, adv, log_ratio, **extra):
-    """A batch whose old log-probs are the current ones minus `log_ratio`, so ratios are known exactly."""
-    batch = hand_batch(ids, mask, adv, None)
-    with torch.no_grad():
-        cur, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([batch["prompt_ids"], ids], 1),
-            torch.cat([batch["prompt_mask"], mask], 1), ids.size(1),
-        )
-    batch["old_per_token_logps"] = cur - log_ratio
-    batch.update(extra)
-    return batch
 
 
 def free_port() -> int:

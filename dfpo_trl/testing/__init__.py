@@ -24,19 +24,21 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .trl_hooks.callback import DFPOCallback
+from ..trl_hooks.callback import DFPOCallback
 
 if TYPE_CHECKING:
-    from .groups.prepass import PrePassValues
-    from .objectives.step import StepObjective
-    from .objectives.weights import RowWeights
+    from ..groups.prepass import PrePassValues
+    from ..objectives.step import StepObjective
+    from ..objectives.weights import RowWeights
 
 __all__ = [
     "WORDS",
     "DFPOCallback",
     "addition_dataset",
+    "hand_batch",
     "last_digit_reward",
     "observe_micro_steps",
+    "random_batch",
     "record_pre_passes",
     "record_row_weights",
     "save_tiny_chat_model",
@@ -44,6 +46,7 @@ __all__ = [
     "tiny_model",
     "tiny_tokenizer",
     "tiny_trainer",
+    "with_old_logps",
     "write_tiny_recipe",
 ]
 
@@ -139,8 +142,8 @@ def tiny_trainer(
     config :func:`tiny_config_kwargs` ``(**overrides)``. The model is in train mode and one micro-step makes an
     optimizer step, so that ``trainer.compute_loss`` can be called directly on a hand-made batch."""
     if trainer_cls is None or config_cls is None:
-        from .config import DFPOConfig
-        from .trainer import DFPOTrainer
+        from ..config import DFPOConfig
+        from ..trainer import DFPOTrainer
 
         trainer_cls, config_cls = trainer_cls or DFPOTrainer, config_cls or DFPOConfig
     trainer = trainer_cls(
@@ -204,6 +207,70 @@ def write_tiny_recipe(
     if output_dir is not None:
         argv += ["--output_dir", str(output_dir)]
     return argv
+
+
+# --------------------------------------------------------------------------------------------- hand-made batches
+def hand_batch(
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_per_token_logps: torch.Tensor | None,
+    prompt_len: int = 3,
+    group_ids: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """A rollout batch as TRL's `_generate_and_score_completions` returns it."""
+    rows = completion_ids.size(0)
+    batch: dict[str, Any] = {
+        "prompt_ids": torch.full((rows, prompt_len), 13, dtype=torch.long),
+        "prompt_mask": torch.ones(rows, prompt_len, dtype=torch.long),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    if old_per_token_logps is not None:
+        batch["old_per_token_logps"] = old_per_token_logps
+    if group_ids is not None:
+        batch["group_ids"] = group_ids
+    return batch
+
+
+def random_batch(
+    rows: int = 8, length: int = 6, seed: int = 1, spread: float = 0.3, group_size: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random completion ids, a mask with some padding, zero-mean advantages per group of ``group_size`` rows, and
+    a per-token log-ratio (a shift per row plus noise) that puts some sequences outside the clip range: the
+    inputs of :func:`with_old_logps`."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, len(WORDS), (rows, length), generator=g)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    mask[1, 4:] = 0
+    mask[5, 3:] = 0
+    rewards = torch.randn(rows, generator=g).view(-1, group_size)
+    adv = (rewards - rewards.mean(1, keepdim=True)).view(-1)
+    row_shift = spread * torch.randn(rows, 1, generator=g)
+    return ids, mask, adv, row_shift + 0.1 * torch.randn(rows, length, generator=g)
+
+
+def with_old_logps(
+    trainer: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    log_ratio: torch.Tensor,
+    **extra: Any,
+) -> dict[str, Any]:
+    """:func:`hand_batch` with old log-probs that are the trainer's current ones minus ``log_ratio`` (computed with
+    TRL's own forward), so every ratio ``compute_loss`` sees is known exactly; ``extra`` adds fields (``group_ids``)."""
+    batch = hand_batch(ids, mask, adv, None)
+    with torch.no_grad():
+        cur, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([batch["prompt_ids"], ids], 1),
+            torch.cat([batch["prompt_mask"], mask], 1), ids.size(1),
+        )
+    batch["old_per_token_logps"] = cur - log_ratio
+    batch.update(extra)
+    return batch
 
 
 # ------------------------------------------------------------------------------------------------- observers

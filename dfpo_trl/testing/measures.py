@@ -1,0 +1,46 @@
+"""``dfpo_trl.testing.measures``, public: the library's own meters and the terms of its objective, under stable names,
+for the checks that measure the library against itself (the benchmarks' single-process references, the studies'
+term sizes, the pre-pass's predicted row count against a forward hook).
+
+Every name is the library's own object, not a copy (tests/test_testing.py checks the identity), so a check through
+it measures exactly what a training run computes; the modules that define them stay internal and may move, and
+only this list is kept stable (docs/testing.md, "Measures").
+"""
+
+from __future__ import annotations
+
+from ..app.callbacks import DriftMeterCallback
+from ..app.evaluation import greedy_accuracy
+from ..groups.ids import WHOLE_GROUPS_KEY, consecutive_group_ids, group_index
+from ..groups.prepass_schedule import pre_pass_rows
+from ..metrics.curves import jitter2, steps_to_threshold
+from ..metrics.drift import completion_log_probs, end_token_ids, equivalent_set_stats
+from ..objectives.weights import loss_mask, post_clip_weights, sequence_log_ratio, sign_aware_post_clip
+from ..trl_hooks.sync_watchdog import STALL_EXIT_CODE, SyncWatchdog
+
+__all__ = [
+    # the objective's terms (docs/design.md): the sequence log-ratio (eq. 44), the sign-aware post-clip weight s̄
+    # (eq. 46-47), the row weights a micro-step computes, the mask its loss reads
+    "loss_mask",
+    "post_clip_weights",
+    "sequence_log_ratio",
+    "sign_aware_post_clip",
+    # the groups as explicit ids (docs/layouts.md)
+    "WHOLE_GROUPS_KEY",
+    "consecutive_group_ids",
+    "group_index",
+    # the rows the pre-pass forwards per optimizer step, the closed form the start-up line prints
+    "pre_pass_rows",
+    # the mechanism metrics over a run's curve (docs/metrics.md)
+    "jitter2",
+    "steps_to_threshold",
+    # the equivalent-solution drift meter (docs/metrics.md) and the held-out accuracy dfpo-train reports
+    "DriftMeterCallback",
+    "completion_log_probs",
+    "end_token_ids",
+    "equivalent_set_stats",
+    "greedy_accuracy",
+    # the deadline on the server-mode weight sync (docs/cli.md): its exit code and the guard that logs each phase
+    "STALL_EXIT_CODE",
+    "SyncWatchdog",
+]
