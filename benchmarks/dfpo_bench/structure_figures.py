@@ -1,4 +1,4 @@
-"""The structure figures the README states (issue 45, item 6): how much of the repository is the product, and how
+"""The structure figures the README states: how much of the repository is the product, and how
 deep one Min-Replace micro-step runs from TRL's ``compute_loss``. Measured, not estimated, so that the README's
 sentences can be re-checked with one command::
 

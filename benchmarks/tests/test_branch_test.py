@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 from datasets import Dataset
-from dfpo_trl.metrics.drift import completion_log_probs  # noqa: E402
-from tiny import random_batch, tiny_model, tiny_tokenizer, with_old_logps  # noqa: E402
+from dfpo_trl.testing import random_batch, tiny_model, tiny_tokenizer, with_old_logps  # noqa: E402
+from dfpo_trl.testing.measures import completion_log_probs  # noqa: E402
 
 from dfpo_bench.studies import branch_test as bt  # noqa: E402
 
@@ -197,9 +197,10 @@ def step_by_hand(point: bt.BranchPoint, transform: str,
 @pytest.mark.slow
 def test_the_meter_agrees_with_the_step_applied_by_hand_and_reads_a_nonzero_paired_effect(
         tmp_path: pathlib.Path) -> None:
-    """The meter bug: the 2026-11-28 run read an effect of exactly 0 at every point although the arms' gradients differed.
-    At the stale point (a term to remove, the arms' gradient norms differ), the meter's probe at the rollout, before
-    and after each arm, and its paired effects, against the same quantities computed independently."""
+    """The meter bug: the 2026-11-28 run read an effect of exactly 0 at every point although the arms' gradients
+    differed. At the stale point (a term to remove, the arms' gradient norms differ), the meter's probe at the
+    rollout, before and after each arm, and its paired effects, against the same quantities computed
+    independently."""
     records, _, _ = trajectory(tmp_path, bt.ARMS)
     record = records[-1]  # j = 2: the first test shows it has a term (removed share > 0)
     point = record["point"]

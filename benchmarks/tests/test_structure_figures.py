@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
 from dfpo_bench.structure_figures import (
     NotAGitCheckout,
     TargetNotReached,
@@ -35,9 +36,9 @@ FILES: dict[str, tuple[str, tuple[int, int] | None]] = {
     "dfpo_trl/core.py": ("a\nb", (2, 2)),  # no newline at the end: the last line still counts
     "dfpo_trl/table.json": ('{"a":\n1}\n', None),  # data, not a hand-written kind
     "tests/test_core.py": ("1\n2\n3\n4\n", (4, 4)),
-    "benchmarks/run.py": ("1\n2\n3\n4\n5\n", (5, 5)),
+    "benchmarks/" "run.py": ("1\n2\n3\n4\n5\n", (5, 5)),
     "benchmarks/README.md": ("one\n", (1, 1)),
-    "benchmarks/results/out.py": ("1\n" * 100, None),  # under results/: generated
+    "benchmarks/results/" "out.py": ("1\n" * 100, None),  # under results/: generated
     "benchmarks/study/results/log.txt": ("1\n" * 100, None),  # a nested results/ folder too
     "benchmarks/figures/plot.png": ("\x89PNG\n" * 7, None),
     "docs/guide.md": ("# Guide\n\ntext\n", (3, 2)),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from dfpo_trl.app.parser import parse_args
-from dfpo_trl.trl_hooks.sync_watchdog import STALL_EXIT_CODE, SyncWatchdog
+from dfpo_trl.testing.measures import STALL_EXIT_CODE, SyncWatchdog
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ import torch.utils.benchmark as benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
-from dfpo_trl.transforms import GROUP_TRANSFORMS, get_transform  # noqa: E402
+from dfpo_trl import get_transform, registered_transforms  # noqa: E402
 
 from dfpo_bench.lib.trainers import make_inputs  # noqa: E402
 
@@ -42,7 +42,7 @@ def main() -> None:
     w, adv = make_inputs(args.groups, args.group_size, args.device, DTYPES[args.dtype])
     results = {}
     with torch.no_grad():
-        for name in GROUP_TRANSFORMS:
+        for name in registered_transforms():
             apply = get_transform(name).apply
             apply(w, adv, 0.5, 1e-6)  # warm-up (kernel caching, lazy init)
             timer = benchmark.Timer(

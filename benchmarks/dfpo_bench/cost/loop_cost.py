@@ -56,8 +56,7 @@ def share_one_engine() -> None:
 
 def one_run(method: str, model: str, steps: int, seed: int) -> dict[str, Any]:
     import torch
-    from dfpo_trl import DFPOConfig, DFPOTrainer
-    from dfpo_trl.tasks import get_task, safe_reward
+    from dfpo_trl import DFPOConfig, DFPOTrainer, get_task
     from trl import GRPOConfig, GRPOTrainer
 
     from dfpo_bench.lib.timing import StepClock
@@ -69,7 +68,7 @@ def one_run(method: str, model: str, steps: int, seed: int) -> dict[str, Any]:
                   disable_tqdm=True, logging_steps=1, seed=seed, model_init_kwargs={"dtype": "float32"})
     task = get_task("arithmetic")
     train = task.build_dataset("train", 2000, seed)
-    rewards = [safe_reward(f) for f in task.reward_funcs]
+    rewards = list(task.reward_funcs)
     clock = StepClock()
     if extra is None:
         trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=GRPOConfig(**config), train_dataset=train,

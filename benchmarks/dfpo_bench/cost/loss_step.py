@@ -50,7 +50,7 @@ def fixed_batch(args: argparse.Namespace, tokenizer: Any, device: str) -> dict[s
     """One off-policy rollout batch of ``--rows`` rows in groups of ``--group-size``: random prompt and completion
     tokens, completion lengths between half and all of ``--completion-length``, zero-mean advantages per group."""
     import torch
-    from dfpo_trl.groups.ids import WHOLE_GROUPS_KEY, consecutive_group_ids
+    from dfpo_trl.testing.measures import WHOLE_GROUPS_KEY, consecutive_group_ids
 
     g = torch.Generator().manual_seed(args.seed)
     rows, length, vocab = args.rows, args.completion_length, len(tokenizer)

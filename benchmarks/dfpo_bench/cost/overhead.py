@@ -122,7 +122,7 @@ def median_ratio_interval(values: list[float], base: list[float], resamples: int
 def time_positive_orth_proj(device: str, groups: int, group_size: int) -> dict[str, float]:
     """Positive Orth-Proj alone on (groups, G) float32 inputs (bench_transforms' generator)."""
     import torch.utils.benchmark as benchmark
-    from dfpo_trl.transforms import get_transform
+    from dfpo_trl import get_transform
 
     from dfpo_bench.lib.trainers import make_inputs
 

@@ -22,7 +22,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 import torch  # noqa: E402
 from dfpo_trl import DFPOConfig, DFPOTrainer  # noqa: E402
-from dfpo_trl.groups.choice import pre_pass_rows  # noqa: E402
 from dfpo_trl.testing import (  # noqa: E402
     addition_dataset,
     last_digit_reward,
@@ -30,6 +29,7 @@ from dfpo_trl.testing import (  # noqa: E402
     tiny_model,
     tiny_tokenizer,
 )
+from dfpo_trl.testing.measures import pre_pass_rows  # noqa: E402
 
 from dfpo_bench.lib import common, trainers  # noqa: E402
 

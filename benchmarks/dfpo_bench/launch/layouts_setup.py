@@ -83,7 +83,7 @@ class FixedRollout(GRPOTrainer):
     shift: float = 0.0
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
-        from dfpo_trl.trl_hooks.compat import disable_gradient_checkpointing
+        from trl.models.utils import disable_gradient_checkpointing
 
         local = self.args.per_device_train_batch_size * self.args.steps_per_generation
         start = self.accelerator.process_index * local

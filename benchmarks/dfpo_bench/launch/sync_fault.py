@@ -56,7 +56,7 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 from dfpo_bench.launch.vllm_server import benchmark_server_command, start_server  # noqa: E402
-from dfpo_bench.lib.common import installed_versions, write_json  # noqa: E402
+from dfpo_bench.lib.common import SUMMARY_FILE, installed_versions, write_json  # noqa: E402
 from dfpo_bench.lib.provenance import checkout_state  # noqa: E402
 from dfpo_bench.lib.vllm_tools import derived_recipe, shell_line, stop_server, vllm_has_scale_out  # noqa: E402
 
@@ -181,10 +181,9 @@ def child(train: list[str]) -> int:
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("dfpo_trl.trl_hooks.sync_watchdog").setLevel(logging.DEBUG)
-    import dfpo_trl.app.train as train_module
     import torch
-    from dfpo_trl import DFPOTrainer
-    from dfpo_trl.app.main import main
+    import yaml
+    from dfpo_trl import DFPOTrainer, dfpo_train
     from dfpo_trl.trl_hooks.sync_watchdog import WatchedVLLMGeneration
 
     emit("card", name=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
@@ -212,18 +211,16 @@ def child(train: list[str]) -> int:
                 time.sleep(0.05)
             emit("resumed_after_kill", waited_out=not (pathlib.Path(pause) / "killed").exists())
 
-    parse_and_run = train_module.parse_and_run
-
-    def run(argv: Any) -> dict[str, Any]:
-        summary = parse_and_run(argv)
-        emit("summary", steps=summary.get("steps"), max_steps=summary.get("max_steps"),
-             interrupted=summary.get("interrupted"))
-        return summary
-
     WatchedVLLMGeneration.sync_weights = sync_weights
     DFPOTrainer._save_checkpoint = save_checkpoint
-    train_module.parse_and_run = run
-    code = main(train)
+    code = dfpo_train(train)
+    output_dir = (train[train.index("--output_dir") + 1] if "--output_dir" in train
+                  else yaml.safe_load(pathlib.Path(train[0]).read_text())["output_dir"])
+    summary_file = pathlib.Path(output_dir) / SUMMARY_FILE
+    if summary_file.exists():  # every run that got to train writes it, an interrupted one too
+        summary = json.loads(summary_file.read_text())
+        emit("summary", steps=summary.get("steps"), max_steps=summary.get("max_steps"),
+             interrupted=summary.get("interrupted"))
     emit("exit", code=code)
     return code
 

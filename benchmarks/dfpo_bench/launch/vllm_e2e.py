@@ -106,8 +106,7 @@ def child_recipe(args: argparse.Namespace) -> dict[str, Any]:
 def child_parity(args: argparse.Namespace, trainer_name: str) -> dict[str, Any]:
     """GRPOTrainer or DFPOTrainer (every DFPO option off) from the same keyword arguments."""
     import torch
-    from dfpo_trl import DFPOConfig, DFPOTrainer
-    from dfpo_trl.tasks import get_task, safe_reward
+    from dfpo_trl import DFPOConfig, DFPOTrainer, get_task
     from trl import GRPOConfig, GRPOTrainer
 
     overrides = json.loads(args.parity_overrides)
@@ -116,7 +115,7 @@ def child_parity(args: argparse.Namespace, trainer_name: str) -> dict[str, Any]:
                   disable_tqdm=True, model_init_kwargs={"dtype": values.get("dtype", "float32")})
     task = get_task(values.get("task", "arithmetic"))
     train = task.build_dataset("train", values.get("train_size"), config.get("seed", 0))
-    rewards = [safe_reward(f) for f in task.reward_funcs]
+    rewards = list(task.reward_funcs)
     model = args.model or str(values.get("model_name_or_path") or "")
     if trainer_name == "trl":
         trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=GRPOConfig(**config), train_dataset=train)

@@ -119,15 +119,13 @@ def child(args: argparse.Namespace) -> None:
     instrument_vllm(timer)
     keys = ("loss", "reward", "reward_std", "entropy", "grad_norm", "step_time", *SAMPLING_KEYS)
     if args.child == "dfpo":
-        from dfpo_trl.app.main import run
-        from dfpo_trl.app.parser import parse_args
+        from dfpo_bench.lib.common import train_in_process
 
-        summary = run(*parse_args([args.recipe]))
+        summary = train_in_process([args.recipe], yaml.safe_load(pathlib.Path(args.recipe).read_text())["output_dir"])
         record = {"steps": summary["steps"], "heldout": summary.get("heldout"), "method": summary["method"],
                   "per_step": per_step(summary["log_history"], keys)}
     else:
-        from dfpo_trl import DFPOConfig, DFPOTrainer
-        from dfpo_trl.tasks import get_task, safe_reward
+        from dfpo_trl import DFPOConfig, DFPOTrainer, get_task
         from trl import GRPOConfig, GRPOTrainer
 
         values = yaml.safe_load(pathlib.Path(args.recipe).read_text())
@@ -135,7 +133,7 @@ def child(args: argparse.Namespace) -> None:
         config = {k: v for k, v in values.items() if k in fields}
         config.update(output_dir=values["output_dir"] + f"_{args.child}", model_init_kwargs={"dtype": "float32"})
         task = get_task("arithmetic")
-        rewards = [safe_reward(f) for f in task.reward_funcs]
+        rewards = list(task.reward_funcs)
         train = task.build_dataset("train", values.get("train_size"), config.get("seed", 0))
         cls, cfg = (GRPOTrainer, GRPOConfig) if args.child == "trl" else (DFPOTrainer, DFPOConfig)
         trainer = cls(model=args.model, reward_funcs=rewards, args=cfg(**config), train_dataset=train)

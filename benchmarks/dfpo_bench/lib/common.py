@@ -131,6 +131,20 @@ def run_flags(
     return command + list(args.extra)
 
 
+SUMMARY_FILE = "dfpo_summary.json"  # what every dfpo-train run writes to its output_dir (docs/cli.md, "Outputs")
+
+
+def train_in_process(argv: list[str], output_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """``dfpo-train argv`` in this process (``dfpo_trl.dfpo_train``, so that a job's instruments see the run) and
+    the summary it wrote to ``output_dir``; a run that exits non-zero raises, naming its exit code."""
+    from dfpo_trl import dfpo_train
+
+    code = dfpo_train(argv)
+    if code != 0:
+        raise RuntimeError(f"dfpo-train {' '.join(map(str, argv))} exited with {code}")
+    return load_json(pathlib.Path(output_dir) / SUMMARY_FILE)
+
+
 def series(log_history: list[dict[str, Any]], key: str) -> list[list[float]]:
     """[[step, value], ...] of one logged key (finite values only)."""
     out = []

@@ -9,11 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from dfpo_trl import DFPOTrainer
-from dfpo_trl.groups.ids import consecutive_group_ids
-from dfpo_trl.objectives.weights import sequence_log_ratio, sign_aware_post_clip
+from dfpo_trl import DFPOTrainer, get_transform
 from dfpo_trl.testing import record_row_weights
-from dfpo_trl.transforms import get_transform
+from dfpo_trl.testing.measures import consecutive_group_ids, sequence_log_ratio, sign_aware_post_clip
 from transformers import AutoTokenizer
 
 TRANSFORM = "min_replace"

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.objectives.weights import sign_aware_post_clip
+from dfpo_trl.testing.measures import sign_aware_post_clip
 from trl import GRPOConfig, GRPOTrainer
 
 GPU_MODEL_PATH = "/root/models/smollm2-135m-instruct"
@@ -169,7 +169,7 @@ def default_tokenizer_path() -> str:
     """The GPU kit's checkpoint if present, else the embedded SmolLM2 (converted once, offline)."""
     if os.path.isdir(GPU_MODEL_PATH):
         return GPU_MODEL_PATH
-    from dfpo_trl.app.embedded import embedded_model_path
+    from dfpo_trl import embedded_model_path
 
     return str(embedded_model_path())
 
@@ -282,7 +282,7 @@ BENCHMARK_TASKS = ("arithmetic", "sum_sentence")  # tasks of dfpo_trl.tasks the 
 def task_and_rewards(reward: str, task_name: str = "arithmetic") -> tuple[Any, list[Any]]:
     """A task of ``dfpo_trl.tasks`` (``arithmetic`` or ``sum_sentence``) and the reward functions to train with:
     the task's own (``reward="task"``, or ``"arithmetic"`` for backward compatibility) or ``id_parity``."""
-    from dfpo_trl.tasks import get_task
+    from dfpo_trl import get_task
 
     if task_name not in BENCHMARK_TASKS:
         raise SystemExit(f"unknown task {task_name!r}; use one of {', '.join(BENCHMARK_TASKS)}")

@@ -33,11 +33,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.groups.ids import group_index
-from dfpo_trl.metrics.drift import completion_log_probs, end_token_ids, equivalent_set_stats
-from dfpo_trl.objectives.weights import loss_mask, post_clip_weights
-from dfpo_trl.transforms import get_transform
+from dfpo_trl import DFPOConfig, DFPOTrainer, get_transform
+from dfpo_trl.testing.measures import (
+    completion_log_probs,
+    end_token_ids,
+    equivalent_set_stats,
+    group_index,
+    loss_mask,
+    post_clip_weights,
+)
 from transformers import TrainerCallback
 
 ARMS = ("none", "min_replace")

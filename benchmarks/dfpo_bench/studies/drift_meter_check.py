@@ -31,10 +31,13 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 import torch  # noqa: E402
-from dfpo_trl import DFPOConfig  # noqa: E402
-from dfpo_trl.app.callbacks import DriftMeterCallback  # noqa: E402
-from dfpo_trl.metrics.drift import completion_log_probs, end_token_ids, equivalent_set_stats  # noqa: E402
-from dfpo_trl.tasks import get_task  # noqa: E402
+from dfpo_trl import DFPOConfig, get_task  # noqa: E402
+from dfpo_trl.testing.measures import (  # noqa: E402
+    DriftMeterCallback,
+    completion_log_probs,
+    end_token_ids,
+    equivalent_set_stats,
+)
 
 from dfpo_bench.lib.common import device_name, quiet, versions, write_json  # noqa: E402
 
@@ -60,7 +63,7 @@ def safe_log(x: float) -> float | None:
 
 
 def load(model_path: str | None, device: str, dtype: str) -> tuple[Any, Any, str]:
-    from dfpo_trl.app.embedded import embedded_model_path
+    from dfpo_trl import embedded_model_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(embedded_model_path()) if model_path is None else model_path

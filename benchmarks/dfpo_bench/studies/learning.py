@@ -69,7 +69,7 @@ def run_one(args: argparse.Namespace) -> None:
     """Train one (method, seed), write its JSON after every rollout and at the end."""
     common.quiet()
     import torch
-    from dfpo_trl.app.evaluation import greedy_accuracy
+    from dfpo_trl.testing.measures import greedy_accuracy
     from transformers import PrinterCallback, TrainerCallback
 
     started = time.time()

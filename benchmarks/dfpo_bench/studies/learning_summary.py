@@ -78,7 +78,7 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- summary
 def run_summary(run: dict[str, Any], threshold: float, alpha: float) -> dict[str, Any]:
     """A run's summary numbers (the ones ``report.py`` reads, plus a few more) from its curves."""
-    from dfpo_trl.metrics.curves import jitter2, steps_to_threshold
+    from dfpo_trl.testing.measures import jitter2, steps_to_threshold
 
     rewards = reward_curve(run)
     index = steps_to_threshold(rewards, threshold, alpha=alpha) if rewards else None

@@ -33,7 +33,7 @@ from dfpo_bench.lib.stats import cluster_bootstrap, mde_t, ols  # noqa: E402
 ROOT = common.ROOT
 RESULTS = ROOT / "benchmarks" / "results" / "study_v4"
 REGISTRATION_FILE = RESULTS / "preregistered.json"
-REGISTRATION_SHA256 = "ee806c9866e95ba974d53a77ba0a48d899898077fbc6545c0560a9c92aaebd5b"  # the file's whole content
+REGISTRATION_SHA256 = "f983bef5eee1d89a228c41096b7e2155d618aab09c5066713d349054e6f75a34"  # the file's whole content
 PREREGISTRATION: dict[str, Any] = {
     "study": "v4 part 1: the paired branch test and its positive control",
     "task": "dfpo_bench.study_v3_tasks:strict",
