@@ -99,3 +99,11 @@ def test_the_library_and_its_tests_never_import_the_benchmarks() -> None:
                for module, _, line in imports_of(path)
                if module.split(".")[0] in ("dfpo_bench", "benchmarks")]
     assert not reaches, reaches
+
+
+def test_no_test_module_shares_a_name_with_one_of_the_librarys() -> None:
+    """Both folders are rootdir-relative test folders without packages, so pytest imports their modules by basename:
+    two of one name in one session fail collection ("import file mismatch")."""
+    ours = {p.name for p in (BENCH / "tests").glob("test_*.py")}
+    theirs = {p.name for p in (ROOT / "tests").rglob("test_*.py")}
+    assert not ours & theirs, sorted(ours & theirs)

@@ -15,7 +15,7 @@ device, so the server and the trainer need a GPU each. The script:
    arithmetic task, G = 8, ``vllm_mode: server``, Min-Replace, ``steps_per_generation`` > accumulation so the
    transform acts off-policy, a few rollouts);
 2. starts the server on GPU 1 (:func:`benchmark_server_command`: the flags TRL 1.16's own ``build_command`` writes
-   for the same arguments, tests/trl_hooks/test_vllm_server_command.py; as
+   for the same arguments, benchmarks/tests/test_bench_server_command.py; as
    ``python3 -m vllm.entrypoints.cli.main serve``, since the kit has no ``vllm`` console script), waits for
    ``/health``;
 3. runs the recipe with ``dfpo_trl``'s own ``run`` on GPU 0, counting and timing TRL's weight syncs; then the same

@@ -56,7 +56,7 @@ def server_command(
 ) -> list[str]:
     """``vllm serve`` as TRL 1.16's ``trl.scripts.vllm_serve.build_command`` writes it for the same arguments.
 
-    The keywords are TRL's ``ScriptArguments`` fields, so that tests/trl_hooks/test_vllm_server_command.py can hold
+    The keywords are TRL's ``ScriptArguments`` fields, so that benchmarks/tests/test_bench_server_command.py can hold
     the two builders equal; ``scale_out`` stands for TRL's "vLLM >= 0.30 installed" check (pass
     :func:`vllm_has_scale_out` where vLLM runs), off by default so that a printed line works on every vLLM TRL 1.16
     supports. With ``python`` the head is ``python -m vllm.entrypoints.cli.main serve`` (a kit without the console
