@@ -66,7 +66,9 @@ def load_rollout_state(trainer: Any, checkpoint: str) -> bool:
                 "the interrupted one (checkpoints written by DFPOTrainer hold it).", checkpoint, os.path.basename(path)
             )
         return False
-    state = torch.load(path, map_location=trainer.accelerator.device, weights_only=True)
+    device = trainer.accelerator.device
+    # torch.load maps to "cpu", not to "cpu:0": the device accelerate gives every process of a multi-process CPU run
+    state = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=True)
     if state.get("global_step") != trainer.state.global_step:
         raise ValueError(
             f"{path} was written at optimizer step {state.get('global_step')}, but the checkpoint's trainer_state.json "
