@@ -15,8 +15,8 @@ from pathlib import Path
 from .args import RecipeError
 
 __all__ = [
-    "CHECKPOINT_WEIGHTS", "PROCESS_FILES", "check_output_dir", "latest_checkpoint", "missing_process_files",
-    "resolve_resume_checkpoint", "shown_path", "too_long",
+    "CHECKPOINT_WEIGHTS", "PROCESS_FILES", "check_output_dir", "latest_checkpoint", "latest_whole_checkpoint",
+    "missing_process_files", "resolve_resume_checkpoint", "shown_path", "too_long",
 ]
 
 # What transformers' Trainer.train(resume_from_checkpoint=...) reads back (Trainer._load_from_checkpoint, and
@@ -118,12 +118,23 @@ def latest_checkpoint(output_dir: str) -> str | None:
     """The ``checkpoint-N/`` folder with the largest N in ``output_dir`` that is a whole checkpoint (transformers'
     get_last_checkpoint takes the largest N, even one a run was killed while writing); the latest folder when none
     is whole, for the refusal to name."""
+    folders = _checkpoint_folders(output_dir)
+    return latest_whole_checkpoint(output_dir) or (folders[0] if folders else None)
+
+
+def latest_whole_checkpoint(output_dir: str) -> str | None:
+    """The ``checkpoint-N/`` folder with the largest N in ``output_dir`` that a resume can start from, or None."""
+    return next((folder for folder in _checkpoint_folders(output_dir) if _checkpoint_problem(Path(folder)) is None),
+                None)
+
+
+def _checkpoint_folders(output_dir: str) -> list[str]:
+    """The ``checkpoint-N/`` folders in ``output_dir``, the largest N first."""
     folder = Path(output_dir)
     if not folder.is_dir():
-        return None
+        return []
     steps = {int(m.group(1)): p for p in folder.iterdir() if (m := CHECKPOINT_DIR.match(p.name)) and p.is_dir()}
-    whole = [step for step in sorted(steps, reverse=True) if _checkpoint_problem(steps[step]) is None]
-    return str(steps[whole[0] if whole else max(steps)]) if steps else None
+    return [str(steps[step]) for step in sorted(steps, reverse=True)]
 
 
 def missing_process_files(path: Path) -> list[str]:
