@@ -190,7 +190,7 @@ def killed_run(work: tuple[Path, list[str]]) -> Iterator[dict]:
         launch.stop_all()
 
 
-def test_a_killed_process_ends_the_launch_within_a_second_checkpoints_untouched(killed_run: dict) -> None:
+def test_a_killed_process_ends_the_launch_in_seconds_checkpoints_untouched(killed_run: dict) -> None:
     """torchrun's agent (inside accelerate launch) sees process 1 die, signals process 0 and exits 1, naming the
     killed process; process 0, waiting in a collective, already ended on the closed connection with one line. Every
     process is gone within seconds; output_dir holds checkpoint-3 whole and byte for byte as before the kill, and
@@ -201,7 +201,7 @@ def test_a_killed_process_ends_the_launch_within_a_second_checkpoints_untouched(
           f"{ends.get(run['workers'][0].pid, -1):.2f} s, the launcher {ends.get(run['launch_pid'], -1):.2f} s; "
           f"launcher exit code {run['code']}")
     assert len(ends) == len(run["procs"]) == 3, (ends, run["log"][-3000:])
-    assert max(ends.values()) < 30, ends  # the agent's own bound: SIGTERM, then SIGKILL 30 s later
+    assert max(ends.values()) < 10, ends  # measured 0.5 s; the agent's own bound is SIGTERM, then SIGKILL 30 s later
     assert run["code"] == 1
     log = run["log"]
     pid1 = run["workers"][1].pid
