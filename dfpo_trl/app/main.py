@@ -26,6 +26,7 @@ from .._usercode import UserCodeError
 from .args import ModelUnavailableError, RecipeError
 from .help import short_help
 from .oom import RunOutOfMemory
+from .peers import PeerLost
 from .plugins import import_plugins, requested_plugins
 from .precheck import precheck, read_recipe, stored_field_table
 from .signals import exit_code, signal_name, sigterm_interrupts
@@ -103,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (UserCodeError, RunOutOfMemory) as exc:  # the user's code failed (their frame), or out of memory (oom.py)
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
+        return 1
+    except PeerLost as exc:  # another process of the run died or hangs (peers.py)
+        print(f"dfpo-train: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt as exc:  # outside training (loading, saving): nothing partial worth describing
         name = signal_name(exc)

@@ -15,8 +15,8 @@ from pathlib import Path
 from .args import RecipeError
 
 __all__ = [
-    "CHECKPOINT_WEIGHTS", "check_output_dir", "latest_checkpoint", "resolve_resume_checkpoint", "shown_path",
-    "too_long",
+    "CHECKPOINT_WEIGHTS", "PROCESS_FILES", "check_output_dir", "latest_checkpoint", "latest_whole_checkpoint",
+    "missing_process_files", "resolve_resume_checkpoint", "shown_path", "too_long",
 ]
 
 # What transformers' Trainer.train(resume_from_checkpoint=...) reads back (Trainer._load_from_checkpoint, and
@@ -26,6 +26,10 @@ CHECKPOINT_WEIGHTS = (
     "adapter_model.safetensors", "adapter_model.bin",
 )  # fmt: skip
 TRAINER_STATE = "trainer_state.json"
+# The files each process writes into a checkpoint of a multi-process run, without waiting for the others:
+# transformers' RNG state (indexed only when there are several processes) and DFPOTrainer's rollout state
+# (dfpo_trl/trl_hooks/resume.py's ROLLOUT_STATE_FILE). A process killed during the save leaves its files out.
+PROCESS_FILES = (re.compile(r"^rng_state_(\d+)\.pth$"), re.compile(r"^dfpo_rollout_state_(\d+)\.pt$"))
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR + "-" + step
 CHECKPOINT_HELP = (
     f"a checkpoint is a checkpoint-N/ folder a run wrote to its output_dir (save_strategy 'steps' or 'epoch'), "
@@ -111,12 +115,46 @@ def _check_output_dir(path: str, origin: str) -> None:
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
-    """The ``checkpoint-N/`` folder with the largest N in ``output_dir`` (transformers' get_last_checkpoint)."""
+    """The ``checkpoint-N/`` folder with the largest N in ``output_dir`` that is a whole checkpoint (transformers'
+    get_last_checkpoint takes the largest N, even one a run was killed while writing); the latest folder when none
+    is whole, for the refusal to name."""
+    folders = _checkpoint_folders(output_dir)
+    return latest_whole_checkpoint(output_dir) or (folders[0] if folders else None)
+
+
+def latest_whole_checkpoint(output_dir: str) -> str | None:
+    """The ``checkpoint-N/`` folder with the largest N in ``output_dir`` that a resume can start from, or None."""
+    return next((folder for folder in _checkpoint_folders(output_dir) if _checkpoint_problem(Path(folder)) is None),
+                None)
+
+
+def _checkpoint_folders(output_dir: str) -> list[str]:
+    """The ``checkpoint-N/`` folders in ``output_dir``, the largest N first."""
     folder = Path(output_dir)
     if not folder.is_dir():
-        return None
+        return []
     steps = {int(m.group(1)): p for p in folder.iterdir() if (m := CHECKPOINT_DIR.match(p.name)) and p.is_dir()}
-    return str(steps[max(steps)]) if steps else None
+    return [str(steps[step]) for step in sorted(steps, reverse=True)]
+
+
+def missing_process_files(path: Path) -> list[str]:
+    """The per-process files (:data:`PROCESS_FILES`) a checkpoint of several processes lacks: for each kind it
+    holds, every index below the largest of any kind's, and 0 and 1 when it holds transformers' indexed RNG files
+    (written only by several processes). A process killed after the others saved leaves only its own out; when
+    that is the last process and it wrote none, nothing in the folder tells, and DFPOTrainer's load refuses it
+    from the process count its rollout files record (trl_hooks/resume.py)."""
+    found: list[set[int]] = [set() for _ in PROCESS_FILES]
+    for name in os.listdir(path):
+        for indices, pattern in zip(found, PROCESS_FILES, strict=True):
+            if m := pattern.match(name):
+                indices.add(int(m.group(1)))
+    if not any(found):
+        return []
+    processes = max(max(indices) for indices in found if indices) + 1
+    processes = max(processes, 2 if found[0] else 1)
+    kinds = ("rng_state_{}.pth", "dfpo_rollout_state_{}.pt")
+    return [kind.format(p) for kind, indices in zip(kinds, found, strict=True) if indices
+            for p in range(processes) if p not in indices]
 
 
 def _checkpoint_problem(path: Path) -> str | None:
@@ -131,6 +169,10 @@ def _checkpoint_problem(path: Path) -> str | None:
                   for p in path.iterdir())
     if not sharded and not any((path / name).is_file() for name in CHECKPOINT_WEIGHTS):
         return "no model weights in it"
+    missing = missing_process_files(path)
+    if missing:
+        return (f"half-written: {', '.join(missing)} missing, the files of a process stopped while the checkpoint "
+                "was saved; resume from the checkpoint before it")
     return None
 
 

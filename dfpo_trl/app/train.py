@@ -37,6 +37,7 @@ from .model import model_init_kwargs, resolve_model
 from .oom import out_of_memory_as_one_line, watch_phases
 from .outputs import PREVIOUS_RUN_DIR, save_model, set_aside_previous_outputs, write_outputs
 from .parser import parse_args
+from .peers import lost_peer_as_one_line
 from .precheck import field_origin, recipe_argv
 from .progress import close_progress_bar, use_dfpo_progress_bar
 from .signals import signal_name
@@ -127,7 +128,9 @@ def run(
     interrupted = False
     stop_signal = None
     try:
-        with out_of_memory_as_one_line(trainer, script_args):  # one line, nothing removed (oom.py)
+        # an out-of-memory error, or a collective failing on a lost or hung peer: one line, nothing removed or
+        # written (oom.py, peers.py)
+        with out_of_memory_as_one_line(trainer, script_args), lost_peer_as_one_line(trainer):
             trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except RewardError as exc:  # the user's reward failed: one line, with the training row it was scoring
         close_progress_bar(trainer)

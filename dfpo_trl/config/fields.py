@@ -8,8 +8,10 @@ and :mod:`.combinations` (between fields).
 
 from __future__ import annotations
 
+import os
 import textwrap
 from dataclasses import Field, dataclass, field, fields
+from datetime import timedelta
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from transformers import TrainingArguments
@@ -267,7 +269,23 @@ class DFPOConfig(GRPOConfig):
         check_combinations(self)  # then the rules between fields, the first one broken
         self._check_whole_groups()
         self._resolve_precision()
+        self._cpu_group_with_ddp_timeout()
         super().__post_init__()
+
+    def _cpu_group_with_ddp_timeout(self) -> None:
+        """transformers 5.24 hands ``ddp_timeout`` to accelerate only off the CPU: with ``use_cpu`` (or ``accelerate
+        launch --cpu``) the gloo process group got accelerate's default, 1800 s, whatever ``ddp_timeout`` said, so a
+        process waiting in a collective for a peer that hangs, or a node that is gone, waited 30 minutes. Under a
+        multi-process launch on the CPU the group is created here, with ``ddp_timeout``; transformers' set-up, next,
+        finds it initialised and keeps it (tests/app/test_killed_rank.py)."""
+        on_cpu = self.use_cpu or os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
+        if not on_cpu or (launched_processes() or 1) < 2:
+            return
+        import torch.distributed as dist
+        from accelerate import PartialState
+
+        if dist.is_available() and not dist.is_initialized():
+            PartialState(cpu=True, backend=self.ddp_backend, timeout=timedelta(seconds=self.ddp_timeout))
 
     def _check_whole_groups(self) -> None:
         """TRL's whole-groups rule in the words ``dfpo-train`` uses (the fields a user sets and the nearest values

@@ -48,9 +48,32 @@ def save_rollout_state(trainer: Any, checkpoint: str) -> None:
         "global_step": trainer.state.global_step,
         "step": trainer._step,
         "buffer": trainer._buffered_inputs if mid_rollout(trainer) else None,
+        "processes": trainer.accelerator.num_processes,  # how many such files a whole checkpoint holds
     }
     os.makedirs(checkpoint, exist_ok=True)  # as transformers does for its RNG file: each process may write its own
     torch.save(state, rollout_state_path(checkpoint, trainer.accelerator.process_index))
+
+
+def check_every_process_saved(checkpoint: str, path: str) -> None:
+    """Refuse a checkpoint that holds some processes' rollout files and not all of them: each process writes its
+    own without waiting for the others, so a process killed while the checkpoint was saved leaves its file out
+    while the others complete theirs. Resumed, that process would regenerate the rollout while the others continue
+    it, and they would wait on each other in their next collectives until ``ddp_timeout`` (seen on two gloo
+    processes: tests/app/test_killed_rank.py). Every process reaches the same verdict, from the same folder."""
+    found = {int(name[len("dfpo_rollout_state_"):-len(".pt")]) for name in os.listdir(checkpoint)
+             if name.startswith("dfpo_rollout_state_") and name.endswith(".pt")}
+    if not found:
+        return  # written by TRL's trainer, or with save_only_model: resumed as TRL does
+    # the process count a file records (files written before it was recorded: the largest index found, plus one)
+    recorded = torch.load(rollout_state_path(checkpoint, min(found)), map_location="cpu", weights_only=True)
+    processes = max(max(found) + 1, int(recorded.get("processes", 0)))
+    missing = [ROLLOUT_STATE_FILE.format(process=p) for p in range(processes) if p not in found]
+    if missing:
+        raise ValueError(
+            f"{checkpoint} is half-written: it lacks {', '.join(missing)} of its {processes} processes (a process "
+            f"stopped while the checkpoint was saved). Resume from the checkpoint before it; resuming this one would "
+            f"leave the processes waiting on each other ({os.path.basename(path)} is this process's)."
+        )
 
 
 def load_rollout_state(trainer: Any, checkpoint: str) -> bool:
@@ -58,6 +81,7 @@ def load_rollout_state(trainer: Any, checkpoint: str) -> bool:
     checkpoint lies inside a rollout) when the checkpoint has no rollout state (written by TRL's own trainer, or by
     an earlier dfpo_trl): the run then resumes as TRL's does."""
     path = rollout_state_path(checkpoint, trainer.accelerator.process_index)
+    check_every_process_saved(checkpoint, path)
     if not os.path.isfile(path):
         steps = trainer.state.global_step * trainer.args.gradient_accumulation_steps
         if steps % generate_every(trainer) != 0:
@@ -66,7 +90,9 @@ def load_rollout_state(trainer: Any, checkpoint: str) -> bool:
                 "the interrupted one (checkpoints written by DFPOTrainer hold it).", checkpoint, os.path.basename(path)
             )
         return False
-    state = torch.load(path, map_location=trainer.accelerator.device, weights_only=True)
+    device = trainer.accelerator.device
+    # torch.load maps to "cpu", not to "cpu:0": the device accelerate gives every process of a multi-process CPU run
+    state = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=True)
     if state.get("global_step") != trainer.state.global_step:
         raise ValueError(
             f"{path} was written at optimizer step {state.get('global_step')}, but the checkpoint's trainer_state.json "

@@ -459,6 +459,41 @@ def test_resume_from_checkpoint_is_checked_before_the_model_loads(
     assert args.resume_from_checkpoint is None
 
 
+def test_half_written_checkpoint_is_refused_and_true_takes_the_whole_one_before_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each process of a multi-process run writes its own rng_state_<p>.pth and dfpo_rollout_state_<p>.pt into a
+    checkpoint without waiting for the others: a process killed during the save leaves its files out while the
+    others complete theirs (trainer_state.json included), and resumed, the processes waited on each other until
+    ddp_timeout (tests/app/test_killed_rank.py). Such a folder is refused naming the missing files, and `true` takes
+    the latest whole checkpoint; a folder without trainer_state.json (the main process killed first) too."""
+    _no_model(monkeypatch)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path, f"use_cpu: true\noutput_dir: {out}\nresume_from_checkpoint: true\n")
+    for step in (3, 6, 9):
+        folder = _checkpoint(out / f"checkpoint-{step}")
+        for process in (0, 1):
+            (folder / f"rng_state_{process}.pth").write_bytes(b"r")
+            (folder / f"dfpo_rollout_state_{process}.pt").write_bytes(b"s")
+    (out / "checkpoint-6" / "dfpo_rollout_state_1.pt").unlink()  # process 1 killed between its two files
+    for name in ("rng_state_1.pth", "dfpo_rollout_state_1.pt"):  # process 1 killed before its files
+        (out / "checkpoint-9" / name).unlink()
+    (out / "checkpoint-12").mkdir()  # the main process killed first: only process 1's files
+    (out / "checkpoint-12" / "rng_state_1.pth").write_bytes(b"r")
+    _, args, _ = parse_args([recipe])
+    assert args.resume_from_checkpoint == str(out / "checkpoint-3")
+    for step, missing in ((9, "rng_state_1.pth, dfpo_rollout_state_1.pt"), (6, "dfpo_rollout_state_1.pt")):
+        assert main([recipe, "--resume_from_checkpoint", str(out / f"checkpoint-{step}")]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"is not a checkpoint (half-written: {missing} missing, the files of a process stopped while the " \
+               "checkpoint was saved; resume from the checkpoint before it)" in line
+    single = _checkpoint(tmp_path / "single" / "checkpoint-4")  # one process: rng_state.pth, its rollout file
+    (single / "rng_state.pth").write_bytes(b"r")
+    (single / "dfpo_rollout_state_0.pt").write_bytes(b"s")
+    _, args, _ = parse_args([recipe, "--resume_from_checkpoint", str(single)])
+    assert args.resume_from_checkpoint == str(single)
+
+
 def test_task_factory_that_gives_no_task_names_what_it_gave(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

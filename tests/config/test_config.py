@@ -335,3 +335,29 @@ def test_unset_bf16_is_float32_on_a_machine_without_a_bfloat16_gpu():
         "bf16=True needs a GPU with bfloat16 support, and this machine has none; set use_cpu=True to train in "
         "bfloat16 on the CPU, or leave bf16 unset (float32 here, TRL's bfloat16 default on such a GPU)"
     )
+
+
+def test_ddp_timeout_reaches_the_cpu_process_group(monkeypatch):
+    """transformers 5.24 hands ddp_timeout to accelerate only off the CPU: a multi-process CPU run's gloo group got
+    1800 s whatever ddp_timeout said. Under a CPU launch of several processes DFPOConfig creates the group itself
+    with ddp_timeout (checked end to end on two gloo "nodes" in tests/app/test_killed_rank.py); alone, or off the
+    CPU, it leaves the set-up to transformers."""
+    import datetime
+
+    import accelerate
+    import torch.distributed as dist
+
+    made: list[dict] = []
+    cfg = config(ddp_timeout=20)
+    monkeypatch.setattr(accelerate, "PartialState", lambda **kwargs: made.append(kwargs))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg._cpu_group_with_ddp_timeout()
+    assert made == []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg._cpu_group_with_ddp_timeout()
+    assert made == [dict(cpu=True, backend=cfg.ddp_backend, timeout=datetime.timedelta(seconds=20))]
+    cfg.use_cpu = False
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
+    cfg._cpu_group_with_ddp_timeout()
+    assert len(made) == 1

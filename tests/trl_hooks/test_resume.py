@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ from tiny import addition_dataset, base_args, last_digit_reward, tiny_model, tin
 from trl import GRPOConfig, GRPOTrainer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
+from dfpo_trl.trl_hooks.resume import load_rollout_state
 
 OFF_POLICY = dict(
     importance_sampling_level="sequence", loss_type="grpo", per_device_train_batch_size=4, num_generations=2,
@@ -202,6 +204,42 @@ def test_rollout_state_of_another_step_is_refused(uninterrupted, tmp_path):
     shutil.copy(out / "checkpoint-6" / "dfpo_rollout_state_0.pt", checkpoint / "dfpo_rollout_state_0.pt")
     with pytest.raises(ValueError, match=r"dfpo_rollout_state_0.pt was written at optimizer step 6.*says step 2"):
         train("dfpo", tmp_path / "out", resume=checkpoint, max_steps=8, save_steps=2)
+
+
+def test_rollout_state_loads_on_every_process_of_a_multi_process_cpu_run(tmp_path):
+    """accelerate gives every process of a multi-process CPU launch (gloo) the device cpu:0, which torch.load cannot
+    map to ("don't know how to restore data location"): the resume of a 2-process CPU run failed on every process
+    before its first step (tests/app/test_killed_rank.py). The file loads to the CPU there."""
+    advantages = torch.arange(4.0)
+    for process in (0, 1):
+        torch.save({"global_step": 3, "step": 5, "buffer": [{"advantages": advantages}], "processes": 2},
+                   tmp_path / f"dfpo_rollout_state_{process}.pt")
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(device=torch.device("cpu", 0), process_index=1),
+                              state=SimpleNamespace(global_step=3), _step=0, _buffered_inputs=None)
+    assert load_rollout_state(trainer, str(tmp_path))
+    assert trainer._step == 5 and torch.equal(trainer._buffered_inputs[0]["advantages"], advantages)
+
+
+def test_checkpoint_missing_a_process_rollout_file_is_refused_on_every_process(tmp_path):
+    """A checkpoint holding some processes' rollout files and not all of them (a process killed while it was
+    saved) is refused by every process, the one without its file and the others, before a collective: resumed,
+    the process without it regenerated the rollout while the others continued it, and they waited on each other
+    until ddp_timeout. The files record their process count, so a missing last process is seen too; the app's
+    check reads the same names before torch (PROCESS_FILES)."""
+    from dfpo_trl.app.paths import PROCESS_FILES
+    from dfpo_trl.trl_hooks.resume import ROLLOUT_STATE_FILE
+
+    assert PROCESS_FILES[1].match(ROLLOUT_STATE_FILE.format(process=7))
+    for process in (0, 1):
+        torch.save({"global_step": 3, "step": 5, "buffer": None, "processes": 3},
+                   tmp_path / f"dfpo_rollout_state_{process}.pt")
+    for process in (0, 2):
+        trainer = SimpleNamespace(accelerator=SimpleNamespace(device=torch.device("cpu"), process_index=process),
+                                  state=SimpleNamespace(global_step=3), _step=0, _buffered_inputs=None)
+        with pytest.raises(ValueError, match=r"is half-written: it lacks dfpo_rollout_state_2.pt of its 3 processes"):
+            load_rollout_state(trainer, str(tmp_path))
+    torch.save({"global_step": 3, "step": 5, "buffer": None, "processes": 3}, tmp_path / "dfpo_rollout_state_2.pt")
+    assert load_rollout_state(trainer, str(tmp_path)) and trainer._step == 5
 
 
 def test_resume_in_a_later_epoch_is_exact_with_dfpo_and_replays_epoch_0_with_trl(tmp_path):
