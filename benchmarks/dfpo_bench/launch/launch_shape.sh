@@ -46,7 +46,7 @@ C)
   python -m dfpo_bench.launch.paper_shape --tokenizer "$M" --out-dir /tmp/ls/shape > /tmp/ls/shape.log 2>&1
   cp /tmp/ls/shape/paper_shape.json "$OUT"/ 2>/dev/null
   if [ -d .meters ]; then
-    (cd .meters && CUDA_VISIBLE_DEVICES=2 PYTHONPATH=/tmp/site:$PWD timeout 240 python -m dfpo_bench.studies.drift_meter_check \
+    (cd .meters && CUDA_VISIBLE_DEVICES=2 PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks timeout 240 python -m dfpo_bench.studies.drift_meter_check \
       --device cuda --model "$M" --prompts 32 --samples 256 --batch-size 256 --out /tmp/ls/drift_meter_check_gpu.json > /tmp/ls/drift.log 2>&1;
      cp /tmp/ls/drift_meter_check_gpu.json "$OUT"/ 2>/dev/null) &
   fi

@@ -2,9 +2,9 @@
 against TRL's own GSPO, at the paper's shape scaled down, and the in-group coefficients of both layouts against
 a single-process reference.
 
-Commands (4 GPUs, after the kit's setup ``bash .dev/setup.sh && export PYTHONPATH=/tmp/site:$PWD``). Each stops
-itself within ``--deadline-s`` (default 510 s). Timing and check in two commands, each with the whole budget, then
-merged here (the safer plan: a 1.7B model loads five times in all):
+Commands (4 GPUs, after the kit's setup ``bash .dev/setup.sh && export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks``).
+Each stops itself within ``--deadline-s`` (default 510 s). Timing and check in two commands, each with the whole
+budget, then merged here (the safer plan: a 1.7B model loads five times in all):
 
     python -m dfpo_bench.launch.layouts --no-check --out-dir $OUT   # reference init + timing  -> $OUT/layouts.json
     python -m dfpo_bench.launch.layouts --no-time --out-dir $OUT    # reference + coefficient check -> $OUT/layouts.json
@@ -166,7 +166,7 @@ def phase_all(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     for stale in [*work.glob("check_*_rank*.pt"), work / "timing.json"]:
         stale.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "PYTHONPATH": common.child_pythonpath()}
     if args.device == "cpu":
         env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     log_path = out / "layouts.log"

@@ -45,6 +45,7 @@ from typing import Any
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
+from dfpo_bench.lib import common  # noqa: E402
 from dfpo_bench.lib.vllm_tools import (  # noqa: E402
     SERVER_ENV,
     check_tokens,
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         served_initial = server_logprobs(args.port, str(model_dir), token_ids, prompt_tokens)
         start = time.time()
         train_env = {**os.environ, "CUDA_VISIBLE_DEVICES": args.trainer_gpus,
-                     "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+                     "PYTHONPATH": common.child_pythonpath()}
         with open(out / "train.log", "w") as handle:
             code = subprocess.call(trainer, cwd=ROOT, env=train_env, stdout=handle, stderr=subprocess.STDOUT)
         result.update(trainer_exit_code=code, train_wall_s=round(time.time() - start, 1))

@@ -1,7 +1,8 @@
 """A two-node launch of the Qwen3-32B recipe, scaled down and simulated on ONE 4-GPU host: 2 nodes × 2 GPUs,
 DeepSpeed ZeRO-3, the paper-shaped batch (per-device batch 1, G = number of processes).
 
-On the GPU machine (4 GPUs; after ``bash .dev/setup.sh && export PYTHONPATH=/tmp/site:$PWD``), one command:
+On the GPU machine (4 GPUs; after ``bash .dev/setup.sh && export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks``),
+one command:
 
     python -m dfpo_bench.launch.two_node --out-dir $OUT
 
@@ -57,6 +58,7 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
+from dfpo_bench.lib import common  # noqa: E402
 from dfpo_bench.lib.common import stop_process_group  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve()
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     recipe = out / "two_node_recipe.yaml"
-    env_base = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env_base = {**os.environ, "PYTHONPATH": common.child_pythonpath()}
     result: dict[str, Any] = {"nodes": NODES, "processes": PROCESSES, "processes_per_node": PROCESSES // NODES,
                               "simulated_on_one_host": True, "cpu": args.cpu, "launcher": launcher_kind(args)}
     result["accelerate_configs"] = check_configs()

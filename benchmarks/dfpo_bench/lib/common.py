@@ -131,6 +131,12 @@ def run_flags(
     return command + list(args.extra)
 
 
+def child_pythonpath() -> str:
+    """The import path a job's child process gets: this checkout's library and its benchmarks package first (the
+    GPU kit installs neither), then what the job had."""
+    return os.pathsep.join(p for p in (str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")) if p)
+
+
 SUMMARY_FILE = "dfpo_summary.json"  # what every dfpo-train run writes to its output_dir (docs/cli.md, "Outputs")
 
 

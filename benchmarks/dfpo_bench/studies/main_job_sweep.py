@@ -27,6 +27,8 @@ import sys
 import time
 from typing import Any
 
+from dfpo_bench.lib import common
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "smollm2_cpu.yaml"
 
@@ -60,8 +62,7 @@ def launch(name: str, seed: int, args: argparse.Namespace) -> tuple[subprocess.P
         sys.executable, "-m", "dfpo_trl", str(RECIPE), "--output_dir", str(out), "--seed", str(seed),
         "--use_cpu", "false", "--model_name_or_path", args.model, *CANDIDATES[name],
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": common.child_pythonpath()}
     log = open(out / "run.log", "wb")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), out
 

@@ -8,7 +8,7 @@
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh poll S            waits S s, prints progress, packs what exists into $OUT
 # A detached job dies with the machine, which goes back 30 s after a call returns: keep calling `poll`.
 set -u
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 model=/root/models/qwen2.5-coder-0.5b-instruct
 smol=/root/models/smollm2-135m-instruct
 case "$1" in
