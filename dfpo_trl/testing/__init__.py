@@ -1,11 +1,11 @@
 """``dfpo_trl.testing``: what a test or a benchmark of DFPO needs, offline and in seconds on a CPU (docs/testing.md).
 
-Two parts, both public and stable (this module's ``__all__``):
+Public and stable (this module's ``__all__``); :mod:`.measures` adds the library's own terms and meters:
 
 - **Tiny builders.** A word-level tokenizer over :data:`WORDS`, a randomly initialised 2-layer Llama, a prompt set
-  of single-digit additions, a noisy reward, a whole tiny trainer, and the tiny ``dfpo-train`` recipe that runs the
-  CLI end to end on that model saved as a checkpoint. No download: everything is built in the process, so a run's
-  numbers depend only on the seed.
+  of single-digit additions, a noisy reward, a whole tiny trainer, the tiny ``dfpo-train`` recipe that runs the
+  CLI end to end on that model saved as a checkpoint, and hand-made batches whose ratios are known exactly. No
+  download: everything is built in the process, so a run's numbers depend only on the seed.
 - **Observers.** :class:`DFPOCallback` (transformers' ``TrainerCallback`` with DFPO's ``on_pre_pass`` and
   ``on_micro_step`` events) and three helpers on top of it that record what each micro-step's objective returned.
   They read the values the trainer goes on to use; no name of the trainer or of a module is replaced, so a renamed
