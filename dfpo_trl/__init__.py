@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .app.embedded import embedded_model_path
     from .app.evaluation import HeldoutAccuracyCallback
     from .app.main import main as dfpo_train
+    from .app.parser import parse_recipe
     from .app.plotting import plot_metrics
     from .config import DFPOConfig
     from .tasks import get_reward, get_task, register_reward, register_task
@@ -52,6 +53,7 @@ _PUBLIC = {
     "HeldoutAccuracyCallback": (".app.evaluation", "HeldoutAccuracyCallback"),
     "plot_metrics": (".app.plotting", "plot_metrics"),
     "dfpo_train": (".app.main", "main"),
+    "parse_recipe": (".app.parser", "parse_recipe"),
 }
 
 # The stable public API (docs/README.md, "Stable names"): every other name in dfpo_trl's modules is internal, except
@@ -73,6 +75,7 @@ __all__ = [
     "HeldoutAccuracyCallback",
     "plot_metrics",
     "dfpo_train",
+    "parse_recipe",
 ]
 __version__ = "0.1.0"
 

@@ -58,6 +58,7 @@ def test_root_all_is_the_stable_list() -> None:
         "HeldoutAccuracyCallback",
         "plot_metrics",
         "dfpo_train",
+        "parse_recipe",
     ]
     for name in dfpo_trl.__all__:
         assert getattr(dfpo_trl, name) is not None
@@ -66,11 +67,12 @@ def test_root_all_is_the_stable_list() -> None:
 def test_each_root_name_is_the_librarys_own_object() -> None:
     """The root re-exports, it does not wrap: ``dfpo_train`` is the program ``dfpo-train`` runs, and each other name is
     the object of the module that defines it."""
-    from dfpo_trl.app import embedded, evaluation, main, plotting
+    from dfpo_trl.app import embedded, evaluation, main, parser, plotting
     from dfpo_trl.tasks import registry
     from dfpo_trl.transforms import registry as transforms
 
     assert dfpo_trl.dfpo_train is main.main
+    assert dfpo_trl.parse_recipe is parser.parse_recipe
     assert dfpo_trl.embedded_model_path is embedded.embedded_model_path
     assert dfpo_trl.HeldoutAccuracyCallback is evaluation.HeldoutAccuracyCallback
     assert dfpo_trl.plot_metrics is plotting.plot_metrics

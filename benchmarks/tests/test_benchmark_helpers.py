@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from dfpo_trl.app.parser import parse_args
+from dfpo_trl import parse_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def test_smoke_recipe_keeps_the_objective_batch_and_lora(tmp_path: Path, gpu_rec
     original = yaml.safe_load(source.read_text())
     derived = yaml.safe_load(out.read_text())
     assert not set(recipe_smoke.DATASET_KEYS) & set(derived)
-    script_args, args, model_args = parse_args([str(out)])
+    script_args, args, model_args = parse_recipe([str(out)])
     assert (model_args.model_name_or_path, script_args.task, args.max_steps) == ("/models/tiny", "arithmetic", 3)
     kept = ("group_transform", "importance_sampling_level", "loss_type", "epsilon", "epsilon_high", "num_generations",
             "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "use_peft", "lora_r",

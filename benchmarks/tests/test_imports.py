@@ -19,9 +19,6 @@ ROOT = BENCH.parent
 
 # (module, name) still imported from dfpo_trl's internals -> why the job needs it; name "" for a module import.
 INTERNAL: dict[tuple[str, str], str] = {
-    ("dfpo_trl.app.parser", "parse_args"): "vllm_e2e and three tests read a recipe's resolved fields as dfpo-train "
-    "parses them (the summary file does not record the vLLM settings)",
-    ("dfpo_trl.app.main", "run"): "vllm_e2e's child runs the parsed recipe and records those resolved fields",
     ("dfpo_trl.trainer", ""): "microstep_parts labels the trainer module's functions for torch.profiler (a patch)",
     ("dfpo_trl.groups.layout", "GroupDelivery"): "microstep_parts labels its whole_groups (a patch)",
     ("dfpo_trl.groups.prepass", "PrePass"): "microstep_parts labels its before_micro_step (a patch)",

@@ -53,11 +53,11 @@ def test_a_changed_preregistration_is_refused(tmp_path: pathlib.Path) -> None:
 
 
 def test_arm_flags_parse_and_the_anchor_is_on_policy_with_the_same_rollout(gpu_recipes_parse_here: None) -> None:
-    from dfpo_trl.app.parser import parse_args
+    from dfpo_trl import parse_recipe
 
     configs = {}
     for arm, (task, _, _) in study_v3.ARMS.items():
-        script, config, _ = parse_args([str(study_v3.common.RECIPE), "--task", study_v3.TASKS[task],
+        script, config, _ = parse_recipe([str(study_v3.common.RECIPE), "--task", study_v3.TASKS[task],
                                         *study_v3.arm_flags(arm, DESIGN)])
         configs[arm] = config
         assert config.scale_rewards == "none" and config.epsilon == pytest.approx(DESIGN["epsilon"], rel=1e-9)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dfpo_trl.app.parser import parse_args
+from dfpo_trl import parse_recipe
 from dfpo_trl.testing.measures import STALL_EXIT_CODE, SyncWatchdog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +86,7 @@ def test_printed_commands_agree_with_the_recipe_and_each_other(tmp_path: Path, g
     recipe_path = tmp_path / "recipe.yaml"
     recipe_path.write_text(yaml.safe_dump(recipe))
     fault_argv = [str(recipe_path), *lines["fault"][lines["fault"].index("dfpo_trl") + 2:]]
-    _, training_args, model_args = parse_args(fault_argv)
+    _, training_args, model_args = parse_recipe(fault_argv)
     assert (training_args.vllm_sync_timeout, training_args.output_dir) == (20.0, str(work / "fault"))
     assert (training_args.save_steps, training_args.max_steps, model_args.model_name_or_path) == (3, 8, "/models/m")
 

@@ -320,3 +320,11 @@ def parse_args(
         field_origin(parser, "resume_from_checkpoint", flags, recipe),
     )
     return script_args, training_args, model_args
+
+
+def parse_recipe(argv: Sequence[str]) -> tuple[DFPOScriptArguments, DFPOConfig, ModelConfig]:
+    """A recipe and its flags as ``dfpo-train`` reads them, without running anything: (the script's arguments: task,
+    data, evaluation; the ``DFPOConfig``; TRL's ``ModelConfig``), every default filled in. A bad recipe raises
+    :class:`RecipeError` with the line ``dfpo-train`` prints. The stable name (``dfpo_trl.parse_recipe``) for
+    checking a recipe in a test or reading what a run will use."""
+    return parse_args(argv)

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-from dfpo_bench.lib.common import card, smoke_model  # noqa: E402 - the card and package versions every vLLM result records
+from dfpo_bench.lib.common import card, smoke_model, train_in_process  # noqa: E402 - the card and package versions every vLLM result records
 from dfpo_bench.lib.common import installed_versions as versions  # noqa: E402
 from dfpo_bench.lib.vllm_tools import SAMPLING_KEYS, Timer, grpo_kwargs, instrument_vllm, per_step  # noqa: E402
 
@@ -51,15 +51,14 @@ SMOKE_FLAGS = ["--use_vllm", "false", "--use_cpu", "true", "--bf16", "false", "-
 # ------------------------------------------------------------------------------------------------ children
 def child_recipe(args: argparse.Namespace) -> dict[str, Any]:
     """The recipe through the CLI's own run, timed."""
-    from dfpo_trl.app.main import run
-    from dfpo_trl.app.parser import parse_args
+    from dfpo_trl import parse_recipe
 
     timer = Timer()
     vllm = instrument_vllm(timer)
     flags = [str(args.recipe), "--output_dir", args.work, *args.model_flags, *args.extra]
-    script_args, training_args, model_args = parse_args(flags)
+    _, training_args, _ = parse_recipe(flags)  # the resolved vLLM settings the record keeps
     start = time.perf_counter()
-    summary = run(script_args, training_args, model_args)
+    summary = train_in_process(flags, args.work)
     total = time.perf_counter() - start
     heldout = summary.get("heldout") or {}
     drift = summary.get("drift") or {}
