@@ -1,7 +1,6 @@
 """RESULTS.md section for the launch-shape runs (``benchmarks/dfpo_bench/launch/launch_shape.sh``): FSDP2 parity,
-server mode,
-the TP 2 + ZeRO-3 shape and the whole-loop cost with vLLM. Called by ``dfpo_bench.reports.report``; every number is
-read from the JSON files."""
+server mode, the TP 2 + ZeRO-3 shape and the whole-loop cost with vLLM. Called by ``dfpo_bench.reports.report``;
+every number is read from the JSON files."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """RESULTS.md's section on trained weights (``benchmarks/dfpo_bench/trained/``): TRL's vLLM importance-sampling ratio
-at the
-recipes' sampling settings against completion length, the independent meter beside it, and the learning runs as far
-as they got. Called by ``benchmarks/dfpo_bench/reports/report.py``; every number is read from ``results/trained/``."""
+at the recipes' sampling settings against completion length, the independent meter beside it, and the learning runs
+as far as they got. Called by ``dfpo_bench.reports.report``; every number is read from ``results/trained/``."""
 
 from __future__ import annotations
 

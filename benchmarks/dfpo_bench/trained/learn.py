@@ -1,14 +1,13 @@
 """Runs that learn with trained weights: DFPO off against Min-Replace on Qwen2.5-Coder-0.5B-Instruct, colocated vLLM.
 
-Each run is ``dfpo-train benchmarks/dfpo_bench/trained/qwen05_lora.yaml`` (the 8B LoRA recipe's objective, LoRA,
-batch shape,
-completion length and sampling settings; the offline two-step arithmetic task) with ``--group_transform none`` or
-``min_replace`` and a seed. The runs go through the benchmarks' launcher (dfpo_bench.lib.common): ``--parallel``
-at a time on the one GPU, each started once the one before has built its vLLM engine, the two arms of a seed
-started next to each other so that they share the GPU's load; one record per run with its checkout. Beside them
-``nvidia-smi`` samples each process's GPU memory every 2 s. ``--is-flags`` are the importance-sampling fields every run
-gets (the setting chosen from dfpo_bench.trained.is_ratio's measurement); ``--contrasts`` adds one-off runs
-(:data:`CONTRASTS`); ``--gpus 0 1`` spreads the runs over two GPUs, ``--parallel`` on each.
+Each run is ``dfpo-train benchmarks/dfpo_bench/trained/qwen05_lora.yaml`` (the 8B LoRA recipe's objective, LoRA, batch
+shape, completion length and sampling settings; the offline two-step arithmetic task) with ``--group_transform none``
+or ``min_replace`` and a seed. The runs go through the benchmarks' launcher (dfpo_bench.lib.common): ``--parallel`` at
+a time on the one GPU, each started once the one before has built its vLLM engine, the two arms of a seed started next
+to each other so that they share the GPU's load; one record per run with its checkout. Beside them ``nvidia-smi``
+samples each process's GPU memory every 2 s. ``--is-flags`` are the importance-sampling fields every run gets (the
+setting chosen from dfpo_bench.trained.is_ratio's measurement); ``--contrasts`` adds one-off runs (:data:`CONTRASTS`);
+``--gpus 0 1`` spreads the runs over two GPUs, ``--parallel`` on each.
 
     python -m dfpo_bench.trained.learn --model /root/models/qwen2.5-coder-0.5b-instruct --out-dir /tmp/learn \
         --parallel 3 --seeds 0 1 2
