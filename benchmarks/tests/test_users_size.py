@@ -32,6 +32,11 @@ def test_users_size_pre_pass_rounds(tmp_path: Path) -> None:
         assert len(record["steps"]) == 2  # one rollout: two optimizer steps
         assert abs(sum(s["total_s"] for s in record["steps"]) - record["total_s"]) < 1e-9
         assert all(0 <= s["rollout_s"] <= s["total_s"] for s in record["steps"][:1])
+        # transformers' generation is timed inside the rollout, in its first step only
+        assert 0 < record["steps"][0]["generation_s"] <= record["steps"][0]["rollout_s"]
+        assert "generation_s" not in record["steps"][1]
     summary = result["summary"]["min_replace_b4"]
     assert summary["baseline"] == "trl_b4" and summary["rounds"] == 1
     assert summary["loss_steps_s_ratio"]["median"] > 0
+    generation = [users_size.run_generation_s(runs[m]) for m in ("min_replace_b4", "trl_b4")]
+    assert summary["generation_s_ratio"]["values"] == [generation[0] / generation[1]]

@@ -23,11 +23,13 @@ same initial weights (LoRA: a fresh adapter, seeded; full: the initial weights r
 rollouts; a round runs every method once, in a shuffled order; a warm-up run precedes round 0. Per optimizer step
 (CUDA synchronised): its wall time, the time in TRL's ``_generate_and_score_completions`` (the rollout), in vLLM's
 ``generate`` and in the weight sync; the loss steps are the rest. The ratio to the baseline is taken within a
-round (same GPU, seconds apart) on the run's total time and on its loss-step time; the summary gives each ratio's
-median over rounds with a percentile-bootstrap 95% interval over rounds. Peak memory is torch's
-``max_memory_allocated`` over the run (the engine's weights and KV cache included: vLLM allocates through torch in
-this process) and the engine's own allocation measured when it was built. The JSON is rewritten after every run, so
-a job cut by its time limit keeps every finished run.
+round (same GPU, seconds apart) on the run's total time, on its loss-step time and on its generation alone
+(vLLM's ``generate``, or with ``--no-vllm`` TRL's one-turn generation through transformers' ``generate``); the summary
+gives each ratio's median over rounds with a percentile-bootstrap 95% interval over rounds. ``--cap-gib`` caps
+PyTorch's allocator (``torch.cuda.set_per_process_memory_fraction``), a smaller card on a larger GPU.
+Peak memory is torch's ``max_memory_allocated`` over the run (the engine's weights and KV cache included: vLLM
+allocates through torch in this process) and the engine's own allocation measured when it was built. The JSON is
+rewritten after every run, so a job cut by its time limit keeps every finished run.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ METHODS: dict[str, tuple[dict[str, Any] | None, int | None, str]] = {
     "trl_b4": (None, 4, "trl_b4"),
     "min_replace_b4": ({"group_transform": "min_replace"}, 4, "trl_b4"),
     "min_replace_b4_per_sample": ({"group_transform": "min_replace"}, 4, "trl_b4"),
+    "dfpo_off_b4": ({"group_transform": "none"}, 4, "trl_b4"),
 }
 
 
@@ -218,6 +221,8 @@ class Runner:
             trainer.pre_pass.forward = lambda ids, *rest: (forwarded.append(ids.size(0)), forward(ids, *rest))[1]
         if method.endswith("_per_sample"):
             trainers.keep_per_sample_order(trainer)
+        if not self.args.vllm:  # transformers' generate, inside TRL's one-turn generation
+            trainer._generate_single_turn = clock.timed("generation_s", trainer._generate_single_turn)
         if self.args.vllm:
             generation = trainer.vllm_generation
             generation.generate = clock.timed("generation_s", generation.generate)
@@ -263,6 +268,11 @@ class Runner:
 
 
 # --------------------------------------------------------------------------------------------- summaries
+def run_generation_s(run: dict[str, Any]) -> float:
+    """A run's time in generation (vLLM's ``generate``, or TRL's one-turn generation with transformers)."""
+    return sum(step.get("generation_s", 0.0) for step in run["steps"])
+
+
 def summarise(rounds: list[dict[str, dict[str, Any]]], methods: list[str]) -> dict[str, Any]:
     """Per method: median over rounds of the ratio to its baseline (total and loss steps), bootstrap intervals."""
     out: dict[str, Any] = {}
@@ -286,6 +296,11 @@ def summarise(rounds: list[dict[str, dict[str, Any]]], methods: list[str]) -> di
                 ratios = [r[method][key] / r[base][key] for r in complete]
                 entry[f"{key}_ratio"] = {"median": statistics.median(ratios),
                                          "interval_95": stats.bootstrap_median(ratios), "values": ratios}
+            generated = [(run_generation_s(r[method]), run_generation_s(r[base])) for r in complete]
+            if all(a > 0 and b > 0 for a, b in generated):  # the generation alone, the same work in both
+                ratios = [a / b for a, b in generated]
+                entry["generation_s_ratio"] = {"median": statistics.median(ratios),
+                                               "interval_95": stats.bootstrap_median(ratios), "values": ratios}
         out[method] = entry
     return out
 
@@ -307,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="vllm_gpu_memory_utilization (default: --vllm-gib of the card's memory, at most 0.45)")
     p.add_argument("--vllm-gib", type=float, default=32.0)
     p.add_argument("--no-vllm", dest="vllm", action="store_false")
+    p.add_argument("--cap-gib", type=float, default=None,
+                   help="cap PyTorch's allocator at this many GiB (a smaller card on a larger GPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -324,6 +341,9 @@ def main(argv: list[str] | None = None) -> None:
         total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
         args.vllm_memory = round(min(0.45, args.vllm_gib / total_gib), 3)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.cap_gib and device == "cuda":
+        total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib / total_gib), 0)
     tokenizer = args.tokenizer or trainers.default_tokenizer_path()
     model_dir = pathlib.Path(args.model_dir or (f"/root/models/random-{args.shape}" if device == "cuda"
                                                 else tempfile.mkdtemp(prefix="users-size-model-")))
@@ -331,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
                               **provenance.checkout_state(ROOT),
                               "command": "python -m dfpo_bench.cost.users_size " + " ".join(argv or sys.argv[1:]),
                               "shape": args.shape, "lora": args.lora, "methods": args.methods,
+                              "cap_gib": args.cap_gib, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                               "config": None, "rounds": []}
     model = None
     if not (model_dir / "config.json").exists():

@@ -3,6 +3,10 @@
 # has installed TRL and vLLM and written the checkpoints). From the repo root:
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh is               the IS-ratio measurement, one process per sampling setting
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh learn GPUS N      the learning runs, detached, N at a time on each of GPUS ("0 1")
+#                                                                  (SEEDS="2 3" CONTRASTS="" for more seeds alone)
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh genpairs GPU      transformers generation under the pre-pass layout
+#                                                                  against TRL's, 8B LoRA, 24 GB cap, interleaved rounds
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh v4pilot GPU       study v4's pilot stage alone, detached, 3 processes
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh cards GPU         the 8B recipe's cards (cards_8b.py), detached, on one GPU
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh study GPU         study v4 (pilot, plan, main, analysis), detached, 3 processes
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh poll S            waits S s, prints progress, packs what exists into $OUT
@@ -22,7 +26,7 @@ case "$1" in
   learn)
     mkdir -p /tmp/learn
     setsid nohup python -m dfpo_bench.trained.learn --model $model --out-dir /tmp/learn --gpus $2 --parallel "$3" \
-      --seeds 0 1 2 --contrasts min_replace_is_on transformers_eval --vllm-memory "${4:-0.06}" \
+      --seeds ${SEEDS:-0 1 2} --contrasts ${CONTRASTS-min_replace_is_on transformers_eval} --vllm-memory "${4:-0.06}" \
       --is-flags "--vllm_importance_sampling_correction false" > /tmp/learn/driver.log 2>&1 < /dev/null &
     echo "learning runs started, $3 at a time on GPUs $2" ;;
   cards)
@@ -30,6 +34,23 @@ case "$1" in
     CUDA_VISIBLE_DEVICES=$2 setsid nohup python -m dfpo_bench.trained.cards_8b --out /tmp/cards/cards_8b.json \
       --work /tmp/cards --tokenizer $smol > /tmp/cards/driver.log 2>&1 < /dev/null &
     echo "cards started on GPU $2" ;;
+  genpairs)
+    # the recipe's 8B LoRA shape at per-device batch 4 (Min-Replace: the pre-pass layout; TRL: none), transformers
+    # generation of 768 tokens, PyTorch capped at a 24 GiB card less the 0.73 GiB the process holds outside it
+    mkdir -p /tmp/genpairs
+    CUDA_VISIBLE_DEVICES=$2 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True setsid nohup python -m \
+      dfpo_bench.cost.users_size --shape qwen3-8b --lora --no-vllm --tokenizer $smol --methods trl_b4 min_replace_b4 \
+      --rounds "${3:-5}" --budget-s 1e9 --cap-gib 23.25 --out /tmp/genpairs/gen_pairs_8b.json \
+      > /tmp/genpairs/driver.log 2>&1 < /dev/null &
+    echo "generation pairs started on GPU $2" ;;
+  v4pilot)
+    mkdir -p /tmp/v4
+    for i in 1 2 3; do
+      CUDA_VISIBLE_DEVICES=$2 setsid nohup python -m dfpo_bench.studies.study_v4 --stage pilot --model $smol \
+        --out-dir /tmp/v4 > /tmp/v4/pilot_$i.log 2>&1 < /dev/null &
+      sleep 5
+    done
+    echo "study v4 pilot started on GPU $2" ;;
   study)
     mkdir -p /tmp/v4
     CUDA_VISIBLE_DEVICES=$2 setsid nohup bash -c "
@@ -52,6 +73,10 @@ case "$1" in
     if [ -d /tmp/cards ]; then
       tail -3 /tmp/cards/driver.log; ls /tmp/cards/*.json 2>/dev/null | xargs -n1 basename | tr '\n' ' '; echo
       tar czf "$OUT/cards.tgz" /tmp/cards/*.json /tmp/cards/*.log 2>/dev/null
+    fi
+    if [ -d /tmp/genpairs ]; then
+      grep -E "^round|Error|error" /tmp/genpairs/driver.log | tail -6
+      tar czf "$OUT/gen_pairs.tgz" /tmp/genpairs 2>/dev/null
     fi
     if [ -d /tmp/v4 ]; then
       for f in /tmp/v4/*/*/s*.jsonl; do echo "$f: $(wc -l < "$f") lines"; done 2>/dev/null | tail -12
