@@ -154,7 +154,7 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
         "untruncated row is used above).",
         "",
     ]
-    learn = load_json(folder / "learn_qwen05.json")
+    learn = learn_records(folder)
     if learn:
         lines += learn_lines(learn, fig_dir, out)
         earlier = partial_runs(folder / "learn_qwen05_partial_logs.tgz")
@@ -165,7 +165,28 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
     cards = load_json(folder / "cards_8b.json")
     if cards:
         lines += cards_lines(cards)
+    pairs = load_json(folder / "gen_pairs_8b.json")
+    if pairs:
+        lines += generation_pairs_lines(pairs, folder / "gen_pairs_8b.log")
     return lines
+
+
+# Later sessions' learning runs, beside the first session's ``learn_qwen05.json``: file -> what the report calls it
+LATER_LEARNING = {"learn_qwen05_seed2.json": "second session"}
+
+
+def learn_records(folder: pathlib.Path) -> dict[str, Any] | None:
+    """The learning runs of every session, each run marked with its session (``first session`` for
+    ``learn_qwen05.json``); None when the first session's file is missing."""
+    first = load_json(folder / "learn_qwen05.json")
+    if not first:
+        return None
+    runs = [{**run, "session": "first session"} for run in first["runs"]]
+    for name, session in LATER_LEARNING.items():
+        later = load_json(folder / name)
+        if later:
+            runs += [{**run, "session": session} for run in later["runs"]]
+    return {**first, "runs": runs}
 
 
 # ------------------------------------------------------------------------------------------- the learning runs
@@ -228,8 +249,9 @@ def learn_lines(record: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path
     lines = [
         f"**Learning runs** ({card}; commit {', '.join(commits)}; `dfpo_bench.trained.learn`, `qwen05_lora.yaml`: "
         "the 8B LoRA recipe's objective, LoRA, batch shape, 768-token completions and sampling, colocated vLLM, "
-        "importance-sampling correction off (the recipes' setting), the offline two-step task; all runs at once on "
-        "the GPU, the two arms of a seed started next to each other). `min_replace_is_on` is seed 0's Min-Replace "
+        "importance-sampling correction off (the recipes' setting), the offline two-step task; all of a session's "
+        "runs at once on the GPU, the two arms of a seed started next to each other; rows marked \"second session\" "
+        "ran in a later session, beside other jobs on the same GPU). `min_replace_is_on` is seed 0's Min-Replace "
         "run with TRL's default correction (`sequence_mask`) left on; `transformers_eval` runs one step without "
         "vLLM to time the greedy held-out path.",
         "",
@@ -244,8 +266,9 @@ def learn_lines(record: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path
         fmt = lambda v, d=3: "–" if v is None else f"{v:.{d}f}"  # noqa: E731
         steps = run["series"].get("step_time", [])
         memory = run.get("peak_gpu_memory_mib")
+        later = "" if run.get("session", "first session") == "first session" else f" ({run['session']})"
         lines.append(
-            f"| {run['method']} s{run['seed']} | {run['exit_code']} | {run.get('steps')} | "
+            f"| {run['method']} s{run['seed']}{later} | {run['exit_code']} | {run.get('steps')} | "
             f"{fmt(held.get('before'))} → {fmt(held.get('after'))} ({curve}) | "
             f"{fmt(series_mean(run, 'sampling/importance_sampling_ratio/mean'), 3)} | "
             f"{fmt(series_mean(run, 'diagnostics/phi_mean_off_policy'))} | "
@@ -273,19 +296,24 @@ IS_MEAN = "sampling/importance_sampling_ratio/mean"
 
 def learn_findings(runs: list[dict[str, Any]]) -> list[str]:
     """What the runs show, each number read from them: learning, the IS contrast, the evaluation paths' times."""
-    by = {(r["method"], r["seed"]): r for r in runs}
+    by = {(r["method"], r["seed"]): r for r in runs if r.get("complete") or (r["method"], r["seed"]) not in
+          {(q["method"], q["seed"]) for q in runs if q.get("complete")}}
     done = [r for r in runs if r.get("complete") and r["method"] in ("off", "min_replace")]
-    stopped = [f"{r['method']} s{r['seed']}" for r in runs if r.get("exit_code") == 143]
     lines = []
     if done:
         gains = [(r["heldout"]["after"] - r["heldout"]["before"]) for r in done]
+        seeds = {arm: sorted(r["seed"] for r in done if r["method"] == arm) for arm in ("off", "min_replace")}
         lines.append(
             f"Every complete run learned: avg@k rose by {min(gains):+.2f} to {max(gains):+.2f} over 100 steps "
-            f"({len(done)} runs, {len({r['seed'] for r in done})} seeds per arm). With two seeds per arm and a "
-            "seed-to-seed spread as large as the arms' difference, no comparison of DFPO off and Min-Replace is "
-            "made from these runs."
-            + (f" {', '.join(stopped)} were stopped by hand (exit 143) at the start so that the others could "
-               "finish within the device budget." if stopped else ""))
+            f"({len(done)} runs; seeds {', '.join(map(str, seeds['off']))} of DFPO off and "
+            f"{', '.join(map(str, seeds['min_replace']))} of Min-Replace).")
+        lines += gain_comparison(done)
+    for session in sorted({r.get("session", "first session") for r in runs}):
+        stopped = [f"{r['method']} s{r['seed']}" for r in runs
+                   if r.get("exit_code") == 143 and r.get("session", "first session") == session]
+        if stopped:
+            lines.append(f"{', '.join(stopped)} ({session}) were stopped by hand (exit 143) at their start, "
+                         f"{STOPPED_WHY.get(session, '')}; they are not runs of the comparison.")
     on, off = by.get(("min_replace_is_on", 0)), by.get(("min_replace", 0))
     if on and off and on.get("complete") and off.get("complete"):
         def signal_mean(run: dict[str, Any]) -> float:  # over steps with signal (0: no group had both signs)
@@ -315,14 +343,48 @@ def learn_findings(runs: list[dict[str, Any]]) -> list[str]:
                   f"{held['before_seconds']:.0f} and {held['after_seconds']:.0f} s, about "
                   f"{8 * held['before_seconds'] / statistics.median(seconds):.1f}× longer per completion than the "
                   "median vLLM evaluation."]
-    hashes = sorted({json_key(r.get("checkout") or {})[:12] for r in runs})
-    lines += ["", "Provenance: the records name commit 0f29322 with an uncommitted diff (source hashes "
+    hashes = sorted({json_key(r.get("checkout") or {})[:12] for r in runs
+                     if r.get("session", "first session") == "first session"})
+    lines += ["", "Provenance: the first session's records name commit 0f29322 with an uncommitted diff (source hashes "
               f"{', '.join(hashes)}): the GPU machine's copy of the repository kept this session's first commit as "
               "HEAD. The tree it ran was commit 94ac975's benchmark and product code with two edits not yet committed "
               "(cards_8b.py's `--configs`, committed next; a draft of this report); DFPO off seed 0 started before "
               "the `--configs` edit reached the machine, the other runs after it, hence two source hashes. Neither "
-              "edit is imported by the runs.", ""]
-    return lines
+              "edit is imported by the runs."]
+    later = [r for r in runs if r.get("session", "first session") != "first session" and r.get("checkout")]
+    for commit, source in sorted({(r["checkout"].get("commit", "?")[:7], json_key(r["checkout"])[:12])
+                                  for r in later}):
+        lines += ["", f"The second session's records name commit {commit} with an uncommitted diff and source hash "
+                  f"{source}: the hash of commit a40acd4's sources (checked by recomputing it at that commit), which "
+                  "the GPU machine ran while its copy of the repository kept the session's first HEAD."]
+    return lines + [""]
+
+
+# Why a session's runs were stopped by hand at their start (RESULTS says so beside the names)
+STOPPED_WHY = {
+    "first session": "so that the others could finish within the device budget",
+    "second session": "so that the device time left went to the generation pairs below and study v4's pilot",
+}
+
+
+def gain_comparison(done: list[dict[str, Any]]) -> list[str]:
+    """Min-Replace's held-out gain minus DFPO off's, paired by seed: the mean with its 95% t-interval and the
+    difference the runs could have detected (80% power, two-sided 0.05)."""
+    from dfpo_bench.lib.stats import mde_t, mean_ci, t_quantile
+
+    gain = {(r["method"], r["seed"]): r["heldout"]["after"] - r["heldout"]["before"] for r in done}
+    diffs = [(seed, gain[("min_replace", seed)] - gain[("off", seed)]) for (method, seed) in sorted(gain)
+             if method == "min_replace" and ("off", seed) in gain]
+    ci = mean_ci([d for _, d in diffs])
+    if ci is None or ci[3] < 2:
+        return []
+    mean, low, high, n = ci
+    se = (high - mean) / t_quantile(n - 1)  # the interval's half-width is t(0.975, n - 1) × se
+    each = ", ".join(f"s{seed}: {d:+.3f}" for seed, d in diffs)
+    return [f"Held-out gain, Min-Replace − DFPO off, paired by seed ({each}): "
+            f"mean {mean:+.3f}, 95% t-interval {low:+.3f} to {high:+.3f} over {n} seeds; a difference below "
+            f"{mde_t(se, n - 1):.2f} in avg@k could not have been detected (80% power), so none is claimed: "
+            "not detected above that size."]
 
 
 def length_correlation(run: dict[str, Any], key: str) -> float:
@@ -386,4 +448,98 @@ def cards_lines(record: dict[str, Any]) -> list[str]:
     if sample:
         lines += ["", "util: the `vllm_gpu_memory_utilization` that gives the engine the same memory on that card "
                   "(engine GiB ÷ card GiB). Settings per card are in `recipes/qwen3_8b_lora.yaml`'s header.", ""]
+    return lines
+
+
+# ------------------------------------------------------------------------- generation under the pre-pass layout
+def generation_s(run: dict[str, Any]) -> float:
+    return sum(step.get("generation_s", 0.0) for step in run["steps"])
+
+
+def trend_adjusted_ratio(sequence: list[tuple[bool, float]]) -> tuple[float, float, float] | None:
+    """The treated runs' time ÷ the others', from least squares on log time with an intercept, a linear trend in
+    run order and a treatment indicator (the load on a shared GPU drifts during a job); (ratio, low, high) with the
+    coefficient's 95% t-interval. ``sequence``: (treated, seconds) in the order the runs ran."""
+    import numpy as np
+
+    from dfpo_bench.lib.stats import t_quantile
+
+    if len(sequence) < 4 or len({t for t, _ in sequence}) < 2:
+        return None
+    design = np.array([[1.0, float(i), 1.0 if treated else 0.0] for i, (treated, _) in enumerate(sequence)])
+    log_time = np.log([seconds for _, seconds in sequence])
+    coef, *_ = np.linalg.lstsq(design, log_time, rcond=None)
+    residual = log_time - design @ coef
+    dof = len(sequence) - 3
+    variance = float(residual @ residual) / dof * np.linalg.inv(design.T @ design)[2, 2]
+    half = t_quantile(dof) * math.sqrt(variance)
+    return math.exp(coef[2]), math.exp(coef[2] - half), math.exp(coef[2] + half)
+
+
+def generation_pairs_lines(record: dict[str, Any], log: pathlib.Path) -> list[str]:
+    """Transformers generation under the pre-pass layout (Min-Replace at per-device batch 4 < G) against TRL's
+    GRPOTrainer at the same batch, 8B LoRA shape, interleaved rounds (``cost/users_size.py --no-vllm``)."""
+    from dfpo_bench.lib.stats import mean_ci
+
+    treated, base = "min_replace_b4", "trl_b4"
+    rounds = [r for r in record["rounds"] if treated in r["runs"] and base in r["runs"]]
+    cut = [r for r in record["rounds"] if r not in rounds]
+    sequence = [(False, generation_s(record["warm_up"]))] + [
+        (method == treated, generation_s(r["runs"][method])) for r in record["rounds"] for method in r["order"]
+        if method in r["runs"]]
+    tokens = sorted({m.group(1) for m in re.finditer(r"'num_tokens': '([^']+)'", log.read_text())}) \
+        if log.exists() else []
+    requested = re.search(r"--rounds (\d+)", record["command"])
+    lines = [
+        f"**Generation under the pre-pass layout** (`dfpo_bench.cost.users_size --no-vllm`, {record['card']}; "
+        f"commit {record['commit'][:7]} with a diff, source hash {record['source_sha256'][:12]}, the second "
+        "session's). Qwen3-8B's architecture with random weights, the 8B recipe's LoRA, per-device batch 4 "
+        "(< G = 8: Min-Replace takes the pre-pass layout, TRL's trainer has none), 768-token completions through "
+        f"transformers' `generate`, PyTorch capped at {record['cap_gib']} GiB ({record['allocator']}): a 24 GiB "
+        "card less what the process holds outside PyTorch. A run is one rollout and its two optimizer steps from the "
+        "same initial weights; a round runs both methods in a shuffled order; the first run is a warm-up of TRL's. "
+        "The first rounds shared the GPU with the second session's learning runs (and round 0 with study v4's "
+        "pilot), so the absolute times drift; the ratio is taken within a round and, over all runs, with a linear "
+        "trend in run order.",
+        "",
+        "| round | order | TRL generation s | pre-pass layout generation s | ratio | pre-pass forward s (share of the "
+        "run) | peak reserved GiB (TRL, pre-pass) |",
+        "|---" * 7 + "|",
+    ]
+    ratios = []
+    for index, r in enumerate(record["rounds"]):
+        if r not in rounds:
+            continue
+        mine, theirs = r["runs"][treated], r["runs"][base]
+        ratio = generation_s(mine) / generation_s(theirs)
+        ratios.append(ratio)
+        pre_pass = sum(step.get("pre_pass_s", 0.0) for step in mine["steps"])
+        lines.append(f"| {index} | {' then '.join(r['order'])} | {generation_s(theirs):.1f} | "
+                     f"{generation_s(mine):.1f} | {ratio:.3f} | {pre_pass:.2f} ({pre_pass / mine['total_s']:.1%}) | "
+                     f"{theirs['peak_reserved_gib']:.1f}, {mine['peak_reserved_gib']:.1f} |")
+    logs = mean_ci([math.log(r) for r in ratios])
+    fitted = trend_adjusted_ratio(sequence)
+    lines.append("")
+    if logs is not None and logs[3] >= 2:
+        lines.append(f"Generation time, pre-pass layout ÷ TRL's, paired within rounds: geometric mean "
+                     f"{math.exp(logs[0]):.3f}, 95% t-interval {math.exp(logs[1]):.3f}–{math.exp(logs[2]):.3f} over "
+                     f"{logs[3]} pairs" + (f" ({len(rounds)} of the {requested.group(1)} rounds asked for finished; "
+                                           f"{len(cut)} was cut by the device budget after its first run)"
+                                           if requested and cut else "") + ".")
+    if fitted is not None:
+        lines.append(f"Over all {len(sequence)} runs in the order they ran, with a linear trend: "
+                     f"{fitted[0]:.3f}, 95% t-interval {fitted[1]:.3f}–{fitted[2]:.3f}.")
+    if len(tokens) == 1:
+        lines.append(f"Every run generated the same {float(tokens[0]):,.0f} tokens (TRL's `num_tokens`, from the "
+                     "job's log): the same work in both layouts.")
+    peak = max(r["runs"][m]["peak_reserved_gib"] for r in rounds for m in (treated, base))
+    lines.append(f"The largest peak reserved, {peak:.1f} GiB, stayed below the cap.")
+    upper = max(v for v in (fitted[2] if fitted else None, math.exp(logs[2]) if logs else None) if v is not None)
+    lines += ["", "What it shows. No generation slowdown under the pre-pass layout was detected above "
+              f"{upper - 1:.1%} (the larger upper bound of the two intervals), which excludes the roughly 10% seen "
+              "earlier in two pairs that were not interleaved. Nothing of the layout runs before or during "
+              "generation: the pre-pass forward runs inside the loss micro-steps (here at the rollout's second, "
+              "off-policy optimizer step), after TRL has generated and scored the rollout from the same prompts in "
+              "the same generation batch; what moved between runs was the load on the shared GPU, and this job's own "
+              "times moved by more than its pairs differ.", ""]
     return lines
