@@ -6,12 +6,12 @@ transformers take to import (docs/cli.md). The first public name taken from here
 DFPOConfig``) imports the trainer, and with it the checks of every TRL touch point (``trl_hooks/compat.py``).
 
 The import graph's layers, lowest first (tests/test_layering.py checks them and that no two packages import each
-other, even through others): ``precision`` (the compute dtype); ``transforms`` (the in-group transforms and their
-registry); ``config`` (``DFPOConfig``, each option's values, every rule a value must meet, the method a config trains
-with); ``objectives`` (the objective as pure math) and ``trl_hooks`` (the few places DFPO touches TRL); ``metrics``,
-``groups`` and ``tasks``; ``delta`` (DelTA's weights, which read the groups' ids and log metrics); ``trainer`` wires
-them into TRL; ``testing`` (the tiny builders and the trainer's observers, public) and ``app`` (the ``dfpo-train``
-program) sit on top (docs/README.md has the map).
+other, even through others): ``precision`` (the compute dtype) and ``profiling`` (the profiler labels);
+``transforms`` (the in-group transforms and their registry); ``config`` (``DFPOConfig``, each option's values, every
+rule a value must meet, the method a config trains with); ``objectives`` (the objective as pure math) and
+``trl_hooks`` (the few places DFPO touches TRL); ``metrics``, ``groups`` and ``tasks``; ``delta`` (DelTA's weights,
+which read the groups' ids and log metrics); ``trainer`` wires them into TRL; ``testing`` (the tiny builders and the
+trainer's observers, public) and ``app`` (the ``dfpo-train`` program) sit on top (docs/README.md has the map).
 """
 
 from __future__ import annotations
