@@ -19,8 +19,6 @@ ROOT = BENCH.parent
 
 # (module, name) still imported from dfpo_trl's internals -> why the job needs it; name "" for a module import.
 INTERNAL: dict[tuple[str, str], str] = {
-    ("dfpo_trl.trl_hooks.sync_watchdog", "WatchedVLLMGeneration"): "sync_fault sizes the first weight sync from "
-    "vLLM's metadata (a patch of sync_weights)",
     ("dfpo_trl.tasks", "TwoFormsTask"): "study v3's tasks subclass the built-in two_forms task (the drift meter finds "
     "a task's equivalent forms through its class)",
     ("dfpo_trl.tasks", "TwoFormsReward"): "study v3's strict reward is two_forms' own with unformatted=0",

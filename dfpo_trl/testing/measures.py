@@ -17,7 +17,7 @@ from ..metrics.curves import jitter2, steps_to_threshold
 from ..metrics.drift import completion_log_probs, end_token_ids, equivalent_set_stats
 from ..objectives.weights import loss_mask, post_clip_weights, sequence_log_ratio, sign_aware_post_clip
 from ..profiling import PROFILE_LABELS
-from ..trl_hooks.sync_watchdog import STALL_EXIT_CODE, SyncWatchdog
+from ..trl_hooks.sync_watchdog import STALL_EXIT_CODE, SyncWatchdog, streamed_size
 
 __all__ = [
     # the objective's terms (docs/design.md): the sequence log-ratio (eq. 44), the sign-aware post-clip weight s̄
@@ -41,9 +41,11 @@ __all__ = [
     "end_token_ids",
     "equivalent_set_stats",
     "greedy_accuracy",
-    # the deadline on the server-mode weight sync (docs/cli.md): its exit code and the guard that logs each phase
+    # the deadline on the server-mode weight sync (docs/cli.md): its exit code, the guard that logs each phase and
+    # the line that says what a sync streamed
     "STALL_EXIT_CODE",
     "SyncWatchdog",
+    "streamed_size",
     # the labels DFPO's parts of a micro-step carry for torch.profiler (docs/testing.md, "Profile labels")
     "PROFILE_LABELS",
 ]
