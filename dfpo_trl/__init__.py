@@ -28,7 +28,18 @@ if TYPE_CHECKING:
     from .app.parser import parse_recipe
     from .app.plotting import plot_metrics
     from .config import DFPOConfig
-    from .tasks import get_reward, get_task, register_reward, register_task
+    from .tasks import (
+        EquivalentFormsTask,
+        RewardFunc,
+        Task,
+        TwoFormsReward,
+        TwoFormsTask,
+        get_reward,
+        get_task,
+        register_reward,
+        register_task,
+        safe_reward,
+    )
     from .trainer import DFPOTrainer
     from .transforms import get_transform, register_transform, registered_transforms, unregister_transform
     from .trl_hooks.errors import TRLCompatibilityError, UntestedTRLWarning
@@ -49,6 +60,12 @@ _PUBLIC = {
     "get_task": (".tasks", "get_task"),
     "register_reward": (".tasks", "register_reward"),
     "get_reward": (".tasks", "get_reward"),
+    "Task": (".tasks", "Task"),
+    "EquivalentFormsTask": (".tasks", "EquivalentFormsTask"),
+    "RewardFunc": (".tasks", "RewardFunc"),
+    "safe_reward": (".tasks", "safe_reward"),
+    "TwoFormsTask": (".tasks", "TwoFormsTask"),
+    "TwoFormsReward": (".tasks", "TwoFormsReward"),
     "embedded_model_path": (".app.embedded", "embedded_model_path"),
     "HeldoutAccuracyCallback": (".app.evaluation", "HeldoutAccuracyCallback"),
     "plot_metrics": (".app.plotting", "plot_metrics"),
@@ -71,6 +88,12 @@ __all__ = [
     "get_task",
     "register_reward",
     "get_reward",
+    "Task",
+    "EquivalentFormsTask",
+    "RewardFunc",
+    "safe_reward",
+    "TwoFormsTask",
+    "TwoFormsReward",
     "embedded_model_path",
     "HeldoutAccuracyCallback",
     "plot_metrics",
