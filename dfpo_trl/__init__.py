@@ -6,12 +6,12 @@ transformers take to import (docs/cli.md). The first public name taken from here
 DFPOConfig``) imports the trainer, and with it the checks of every TRL touch point (``trl_hooks/compat.py``).
 
 The import graph's layers, lowest first (tests/test_layering.py checks them and that no two packages import each
-other, even through others): ``precision`` (the compute dtype); ``transforms`` (the in-group transforms and their
-registry); ``config`` (``DFPOConfig``, each option's values, every rule a value must meet, the method a config trains
-with); ``objectives`` (the objective as pure math) and ``trl_hooks`` (the few places DFPO touches TRL); ``metrics``,
-``groups`` and ``tasks``; ``delta`` (DelTA's weights, which read the groups' ids and log metrics); ``trainer`` wires
-them into TRL; ``testing`` (the tiny builders and the trainer's observers, public) and ``app`` (the ``dfpo-train``
-program) sit on top (docs/README.md has the map).
+other, even through others): ``precision`` (the compute dtype) and ``profiling`` (the profiler labels);
+``transforms`` (the in-group transforms and their registry); ``config`` (``DFPOConfig``, each option's values, every
+rule a value must meet, the method a config trains with); ``objectives`` (the objective as pure math) and
+``trl_hooks`` (the few places DFPO touches TRL); ``metrics``, ``groups`` and ``tasks``; ``delta`` (DelTA's weights,
+which read the groups' ids and log metrics); ``trainer`` wires them into TRL; ``testing`` (the tiny builders and the
+trainer's observers, public) and ``app`` (the ``dfpo-train`` program) sit on top (docs/README.md has the map).
 """
 
 from __future__ import annotations
@@ -28,7 +28,18 @@ if TYPE_CHECKING:
     from .app.parser import parse_recipe
     from .app.plotting import plot_metrics
     from .config import DFPOConfig
-    from .tasks import get_reward, get_task, register_reward, register_task
+    from .tasks import (
+        EquivalentFormsTask,
+        RewardFunc,
+        Task,
+        TwoFormsReward,
+        TwoFormsTask,
+        get_reward,
+        get_task,
+        register_reward,
+        register_task,
+        safe_reward,
+    )
     from .trainer import DFPOTrainer
     from .transforms import get_transform, register_transform, registered_transforms, unregister_transform
     from .trl_hooks.errors import TRLCompatibilityError, UntestedTRLWarning
@@ -49,6 +60,12 @@ _PUBLIC = {
     "get_task": (".tasks", "get_task"),
     "register_reward": (".tasks", "register_reward"),
     "get_reward": (".tasks", "get_reward"),
+    "Task": (".tasks", "Task"),
+    "EquivalentFormsTask": (".tasks", "EquivalentFormsTask"),
+    "RewardFunc": (".tasks", "RewardFunc"),
+    "safe_reward": (".tasks", "safe_reward"),
+    "TwoFormsTask": (".tasks", "TwoFormsTask"),
+    "TwoFormsReward": (".tasks", "TwoFormsReward"),
     "embedded_model_path": (".app.embedded", "embedded_model_path"),
     "HeldoutAccuracyCallback": (".app.evaluation", "HeldoutAccuracyCallback"),
     "plot_metrics": (".app.plotting", "plot_metrics"),
@@ -71,6 +88,12 @@ __all__ = [
     "get_task",
     "register_reward",
     "get_reward",
+    "Task",
+    "EquivalentFormsTask",
+    "RewardFunc",
+    "safe_reward",
+    "TwoFormsTask",
+    "TwoFormsReward",
     "embedded_model_path",
     "HeldoutAccuracyCallback",
     "plot_metrics",

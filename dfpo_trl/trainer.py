@@ -7,7 +7,8 @@ layout), the :class:`~dfpo_trl.groups.prepass.PrePass` (pre-pass layout), the
 ``_compute_loss`` runs unchanged: right after its policy forward, one call
 (:func:`~dfpo_trl.objectives.step.micro_step_objective`) turns the inputs TRL reads next into DFPO's objective, and
 :func:`~dfpo_trl.metrics.objective.log_micro_step` logs its return value (docs/README.md, "How a micro-step flows").
-Every touch point is declared and checked at import in :mod:`dfpo_trl.trl_hooks.compat`.
+Every touch point is declared and checked at import in :mod:`dfpo_trl.trl_hooks.compat`. Each DFPO part runs under
+a ``torch.profiler`` label of :data:`~dfpo_trl.profiling.PROFILE_LABELS` (free without a profiler).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .metrics.store import MetricStore
 from .objectives.plan import ObjectivePlan
 from .objectives.step import TRLLoss, WholeGroups, micro_step_objective
 from .objectives.weights import loss_mask
+from .profiling import profiled
 from .tasks.safe import RewardError, SafeReward, defined_at
 from .trl_hooks.callback import DFPOCallback
 from .trl_hooks.compat import (
@@ -195,20 +197,21 @@ class DFPOTrainer(GRPOTrainer):
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         """TRL's buffering, with each rollout regrouped for the layout and, in the pre-pass layout, the pre-pass's
         one call (it runs at the first micro-step of each optimizer step: groups/prepass.py)."""
-        regenerated = self.model.training and (
-            self._step % generate_every(self) == 0 or self._buffered_inputs is None
-        )
-        inputs = super()._prepare_inputs(generation_batch)
-        if not self.model.training:
-            return inputs
-        if regenerated:
-            self._buffered_inputs = self.layout.regroup(self._buffered_inputs, self.state.global_step)
-        if self.pre_pass is not None:  # s̄ and s̃ at the optimizer step's θ, attached to its micro-batches
-            values = self.pre_pass.before_micro_step(self._buffered_inputs, self._step, self.model, self._trl_loss(),
-                                                     applies_is_ratio(self))
-            if values is not None:  # it ran: the first micro-step of an optimizer step
-                self._call_dfpo_callbacks("on_pre_pass", values=values)
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        with profiled("dfpo/prepare_inputs"):
+            regenerated = self.model.training and (
+                self._step % generate_every(self) == 0 or self._buffered_inputs is None
+            )
+            inputs = super()._prepare_inputs(generation_batch)
+            if not self.model.training:
+                return inputs
+            if regenerated:
+                self._buffered_inputs = self.layout.regroup(self._buffered_inputs, self.state.global_step)
+            if self.pre_pass is not None:  # s̄ and s̃ at the optimizer step's θ, attached to its micro-batches
+                values = self.pre_pass.before_micro_step(self._buffered_inputs, self._step, self.model,
+                                                         self._trl_loss(), applies_is_ratio(self))
+                if values is not None:  # it ran: the first micro-step of an optimizer step
+                    self._call_dfpo_callbacks("on_pre_pass", values=values)
+            return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _trl_loss(self) -> TRLLoss:
         """TRL's loss settings as its loss reads them now; its off-policy mask through this trainer's
@@ -222,27 +225,31 @@ class DFPOTrainer(GRPOTrainer):
         """TRL's loss on a shallow copy of ``inputs`` that DFPO rewrites right after the policy forward pass; where
         the rewrite is active, TRL's clip fractions of this call (counted on the rewritten inputs) go to a sink and
         DFPO's count, pending in its store, is the one logged (metrics/clip.py)."""
-        inputs = dict(inputs)  # the buffered rollout is reused across iterations: never mutate it
-        if self.model.training:
-            log_step_reward(self.dfpo_metrics, inputs)
-        mode = "train" if self.model.training else "eval"
-        recount = diverted_metrics(self._metrics, mode, CLIP_RATIO_METRICS) if self.plan.recounts_clip_fractions \
-            else nullcontext()
-        with recount as trl_counts, self._expecting(PendingCall(partial(self._rewrite_after_forward, inputs))) as call:
-            loss = super()._compute_loss(model=model, inputs=inputs)
-        check_rewrite_ran(call.on_forward, self.plan.active_options)
-        if trl_counts is not None:
-            check_one_value_each(trl_counts)  # then dropped
-        return loss
+        with profiled("dfpo/compute_loss"):
+            inputs = dict(inputs)  # the buffered rollout is reused across iterations: never mutate it
+            if self.model.training:
+                with profiled("dfpo/log_step_reward"):
+                    log_step_reward(self.dfpo_metrics, inputs)
+            mode = "train" if self.model.training else "eval"
+            recount = diverted_metrics(self._metrics, mode, CLIP_RATIO_METRICS) \
+                if self.plan.recounts_clip_fractions else nullcontext()
+            rewrite = PendingCall(partial(self._rewrite_after_forward, inputs))
+            with recount as trl_counts, self._expecting(rewrite) as call:
+                loss = super()._compute_loss(model=model, inputs=inputs)
+            check_rewrite_ran(call.on_forward, self.plan.active_options)
+            if trl_counts is not None:
+                check_one_value_each(trl_counts)  # then dropped
+            return loss
 
     def _get_per_token_logps_and_entropies(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
         """TRL's helper; the first policy forward inside a DFPO override also runs what that override left."""
-        forward = partial(super()._get_per_token_logps_and_entropies, model, *args, **kwargs)
-        call = self._pending
-        if call is None or call.on_forward is None or (call.model is not None and model is not call.model):
-            return forward()
-        on_forward, call.on_forward = call.on_forward, None
-        return on_forward(self.unwrapped_model(model), ((model, *args), kwargs), forward)
+        with profiled("dfpo/get_per_token_logps_and_entropies"):
+            forward = partial(super()._get_per_token_logps_and_entropies, model, *args, **kwargs)
+            call = self._pending
+            if call is None or call.on_forward is None or (call.model is not None and model is not call.model):
+                return forward()
+            on_forward, call.on_forward = call.on_forward, None
+            return on_forward(self.unwrapped_model(model), ((model, *args), kwargs), forward)
 
     def unwrapped_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """``accelerator.unwrap_model(model)``, computed once per wrapper object: accelerate walks every submodule
@@ -254,31 +261,36 @@ class DFPOTrainer(GRPOTrainer):
     def _rewrite_after_forward(self, inputs: dict[str, Any], model: torch.nn.Module, arguments: Any, forward: Any):
         """The loss's policy forward (h kept for the energy metric when it is on), DFPO's objective written into the
         inputs TRL reads next and its metrics logged, then the backward hooks of the token-coefficient metrics."""
-        plan, training = self.plan, self.model.training
-        mode = "train" if training else "eval"
-        capture = energy_capture(plan.energy_buckets, training)
-        out = forward() if capture is None else capture_log_prob_forward(capture, model, arguments, forward)
-        logps, mask, advantages = out[0], loss_mask(inputs), inputs["advantages"]
-        groups = self.layout.whole_groups(inputs, mode) if plan.needs_groups else WholeGroups()
-        step = micro_step_objective(
-            plan, logps, inputs.get("old_per_token_logps"), advantages, mask, groups, self._trl_loss(),
-            sampling=inputs.get("sampling_per_token_logps"), is_ratio=applied_is_ratio(self, inputs),
-            lambda_bar=inputs.get(DELTA_WEIGHTS_KEY) if plan.uses_delta else None,
-        )
-        self._call_dfpo_callbacks("on_micro_step", step=step)
-        inputs["advantages"] = step.loss_inputs.advantages
-        if step.loss_inputs.old_per_token_logps is not None:
-            inputs["old_per_token_logps"] = step.loss_inputs.old_per_token_logps
-        log_micro_step(self.dfpo_metrics, mode, step, advantages, mask, plan, training=training,
-                       off_policy=training and off_policy_step(self))
-        weights = step.values.weights
-        if plan.group_metrics and groups.index is not None and logps.requires_grad:
-            watch_token_coefficients(self.dfpo_metrics, mode, logps, inputs["completion_ids"], mask, groups.index,
-                                     None if weights is None else weights.two_sided)
-        if capture is not None:
-            watch_gradient_energy(self.dfpo_metrics, model, logps, inputs, capture, self.temperature,
-                                  plan.energy_buckets, plan.energy_form)
-        return out
+        with profiled("dfpo/rewrite_after_forward"):
+            plan, training = self.plan, self.model.training
+            mode = "train" if training else "eval"
+            capture = energy_capture(plan.energy_buckets, training)
+            out = forward() if capture is None else capture_log_prob_forward(capture, model, arguments, forward)
+            logps, mask, advantages = out[0], loss_mask(inputs), inputs["advantages"]
+            groups = self.layout.whole_groups(inputs, mode) if plan.needs_groups else WholeGroups()
+            with profiled("dfpo/micro_step_objective"):
+                step = micro_step_objective(
+                    plan, logps, inputs.get("old_per_token_logps"), advantages, mask, groups, self._trl_loss(),
+                    sampling=inputs.get("sampling_per_token_logps"), is_ratio=applied_is_ratio(self, inputs),
+                    lambda_bar=inputs.get(DELTA_WEIGHTS_KEY) if plan.uses_delta else None,
+                )
+            self._call_dfpo_callbacks("on_micro_step", step=step)
+            inputs["advantages"] = step.loss_inputs.advantages
+            if step.loss_inputs.old_per_token_logps is not None:
+                inputs["old_per_token_logps"] = step.loss_inputs.old_per_token_logps
+            with profiled("dfpo/log_micro_step"):
+                log_micro_step(self.dfpo_metrics, mode, step, advantages, mask, plan, training=training,
+                               off_policy=training and off_policy_step(self))
+            weights = step.values.weights
+            if plan.group_metrics and groups.index is not None and logps.requires_grad:
+                with profiled("dfpo/watch_token_coefficients"):
+                    watch_token_coefficients(self.dfpo_metrics, mode, logps, inputs["completion_ids"], mask,
+                                             groups.index, None if weights is None else weights.two_sided)
+            if capture is not None:
+                with profiled("dfpo/watch_gradient_energy"):
+                    watch_gradient_energy(self.dfpo_metrics, model, logps, inputs, capture, self.temperature,
+                                          plan.energy_buckets, plan.energy_form)
+            return out
 
     def _call_dfpo_callbacks(self, event: str, **values: Any) -> None:
         """Hand DFPO's values to each :class:`~dfpo_trl.trl_hooks.callback.DFPOCallback` among the trainer's
@@ -319,9 +331,11 @@ class DFPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """TRL's log, after DFPO's metrics are reduced over every process and handed to TRL's averaging."""
-        self.flush_dfpo_metrics("train" if self.model.training else "eval")
-        super().log(logs, start_time)
+        with profiled("dfpo/log"):
+            self.flush_dfpo_metrics("train" if self.model.training else "eval")
+            super().log(logs, start_time)
 
     def flush_dfpo_metrics(self, mode: str = "train") -> None:
         """Move DFPO's pending metrics of ``mode`` into TRL's ``_metrics`` (collective: every process calls it)."""
-        self.dfpo_metrics.flush_into(self._metrics[mode], mode, self.accelerator)
+        with profiled("dfpo/flush_metrics"):
+            self.dfpo_metrics.flush_into(self._metrics[mode], mode, self.accelerator)

@@ -54,6 +54,12 @@ def test_root_all_is_the_stable_list() -> None:
         "get_task",
         "register_reward",
         "get_reward",
+        "Task",
+        "EquivalentFormsTask",
+        "RewardFunc",
+        "safe_reward",
+        "TwoFormsTask",
+        "TwoFormsReward",
         "embedded_model_path",
         "HeldoutAccuracyCallback",
         "plot_metrics",
@@ -67,6 +73,7 @@ def test_root_all_is_the_stable_list() -> None:
 def test_each_root_name_is_the_librarys_own_object() -> None:
     """The root re-exports, it does not wrap: ``dfpo_train`` is the program ``dfpo-train`` runs, and each other name is
     the object of the module that defines it."""
+    from dfpo_trl import tasks
     from dfpo_trl.app import embedded, evaluation, main, parser, plotting
     from dfpo_trl.tasks import registry
     from dfpo_trl.transforms import registry as transforms
@@ -79,3 +86,5 @@ def test_each_root_name_is_the_librarys_own_object() -> None:
     assert dfpo_trl.get_transform is transforms.get_transform
     assert (dfpo_trl.get_task, dfpo_trl.register_task, dfpo_trl.get_reward, dfpo_trl.register_reward) == (
         registry.get_task, registry.register_task, registry.get_reward, registry.register_reward)
+    for name in ("Task", "EquivalentFormsTask", "RewardFunc", "safe_reward", "TwoFormsTask", "TwoFormsReward"):
+        assert getattr(dfpo_trl, name) is getattr(tasks, name), name

@@ -56,7 +56,8 @@ def test_the_measures_are_the_librarys_own_objects() -> None:
         "dfpo_trl.app.callbacks": ["DriftMeterCallback"],
         "dfpo_trl.metrics.drift": ["completion_log_probs", "end_token_ids", "equivalent_set_stats"],
         "dfpo_trl.app.evaluation": ["greedy_accuracy"],
-        "dfpo_trl.trl_hooks.sync_watchdog": ["STALL_EXIT_CODE", "SyncWatchdog"],
+        "dfpo_trl.trl_hooks.sync_watchdog": ["STALL_EXIT_CODE", "SyncWatchdog", "streamed_size"],
+        "dfpo_trl.profiling": ["PROFILE_LABELS"],
     }
     assert sorted(measures.__all__) == sorted(name for names in homes.values() for name in names)
     for module, names in homes.items():

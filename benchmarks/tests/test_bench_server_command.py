@@ -1,6 +1,10 @@
 """The benchmarks' generation-server command (``dfpo_bench.lib.vllm_tools``), checked without vLLM against TRL's own
 builder (``trl.scripts.vllm_serve.build_command``): TRL 1.16 deprecates its server script, and a line missing one of
-the flags TRL needs starts a server that generates but never receives the trainer's weights."""
+the flags TRL needs starts a server that generates but never receives the trainer's weights.
+
+``REQUIRED``, ``parse_serve`` and ``trl_command`` repeat tests/trl_hooks/test_vllm_server_command.py's (which checks
+the documents' ``vllm serve`` lines): the two test folders never import each other, and the library builds no server
+line, so a reader of one has no place in ``dfpo_trl.testing``."""
 
 from __future__ import annotations
 

@@ -18,19 +18,7 @@ BENCH = Path(__file__).resolve().parents[1]
 ROOT = BENCH.parent
 
 # (module, name) still imported from dfpo_trl's internals -> why the job needs it; name "" for a module import.
-INTERNAL: dict[tuple[str, str], str] = {
-    ("dfpo_trl.trainer", ""): "microstep_parts labels the trainer module's functions for torch.profiler (a patch)",
-    ("dfpo_trl.groups.layout", "GroupDelivery"): "microstep_parts labels its whole_groups (a patch)",
-    ("dfpo_trl.groups.prepass", "PrePass"): "microstep_parts labels its before_micro_step (a patch)",
-    ("dfpo_trl.metrics.store", "MetricStore"): "microstep_parts labels its _add (a patch)",
-    ("dfpo_trl.trl_hooks.sync_watchdog", "WatchedVLLMGeneration"): "sync_fault sizes the first weight sync from "
-    "vLLM's metadata (a patch of sync_weights)",
-    ("dfpo_trl.tasks", "TwoFormsTask"): "study v3's tasks subclass the built-in two_forms task (the drift meter finds "
-    "a task's equivalent forms through its class)",
-    ("dfpo_trl.tasks", "TwoFormsReward"): "study v3's strict reward is two_forms' own with unformatted=0",
-    ("dfpo_trl.tasks", "RewardFunc"): "study v3's tasks type their reward list",
-    ("dfpo_trl.tasks", "safe_reward"): "study v3's tasks wrap their rewards as the built-in tasks do",
-}
+INTERNAL: dict[tuple[str, str], str] = {}
 
 
 def imports_of(path: Path) -> list[tuple[str, str, int]]:

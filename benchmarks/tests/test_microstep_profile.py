@@ -11,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from dfpo_trl.testing.measures import PROFILE_LABELS  # noqa: E402
+
 from dfpo_bench.cost import microstep_profile  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,9 +34,10 @@ def test_microstep_profile_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     trl, dfpo = result["profile"]["trl"], result["profile"]["min_replace"]
     assert trl["dfpo_self_cpu_ms"] == 0 and not any(v["dfpo"] for v in trl["labels"].values())
     # every non-generating micro-step (CPU shape: steps_per_generation 2) runs DFPO's objective once, and TRL's loss
-    assert dfpo["labels"]["micro_step_objective"]["calls"] == 1
+    assert dfpo["labels"]["dfpo/micro_step_objective"]["calls"] == 1
     assert dfpo["labels"]["trl._compute_loss"]["calls"] == 1
-    assert dfpo["labels"]["watch_token_coefficients.backward_hook"]["calls"] == 1
+    assert dfpo["labels"]["dfpo/watch_token_coefficients.backward_hook"]["calls"] == 1
+    assert {label for label, v in dfpo["labels"].items() if v["dfpo"]} <= set(PROFILE_LABELS)
     assert 0 < dfpo["dfpo_self_cpu_ms"] <= dfpo["wall_ms"]
     assert 0 < dfpo["trl_compute_loss_minus_dfpo_cpu_ms"] <= dfpo["labels"]["trl._compute_loss"]["cpu_ms"]
 
@@ -47,13 +50,13 @@ def test_microstep_profile_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "min_replace" in capsys.readouterr().out.splitlines()[-1]
 
 
-def test_a_profile_label_whose_callable_is_gone_fails_loudly() -> None:
-    """Every label's callable is where the profile looks for it; one renamed away raises, naming it, instead of
-    dropping out of the profile."""
+def test_a_trl_label_whose_method_is_gone_fails_loudly() -> None:
+    """Every TRL method wrapped for the profile is where the profile looks for it; one renamed away raises, naming
+    it, instead of dropping out of the profile (DFPO's own labels are the library's: tests/test_profiling.py)."""
     from types import SimpleNamespace
 
     from dfpo_bench.cost.microstep_parts import Label, checked, profile_labels
 
-    assert len(profile_labels()) == 26
+    assert len(profile_labels()) == 5
     with pytest.raises(LookupError, match=r"\['gone_label'\]"):
-        checked([Label(SimpleNamespace, "__init__", "kept", False), Label(SimpleNamespace, "gone", "gone_label", True)])
+        checked([Label(SimpleNamespace, "__init__", "kept"), Label(SimpleNamespace, "gone", "gone_label")])

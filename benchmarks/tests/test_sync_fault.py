@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from dfpo_trl import parse_recipe
-from dfpo_trl.testing.measures import STALL_EXIT_CODE, SyncWatchdog
+from dfpo_trl.testing.measures import STALL_EXIT_CODE, SyncWatchdog, streamed_size
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,6 +112,31 @@ def test_phase_times_read_the_watchdogs_own_debug_line(caplog: pytest.LogCapture
     assert all(0.01 <= s < 5 for s in times["sync"]) and 0 <= times["setup"][0] < 5
 
 
+def test_the_size_parser_reads_the_line_the_library_logs() -> None:
+    """The watchdog's DEBUG line of a sync's size, formatted as dfpo-train formats it, read back."""
+    line = streamed_size([("a", "bfloat16", [2, 3]), ("b", "float32", [4])])
+    log = "INFO x: step 2\n" + f"DEBUG dfpo_trl.trl_hooks.sync_watchdog: {line}\n" * 2
+    assert sync_fault.streamed_weights(log) == {"tensors": 2, "parameters": 10, "bytes": 28,
+                                                "dtypes": ["bfloat16", "float32"]}
+    assert sync_fault.streamed_weights("INFO x: step 2\n") is None
+
+
+def test_the_checkpoint_callback_pauses_after_the_first_checkpoint_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fault run's callback (given to dfpo_train): an event per checkpoint; after the first, ``saved`` is marked
+    and it waits for ``killed`` (here already there); the next checkpoint does not wait."""
+    from types import SimpleNamespace
+
+    (tmp_path / "killed").write_text("")
+    callback = sync_fault.checkpoint_events(str(tmp_path))
+    for step in (2, 4):
+        callback.on_save(None, SimpleNamespace(global_step=step), None)
+    assert (tmp_path / "saved").read_text() == "2"
+    assert [(e["event"], e.get("step")) for e in sync_fault.events(capsys.readouterr().err)] == [
+        ("checkpoint", 2), ("resumed_after_kill", None), ("checkpoint", 4)]
+
+
 def test_stall_line_is_the_watchdogs_line_and_last_error_the_traceback_end() -> None:
     exits: list[int] = []
     err = io.StringIO()
@@ -130,9 +155,9 @@ def test_stall_line_is_the_watchdogs_line_and_last_error_the_traceback_end() -> 
 
 
 def test_events_skip_a_torn_line() -> None:
-    log = ('x\nSYNC_FAULT {"event": "weights", "bytes": 8}\nSYNC_FAULT {"event": "checkpoint", "step": 2}\n'
+    log = ('x\nSYNC_FAULT {"event": "card", "name": "cpu"}\nSYNC_FAULT {"event": "checkpoint", "step": 2}\n'
            'SYNC_FAULT {"ev')
-    assert [e["event"] for e in sync_fault.events(log)] == ["weights", "checkpoint"]
+    assert [e["event"] for e in sync_fault.events(log)] == ["card", "checkpoint"]
     assert sync_fault.first_event(log, "checkpoint") == {"event": "checkpoint", "step": 2}
     assert sync_fault.first_event(log, "summary") is None
 

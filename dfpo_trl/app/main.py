@@ -20,7 +20,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._usercode import UserCodeError
 from .args import ModelUnavailableError, RecipeError
@@ -30,6 +30,9 @@ from .peers import PeerLost
 from .plugins import import_plugins, requested_plugins
 from .precheck import precheck, read_recipe, stored_field_table
 from .signals import exit_code, signal_name, sigterm_interrupts
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
 
 __all__ = ["main"]  # and run, default_process_group (from .train, on first use)
 
@@ -81,8 +84,10 @@ def help_recipe(args: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
         return None, {}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point of ``dfpo-train`` and ``python -m dfpo_trl``."""
+def main(argv: Sequence[str] | None = None, callbacks: Sequence[TrainerCallback] = ()) -> int:
+    """Console entry point of ``dfpo-train`` and ``python -m dfpo_trl``. From Python (``dfpo_train``),
+    ``callbacks`` are transformers ``TrainerCallback`` objects the run's trainer gets after its own, so that a
+    program running ``dfpo-train`` can observe it (a checkpoint saved, a step logged) without wrapping its code."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("dfpo_trl").setLevel(logging.INFO)
     args = sys.argv[1:] if argv is None else list(argv)
@@ -98,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with sigterm_interrupts():  # a scheduler's SIGTERM ends the run as Ctrl-C does (docs/cli.md)
             precheck(args)  # recipe, field names, paths: before torch, transformers and TRL are imported
-            summary = importlib.import_module(".train", __package__).parse_and_run(args)
+            summary = importlib.import_module(".train", __package__).parse_and_run(args, callbacks)
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2

@@ -51,9 +51,11 @@ def run(
     training_args: DFPOConfig,
     model_args: ModelConfig,
     origin: Callable[[str], str] | None = None,
+    user_callbacks: Sequence[TrainerCallback] = (),
 ) -> dict[str, Any]:
     """Train as described, write the summary (and the PNG) to ``output_dir``; returns the summary. ``origin`` says
-    where a field was set (the flag, or the recipe's line), for the refusals only the data can show."""
+    where a field was set (the flag, or the recipe's line), for the refusals only the data can show;
+    ``user_callbacks`` go to the trainer after the run's own (``dfpo_train(argv, callbacks=...)``)."""
     start = time.monotonic()
     # The task, its rewards and data first: a mistake there is refused before the model is looked at or converted.
     task = build_task(script_args, origin)
@@ -102,7 +104,7 @@ def run(
         args=training_args,
         train_dataset=train,
         peft_config=get_peft_config(model_args),
-        callbacks=callbacks,
+        callbacks=[*callbacks, *user_callbacks],
         eval_dataset=heldout if avg_at_k else None,
     )
     if heldout_cb is not None:
@@ -226,10 +228,11 @@ def default_process_group() -> Any:
     return None
 
 
-def parse_and_run(argv: Sequence[str]) -> dict[str, Any]:
-    """Parse ``argv`` (recipe and flags; a bad input raises RecipeError) and run it; returns the summary."""
+def parse_and_run(argv: Sequence[str], callbacks: Sequence[TrainerCallback] = ()) -> dict[str, Any]:
+    """Parse ``argv`` (recipe and flags; a bad input raises RecipeError) and run it with ``callbacks`` added to the
+    trainer's; returns the summary."""
     script_args, training_args, model_args = parse_args(argv)
-    return run(script_args, training_args, model_args, command_line_origin(argv))
+    return run(script_args, training_args, model_args, command_line_origin(argv), callbacks)
 
 
 def command_line_origin(argv: Sequence[str]) -> Callable[[str], str]:

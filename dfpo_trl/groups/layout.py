@@ -19,6 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from ..objectives.step import GatheredGroups, RowScalars, WholeGroups
+from ..profiling import profiled
 from ..trl_hooks.compat import split_tensor_dict
 from .batches import concat_sequence_dicts, permute_sequence_dict
 from .choice import (
@@ -120,12 +121,13 @@ class GroupDelivery:
             (else None), the pre-pass values when attached, and otherwise a gather that completes its groups across
             processes.
         """
-        index = self.group_index(inputs, mode)
-        precomputed = PrePass.attached(inputs)
-        gather = None
-        if index is None and precomputed is None:
-            gather = partial(self._gather, self._row_ids(inputs), self._group_ids(inputs, mode), mode)
-        return WholeGroups(index, precomputed, gather)
+        with profiled("dfpo/whole_groups"):
+            index = self.group_index(inputs, mode)
+            precomputed = PrePass.attached(inputs)
+            gather = None
+            if index is None and precomputed is None:
+                gather = partial(self._gather, self._row_ids(inputs), self._group_ids(inputs, mode), mode)
+            return WholeGroups(index, precomputed, gather)
 
     def group_index(self, inputs: dict[str, Any], mode: str) -> Tensor | None:
         """The (num_groups, G) row index when this micro-batch holds whole groups, else None."""

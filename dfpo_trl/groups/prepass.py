@@ -30,6 +30,7 @@ from ..metrics.store import MetricStore
 from ..objectives.plan import ObjectivePlan
 from ..objectives.step import ObjectiveValues, TRLLoss, WholeGroups, objective_values
 from ..objectives.weights import RowWeights, loss_mask
+from ..profiling import profiled
 from ..trl_hooks.compat import disable_gradient_checkpointing
 from .batches import concat_sequence_dicts
 from .gather import gather_groups, gather_rows
@@ -100,11 +101,12 @@ class PrePass:
         """
         if not starts_optimizer_step(step, self.shape.gradient_accumulation_steps):
             return None
-        values = self.run(buffered, step, trl, apply_is_ratio, model)
-        self.attach(buffered, step, values)
-        log_pre_pass(self.metrics, values.objective, values.skipped, group_metrics=self.plan.group_metrics,
-                     off_policy=off_policy(step, self.shape.generate_every, self.shape.gradient_accumulation_steps))
-        return values
+        with profiled("dfpo/pre_pass"):
+            values = self.run(buffered, step, trl, apply_is_ratio, model)
+            self.attach(buffered, step, values)
+            log_pre_pass(self.metrics, values.objective, values.skipped, group_metrics=self.plan.group_metrics,
+                         off_policy=off_policy(step, self.shape.generate_every, self.shape.gradient_accumulation_steps))
+            return values
 
     # ------------------------------------------------------------------------------------------- order
     @staticmethod

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..objectives.weights import loss_mask
+from ..profiling import profiled
 from ..trl_hooks.lm_head import HiddenCapture, fused_lm_head, gathered_for_reading
 from .energy import energy_sums_by_bucket, frequency_buckets, lm_head_grad_scale
 from .energy_aggregate import row_factors, row_norms, type_buckets
@@ -35,10 +36,11 @@ def watch_token_coefficients(
     subsets = () if two_sided is None else (two_sided[index[:, 0]].bool(),)
 
     def on_grad(grad: Tensor) -> None:
-        sums = shared_prefix_residual_sums(grad.detach()[index], shared, *subsets)
-        store.add_mean(mode, "cancellation/shared_prefix_residual", *sums[0])
-        if subsets:
-            store.add_mean(mode, "cancellation/shared_prefix_residual_two_sided", *sums[1])
+        with profiled("dfpo/watch_token_coefficients.backward_hook"):
+            sums = shared_prefix_residual_sums(grad.detach()[index], shared, *subsets)
+            store.add_mean(mode, "cancellation/shared_prefix_residual", *sums[0])
+            if subsets:
+                store.add_mean(mode, "cancellation/shared_prefix_residual_two_sided", *sums[1])
 
     per_token_logps.register_hook(on_grad)
 
@@ -80,13 +82,14 @@ def watch_gradient_energy(
         bucket = type_buckets(bucket, factors)
 
     def on_grad(grad: Tensor) -> None:
-        if form == "aggregate":
-            energy = row_norms(grad, factors)
-        else:
-            energy = grad.detach().float().abs() * scale.to(grad.device)
-        sums = energy_sums_by_bucket(energy, bucket.to(energy.device), num_buckets)
-        total = sums.sum()  # each bucket's share of the energy pooled over micro-steps and processes
-        for b in range(num_buckets):
-            store.add_mean("train", f"energy/freq_bucket_{b}", sums[b], total)
+        with profiled("dfpo/watch_gradient_energy.backward_hook"):
+            if form == "aggregate":
+                energy = row_norms(grad, factors)
+            else:
+                energy = grad.detach().float().abs() * scale.to(grad.device)
+            sums = energy_sums_by_bucket(energy, bucket.to(energy.device), num_buckets)
+            total = sums.sum()  # each bucket's share of the energy pooled over micro-steps and processes
+            for b in range(num_buckets):
+                store.add_mean("train", f"energy/freq_bucket_{b}", sums[b], total)
 
     per_token_logps.register_hook(on_grad)

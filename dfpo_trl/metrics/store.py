@@ -39,6 +39,8 @@ import torch.distributed as dist
 from accelerate.utils import gather_object
 from torch import Tensor
 
+from ..profiling import profiled
+
 Kind = Literal["mean", "min", "max", "sum", "std", "std_squares", "call_mean", "call_min", "call_max"]
 CALL_KINDS: tuple[Kind, ...] = ("call_mean", "call_min", "call_max")
 Name = tuple[str, str, int]  # (metric, kind, number of per-call values; 0 for the pooled kinds)
@@ -68,9 +70,10 @@ class MetricStore:
         self._sizes: dict[str, int] = {"train": 0, "eval": 0}
 
     def _add(self, mode: str, name: str, kind: Kind, total: Tensor, count: Tensor | float) -> None:
-        self._append(mode, name, kind, total, count)
-        if self._sizes[mode] >= COMPACT_AFTER:
-            self._compact(mode)
+        with profiled("dfpo/metric_store.add"):
+            self._append(mode, name, kind, total, count)
+            if self._sizes[mode] >= COMPACT_AFTER:
+                self._compact(mode)
 
     def _append(self, mode: str, name: str, kind: Kind, total: Tensor, count: Tensor | float) -> None:
         store = self._entries.setdefault(mode, {})

@@ -1,6 +1,6 @@
 """``dfpo_trl.testing.measures``, public: the library's own meters and the terms of its objective, under stable names,
 for the checks that measure the library against itself (the benchmarks' single-process references, the studies'
-term sizes, the pre-pass's predicted row count against a forward hook).
+term sizes, the pre-pass's predicted row count against a forward hook, a profile read by DFPO's labels).
 
 Every name is the library's own object, not a copy (tests/test_testing.py checks the identity), so a check through
 it measures exactly what a training run computes; the modules that define them stay internal and may move, and
@@ -16,7 +16,8 @@ from ..groups.prepass_schedule import pre_pass_rows
 from ..metrics.curves import jitter2, steps_to_threshold
 from ..metrics.drift import completion_log_probs, end_token_ids, equivalent_set_stats
 from ..objectives.weights import loss_mask, post_clip_weights, sequence_log_ratio, sign_aware_post_clip
-from ..trl_hooks.sync_watchdog import STALL_EXIT_CODE, SyncWatchdog
+from ..profiling import PROFILE_LABELS
+from ..trl_hooks.sync_watchdog import STALL_EXIT_CODE, SyncWatchdog, streamed_size
 
 __all__ = [
     # the objective's terms (docs/design.md): the sequence log-ratio (eq. 44), the sign-aware post-clip weight s̄
@@ -40,7 +41,11 @@ __all__ = [
     "end_token_ids",
     "equivalent_set_stats",
     "greedy_accuracy",
-    # the deadline on the server-mode weight sync (docs/cli.md): its exit code and the guard that logs each phase
+    # the deadline on the server-mode weight sync (docs/cli.md): its exit code, the guard that logs each phase and
+    # the line that says what a sync streamed
     "STALL_EXIT_CODE",
     "SyncWatchdog",
+    "streamed_size",
+    # the labels DFPO's parts of a micro-step carry for torch.profiler (docs/testing.md, "Profile labels")
+    "PROFILE_LABELS",
 ]

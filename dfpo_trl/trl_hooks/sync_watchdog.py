@@ -23,6 +23,7 @@ half-written: the last complete one is where ``--resume_from_checkpoint`` restar
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import trl.trainer.grpo_trainer as grpo_trainer
 from trl.generation.vllm_generation import VLLMGeneration
 
@@ -40,6 +42,7 @@ __all__ = [
     "SyncWatchdog",
     "WatchedVLLMGeneration",
     "rendezvous_address",
+    "streamed_size",
     "watched_vllm_generation",
 ]
 
@@ -142,13 +145,26 @@ class WatchedVLLMGeneration(VLLMGeneration):
 
     def sync_weights(self) -> None:
         """TRL's weight sync, then a barrier, under the deadline: a process whose part ended early waits for the
-        main process's broadcast there rather than in the next collective, so every process ends on time."""
+        main process's broadcast there rather than in the next collective, so every process ends on time. In server
+        mode, what the sync streamed is logged at DEBUG (:func:`streamed_size`), beside the phase's duration."""
         if self.mode != "server" or self.watchdog.timeout <= 0:
             super().sync_weights()
-            return
-        with self.watchdog.guard("the weight sync to the vLLM server (update_named_params)", self._where):
-            super().sync_weights()
-            self.accelerator.wait_for_everyone()
+        else:
+            with self.watchdog.guard("the weight sync to the vLLM server (update_named_params)", self._where):
+                super().sync_weights()
+                self.accelerator.wait_for_everyone()
+        if self.mode == "server" and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s", streamed_size(self._weight_metadata or []))
+
+
+def streamed_size(metadata: list[tuple[str, str, list[int]]]) -> str:
+    """What one server-mode weight sync streams, from TRL's metadata of it (name, dtype name, shape per tensor), as
+    the DEBUG line says it: ``"the weight sync streamed <n> tensors, <n> parameters, <n> bytes (<dtype>, ...)"``. A
+    deadline is set from a duration and the size behind it (``dfpo_bench.launch.sync_fault`` reads this line)."""
+    tensors = [(math.prod(shape), getattr(torch, dtype).itemsize) for _, dtype, shape in metadata]
+    dtypes = ", ".join(sorted({dtype for _, dtype, _ in metadata}))
+    return (f"the weight sync streamed {len(tensors)} tensors, {sum(n for n, _ in tensors)} parameters, "
+            f"{sum(n * size for n, size in tensors)} bytes ({dtypes})")
 
 
 @contextmanager

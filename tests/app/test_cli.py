@@ -701,6 +701,30 @@ def test_tiny_end_to_end_writes_summary_and_plot(
     assert "eval before" in printed and "training reward, EMA 0.3" in printed
 
 
+def test_callbacks_given_in_python_see_the_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """``dfpo_train(argv, callbacks=[...])``: each callback gets the trainer's events after the run's own callbacks,
+    a checkpoint's ``on_save`` once the checkpoint folder (DFPO's rollout state included) is complete."""
+    from transformers import TrainerCallback, TrainerState
+
+    out = tmp_path / "out"
+
+    class Seen(TrainerCallback):
+        def __init__(self) -> None:
+            self.events: list[tuple[str, int, bool]] = []
+
+        def on_save(self, args: object, state: TrainerState, control: object, **kwargs: object) -> None:
+            folder = out / f"checkpoint-{state.global_step}"
+            self.events.append(("save", state.global_step, (folder / "dfpo_rollout_state_0.pt").is_file()))
+
+        def on_train_end(self, args: object, state: TrainerState, control: object, **kwargs: object) -> None:
+            self.events.append(("end", state.global_step, True))
+
+    seen = Seen()
+    argv = write_tiny_recipe(tmp_path, tiny_model_dir, out, skip_eval=True, save_model=False)
+    assert main([*argv, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1"], callbacks=[seen]) == 0
+    assert seen.events == [("save", 1, True), ("save", 2, True), ("end", 2, True)]
+
+
 def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

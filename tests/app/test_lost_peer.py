@@ -73,7 +73,7 @@ def test_one_line_names_the_process_the_timeout_and_the_checkpoint(
 def test_main_prints_the_line_alone_and_exits_1(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def lost(_argv: list[str]) -> dict:
+    def lost(_argv: list[str], _callbacks: object = ()) -> dict:
         raise PeerLost("process 1 of 2 lost its connection to another process")
 
     monkeypatch.setattr(train, "parse_and_run", lost)

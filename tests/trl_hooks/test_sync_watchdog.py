@@ -11,6 +11,7 @@ and the weight update's are, and they are what blocks when the server is dead or
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 import subprocess
@@ -79,6 +80,30 @@ def test_guard_writes_one_line_and_exits_124_on_expiry(capfd: pytest.CaptureFixt
     for part in ("http://10.0.0.9:8000", "10.0.0.1:51216", "VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
                  "NCCL_IB_GID_INDEX", "--vllm_sync_timeout", "--resume_from_checkpoint"):
         assert part in lines[0]
+
+
+def test_a_server_mode_sync_logs_what_it_streamed_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    """Beside each phase's duration, the sync's size from TRL's metadata (name, dtype, shape per tensor), at DEBUG
+    only: what a deadline is set from (dfpo_bench.launch.sync_fault reads the line)."""
+    from types import SimpleNamespace
+
+    from dfpo_trl.trl_hooks.sync_watchdog import WatchedVLLMGeneration, streamed_size
+
+    metadata = [("a", "bfloat16", [2, 3]), ("b", "float32", [4]), ("c", "bfloat16", [])]
+    assert streamed_size(metadata) == "the weight sync streamed 3 tensors, 11 parameters, 30 bytes (bfloat16, float32)"
+    streamed: list[object] = []
+    gen = WatchedVLLMGeneration.__new__(WatchedVLLMGeneration)  # TRL's server-mode state, no server
+    gen.mode, gen.enable_sleep_mode, gen._weight_metadata, gen.watchdog = "server", False, metadata, SyncWatchdog(0)
+    gen.accelerator = SimpleNamespace(is_main_process=True)
+    gen.vllm_client = SimpleNamespace(update_named_params=lambda meta, params: streamed.append(meta),
+                                      reset_prefix_cache=lambda: None)
+    gen._iter_named_params = lambda: iter(())
+    gen.sync_weights()  # not logged: INFO and above only
+    with caplog.at_level(logging.DEBUG, logger="dfpo_trl.trl_hooks.sync_watchdog"):
+        gen.sync_weights()
+    assert streamed == [metadata, metadata]
+    assert [r.getMessage() for r in caplog.records] == [
+        "the weight sync streamed 3 tensors, 11 parameters, 30 bytes (bfloat16, float32)"]
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
-"""What ``microstep_profile.py`` measures inside a micro-step: labels on DFPO's parts for ``torch.profiler`` and
-the kernels under each, and the host syncs (item, tolist, blocking copies) dfpo_trl makes at logging and non-logging
-steps; run through ``microstep_profile.py``.
+"""What ``microstep_profile.py`` measures inside a micro-step: ``torch.profiler``'s table by label (the library's
+own labels on DFPO's parts, ``PROFILE_LABELS``, and TRL's methods wrapped here) and the kernels under each, and the
+host syncs (item, tolist, blocking copies) dfpo_trl makes at logging and non-logging steps; run through
+``microstep_profile.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 import dfpo_trl  # noqa: E402
 import torch  # noqa: E402
+from dfpo_trl.testing.measures import PROFILE_LABELS  # noqa: E402
 
 
 class Runner(Protocol):
@@ -44,46 +46,25 @@ HOST_COPIES = ("tensor", "as_tensor")  # host data made into a tensor on a named
 # ------------------------------------------------------------------------------------------------ profile
 @dataclass(frozen=True)
 class Label:
-    """A wrapped callable: where it lives, its profiler label, whose code it is."""
+    """A TRL method wrapped for the profile: its class, its name, its label."""
 
     owner: Any
     attribute: str
     label: str
-    dfpo: bool
-    hooked_tensor_arg: int | None = None  # registers backward hooks on this positional argument: label them too
 
 
 def profile_labels() -> list[Label]:
-    """DFPO's entry points on the loss path (as trainer.py reaches them) and the TRL methods they wrap, each
-    :func:`checked`."""
-    import dfpo_trl.trainer as dt
-    from dfpo_trl.groups.layout import GroupDelivery
-    from dfpo_trl.groups.prepass import PrePass
-    from dfpo_trl.metrics.store import MetricStore
+    """TRL's methods on the loss path that DFPOTrainer overrides or calls, each :func:`checked`. DFPO's own parts
+    carry their labels in the library (``dfpo_trl.testing.measures.PROFILE_LABELS``); TRL's code carries none, so
+    its methods are wrapped here (TRL's class, not the library's)."""
     from trl import GRPOTrainer
 
     trl_methods = ("training_step", "_prepare_inputs", "_compute_loss", "_get_per_token_logps_and_entropies", "log")
-    labels = [Label(GRPOTrainer, m, f"trl.{m}", False) for m in trl_methods]
-    labels += [Label(dt.DFPOTrainer, m, f"dfpo.{m}", True) for m in (
-        "_prepare_inputs", "_compute_loss", "_get_per_token_logps_and_entropies", "_rewrite_after_forward", "log",
-        "flush_dfpo_metrics", "_trl_loss",
-    )]
-    labels += [Label(dt, f, f, True) for f in (
-        "log_step_reward", "diverted_metrics", "check_one_value_each", "loss_mask", "applied_is_ratio",
-        "energy_capture", "micro_step_objective", "log_micro_step", "off_policy_step",
-    )]
-    labels += [
-        Label(dt, "watch_token_coefficients", "watch_token_coefficients", True, hooked_tensor_arg=2),
-        Label(dt, "watch_gradient_energy", "watch_gradient_energy", True, hooked_tensor_arg=2),
-        Label(GroupDelivery, "whole_groups", "layout.whole_groups", True),
-        Label(PrePass, "before_micro_step", "pre_pass.before_micro_step", True),
-        Label(MetricStore, "_add", "metric_store.add", True),
-    ]
-    return checked(labels)
+    return checked([Label(GRPOTrainer, m, f"trl.{m}") for m in trl_methods])
 
 
 def checked(labels: list[Label]) -> list[Label]:
-    """``labels``, once each owner defines its attribute: a renamed or moved part would otherwise drop out of the
+    """``labels``, once each owner defines its attribute: a renamed or moved method would otherwise drop out of the
     profile unnoticed, so a missing one raises ``LookupError`` naming it."""
     missing = [label.label for label in labels if label.attribute not in vars(label.owner)]
     if missing:
@@ -100,34 +81,15 @@ def _labelled(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
     return wrapper
 
 
-def _hook_labelling(fn: Callable[..., Any], label: str, arg: int) -> Callable[..., Any]:
-    """``fn`` labelled, with the backward hooks it registers on its ``arg``-th argument labelled too."""
-
-    @functools.wraps(fn)
-    def wrapper(*a: Any, **k: Any) -> Any:
-        tensor = a[arg]
-        register = tensor.register_hook
-        tensor.register_hook = lambda hook: register(_labelled(hook, f"{label}.backward_hook"))
-        try:
-            with torch.profiler.record_function(label):
-                return fn(*a, **k)
-        finally:
-            del tensor.register_hook
-
-    return wrapper
-
-
 @contextlib.contextmanager
 def labels_installed(labels: list[Label]) -> Iterator[None]:
-    """Wrap every label's callable (restored on exit: the timing rounds run the code unwrapped)."""
+    """Wrap every label's method (restored on exit: the timing rounds run TRL's code unwrapped)."""
     originals = [(label, label.owner.__dict__[label.attribute]) for label in labels]
     try:
         for label, original in originals:
             if isinstance(original, staticmethod):
                 raise TypeError(f"{label.label}: static methods are not wrapped")
-            wrapped = (_labelled(original, label.label) if label.hooked_tensor_arg is None
-                       else _hook_labelling(original, label.label, label.hooked_tensor_arg))
-            setattr(label.owner, label.attribute, wrapped)
+            setattr(label.owner, label.attribute, _labelled(original, label.label))
         yield
     finally:
         for label, original in originals:
@@ -197,8 +159,7 @@ def profile_methods(runners: dict[str, Runner], args: argparse.Namespace) -> dic
     from torch.profiler import ProfilerActivity, profile
 
     labels = profile_labels()
-    dfpo_labels = {label.label for label in labels if label.dfpo}
-    dfpo_labels |= {f"{label.label}.backward_hook" for label in labels if label.hooked_tensor_arg is not None}
+    dfpo_labels = set(PROFILE_LABELS)
     all_labels = {label.label for label in labels} | dfpo_labels | {"micro_step"}
     activities = [ProfilerActivity.CPU]
     if args.device.startswith("cuda"):

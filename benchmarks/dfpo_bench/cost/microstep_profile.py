@@ -14,8 +14,9 @@ do not generate are measured.
    each method's non-generating micro-steps, its ratio to ``trl`` in the same round, and a percentile-bootstrap
    interval of the median ratio over rounds. Three parts are timed apart: ``training_step`` (CUDA synchronised
    before and after), ``log`` at logging steps (with the loop's read of the loss), and the optimizer step.
-2. Profile: DFPO's entry points on the loss path and TRL's matching methods are wrapped (here only, while
-   profiling) in ``torch.profiler.record_function`` labels; ``torch.profiler`` (CPU and CUDA activities) runs over
+2. Profile: DFPO's parts carry the library's own ``torch.profiler.record_function`` labels
+   (``dfpo_trl.testing.measures.PROFILE_LABELS``, ``dfpo/...``), and TRL's matching methods are wrapped here, while
+   profiling, in labels of their own (``trl.<method>``); ``torch.profiler`` (CPU and CUDA activities) runs over
    ``--profile-cycles`` rollouts' non-generating micro-steps per method. Per label and micro-step: calls, inclusive
    CPU ms, self CPU ms (the time no deeper label covers), and the CUDA kernels (count, ms) launched under it and
    under no deeper label. DFPO's added time is the sum of the DFPO labels' self times; "TRL's own _compute_loss

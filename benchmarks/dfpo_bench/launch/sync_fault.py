@@ -13,25 +13,26 @@ one device), reuses vllm_server.py's server (its command, start and ``/health`` 
 
 1. **measure**: ``dfpo-train`` in server mode (Min-Replace off-policy: ``steps_per_generation`` 4 > accumulation 2, a
    rollout every 2 steps, ``--steps`` 6 by default, a checkpoint every ``--save-steps`` 2) with the default
-   deadline; the watchdog logs each guarded phase's duration at DEBUG (``... finished in X s of its Y s limit``),
-   read back here, with the number of tensors, parameters and bytes one sync streams;
+   deadline; the watchdog logs each guarded phase's duration at DEBUG (``... finished in X s of its Y s limit``)
+   and what each sync streamed (``the weight sync streamed N tensors, P parameters, B bytes (dtypes)``), read back
+   here;
 2. **fault**: the same with ``--vllm_sync_timeout`` ``--fault-timeout`` (30 s) into another ``output_dir``. Right
-   after the first checkpoint is saved the trainer waits (a hook of this script's launcher, so that the kill falls
-   between a checkpoint and the next rollout's sync every time, not at a random point) while this script hashes
-   ``output_dir`` and SIGKILLs the server's process group; then: seconds from the kill to the trainer's exit, its
-   exit code (124: the watchdog; another: a clean error, its last line kept), the watchdog's line, ``output_dir``
-   byte-identical before and after, and no checkpoint folder that was not complete at the kill. 30 s, because a
-   refused connection is not a hang for TRL's client: its HTTP retries (urllib3, backoff 2: 0 + 4 + 8 + 16 + 32 s)
-   give up with a ``ConnectionError`` after about 60 s, and a longer deadline would race them;
+   after the first checkpoint is saved the trainer waits (a callback this script's launcher gives ``dfpo_train``, so
+   that the kill falls between a checkpoint and the next rollout's sync every time, not at a random point) while
+   this script hashes ``output_dir`` and SIGKILLs the server's process group; then: seconds from the kill to the
+   trainer's exit, its exit code (124: the watchdog; another: a clean error, its last line kept), the watchdog's
+   line, ``output_dir`` byte-identical before and after, and no checkpoint folder that was not complete at the kill.
+   30 s, because a refused connection is not a hang for TRL's client: its HTTP retries (urllib3, backoff 2: 0 + 4 +
+   8 + 16 + 32 s) give up with a ``ConnectionError`` after about 60 s, and a longer deadline would race them;
 3. **resume**: a new server, the fault run resumed with ``--resume_from_checkpoint`` from that checkpoint, and
    whether it reaches ``max_steps``.
 
-Each run is ``dfpo_trl.app.main.main`` (what ``python -m dfpo_trl`` runs) in a child process of this script
-(``--child``), which adds only the DEBUG level for the watchdog, the sync size, the pause after the first checkpoint
-and one ``SYNC_FAULT {json}`` line per event. Every step is bounded (``--budget-s`` for the whole script, 480 s by
-default), a step that fails is recorded with its log tail and the next one still runs, and every child process group
-is stopped on exit. ``--out`` gets the record (cards, versions, the checkout, every time and line, exit codes); a
-short table is printed last.
+Each run is ``dfpo_train`` (what ``python -m dfpo_trl`` runs) in a child process of this script (``--child``), which
+adds only the DEBUG level for the watchdog, a callback for the checkpoints and the pause after the first one, and
+one ``SYNC_FAULT {json}`` line per event; nothing of the library is wrapped. Every step is bounded (``--budget-s``
+for the whole script, 480 s by default), a step that fails is recorded with its log tail and the next one still
+runs, and every child process group is stopped on exit. ``--out`` gets the record (cards, versions, the checkout,
+every time and line, exit codes); a short table is printed last.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ STALL_EXIT_CODE = 124  # dfpo_trl.trl_hooks.sync_watchdog.STALL_EXIT_CODE (not i
 PHASE_LINE = re.compile(r"sync_watchdog: (?P<what>.+?) finished in (?P<seconds>[0-9.]+) s of its "
                         r"(?P<limit>[0-9.]+) s limit")
 STALL_LINE = re.compile(r"^dfpo-train: .* did not finish within .*$", re.MULTILINE)
+# "DEBUG dfpo_trl.trl_hooks.sync_watchdog: the weight sync streamed 272 tensors, 134515008 parameters, ... (bfloat16)"
+SIZE_LINE = re.compile(r"sync_watchdog: the weight sync streamed (?P<tensors>\d+) tensors, (?P<parameters>\d+) "
+                       r"parameters, (?P<bytes>\d+) bytes \((?P<dtypes>[^)]*)\)")
 PHASES = {"init_communicator": "setup", "update_named_params": "sync"}
 
 
@@ -103,6 +107,15 @@ def phase_times(log: str) -> dict[str, list[float]]:
         kind = next((v for k, v in PHASES.items() if k in what), what)
         out.setdefault(kind, []).append(float(match["seconds"]))
     return out
+
+
+def streamed_weights(log: str) -> dict[str, Any] | None:
+    """The first sync's size from the watchdog's DEBUG line (tensors, parameters, bytes, dtypes), or None."""
+    match = SIZE_LINE.search(log)
+    if match is None:
+        return None
+    return {"tensors": int(match["tensors"]), "parameters": int(match["parameters"]), "bytes": int(match["bytes"]),
+            "dtypes": [d for d in match["dtypes"].split(", ") if d]}
 
 
 def stall_line(log: str) -> str | None:
@@ -174,46 +187,39 @@ def emit(event: str, **fields: Any) -> None:
     print(EVENT + json.dumps({"event": event, **fields}), file=sys.stderr, flush=True)
 
 
+def checkpoint_events(pause: str | None) -> Any:
+    """A transformers callback: each checkpoint as an event line once it is complete (``on_save`` follows the whole
+    save, DFPO's rollout state included); with ``pause`` (the fault run), after the first one it marks ``saved``
+    there and waits for ``killed`` (at most :data:`PAUSE_LIMIT_S`)."""
+    from transformers import TrainerCallback
+
+    class CheckpointEvents(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            emit("checkpoint", step=state.global_step)
+            if pause and not (pathlib.Path(pause) / "saved").exists():
+                (pathlib.Path(pause) / "saved").write_text(str(state.global_step))
+                deadline = time.monotonic() + PAUSE_LIMIT_S
+                while not (pathlib.Path(pause) / "killed").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                emit("resumed_after_kill", waited_out=not (pathlib.Path(pause) / "killed").exists())
+
+    return CheckpointEvents()
+
+
 def child(train: list[str]) -> int:
-    """``dfpo-train`` with the watchdog's DEBUG lines, the sync's size, the pause after the first checkpoint (the
-    fault run) and the run's summary as event lines."""
+    """``dfpo-train`` with the watchdog's DEBUG lines (each phase's duration, each sync's size), the checkpoints
+    and the pause after the first one (the fault run) from a callback given to ``dfpo_train``, and the run's summary
+    as event lines."""
     import logging
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("dfpo_trl.trl_hooks.sync_watchdog").setLevel(logging.DEBUG)
     import torch
     import yaml
-    from dfpo_trl import DFPOTrainer, dfpo_train
-    from dfpo_trl.trl_hooks.sync_watchdog import WatchedVLLMGeneration
+    from dfpo_trl import dfpo_train
 
     emit("card", name=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
-    sync = WatchedVLLMGeneration.sync_weights
-
-    def sync_weights(self: Any) -> None:
-        sync(self)
-        if not getattr(self, "_sync_fault_sized", False) and self._weight_metadata:
-            self._sync_fault_sized = True
-            sizes = [(int(torch.Size(shape).numel()), getattr(torch, dtype).itemsize)
-                     for _, dtype, shape in self._weight_metadata]
-            emit("weights", tensors=len(sizes), parameters=sum(n for n, _ in sizes),
-                 bytes=sum(n * b for n, b in sizes), dtypes=sorted({d for _, d, _ in self._weight_metadata}))
-
-    save = DFPOTrainer._save_checkpoint
-    pause = os.environ.get(PAUSE_ENV)
-
-    def save_checkpoint(self: Any, model: Any, trial: Any) -> None:
-        save(self, model, trial)
-        emit("checkpoint", step=self.state.global_step)
-        if pause and not (pathlib.Path(pause) / "saved").exists():
-            (pathlib.Path(pause) / "saved").write_text(str(self.state.global_step))
-            deadline = time.monotonic() + PAUSE_LIMIT_S
-            while not (pathlib.Path(pause) / "killed").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            emit("resumed_after_kill", waited_out=not (pathlib.Path(pause) / "killed").exists())
-
-    WatchedVLLMGeneration.sync_weights = sync_weights
-    DFPOTrainer._save_checkpoint = save_checkpoint
-    code = dfpo_train(train)
+    code = dfpo_train(train, callbacks=[checkpoint_events(os.environ.get(PAUSE_ENV))])
     output_dir = (train[train.index("--output_dir") + 1] if "--output_dir" in train
                   else yaml.safe_load(pathlib.Path(train[0]).read_text())["output_dir"])
     summary_file = pathlib.Path(output_dir) / SUMMARY_FILE
@@ -307,7 +313,7 @@ def run_trainer(args: argparse.Namespace, children: Children, name: str, argv: l
     record: dict[str, Any] = {
         "status": f"timeout after {limit:.0f} s" if timed_out else ("ok" if code == 0 else f"exit {code}"),
         "exit_code": code, "wall_s": round(time.monotonic() - start, 1), "argv": argv, "log": str(log),
-        "phase_s": phase_times(text), "weights": first_event(text, "weights"),
+        "phase_s": phase_times(text), "weights": streamed_weights(text),
         "summary": first_event(text, "summary"), "card": (first_event(text, "card") or {}).get("name"),
         "checkpoints": [e["step"] for e in events(text) if e.get("event") == "checkpoint"],
         "stall_line": stall_line(text), "last_error": last_error(text)}
