@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     shape_lines = report_launch_shape.launch_shape_section(
         results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines))
     study_v2_lines = report_study_v2.study_v2_section(
-        results, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines))
+        results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines))
     users_size_lines = report_users_size.users_size_section(
         results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines)
         + bool(study_v2_lines))
