@@ -6,7 +6,8 @@
 Reads ``overhead.json`` (one model's result, or several keyed by model; ``overhead_*.json`` when it is
 absent), ``learning.json`` + ``learning_curves.json``, ``dapo/learning.json`` + ``dapo/learning_curves.json``
 (the sequence-level methods rerun with ``loss_type="dapo"`` and the eq. 24 energy metric), ``transforms_timing.json``,
-``zero3.json`` and ``NOTES.md``; any of them may be missing. Every number and every sentence is computed from
+``zero3.json``, ``NOTES.md`` and ``layouts.json`` (§7's figure; the section is ``layouts/section.md``); any of them
+may be missing. Every number and every sentence is computed from
 those files: intervals are 95% Student-t intervals over seeds (means) and Welch intervals (differences); a
 prediction "held" when the interval of the difference excludes 0 in the predicted direction, "went the other
 way" when it excludes 0 in the other, and is "not resolved" otherwise. Overhead goals are judged on the median
@@ -23,6 +24,7 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
+from dfpo_bench.launch.layouts_report import plot_ratios  # noqa: E402
 from dfpo_bench.lib.common import load_json  # noqa: E402
 from dfpo_bench.lib.trainers import label  # noqa: E402
 from dfpo_bench.reports import (  # noqa: E402
@@ -94,6 +96,16 @@ def hand_section(path: pathlib.Path, number: int) -> list[str]:
     return lines
 
 
+def layouts_figure(layouts: dict[str, Any] | None, fig_dir: pathlib.Path, out: pathlib.Path) -> list[str]:
+    """§7's figure, ``layouts_ratio.png``, from ``results/layouts.json`` (the merged timing runs) by the layouts
+    report's own drawing (``layouts.py --merge ... --plot`` draws the same file); the hand-written section links it."""
+    if not layouts:
+        return []
+    path = fig_dir / "layouts_ratio.png"
+    plot_ratios(layouts, path)
+    return [str(path.relative_to(out.parent)) if path.is_relative_to(out.parent) else str(path)]
+
+
 def make_figures(curves: dict[str, Any] | None, specs: list[tuple[str, str, str, dict[str, Any]]],
                  fig_dir: pathlib.Path, out: pathlib.Path) -> list[str]:
     """Draw each (file name, curve key, y label, plot_curves options) that has data; paths relative to ``out``."""
@@ -148,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     long_run_figures = report_long_run.plot_long_run(long_run, fig_dir, out) if long_run else {}
     # After the notes: the hand-written layout section (its measurements are in results/layouts/), then vLLM's.
     layouts_lines = hand_section(results / "layouts" / "section.md", number + notes.exists())
+    layouts_figures = layouts_figure(load_json(results / "layouts.json") if layouts_lines else None, fig_dir, out)
     vllm_number = number + notes.exists() + bool(layouts_lines)
     e2e_lines = report_long_run.e2e_section(e2e, vllm_number)
     long_run_lines = report_long_run.long_run_section(long_run, long_run_figures, vllm_number + bool(e2e_lines),
@@ -155,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     shape_lines = report_launch_shape.launch_shape_section(
         results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines))
     study_v2_lines = report_study_v2.study_v2_section(
-        results, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines))
+        results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines))
     users_size_lines = report_users_size.users_size_section(
         results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines)
         + bool(study_v2_lines))
@@ -201,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines).rstrip() + "\n")
     n = len(figures) + len(dapo_figures) + sum(len(f) for f in study_figures.values()) + len(long_run_figures)
+    n += len(layouts_figures)
     print(f"wrote {out}" + (f" and {n} figures in {fig_dir}" if n else ""))
 
 

@@ -1,4 +1,5 @@
-"""RESULTS.md's study v2 section, from results/study_v2.json, the pilots' selection files and the GPU drift-meter check.
+"""RESULTS.md's study v2 section, from results/study_v2.json, the pilots' selection files and the GPU drift-meter check,
+and its figures (``figures/study_v2_<arm>.png``) from the main stage's run records in results/study_v2/.
 
 Called by report.py; reads JSON only (every number below is computed from the files at generation time).
 """
@@ -9,7 +10,7 @@ import pathlib
 import statistics
 from typing import Any
 
-from dfpo_bench.lib.common import load_json, read_record
+from dfpo_bench.lib.common import load_json, read_record, save_figure
 
 ARM_ORDER = ("anchor", "gspo", "mr_w", "mr_g", "scale")
 
@@ -39,7 +40,56 @@ def pilot_table(selection: dict[str, Any], folder: pathlib.Path, round_name: str
     return lines
 
 
-def study_v2_section(results: pathlib.Path, number: int) -> list[str]:
+def learned(record: dict[str, Any], study: dict[str, Any]) -> bool:
+    """The study's rule of "learned", as its aggregation applied it: complete, and held-out accuracy after − before ≥
+    ``learned_gain`` when that is set, else after ≥ ``learned_threshold`` (1e-9 absorbs the accuracies' rounding)."""
+    heldout = record.get("heldout") or {}
+    after, before = heldout.get("after"), heldout.get("before")
+    if not record.get("complete") or after is None:
+        return False
+    if study.get("learned_gain") is not None:
+        return before is not None and after - before >= study["learned_gain"] - 1e-9
+    return after >= study["learned_threshold"]
+
+
+def arm_figures(study: dict[str, Any], folder: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path
+                ) -> dict[str, str]:
+    """figures/study_v2_<arm>.png from the main stage's run records (``round*/*/main/runs``): every run's set-entropy
+    curve (dotted: did not learn) and the learned runs' mean at the steps they all measured. The drawing of the
+    retired ``study_v2.py``'s ``plot_arms`` (commit c0193fa), unchanged; arm -> path as RESULTS.md links it."""
+    main = next(iter(sorted(folder.glob("round*/*/main"))), None)
+    if main is None:
+        return {}
+    records = [read_record(p) for p in sorted((main / "runs").glob("*.json*"))]
+    records.sort(key=lambda r: (ARM_ORDER.index(r["method"]), r["seed"]))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {}
+    for arm in [a for a in ARM_ORDER if any(r["method"] == a for r in records)]:
+        mine = [(curve, learned(r, study)) for r in records if r["method"] == arm
+                and (curve := [(d["step"], d["set_entropy"]) for d in (r.get("drift") or {}).get("curve") or []])]
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for curve, ok in mine:
+            steps, values = zip(*curve, strict=True)
+            ax.plot(steps, values, color="0.6", lw=0.7, ls="-" if ok else ":")
+        good = [dict(curve) for curve, ok in mine if ok]
+        shared = sorted(set.intersection(*(set(g) for g in good))) if good else []
+        if shared:
+            ax.plot(shared, [statistics.fmean(g[s] for g in good) for s in shared], color="C0", lw=2.2,
+                    label=f"mean of {len(good)} learned runs")
+            ax.legend(loc="best", fontsize=8)
+        ax.set(xlabel="optimizer step", ylabel="set entropy (nats)",
+               title=f"{arm}: {study['arms'][arm]['label']} ({len(mine)} runs; dotted: did not learn)")
+        ax.title.set_fontsize(9)
+        fig.tight_layout()
+        paths[arm] = save_figure(fig, fig_dir, f"study_v2_{arm}.png", out, dpi=110)
+    return paths
+
+
+def study_v2_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
     study = load_json(results / "study_v2.json")
     if not study:
         return []
@@ -102,8 +152,9 @@ def study_v2_section(results: pathlib.Path, number: int) -> list[str]:
                      f"{w['n'][1]} | {w['mde']:.3f} | {reading} |")
     for paragraph in _reading(study, meter, gates, found):
         lines += ["", paragraph]
+    figures = arm_figures(study, folder, fig_dir, out)
     lines += [""]
-    lines += [f"![{a}](figures/study_v2_{a}.png)" for a in ARM_ORDER if a in arms] + [""]
+    lines += [f"![{a}]({figures[a]})" for a in ARM_ORDER if a in figures] + [""]
     return lines
 
 

@@ -102,6 +102,33 @@ def curves_figure(runs: dict[tuple[str, int], dict[str, Any]], fig_dir: pathlib.
     return save_figure(fig, fig_dir, "study_v3_set_entropy.png", out, dpi=110)
 
 
+def arm_figures(rows: list[dict[str, Any]], fig_dir: pathlib.Path, out: pathlib.Path) -> dict[str, str]:
+    """figures/study_v3_<arm>.png from ``study_v3.json``'s per-run rows: each completed run's final set mass against
+    its primary metric (cross: did not learn); arm -> path as RESULTS.md (``out``) links it. ``study_v3.py
+    --aggregate`` draws them with this function too."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {}
+    for arm in ARMS:
+        mine = [r for r in rows if r["arm"] == arm and r["complete"] and r.get("primary") is not None]
+        if not mine:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        for learned, marker in ((True, "o"), (False, "x")):
+            pts = [(r["diagnostics"]["set_mass_final"], r["primary"]) for r in mine if r["learned"] == learned]
+            if pts:
+                ax.scatter(*zip(*pts, strict=True), marker=marker, s=18, label="learned" if learned else "not learned")
+        ax.set(xlabel="rewarded set's probability at the end", ylabel="mass-weighted set entropy (run mean)",
+               title=f"{arm}: {len(mine)} completed runs")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths[arm] = save_figure(fig, fig_dir, f"study_v3_{arm}.png", out, dpi=110)
+    return paths
+
+
 def study_v3_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
     study = load_json(results / "study_v3.json")
     if not study:
@@ -113,6 +140,8 @@ def study_v3_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
     checkout = first.get("checkout") or {}
     primary = comp["mr_w - gspo"]["primary"]["all_pairs"]
     figure = curves_figure(runs, fig_dir, out)
+    per_arm = arm_figures(study["runs"], fig_dir, out)
+    pattern = str(pathlib.Path(next(iter(per_arm.values()))).parent / "study_v3_<arm>.png") if per_arm else None
     lines = [f"## {number}. Study v3: drift where the transform can act (`studies/study_v3.py`, "
              "`studies/study_v3_gpu.sh`)", "",
              f"Card: {first['card']} ({study['preregistered']['parallel']} runs at once on each of "
@@ -193,8 +222,13 @@ def study_v3_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
               f"{study['preregistered']['learning_rate']:g} carried the baseline off the rewarded set where it was "
               f"wide); their {earlier} pilot runs are recorded in `results/study_v3/round1/` and `round2/`, "
               f"{earlier_crashes} crashed.",
-              "", "Figures: `figures/study_v3_<arm>.png` (each run's final set mass against its primary value) and "
-              + (f"`{figure}` (each run's normalised set entropy)." if figure else "none."), ""]
+              "", "Figures: "
+              + " and ".join([*([f"`{pattern}` (each completed run's final set mass against its primary value; a "
+                                 "cross marks a run that did not learn)"] if pattern else []),
+                              *([f"`{figure}` (each run's normalised set entropy)"] if figure else [])] or ["none"])
+              + ".", ""]
     if figure:
         lines += [f"![set entropy per arm]({figure})", ""]
+    if per_arm:
+        lines += [*(f"![{arm}]({path})" for arm, path in per_arm.items()), ""]
     return lines

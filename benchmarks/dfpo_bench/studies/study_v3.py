@@ -33,6 +33,7 @@ from typing import Any
 from dfpo_bench.lib import common  # noqa: E402 - the launcher (one dfpo-train process per run, records with their checkout)
 from dfpo_bench.lib.provenance import checkout_state  # noqa: E402
 from dfpo_bench.lib.stats import mde_t, t_ppf  # noqa: E402
+from dfpo_bench.reports import report_study_v3  # noqa: E402 - the per-arm figures, drawn as RESULTS.md shows them
 from dfpo_bench.studies.count_effect import count_pairs, slope_interval  # noqa: E402
 
 ROOT = common.ROOT
@@ -382,7 +383,7 @@ def aggregate(out_dir: pathlib.Path, out: pathlib.Path, figures: pathlib.Path | 
     stage = json.loads((out_dir / "main" / "stage.json").read_text()) if (out_dir / "main" / "stage.json").exists() \
         else {}
     gates_file = hashlib.sha256((out_dir / "pilot_gates.json").read_bytes()).hexdigest()
-    made = plot_arms(rows, figures) if figures is not None else []
+    made = list(report_study_v3.arm_figures(rows, figures, out).values()) if figures is not None else []
     unchanged = (stage.get("pilot_gates_sha256") == gates_file
                  and result.get("written_at", "") <= stage.get("started_at", ""))  # gates before main, untouched
     round_ = int(result.get("round", 1))
@@ -403,36 +404,6 @@ def mean(values: list[float | None]) -> float | None:
 def median(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return statistics.median(kept) if kept else None
-
-
-def plot_arms(rows: list[dict[str, Any]], folder: pathlib.Path) -> list[str]:
-    """figures/study_v3_<arm>.png: each completed run's final set mass against its primary metric (dotted marker:
-    did not learn)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    made = []
-    for arm in ARMS:
-        mine = [r for r in rows if r["arm"] == arm and r["complete"] and r.get("primary") is not None]
-        if not mine:
-            continue
-        fig, ax = plt.subplots(figsize=(5, 3.4))
-        for learned, marker in ((True, "o"), (False, "x")):
-            pts = [(r["diagnostics"]["set_mass_final"], r["primary"]) for r in mine if r["learned"] == learned]
-            if pts:
-                ax.scatter(*zip(*pts, strict=True), marker=marker, s=18, label="learned" if learned else "not learned")
-        ax.set(xlabel="rewarded set's probability at the end", ylabel="mass-weighted set entropy (run mean)",
-               title=f"{arm}: {len(mine)} completed runs")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = folder / f"study_v3_{arm}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(str(path))
-    return made
 
 
 # ------------------------------------------------------------------------------------------------ smoke, main
