@@ -296,8 +296,10 @@ IS_MEAN = "sampling/importance_sampling_ratio/mean"
 
 def learn_findings(runs: list[dict[str, Any]]) -> list[str]:
     """What the runs show, each number read from them: learning, the IS contrast, the evaluation paths' times."""
-    by = {(r["method"], r["seed"]): r for r in runs if r.get("complete") or (r["method"], r["seed"]) not in
-          {(q["method"], q["seed"]) for q in runs if q.get("complete")}}
+    by: dict[tuple[str, int], dict[str, Any]] = {}
+    for run in runs:  # a complete run of a (method, seed) wins over one another session stopped
+        if run.get("complete") or (run["method"], run["seed"]) not in by:
+            by[(run["method"], run["seed"])] = run
     done = [r for r in runs if r.get("complete") and r["method"] in ("off", "min_replace")]
     lines = []
     if done:
@@ -537,7 +539,7 @@ def generation_pairs_lines(record: dict[str, Any], log: pathlib.Path) -> list[st
     upper = max(v for v in (fitted[2] if fitted else None, math.exp(logs[2]) if logs else None) if v is not None)
     lines += ["", "What it shows. No generation slowdown under the pre-pass layout was detected above "
               f"{upper - 1:.1%} (the larger upper bound of the two intervals), which excludes the roughly 10% seen "
-              "earlier in two pairs that were not interleaved. Nothing of the layout runs before or during "
+              "earlier in two pairs on an H100. Nothing of the layout runs before or during "
               "generation: the pre-pass forward runs inside the loss micro-steps (here at the rollout's second, "
               "off-policy optimizer step), after TRL has generated and scored the rollout from the same prompts in "
               "the same generation batch; what moved between runs was the load on the shared GPU, and this job's own "
