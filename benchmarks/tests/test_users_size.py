@@ -38,5 +38,5 @@ def test_users_size_pre_pass_rounds(tmp_path: Path) -> None:
     summary = result["summary"]["min_replace_b4"]
     assert summary["baseline"] == "trl_b4" and summary["rounds"] == 1
     assert summary["loss_steps_s_ratio"]["median"] > 0
-    generation = [users_size.run_generation_s(runs[m]) for m in ("min_replace_b4", "trl_b4")]
+    generation = [sum(s.get("generation_s", 0.0) for s in runs[m]["steps"]) for m in ("min_replace_b4", "trl_b4")]
     assert summary["generation_s_ratio"]["values"] == [generation[0] / generation[1]]

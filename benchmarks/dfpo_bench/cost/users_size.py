@@ -268,11 +268,6 @@ class Runner:
 
 
 # --------------------------------------------------------------------------------------------- summaries
-def run_generation_s(run: dict[str, Any]) -> float:
-    """A run's time in generation (vLLM's ``generate``, or TRL's one-turn generation with transformers)."""
-    return sum(step.get("generation_s", 0.0) for step in run["steps"])
-
-
 def summarise(rounds: list[dict[str, dict[str, Any]]], methods: list[str]) -> dict[str, Any]:
     """Per method: median over rounds of the ratio to its baseline (total and loss steps), bootstrap intervals."""
     out: dict[str, Any] = {}
@@ -286,7 +281,7 @@ def summarise(rounds: list[dict[str, dict[str, Any]]], methods: list[str]) -> di
             entry["median_total_s"] = statistics.median(r["total_s"] for r in runs)
             entry["median_loss_steps_s"] = statistics.median(r["loss_steps_s"] for r in runs)
             for part in ("rollout_s", "generation_s", "weight_sync_s"):
-                entry[f"median_{part}"] = statistics.median(sum(s.get(part, 0.0) for s in r["steps"]) for r in runs)
+                entry[f"median_{part}"] = statistics.median(common.part_seconds(r, part) for r in runs)
             entry["peak_allocated_gib"] = max((r.get("peak_allocated_gib") or 0.0) for r in runs)
             phi = [v for r in runs for v in r["transform/phi_mean"]]
             entry["phi_mean"] = statistics.fmean(phi) if phi else None
@@ -296,8 +291,10 @@ def summarise(rounds: list[dict[str, dict[str, Any]]], methods: list[str]) -> di
                 ratios = [r[method][key] / r[base][key] for r in complete]
                 entry[f"{key}_ratio"] = {"median": statistics.median(ratios),
                                          "interval_95": stats.bootstrap_median(ratios), "values": ratios}
-            generated = [(run_generation_s(r[method]), run_generation_s(r[base])) for r in complete]
-            if all(a > 0 and b > 0 for a, b in generated):  # the generation alone, the same work in both
+            # the generation alone: vLLM's ``generate``, or TRL's one-turn generation with transformers
+            generated = [(common.part_seconds(r[method], "generation_s"), common.part_seconds(r[base], "generation_s"))
+                         for r in complete]
+            if all(a > 0 and b > 0 for a, b in generated):  # the same work in both
                 ratios = [a / b for a, b in generated]
                 entry["generation_s_ratio"] = {"median": statistics.median(ratios),
                                                "interval_95": stats.bootstrap_median(ratios), "values": ratios}

@@ -151,6 +151,12 @@ def train_in_process(argv: list[str], output_dir: str | os.PathLike[str]) -> dic
     return load_json(pathlib.Path(output_dir) / SUMMARY_FILE)
 
 
+def part_seconds(run: dict[str, Any], part: str) -> float:
+    """A run record's seconds in one part of its steps (``lib/timing.StepClock``'s ``generation_s``, ``pre_pass_s``,
+    ...): the sum over its steps, 0 where no step had that part."""
+    return sum(step.get(part) or 0.0 for step in run["steps"])
+
+
 def series(log_history: list[dict[str, Any]], key: str) -> list[list[float]]:
     """[[step, value], ...] of one logged key (finite values only)."""
     out = []

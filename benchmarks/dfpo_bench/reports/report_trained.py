@@ -13,7 +13,7 @@ import statistics
 import tarfile
 from typing import Any
 
-from dfpo_bench.lib.common import load_json, save_figure
+from dfpo_bench.lib.common import load_json, part_seconds, save_figure
 
 BINS = ((0, 100), (100, 300), (300, 1000), (1000, 4097))
 LABELS = {"untruncated_t1": "untruncated, T 1.0", "recipe_8b_lora": "8B recipe: T 0.7, top-p 0.8, top-k 20",
@@ -454,10 +454,6 @@ def cards_lines(record: dict[str, Any]) -> list[str]:
 
 
 # ------------------------------------------------------------------------- generation under the pre-pass layout
-def generation_s(run: dict[str, Any]) -> float:
-    return sum(step.get("generation_s", 0.0) for step in run["steps"])
-
-
 def trend_adjusted_ratio(sequence: list[tuple[bool, float]]) -> tuple[float, float, float] | None:
     """The treated runs' time ÷ the others', from least squares on log time with an intercept, a linear trend in
     run order and a treatment indicator (the load on a shared GPU drifts during a job); (ratio, low, high) with the
@@ -486,9 +482,9 @@ def generation_pairs_lines(record: dict[str, Any], log: pathlib.Path) -> list[st
     treated, base = "min_replace_b4", "trl_b4"
     rounds = [r for r in record["rounds"] if treated in r["runs"] and base in r["runs"]]
     cut = [r for r in record["rounds"] if r not in rounds]
-    sequence = [(False, generation_s(record["warm_up"]))] + [
-        (method == treated, generation_s(r["runs"][method])) for r in record["rounds"] for method in r["order"]
-        if method in r["runs"]]
+    sequence = [(False, part_seconds(record["warm_up"], "generation_s"))] + [
+        (method == treated, part_seconds(r["runs"][method], "generation_s"))
+        for r in record["rounds"] for method in r["order"] if method in r["runs"]]
     tokens = sorted({m.group(1) for m in re.finditer(r"'num_tokens': '([^']+)'", log.read_text())}) \
         if log.exists() else []
     requested = re.search(r"--rounds (\d+)", record["command"])
@@ -513,11 +509,12 @@ def generation_pairs_lines(record: dict[str, Any], log: pathlib.Path) -> list[st
         if r not in rounds:
             continue
         mine, theirs = r["runs"][treated], r["runs"][base]
-        ratio = generation_s(mine) / generation_s(theirs)
+        generated, baseline = part_seconds(mine, "generation_s"), part_seconds(theirs, "generation_s")
+        ratio = generated / baseline
         ratios.append(ratio)
-        pre_pass = sum(step.get("pre_pass_s", 0.0) for step in mine["steps"])
-        lines.append(f"| {index} | {' then '.join(r['order'])} | {generation_s(theirs):.1f} | "
-                     f"{generation_s(mine):.1f} | {ratio:.3f} | {pre_pass:.2f} ({pre_pass / mine['total_s']:.1%}) | "
+        pre_pass = part_seconds(mine, "pre_pass_s")
+        lines.append(f"| {index} | {' then '.join(r['order'])} | {baseline:.1f} | {generated:.1f} | {ratio:.3f} | "
+                     f"{pre_pass:.2f} ({pre_pass / mine['total_s']:.1%}) | "
                      f"{theirs['peak_reserved_gib']:.1f}, {mine['peak_reserved_gib']:.1f} |")
     logs = mean_ci([math.log(r) for r in ratios])
     fitted = trend_adjusted_ratio(sequence)
