@@ -111,14 +111,15 @@ def rows(pairs: list[tuple[int, int]], template: str = PROMPT) -> Dataset:
 
 
 def sft_examples(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """The warm start's supervised set: ``n`` (even) training-split problems from their own stream, the correct sum
-    written in form i % 2 for example i, so exactly n / 2 of each form, alternating (every batch of even size is
-    balanced). Rows: prompt (messages), completion (text), form."""
+    """The warm start's supervised set: n / 2 training-split problems from their own stream, each written in both
+    forms with the correct sum (examples 2k and 2k + 1: problem k in form 0, then form 1), so the cross-entropy's
+    optimum for every problem is an even split of the two forms, not only on average over problems. Rows: prompt
+    (messages), completion (text), form, a, b."""
     if n % 2:
-        raise ValueError(f"the SFT set needs an even size (equal numbers of each form), got {n}")
+        raise ValueError(f"the SFT set needs an even size (every problem in both forms), got {n}")
     return [{"prompt": [{"role": "user", "content": PROMPT.format(a=a, b=b)}],
-             "completion": FORMS[i % 2].format(s=a + b), "form": i % 2, "a": a, "b": b}
-            for i, (a, b) in enumerate(draw(_SFT_SALT, n, seed))]
+             "completion": form.format(s=a + b), "form": f, "a": a, "b": b}
+            for a, b in draw(_SFT_SALT, n // 2, seed) for f, form in enumerate(FORMS)]
 
 
 def forms_of(row: Mapping[str, Any]) -> list[str]:
