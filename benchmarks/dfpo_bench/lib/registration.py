@@ -11,12 +11,14 @@ or untracked). :func:`run_provenance` is what every run record of such a stage c
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
 from typing import Any
 
 from .provenance import checkout_state, git
 
-__all__ = ["RegistrationError", "check_registration", "file_sha256", "registration_state", "run_provenance"]
+__all__ = ["RegistrationError", "check_registration", "file_sha256", "registration_state", "registration_text",
+           "run_provenance", "write_registration"]
 
 
 class RegistrationError(SystemExit):
@@ -27,6 +29,19 @@ class RegistrationError(SystemExit):
 def file_sha256(path: pathlib.Path) -> str:
     """SHA-256 of the file's whole content (bytes, no parsing: whitespace and key order count)."""
     return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+
+
+def registration_text(design: dict[str, Any]) -> str:
+    """The registration file's text for ``design``: one serialisation for every study, since the guard hashes the
+    bytes (indent 1, non-ASCII kept, a final newline)."""
+    return json.dumps(design, indent=1, ensure_ascii=False) + "\n"
+
+
+def write_registration(path: pathlib.Path, design: dict[str, Any]) -> str:
+    """Write ``design``'s registration to ``path`` (``--preregister``); returns the SHA-256 the script must record."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(registration_text(design), encoding="utf-8")
+    return file_sha256(path)
 
 
 def registration_state(path: pathlib.Path, root: pathlib.Path) -> dict[str, Any]:

@@ -27,7 +27,12 @@ import time
 from typing import Any
 
 from dfpo_bench.lib import common  # noqa: E402
-from dfpo_bench.lib.registration import check_registration, file_sha256, run_provenance  # noqa: E402
+from dfpo_bench.lib.registration import (
+    check_registration,
+    registration_text,
+    run_provenance,
+    write_registration,
+)
 from dfpo_bench.lib.stats import cluster_bootstrap, mde_t, ols  # noqa: E402
 
 ROOT = common.ROOT
@@ -84,7 +89,7 @@ PREREGISTRATION: dict[str, Any] = {
 
 
 def preregistration_text() -> str:
-    return json.dumps(PREREGISTRATION, indent=1, ensure_ascii=False) + "\n"
+    return registration_text(PREREGISTRATION)
 
 
 def admitted() -> dict[str, Any]:
@@ -345,9 +350,7 @@ def main(argv: list[str] | None = None) -> Any:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "study_v4.json"))
     args = p.parse_args(argv)
     if args.preregister:
-        REGISTRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
-        REGISTRATION_FILE.write_text(preregistration_text(), encoding="utf-8")
-        print(file_sha256(REGISTRATION_FILE))
+        print(write_registration(REGISTRATION_FILE, PREREGISTRATION))
         return None
     if args.stage:
         if not args.model:

@@ -33,7 +33,13 @@ from typing import Any
 
 from dfpo_bench import study_v4_tasks
 from dfpo_bench.lib import common
-from dfpo_bench.lib.registration import check_registration, file_sha256, run_provenance
+from dfpo_bench.lib.registration import (
+    check_registration,
+    file_sha256,
+    registration_text,
+    run_provenance,
+    write_registration,
+)
 from dfpo_bench.lib.stats import mde_t, t_ppf
 
 ROOT = common.ROOT
@@ -111,7 +117,7 @@ PREREGISTRATION: dict[str, Any] = {
 
 
 def preregistration_text() -> str:
-    return json.dumps(PREREGISTRATION, indent=1, ensure_ascii=False) + "\n"
+    return registration_text(PREREGISTRATION)
 
 
 def admitted() -> dict[str, Any]:
@@ -515,9 +521,7 @@ def main(argv: list[str] | None = None) -> Any:
     args = p.parse_args(argv)
     args.steps, args.via_accelerate, args.vllm_memory, args.start_timeout, args.skip_done = STEPS, False, None, 0.0, []
     if args.preregister:
-        REGISTRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
-        REGISTRATION_FILE.write_text(preregistration_text(), encoding="utf-8")
-        print(file_sha256(REGISTRATION_FILE))
+        print(write_registration(REGISTRATION_FILE, PREREGISTRATION))
         return None
     if args.stage == "warmstart":
         if not args.model:
