@@ -8,7 +8,8 @@
 #                                                                  against TRL's, 8B LoRA, 24 GB cap, interleaved rounds
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh v4pilot GPU       study v4's pilot stage alone, detached, 3 processes
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh cards GPU         the 8B recipe's cards (cards_8b.py), detached, on one GPU
-#   bash benchmarks/dfpo_bench/trained/gpu_job.sh study GPU         study v4 (pilot, plan, main, analysis), detached, 3 processes
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh study GPU         study v4 (pilot, plan, main, analysis), detached (PILOT_PROCS,
+#                                                                  MAIN_PROCS, MAIN_DEADLINE_S)
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh poll S            waits S s, prints progress, packs what exists into $OUT
 # A detached job dies with the machine, which goes back 30 s after a call returns: keep calling `poll`.
 set -u
@@ -52,11 +53,15 @@ case "$1" in
     done
     echo "study v4 pilot started on GPU $2" ;;
   study)
+    # PILOT_PROCS processes for the 6 pilot trajectories, then MAIN_PROCS for the planned ones (a 135M float32
+    # process holds about 10 GB: four models and their AdamW states); no main trajectory starts after
+    # MAIN_DEADLINE_S s, so none is cut by the machine's return (a planned seed never started is not a crash)
     mkdir -p /tmp/v4
-    CUDA_VISIBLE_DEVICES=$2 setsid nohup bash -c "
-      run() { for i in 1 2 3; do python -m dfpo_bench.studies.study_v4 --stage \$1 --model $smol --out-dir /tmp/v4 \
-        > /tmp/v4/\$1_\$i.log 2>&1 & sleep 5; done; wait; }
-      run pilot && python -m dfpo_bench.studies.study_v4 --plan /tmp/v4 > /tmp/v4/plan.log 2>&1 && run main
+    CUDA_VISIBLE_DEVICES=$2 OMP_NUM_THREADS=2 setsid nohup bash -c "
+      run() { for i in \$(seq \$2); do python -m dfpo_bench.studies.study_v4 --stage \$1 --model $smol \
+        --out-dir /tmp/v4 \$3 > /tmp/v4/\$1_\$i.log 2>&1 & sleep 3; done; wait; }
+      run pilot ${PILOT_PROCS:-6} '' && python -m dfpo_bench.studies.study_v4 --plan /tmp/v4 > /tmp/v4/plan.log 2>&1 \
+        && run main ${MAIN_PROCS:-10} '--deadline-s ${MAIN_DEADLINE_S:-1e9}'
       python -m dfpo_bench.studies.study_v4 --analyse /tmp/v4 --out /tmp/v4/study_v4.json > /tmp/v4/analyse.log 2>&1
     " > /tmp/v4/driver.log 2>&1 < /dev/null &
     echo "study v4 started on GPU $2" ;;
