@@ -9,6 +9,7 @@ import pathlib
 import random
 import shutil
 import subprocess
+import tarfile
 from typing import Any
 
 import pytest
@@ -104,8 +105,18 @@ def test_analysis_reads_back_a_planted_slope_the_gate_and_a_crash(tmp_path: path
                                             1 + k % 16) for k in range(16)])
         write(main, "main", 50 + seed, [point(0.0, 0.0, 0.0, 1)])  # no signal: counted, not analysed
     write(main, "main", 99, [point(0.5, 0.05, 0.0, 1)], complete=False)
+    plan = {"settings": {"main": {"seeds": [*range(4), *range(50, 54), 99, 120]}, "control": {"seeds": [0, 1]}}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
     result = study_v4.analyse(tmp_path)
-    assert result["crashes"] == [str(main / "main" / "s99.jsonl")]
+    assert result["crashes"] == ["main/main/s99.jsonl"]  # relative: the analysis does not depend on where it ran
+    assert result["coverage"] == {"main": {"planned": 10, "complete": 8, "crashed": 1, "not_started": 1},
+                                  "control": {"planned": 2, "complete": 4, "crashed": 0, "not_started": 0}}
+    assert result["provenance"] == [{"checkout": None, "registration": None, "card": None, "versions": None,
+                                     "trajectories": 13}]
+    columns = result["settings"]["main"]["point_columns"]
+    assert len(columns["relative"]) == len(columns["imbalance"]) == len(columns["trajectory"]) == 48
+    assert columns["relative"] == pytest.approx([0.8 * i for i in columns["imbalance"]], rel=1e-9)
+    assert result["settings"]["main"]["aa_points"] == 0
     crashed = result["sensitivity_with_crashed_points"]  # the crash's one point (effect 0) joins only here
     assert crashed["items"] == result["settings"]["main"]["points"] + 1
     assert crashed["value"] < result["settings"]["main"]["primary_relative"]["value"]
@@ -176,3 +187,40 @@ def test_the_pilot_plans_only_once_every_trajectory_has_finished(tmp_path: pathl
         out.write(json.dumps({"crash": "RuntimeError: CUDA out of memory"}) + "\n")
     study_v4.main(["--stage", "pilot", "--model", "m", "--out-dir", str(tmp_path)])
     assert planned == [tmp_path]
+
+
+RECORDS = study_v4.RESULTS / "gpu_2026-11-29" / "records.tgz"
+ANALYSIS = study_v4.ROOT / "benchmarks" / "results" / "study_v4.json"
+
+
+def assert_numbers_close(got: Any, want: Any, path: str = "") -> None:
+    """Equal structure and strings; floats to 1e-9 relative (1e-12 absolute near 0). The sums run over at most 1000
+    points of size about 1 in another order on another machine (the last bits differ), far inside either bound."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), path
+        for key in want:
+            assert_numbers_close(got[key], want[key], f"{path}/{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_numbers_close(g, w, f"{path}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), path
+    else:
+        assert got == want, path
+
+
+@pytest.mark.slow
+def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Path) -> None:
+    """results/study_v4.json is ``--analyse`` of the GPU run's trajectory files as committed (records.tgz), and the
+    analysis the GPU machine wrote at the time (its study_v4_device.json, before the coverage, provenance and point
+    columns were added) agrees with it on every number it holds."""
+    with tarfile.open(RECORDS) as tar:
+        tar.extractall(tmp_path, filter="data")
+    committed = json.loads(ANALYSIS.read_text())
+    assert_numbers_close(study_v4.analyse(tmp_path), committed)
+    device = json.loads((tmp_path / "study_v4_device.json").read_text())
+    assert_numbers_close(device, {k: v for k, v in committed.items() if k in device} | {"settings": {
+        name: {k: v for k, v in entry.items() if k in device["settings"][name]}
+        for name, entry in committed["settings"].items()}})
+    assert committed["crashes"] == [] and all(c["crashed"] == 0 for c in committed["coverage"].values())

@@ -285,8 +285,9 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     """The registered analysis of the main stage (plus the crash count and the gate) -> a dict."""
     data = effect_rows(out_dir / "main")
     files = sorted((out_dir / "main").glob("*/s*.jsonl"))
-    crashes = [str(p) for p in files if not read_trajectory(p)["complete"]]
-    out: dict[str, Any] = {"registration_sha256": REGISTRATION_SHA256, "crashes": crashes, "settings": {}}
+    crashes = [str(p.relative_to(out_dir)) for p in files if not read_trajectory(p)["complete"]]
+    out: dict[str, Any] = {"registration_sha256": REGISTRATION_SHA256, "crashes": crashes,
+                           "coverage": coverage(out_dir), "provenance": provenance(files), "settings": {}}
     pooled: dict[str, list[tuple[float, float]]] = {}
     for name, trajectories in data.items():
         move = statistics.fmean(r["gspo_move"] for rows in trajectories.values() for r in rows) if any(
@@ -309,6 +310,13 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
         entry["grad_norm_ratio"] = mean_of([r["grad_norm"][1] / r["grad_norm"][0] for r in points
                                             if r["grad_norm"][0] > 0])
         entry["aa_floor_max"] = max((r["aa"] for r in points if r["aa"] is not None), default=None)
+        entry["aa_points"] = sum(r["aa"] is not None for r in points)
+        entry["point_columns"] = {  # every analysed point, for the scatter of the effect against the term
+            "trajectory": [seed for seed, rows in trajectories.items() for _ in rows],
+            **{key: [r[key] for rows in trajectories.values() for r in rows]
+               for key in ("staleness", "imbalance", "removed_share", "clipped_share", "gspo_move", "relative")},
+            "grad_norm_ratio": [r["grad_norm"][1] / r["grad_norm"][0] if r["grad_norm"][0] > 0 else None
+                                for rows in trajectories.values() for r in rows]}
         at_s = [r["imbalance"] for rows in trajectories.values() for r in rows
                 if r["staleness"] == PREREGISTRATION["settings"][name]["staleness"]]
         entry["imbalance_at_S"] = statistics.fmean(at_s) if at_s else None
@@ -324,6 +332,34 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     out["slope"] = cluster_bootstrap(pooled, lambda pts: (fit := ols(pts)) and fit[0])
     out["intercept"] = cluster_bootstrap(pooled, lambda pts: (fit := ols(pts)) and fit[1])
     return out
+
+
+def coverage(out_dir: pathlib.Path) -> dict[str, dict[str, Any]]:
+    """Per setting, the main stage's trajectories: planned (``plan.json``), complete, crashed (a file without its
+    complete line) and never started (a planned seed without a file: not a crash, no data). Reported beside the
+    analysis because a stage stopped by a deadline set before it began analyses fewer trajectories than planned."""
+    plan_file = out_dir / "plan.json"
+    planned = {name: entry.get("seeds", []) for name, entry in
+               json.loads(plan_file.read_text())["settings"].items()} if plan_file.exists() else {}
+    out = {}
+    for name in PREREGISTRATION["settings"]:
+        files = {int(p.stem[1:]): read_trajectory(p) for p in sorted((out_dir / "main" / name).glob("s*.jsonl"))}
+        out[name] = {"planned": len(planned.get(name, [])), "complete": sum(t["complete"] for t in files.values()),
+                     "crashed": sum(not t["complete"] for t in files.values()),
+                     "not_started": len(set(planned.get(name, [])) - set(files))}
+    return out
+
+
+def provenance(files: list[pathlib.Path]) -> list[dict[str, Any]]:
+    """The distinct (checkout, registration, card, versions) of the main stage's trajectory headers, each with the
+    number of trajectories that ran under it: what ran, read from the records themselves."""
+    seen: dict[str, dict[str, Any]] = {}
+    for path in files:
+        header = read_trajectory(path)["header"] or {}
+        key = {k: header.get(k) for k in ("checkout", "registration", "card", "versions")}
+        entry = seen.setdefault(json.dumps(key, sort_keys=True), {**key, "trajectories": 0})
+        entry["trajectories"] += 1
+    return list(seen.values())
 
 
 def mean_of(values: list[float | None]) -> float | None:
