@@ -32,6 +32,7 @@ from dfpo_bench.reports import (  # noqa: E402
     report_long_run,
     report_study_v2,
     report_study_v3,
+    report_study_v4,
     report_trained,
     report_users_size,
 )
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     trained_lines = report_trained.trained_section(
         results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines)
         + bool(study_v2_lines) + bool(users_size_lines) + bool(study_v3_lines))
+    study_v4_lines = report_study_v4.study_v4_section(
+        results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines)
+        + bool(study_v2_lines) + bool(users_size_lines) + bool(study_v3_lines) + bool(trained_lines))
     lines = [
         "# Benchmark results",
         "",
@@ -210,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         *users_size_lines,
         *study_v3_lines,
         *trained_lines,
+        *study_v4_lines,
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines).rstrip() + "\n")
