@@ -231,9 +231,10 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
                                        counts.items())
             + (f". {len(clipped)} of the {len(heavy)} points with I > {HEAVY:g} were such points, with "
                f"{min(clipped):.0%}–{max(clipped):.0%} of their rows with signal clipped" if clipped else "")
-            + ". I counts the post-clip weights of clipped rows, which carry no gradient in the ratio form, so "
-            "under heavy clipping it overstates what the transform can change; such points sit at large I with an "
-            "effect of exactly 0 and pull the pooled slope towards 0.")
+            + ". At such a point every row that carried gradient already had its group's minimum weight, so "
+            "Min-Replace lowered only rows without gradient (in the ratio form a clipped row has none). I counts "
+            "every row's post-clip weight, gradient or not, so it can overstate what the transform can change; "
+            "these points sit at large I with an effect of exactly 0 and pull the pooled slope towards 0.")
     aa = [e for e in settings.values() if e.get("aa_points")]
     if aa and all(e["aa_floor_max"] == 0 for e in aa):
         lines.append(f"* The {sum(e['aa_points'] for e in aa)} A/A repeats of the GSPO step read exactly 0: on this "
