@@ -13,6 +13,7 @@ import subprocess
 from typing import Any
 
 import pytest
+import torch
 
 from dfpo_bench import study_v4_tasks
 from dfpo_bench.lib import common
@@ -160,11 +161,38 @@ def test_the_sft_loop_and_the_gate_run_on_a_tiny_model(tmp_path: pathlib.Path) -
     losses = v4l.sft(model, tokenizer, examples, epochs=3, batch_size=4, lr=1e-2, seed=0, device="cpu")
     assert len(losses) == 6 and losses[-1] < losses[0]
     gate = v4l.measure_gate(model, tokenizer, "cpu", prompts=6, samples=3)  # the registered 64 x 8 on the GPU
+    model.save_pretrained(tmp_path / "saved")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert v4l.weights_sha256(again) == v4l.weights_sha256(model)  # the start's identity survives a save and load
+    with torch.no_grad():
+        next(again.parameters()).view(-1)[0] += 1e-6  # one weight, one step of float32 at this size
+    assert v4l.weights_sha256(again) != v4l.weights_sha256(model)
     assert 0 <= gate["set_entropy_normalised"] <= 1 + 1e-9 and gate["samples"] == 18 and gate["prompts"] == 6
     assert gate["passed"] == v4l.gate_result(gate["set_entropy_normalised"], gate["format_mass"])["passed"]
 
 
 # ------------------------------------------------------------------------------------------------ the plan rule
+def test_a_stage_refuses_a_warm_start_other_than_the_one_its_earlier_runs_started_from(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later session lays the warm start again: if its weights' hash differs from the one the pilot's runs
+    recorded, neither the pilot nor the main stage launches anything (runs from two starts are never paired)."""
+    monkeypatch.setattr(v4l, "admitted", lambda: {"sha256": "x"})
+    monkeypatch.setattr(v4l, "run_provenance", lambda *a: {})
+    launched: list[Any] = []
+    monkeypatch.setattr(v4l.common, "launch", lambda *a, **k: launched.append(a))
+    (tmp_path / "warmstart").mkdir()
+    chosen = {"registration_sha256": v4l.REGISTRATION_SHA256, "passed": True, "model": "m", "weights_sha256": "a" * 64}
+    (tmp_path / "warmstart" / "chosen.json").write_text(json.dumps(chosen))
+    v4l.main(["--stage", "pilot", "--out-dir", str(tmp_path)])  # the first launch records the start
+    assert len(launched) == 1
+    stage = json.loads((tmp_path / "pilot" / "stage.json").read_text())
+    assert stage["warmstart"]["weights_sha256"] == "a" * 64
+    (tmp_path / "warmstart" / "chosen.json").write_text(json.dumps({**chosen, "weights_sha256": "b" * 64}))
+    with pytest.raises(SystemExit, match="started from warm-start weights aaaaaaaaaaaa"):
+        v4l.main(["--stage", "pilot", "--out-dir", str(tmp_path)])
+    assert len(launched) == 1 and json.loads((tmp_path / "pilot" / "stage.json").read_text()) == stage
+
+
 def test_the_seed_rule_by_hand() -> None:
     """MDE_t(n) = (t_.975,n−1 + t_.8,n−1) σ / √n with σ = 3.3 × the pilot SD. Tables: df 18: 2.101 + 0.862 = 2.963,
     df 19: 2.093 + 0.861 = 2.954. σ = 0.0746: n = 19 gives 2.963 × 0.0746 / √19 = 0.0507 > 0.05, n = 20 gives

@@ -23,6 +23,7 @@ benchmarks/README.md, "Study v4, part 3".
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import pathlib
@@ -243,12 +244,14 @@ def warmstart(args: argparse.Namespace) -> dict[str, Any]:
         record = read_jsonl(out / f"e{epochs}" / "warmstart.jsonl")
         if record is None:
             record = warmstart_one(args, epochs, state)
-        tried.append({"epochs": epochs, "complete": record["complete"], "gate": record.get("gate")})
+        tried.append({"epochs": epochs, "complete": record["complete"], "gate": record.get("gate"),
+                      "weights_sha256": record.get("weights_sha256")})
         if record["complete"] and record["gate"]["passed"]:
             break
     chosen = next((t for t in tried if t["complete"] and t["gate"]["passed"]), None)
     result = {"registration_sha256": REGISTRATION_SHA256, "tried": tried, "passed": chosen is not None,
-              "model": str(out / f"e{chosen['epochs']}" / "model") if chosen else None, "written_at": now()}
+              "model": str(out / f"e{chosen['epochs']}" / "model") if chosen else None,
+              "weights_sha256": chosen["weights_sha256"] if chosen else None, "written_at": now()}
     common.write_json(out / "chosen.json", result)
     print(f"warm start: {'passed at ' + str(chosen['epochs']) + ' epochs' if chosen else 'no schedule entry passed'}")
     return result
@@ -277,6 +280,7 @@ def warmstart_one(args: argparse.Namespace, epochs: int, state: dict[str, Any]) 
             f.write(json.dumps({"sft": {"losses": losses, "examples": w["examples"]}}) + "\n")
             model.save_pretrained(folder / "model")
             tokenizer.save_pretrained(folder / "model")
+            f.write(json.dumps({"weights_sha256": weights_sha256(model)}) + "\n")
             gate = measure_gate(model, tokenizer, device)
             f.write(json.dumps({"gate": gate}) + "\n")
             f.write(json.dumps({"complete": True, "wall_s": time.time() - began}) + "\n")
@@ -293,7 +297,22 @@ def read_jsonl(path: pathlib.Path) -> dict[str, Any] | None:
     return {"header": next((x["header"] for x in lines if "header" in x), None),
             "gate": next((x["gate"] for x in lines if "gate" in x), None),
             "complete": any(x.get("complete") for x in lines),
+            "weights_sha256": next((x["weights_sha256"] for x in lines if "weights_sha256" in x), None),
             "crash": next((x["crash"] for x in lines if "crash" in x), None)}
+
+
+def weights_sha256(model: Any) -> str:
+    """SHA-256 over the model's state dict (each name, dtype, shape and bytes, in order): the warm start's identity.
+    Every arm of every stage must start from the same weights; a warm start laid again in a later session (the GPU
+    machine keeps nothing) is the same start only if this hash is the same."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        value = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def require_gate(out_dir: pathlib.Path, force: bool) -> dict[str, Any]:
@@ -331,6 +350,7 @@ def launch(args: argparse.Namespace, stage: str, seeds: list[int], gate: dict[st
     """Every (arm, seed) of the stage not yet recorded (a crash stays a crash), seed by seed, the anchor first;
     returns the runs left."""
     folder = pathlib.Path(args.out_dir) / stage
+    same_start(pathlib.Path(args.out_dir), gate)
     folder.mkdir(parents=True, exist_ok=True)
     stage_file = folder / "stage.json"
     before = json.loads(stage_file.read_text()) if stage_file.exists() else {}
@@ -351,6 +371,17 @@ def launch(args: argparse.Namespace, stage: str, seeds: list[int], gate: dict[st
     common.launch(args, queue, skip_failed=True)
     done = {(r["arm"], r["seed"]) for r in rows_of(folder)}
     return [f"{a} s{s}" for s in seeds for a in ARMS if (a, s) not in done]
+
+
+def same_start(out_dir: pathlib.Path, gate: dict[str, Any]) -> None:
+    """SystemExit unless every stage already launched in ``out_dir`` (pilot, main) started from the warm start
+    ``gate`` names, by its weights' hash: runs from two different starts are never pooled or paired."""
+    for stage_file in sorted(out_dir.glob("*/stage.json")):
+        earlier = (json.loads(stage_file.read_text()).get("warmstart") or {}).get("weights_sha256")
+        if earlier is not None and earlier != gate.get("weights_sha256"):
+            raise SystemExit(f"refused: {stage_file.parent.name}'s runs started from warm-start weights "
+                             f"{earlier[:12]}…, this warm start is {str(gate.get('weights_sha256'))[:12]}…; lay the "
+                             "same warm start again (same card, software and seed) or start a new output folder")
 
 
 def pilot(args: argparse.Namespace) -> dict[str, Any] | None:

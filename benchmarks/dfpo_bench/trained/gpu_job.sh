@@ -10,6 +10,8 @@
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh cards GPU         the 8B recipe's cards (cards_8b.py), detached, on one GPU
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh study GPU         study v4 (pilot, plan, main, analysis), detached (PILOT_PROCS,
 #                                                                  MAIN_PROCS, MAIN_DEADLINE_S)
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh v4long GPU        study v4 part 3: warm start, then STAGE (pilot|main), detached
+#                                                                  (PARALLEL, DEADLINE_S)
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh poll S            waits S s, prints progress, packs what exists into $OUT
 # A detached job dies with the machine, which goes back 30 s after a call returns: keep calling `poll`.
 set -u
@@ -65,6 +67,22 @@ case "$1" in
       python -m dfpo_bench.studies.study_v4 --analyse /tmp/v4 --out /tmp/v4/study_v4.json > /tmp/v4/analyse.log 2>&1
     " > /tmp/v4/driver.log 2>&1 < /dev/null &
     echo "study v4 started on GPU $2" ;;
+  v4long)
+    # study v4 part 3, detached on GPU $2: the warm start unless /tmp/v4long has one, then STAGE (pilot or main),
+    # PARALLEL runs at a time; no run starts that is expected to end after DEADLINE_S s from the stage's start
+    # (required: the device time left, less the polls' margin; EXPECTED_RUN_S until a run has ended, default 900).
+    # A later session first unpacks the earlier records into /tmp/v4long (every folder but warmstart/, whose model does not
+    # travel): the stage refuses to launch if the warm start laid again has other weights than its runs started from
+    [ -n "${DEADLINE_S:-}" ] || { echo "v4long needs DEADLINE_S (seconds of device time the runs may use)"; exit 2; }
+    mkdir -p /tmp/v4long
+    OMP_NUM_THREADS=2 setsid nohup bash -c "
+      [ -f /tmp/v4long/warmstart/chosen.json ] || python -m dfpo_bench.studies.study_v4_long --stage warmstart \
+        --model $smol --out-dir /tmp/v4long > /tmp/v4long/warmstart.log 2>&1
+      python -m dfpo_bench.studies.study_v4_long --stage ${STAGE:-pilot} --out-dir /tmp/v4long --gpus $2 \
+        --parallel ${PARALLEL:-8} --deadline-s $DEADLINE_S --expected-run-s ${EXPECTED_RUN_S:-900} \
+        > /tmp/v4long/${STAGE:-pilot}.log 2>&1
+    " > /tmp/v4long/driver.log 2>&1 < /dev/null &
+    echo "study v4 part 3 (${STAGE:-pilot}) started on GPU $2" ;;
   poll)
     sleep "${2:-20}"
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
@@ -87,5 +105,10 @@ case "$1" in
       for f in /tmp/v4/*/*/s*.jsonl; do echo "$f: $(wc -l < "$f") lines"; done 2>/dev/null | tail -12
       tail -2 /tmp/v4/*.log 2>/dev/null | tail -12
       tar czf "$OUT/study_v4.tgz" /tmp/v4 2>/dev/null
+    fi
+    if [ -d /tmp/v4long ]; then
+      tail -2 /tmp/v4long/*.log 2>/dev/null | tail -10
+      tar czf "$OUT/study_v4_long.tgz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
+        --exclude='checkpoint-*' /tmp/v4long 2>/dev/null
     fi ;;
 esac
