@@ -117,6 +117,7 @@ def test_analysis_reads_back_a_planted_slope_the_gate_and_a_crash(tmp_path: path
     assert len(columns["relative"]) == len(columns["imbalance"]) == len(columns["trajectory"]) == 48
     assert columns["relative"] == pytest.approx([0.8 * i for i in columns["imbalance"]], rel=1e-9)
     assert result["settings"]["main"]["aa_points"] == 0
+    assert set(columns["residual_none"]) == {0.3} and set(columns["residual_min_replace"]) == {0.0}
     crashed = result["sensitivity_with_crashed_points"]  # the crash's one point (effect 0) joins only here
     assert crashed["items"] == result["settings"]["main"]["points"] + 1
     assert crashed["value"] < result["settings"]["main"]["primary_relative"]["value"]

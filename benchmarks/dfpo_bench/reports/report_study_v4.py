@@ -75,6 +75,38 @@ def scatter(analysis: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path) 
     return save_figure(fig, fig_dir, "study_v4_branch_scatter.png", out, dpi=110)
 
 
+def residual_pairs(columns: dict[str, list[Any]]) -> list[tuple[float, float]]:
+    """(GSPO's residual, Min-Replace's) at every point where the meter defined both."""
+    return [(a, b) for a, b in zip(columns["residual_none"], columns["residual_min_replace"], strict=True)
+            if a is not None and b is not None]
+
+
+def residual_figure(analysis: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path) -> str | None:
+    """figures/study_v4_residuals.png: each branch point's shared-prefix residual after Min-Replace's step against
+    the one after GSPO's (the residual before the transform), with the diagonal (no change)."""
+    pairs = {name: residual_pairs(e["point_columns"]) for name, e in analysis["settings"].items()
+             if e.get("point_columns")}
+    if not any(pairs.values()):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.6, 4.2))
+    for name, marker in (("main", "o"), ("control", "x")):
+        if pairs.get(name):
+            ax.scatter(*zip(*pairs[name], strict=True), marker=marker, s=12 if marker == "o" else 22, alpha=0.6,
+                       linewidths=0.8, label=f"{name} ({len(pairs[name])} points)")
+    top = max(max(a, b) for ps in pairs.values() for a, b in ps)
+    ax.plot([0, top], [0, top], color="k", lw=0.8, label="no change")
+    ax.set(xlabel="residual, GSPO's step (before the transform)", ylabel="residual, Min-Replace's step (after)",
+           title="Shared-prefix residual per branch point")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return save_figure(fig, fig_dir, "study_v4_residuals.png", out, dpi=110)
+
+
 def points_per_trajectory(name: str) -> int:
     """Branch points of one trajectory of a registered setting: S of every S + 1 optimizer steps."""
     s = PREREGISTRATION["settings"][name]
@@ -99,6 +131,7 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
     registration = (runs[0].get("registration") or {}) if runs else {}
     mde = PREREGISTRATION["mde"]
     figure = scatter(analysis, fig_dir, out)
+    residuals = residual_figure(analysis, fig_dir, out)
     lines = [f"## {number}. Study v4, part 1: the paired branch test and its positive control "
              "(`studies/branch_test.py`, `studies/study_v4.py`)", "",
              f"Card: {', '.join(sorted({str(r.get('card')) for r in runs}))}; versions "
@@ -235,6 +268,16 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
             "Min-Replace lowered only rows without gradient (in the ratio form a clipped row has none). I counts "
             "every row's post-clip weight, gradient or not, so it can overstate what the transform can change; "
             "these points sit at large I with an effect of exactly 0 and pull the pooled slope towards 0.")
+    changes = {name: residual_pairs(e["point_columns"]) for name, e in settings.items() if e.get("point_columns")}
+    if any(changes.values()):
+        lines.append(
+            "* Per branch point, the shared-prefix residual after Min-Replace's step against GSPO's (defined where "
+            "some position is shared by every member of a group with signal): "
+            + "; ".join(f"{name}: lower at {sum(b < a for a, b in ps)}, equal at {sum(b == a for a, b in ps)}, "
+                        f"higher at {sum(b > a for a, b in ps)} of {len(ps)}" for name, ps in changes.items() if ps)
+            + ". Under this setting's `loss_type grpo` each row's loss is divided by its own length, so "
+            "Min-Replace's balanced weights cancel a shared token exactly only in a group whose rows with gradient "
+            "have equal lengths and none clipped (part 3 uses `dr_grpo` for this reason).")
     aa = [e for e in settings.values() if e.get("aa_points")]
     if aa and all(e["aa_floor_max"] == 0 for e in aa):
         lines.append(f"* The {sum(e['aa_points'] for e in aa)} A/A repeats of the GSPO step read exactly 0: on this "
@@ -250,8 +293,11 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
     long_run = load_json(results / "study_v4_long.json")
     lines.append("* Part 3 (the long run from a balanced warm start, `studies/study_v4_long.py`): "
                  + ("see its own records." if long_run else "registered, no run yet, so no long-run curves."))
-    lines += ["", f"Figure: `{figure}`, each analysed point's relative effect against I, with the pooled fit."
-              if figure else "No figure (no analysed points).", ""]
+    lines += ["", f"Figures: `{figure}`, each analysed point's relative effect against I, with the pooled fit"
+              + (f"; `{residuals}`, each point's residual after Min-Replace's step against GSPO's." if residuals
+                 else ".") if figure else "No figure (no analysed points).", ""]
     if figure:
         lines += [f"![branch effect against the term]({figure})", ""]
+    if residuals:
+        lines += [f"![shared-prefix residual per branch point]({residuals})", ""]
     return lines

@@ -316,7 +316,10 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
             **{key: [r[key] for rows in trajectories.values() for r in rows]
                for key in ("staleness", "imbalance", "removed_share", "clipped_share", "gspo_move", "relative")},
             "grad_norm_ratio": [r["grad_norm"][1] / r["grad_norm"][0] if r["grad_norm"][0] > 0 else None
-                                for rows in trajectories.values() for r in rows]}
+                                for rows in trajectories.values() for r in rows],
+            # the shared-prefix residual before (GSPO's step) and after (Min-Replace's), None where undefined
+            **{f"residual_{arm}": [r["residual"][i] for rows in trajectories.values() for r in rows]
+               for i, arm in enumerate(PREREGISTRATION["arms"])}}
         at_s = [r["imbalance"] for rows in trajectories.values() for r in rows
                 if r["staleness"] == PREREGISTRATION["settings"][name]["staleness"]]
         entry["imbalance_at_S"] = statistics.fmean(at_s) if at_s else None
