@@ -137,8 +137,9 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
              f"Card: {', '.join(sorted({str(r.get('card')) for r in runs}))}; versions "
              f"{', '.join(f'{k} {v}' for k, v in sorted((runs[0].get('versions') or {}).items())) if runs else '–'}; "
              "float32 weights, TF32 off. The records name commit "
-             f"{str(checkout.get('commit', '?'))[:7]} with uncommitted changes (the device copies the session's "
-             "working tree onto the commit the session started from); their source hash "
+             f"{str(checkout.get('commit', '?'))[:7]}"
+             + (" with uncommitted changes (the device copies the session's working tree onto the commit the session "
+                "started from)" if checkout.get("dirty") else "") + "; their source hash "
              f"{str(checkout.get('source_sha256', '?'))[:12]}… is the hash of `{RUN_COMMIT}` "
              f"(`benchmarks/dfpo_bench/lib/provenance.py`). "
              f"{'Every' if len(runs) == 1 else 'Not every'} main-stage trajectory ran under that one checkout, and "
@@ -158,7 +159,7 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
              "**What ran.** The pilot (seeds "
              f"{', '.join(map(str, PREREGISTRATION['pilot_seeds']))} of each setting) sized the main stage by the "
              "registered rule; pilot points are not analysed. The main stage ran under a deadline fixed before it "
-             "began (the device's time), not by its data: trajectories never started are not crashes and carry no "
+             "began (the device time left), not by its data: trajectories never started are not crashes and carry no "
              "data.", "",
              "| setting | planned (points) | complete | crashed | never started | analysed points | points without "
              "signal | pilot: SD × √deff, ρ, points per trajectory |",
