@@ -176,10 +176,8 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
               "| setting | effect [95%] | MDE reached (2.8 SE) | registered target MDE | GSPO's movement (nats) | "
               "mean I | I at j = S | removed share | clipped share |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name in PREREGISTRATION["settings"]:
-        e = settings.get(name)
-        if not e:
-            continue
+    present = [(name, settings[name]) for name in PREREGISTRATION["settings"] if settings.get(name)]
+    for name, e in present:
         m = e["means"]
         lines.append(f"| {name} | {interval(e['primary_relative'])} | {fmt(e['mde_relative'], 4)} | "
                      f"{mde['relative_effect']:g} | {fmt(e['gspo_move_mean'])} | {fmt(m['imbalance'])} | "
@@ -191,10 +189,7 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
               "| setting | \\|log-odds\\| after the step | set log-mass after the step (nats) | shared-prefix "
               "residual: GSPO → MR | gradient norm MR / GSPO | A/A repeats (largest \\|Δ\\|) |",
               "| --- | --- | --- | --- | --- | --- |"]
-    for name in PREREGISTRATION["settings"]:
-        e = settings.get(name)
-        if not e:
-            continue
+    for name, e in present:
         r = e["residual"]
         lines.append(f"| {name} | {interval(e['abs_log_odds'])} | {interval(e['set_logp'])} | "
                      f"{fmt(r.get('none'))} → {fmt(r.get('min_replace'))} | {fmt(e['grad_norm_ratio'])} | "
@@ -241,9 +236,8 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
                if holds_zero(slope) else "The effect grew with the term" if slope["value"] > 0 else
                "The effect fell as the term grew")
             + ("; the intercept's interval holds 0." if holds_zero(intercept) else "; the intercept is not 0."))
-    for name in PREREGISTRATION["settings"]:
-        e = settings.get(name)
-        if not e or holds_zero(e["set_logp"]):
+    for name, e in present:
+        if holds_zero(e["set_logp"]):
             continue
         more = "Min-Replace's" if e["set_logp"]["value"] < 0 else "GSPO's"
         lines.append(f"* Secondary, {name}: after {more} step the rewarded set kept more log-mass, by "

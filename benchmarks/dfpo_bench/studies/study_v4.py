@@ -24,6 +24,7 @@ import os
 import pathlib
 import statistics
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from dfpo_bench.lib import common  # noqa: E402
@@ -284,10 +285,11 @@ def ratio_of_means(rows: list[dict[str, Any]]) -> float | None:
 def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     """The registered analysis of the main stage (plus the crash count and the gate) -> a dict."""
     data = effect_rows(out_dir / "main")
-    files = sorted((out_dir / "main").glob("*/s*.jsonl"))
-    crashes = [str(p.relative_to(out_dir)) for p in files if not read_trajectory(p)["complete"]]
+    files = {p: read_trajectory(p) for p in sorted((out_dir / "main").glob("*/s*.jsonl"))}
+    crashes = [str(p.relative_to(out_dir)) for p, t in files.items() if not t["complete"]]
     out: dict[str, Any] = {"registration_sha256": REGISTRATION_SHA256, "crashes": crashes,
-                           "coverage": coverage(out_dir), "provenance": provenance(files), "settings": {}}
+                           "coverage": coverage(out_dir, files), "provenance": provenance(files.values()),
+                           "settings": {}}
     pooled: dict[str, list[tuple[float, float]]] = {}
     for name, trajectories in data.items():
         move = statistics.fmean(r["gspo_move"] for rows in trajectories.values() for r in rows) if any(
@@ -337,28 +339,29 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     return out
 
 
-def coverage(out_dir: pathlib.Path) -> dict[str, dict[str, Any]]:
-    """Per setting, the main stage's trajectories: planned (``plan.json``), complete, crashed (a file without its
-    complete line) and never started (a planned seed without a file: not a crash, no data). Reported beside the
-    analysis because a stage stopped by a deadline set before it began analyses fewer trajectories than planned."""
+def coverage(out_dir: pathlib.Path, files: dict[pathlib.Path, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per setting, the main stage's trajectories (``files``: path -> :func:`read_trajectory`): planned
+    (``plan.json``), complete, crashed (a file without its complete line) and never started (a planned seed without
+    a file: not a crash, no data). Reported beside the analysis because a stage stopped by a deadline set before it
+    began analyses fewer trajectories than planned."""
     plan_file = out_dir / "plan.json"
     planned = {name: entry.get("seeds", []) for name, entry in
                json.loads(plan_file.read_text())["settings"].items()} if plan_file.exists() else {}
     out = {}
     for name in PREREGISTRATION["settings"]:
-        files = {int(p.stem[1:]): read_trajectory(p) for p in sorted((out_dir / "main" / name).glob("s*.jsonl"))}
-        out[name] = {"planned": len(planned.get(name, [])), "complete": sum(t["complete"] for t in files.values()),
-                     "crashed": sum(not t["complete"] for t in files.values()),
-                     "not_started": len(set(planned.get(name, [])) - set(files))}
+        mine = {int(p.stem[1:]): t for p, t in files.items() if p.parent.name == name}
+        out[name] = {"planned": len(planned.get(name, [])), "complete": sum(t["complete"] for t in mine.values()),
+                     "crashed": sum(not t["complete"] for t in mine.values()),
+                     "not_started": len(set(planned.get(name, [])) - set(mine))}
     return out
 
 
-def provenance(files: list[pathlib.Path]) -> list[dict[str, Any]]:
+def provenance(trajectories: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The distinct (checkout, registration, card, versions) of the main stage's trajectory headers, each with the
     number of trajectories that ran under it: what ran, read from the records themselves."""
     seen: dict[str, dict[str, Any]] = {}
-    for path in files:
-        header = read_trajectory(path)["header"] or {}
+    for trajectory in trajectories:
+        header = trajectory["header"] or {}
         key = {k: header.get(k) for k in ("checkout", "registration", "card", "versions")}
         entry = seen.setdefault(json.dumps(key, sort_keys=True), {**key, "trajectories": 0})
         entry["trajectories"] += 1
