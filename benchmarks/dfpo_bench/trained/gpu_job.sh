@@ -56,14 +56,15 @@ case "$1" in
     echo "study v4 pilot started on GPU $2" ;;
   study)
     # PILOT_PROCS processes for the 6 pilot trajectories, then MAIN_PROCS for the planned ones (a 135M float32
-    # process holds about 10 GB: four models and their AdamW states); no main trajectory starts after
+    # process held about 13 GiB on an H200, 2026-11-29: four models and their AdamW states; the throughput was the
+    # same at 4, 6 and 8 processes, the GPU at 99%); no main trajectory starts after
     # MAIN_DEADLINE_S s, so none is cut by the machine's return (a planned seed never started is not a crash)
     mkdir -p /tmp/v4
     CUDA_VISIBLE_DEVICES=$2 OMP_NUM_THREADS=2 setsid nohup bash -c "
       run() { for i in \$(seq \$2); do python -m dfpo_bench.studies.study_v4 --stage \$1 --model $smol \
         --out-dir /tmp/v4 \$3 > /tmp/v4/\$1_\$i.log 2>&1 & sleep 3; done; wait; }
       run pilot ${PILOT_PROCS:-6} '' && python -m dfpo_bench.studies.study_v4 --plan /tmp/v4 > /tmp/v4/plan.log 2>&1 \
-        && run main ${MAIN_PROCS:-10} '--deadline-s ${MAIN_DEADLINE_S:-1e9}'
+        && run main ${MAIN_PROCS:-8} '--deadline-s ${MAIN_DEADLINE_S:-1e9}'
       python -m dfpo_bench.studies.study_v4 --analyse /tmp/v4 --out /tmp/v4/study_v4.json > /tmp/v4/analyse.log 2>&1
     " > /tmp/v4/driver.log 2>&1 < /dev/null &
     echo "study v4 started on GPU $2" ;;
@@ -71,8 +72,9 @@ case "$1" in
     # study v4 part 3, detached on GPU $2: the warm start unless /tmp/v4long has one, then STAGE (pilot or main),
     # PARALLEL runs at a time; no run starts that is expected to end after DEADLINE_S s from the stage's start
     # (required: the device time left, less the polls' margin; EXPECTED_RUN_S until a run has ended, default 900).
-    # A later session first unpacks the earlier records into /tmp/v4long (every folder but warmstart/, whose model does not
-    # travel): the stage refuses to launch if the warm start laid again has other weights than its runs started from
+    # A later session first unpacks the earlier records into /tmp/v4long (every folder but warmstart/, whose model
+    # does not travel): the stage refuses to launch if the warm start laid again has other weights than its runs
+    # started from
     [ -n "${DEADLINE_S:-}" ] || { echo "v4long needs DEADLINE_S (seconds of device time the runs may use)"; exit 2; }
     mkdir -p /tmp/v4long
     OMP_NUM_THREADS=2 setsid nohup bash -c "
