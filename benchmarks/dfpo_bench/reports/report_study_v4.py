@@ -9,6 +9,7 @@ import pathlib
 from typing import Any
 
 from dfpo_bench.lib.common import load_json, save_figure
+from dfpo_bench.lib.stats import mde_t
 from dfpo_bench.studies.study_v4 import PREREGISTRATION
 
 # The run the analysis reads, and the commit whose sources ran it: provenance.source_sha256 of a checkout of that
@@ -202,7 +203,9 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
         planned_main = plan["settings"].get("main") or {}
         lines.append(
             f"* Primary (main setting): {interval(p)} of GSPO's own movement. "
-            + (f"**Not detected above {reached:.4f}** (the MDE reached)" if holds_zero(p) else
+            + (f"**Not detected above {reached:.4f}** (the MDE reached, 2.8 bootstrap SE as registered; with "
+               f"Student's t on {p['clusters'] - 1} degrees of freedom, one fewer than the trajectories, it would "
+               f"be {mde_t(p['se'], p['clusters'] - 1):.4f})" if holds_zero(p) else
                f"**Detected** ({'in the predicted direction' if p['value'] > 0 else 'against the prediction'})")
             + f"; the registered target MDE was {mde['relative_effect']:g}, and the MDE reached is "
             + ("below it" if reached is not None and reached <= mde["relative_effect"] else "above it")
@@ -219,7 +222,8 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
             f"* Positive control: its registered gate (mean GSPO imbalance at j = S ≥ {gate.get('min')}) "
             + ("was **reached**" if gate.get("passed") else "was **not reached**")
             + f", {fmt(gate.get('value'))}. Its effect {interval(p)}: "
-            + (f"not detected above {control['mde_relative']:.3f}" if holds_zero(p) else "detected")
+            + (f"not detected above {control['mde_relative']:.3f} ({mde_t(p['se'], p['clusters'] - 1):.3f} with "
+               f"Student's t on {p['clusters'] - 1} degrees of freedom)" if holds_zero(p) else "detected")
             + f", from {coverage['control']['complete']} of its {coverage['control']['planned']} planned "
             "trajectories (the plan asked for the registered maximum of points: in the pilot about "
             f"{plan['settings'].get('control', {}).get('points_per_trajectory', 0):.0f} of each trajectory's "
