@@ -44,6 +44,13 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}
 
 
+def utc_now() -> str:
+    """The current UTC time as an ISO 8601 string to the second (``2026-11-29T00:52:26+00:00``): run records' stamps."""
+    import datetime
+
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
 def load_json(path: pathlib.Path) -> Any:
     """A result file's JSON, or None when the run has not written it (the reports skip what is missing)."""
     return json.loads(path.read_text()) if path.exists() else None

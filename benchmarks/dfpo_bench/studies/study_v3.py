@@ -256,8 +256,8 @@ def launch(args: argparse.Namespace, stages: list[tuple[dict[str, Any], pathlib.
         before = json.loads(stage_file.read_text()) if stage_file.exists() else {}
         stage = {"design": design, "arms": arms, "seeds": seeds,
                  "preregistration_sha256": preregistration_sha(args.round),
-                 **extra, "started_at": before.get("started_at", now()),
-                 "launches": [*before.get("launches", []), {"at": now(), "checkout": checkout_state(ROOT)}]}
+                 **extra, "started_at": before.get("started_at", common.utc_now()),
+                 "launches": [*before.get("launches", []), {"at": common.utc_now(), "checkout": checkout_state(ROOT)}]}
         stage_file.write_text(json.dumps(stage, indent=1) + "\n")
         for s in seeds:
             for a in arms:
@@ -286,12 +286,6 @@ class NamedRun(common.Run):
         return f"v3__{self.method}__s{self.seed}"
 
 
-def now() -> str:
-    import datetime
-
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
 def pilot(args: argparse.Namespace) -> dict[str, Any] | None:
     """Pilot every pre-registered design; once all are recorded, their gates to OUT/pilot_gates.json."""
     check_preregistered(pathlib.Path(args.preregistered), args.round)
@@ -300,8 +294,8 @@ def pilot(args: argparse.Namespace) -> dict[str, Any] | None:
     if left:
         print(f"pilot: {len(left)} runs not run yet (run the same command again); gates not written", flush=True)
         return None
-    result = {"preregistration_sha256": preregistration_sha(args.round), "round": args.round, "written_at": now(),
-              "designs": {}}
+    result = {"preregistration_sha256": preregistration_sha(args.round), "round": args.round,
+              "written_at": common.utc_now(), "designs": {}}
     for design in designs(args):
         rows = stage_rows(out / "pilot" / design["name"], design)
         prim = {a: {r["seed"]: r["primary"] for r in rows if r["arm"] == a and r.get("primary") is not None}

@@ -251,7 +251,7 @@ def warmstart(args: argparse.Namespace) -> dict[str, Any]:
     chosen = next((t for t in tried if t["complete"] and t["gate"]["passed"]), None)
     result = {"registration_sha256": REGISTRATION_SHA256, "tried": tried, "passed": chosen is not None,
               "model": str(out / f"e{chosen['epochs']}" / "model") if chosen else None,
-              "weights_sha256": chosen["weights_sha256"] if chosen else None, "written_at": now()}
+              "weights_sha256": chosen["weights_sha256"] if chosen else None, "written_at": common.utc_now()}
     common.write_json(out / "chosen.json", result)
     print(f"warm start: {'passed at ' + str(chosen['epochs']) + ' epochs' if chosen else 'no schedule entry passed'}")
     return result
@@ -268,8 +268,8 @@ def warmstart_one(args: argparse.Namespace, epochs: int, state: dict[str, Any]) 
     began = time.time()
     with path.open("w") as f:
         f.write(json.dumps({"header": {"stage": "warmstart", "epochs": epochs, "model": args.model, "device": device,
-                                       "versions": common.versions(), "card": common.card(), "started_at": now(),
-                                       **run_provenance(ROOT, state)}}) + "\n")
+                                       "versions": common.versions(), "card": common.card(),
+                                       "started_at": common.utc_now(), **run_provenance(ROOT, state)}}) + "\n")
         f.flush()
         try:
             from dfpo_bench.studies.study_v4 import load_model
@@ -339,12 +339,6 @@ class NamedRun(common.Run):
         return f"v4l__{self.method}__s{self.seed}"
 
 
-def now() -> str:
-    import datetime
-
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
 def launch(args: argparse.Namespace, stage: str, seeds: list[int], gate: dict[str, Any], extra: dict[str, Any]
            ) -> list[str]:
     """Every (arm, seed) of the stage not yet recorded (a crash stays a crash), seed by seed, the anchor first;
@@ -356,8 +350,8 @@ def launch(args: argparse.Namespace, stage: str, seeds: list[int], gate: dict[st
     before = json.loads(stage_file.read_text()) if stage_file.exists() else {}
     common.write_json(stage_file, {"stage": stage, "arms": list(ARMS), "seeds": seeds, "warmstart": gate,
                                    "registration_sha256": REGISTRATION_SHA256, **extra,
-                                   "started_at": before.get("started_at", now()),
-                                   "launches": [*before.get("launches", []), {"at": now(), **run_provenance(
+                                   "started_at": before.get("started_at", common.utc_now()),
+                                   "launches": [*before.get("launches", []), {"at": common.utc_now(), **run_provenance(
                                        ROOT, admitted())}]})
     args.model = gate.get("model") or args.model
     if not args.model:
@@ -493,7 +487,8 @@ def plan(out_dir: pathlib.Path) -> dict[str, Any]:
                        f"[{g['reward_min']}, {g['reward_max']}]")
     if pilot_pair is None:
         reasons.append("fewer than 2 complete pilot pairs")
-    result: dict[str, Any] = {"registration_sha256": REGISTRATION_SHA256, "written_at": now(), "complete": complete,
+    result: dict[str, Any] = {"registration_sha256": REGISTRATION_SHA256, "written_at": common.utc_now(),
+                              "complete": complete,
                               "reward_first_mean": reward, "pilot_primary_pair": pilot_pair, "go": not reasons,
                               "reason": "; ".join(reasons) or None}
     if pilot_pair is not None:
