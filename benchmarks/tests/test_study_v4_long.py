@@ -171,6 +171,61 @@ def test_the_sft_loop_and_the_gate_run_on_a_tiny_model(tmp_path: pathlib.Path) -
     assert gate["passed"] == v4l.gate_result(gate["set_entropy_normalised"], gate["format_mass"])["passed"]
 
 
+def test_the_gate_reads_the_checkpoint_reloaded_from_disk_as_the_arms_load_it(tmp_path: pathlib.Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Revision 2: the warm start loads the base model, trains, saves, then loads the saved checkpoint afresh (float32,
+    the arms' precision) and reads the gate on that model, not on the one it trained in memory."""
+    import argparse
+
+    from dfpo_trl.testing import save_tiny_chat_model
+
+    from dfpo_bench.studies import study_v4
+
+    base = save_tiny_chat_model(tmp_path / "tiny")
+    loaded: list[tuple[str, Any]] = []
+    real_load = study_v4.load_model
+
+    def load(path: str) -> tuple[Any, Any]:
+        model, tokenizer = real_load(path)
+        loaded.append((str(path), model))
+        return model, tokenizer
+
+    measured: list[Any] = []
+
+    def gate(model: Any, tokenizer: Any, device: str) -> dict[str, Any]:
+        measured.append(model)
+        return {**v4l.gate_result(0.97, 0.9), "set_logp_mean": -0.3}
+
+    def train(model: Any, *args: Any) -> list[float]:
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] += 1.0  # the SFT's change, which the reload must carry
+        return [1.0]
+
+    monkeypatch.setattr(study_v4, "load_model", load)
+    monkeypatch.setattr(v4l, "measure_gate", gate)
+    monkeypatch.setattr(v4l, "sft", train)
+    args = argparse.Namespace(model=str(base), out_dir=str(tmp_path / "out"), cpu=True)
+    record = v4l.warmstart_one(args, 1, {"sha256": "x"})
+    assert record["complete"] and record["gate"]["passed"]
+    assert [p for p, _ in loaded] == [str(base), str(tmp_path / "out" / "warmstart" / "e1" / "model")]
+    trained, reloaded = loaded[0][1], loaded[1][1]
+    assert measured == [reloaded] and reloaded is not trained
+    assert next(reloaded.parameters()).dtype == torch.float32
+    assert record["weights_sha256"] == v4l.weights_sha256(reloaded) == v4l.weights_sha256(trained)
+
+
+def test_the_pilot_gate_stops_when_a_run_s_own_step_0_reading_is_below_the_start_threshold(
+        tmp_path: pathlib.Path) -> None:
+    pilot = tmp_path / "pilot"
+    for s in range(6):
+        for arm in v4l.ARMS:
+            write(pilot, record(arm, s, [(0, 0.876 if (s, arm) == (3, "gspo") else 0.97), (300, 0.3 + 0.01 * s)]))
+    plan = v4l.plan(tmp_path)
+    assert not plan["go"] and "step-0 normalised set entropy (0.876" in plan["reason"]
+    write(pilot, record("gspo", 3, [(0, 0.96), (300, 0.33)]))
+    assert v4l.plan(tmp_path)["go"]
+
+
 # ------------------------------------------------------------------------------------------------ the plan rule
 def test_a_stage_refuses_a_warm_start_other_than_the_one_its_earlier_runs_started_from(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -253,6 +308,75 @@ def test_the_analysis_reads_planted_areas_pairs_them_and_counts_a_crash(tmp_path
     assert not crash["complete"] and "primary" not in crash
 
 
+def test_the_start_check_sets_the_runs_step_0_beside_the_gate_and_rereads_the_threshold(tmp_path: pathlib.Path
+                                                                                        ) -> None:
+    """The gate read 0.97 in the warm-start process; the pilot's runs read 0.97 at step 0 (the threshold holds), the
+    main stage's 0.87 (it does not, and the gap is their mean less the gate's)."""
+    for s in (100, 101):
+        for arm in v4l.ARMS:
+            write(tmp_path / "pilot", record(arm, s - 100, [(0, 0.97), (300, 0.5)]))
+            write(tmp_path / "main", record(arm, s, [(0, 0.87), (300, 0.5)]))
+    gate = {"set_entropy_normalised": 0.97, "set_logp_mean": -0.3, "log_odds_mean": 0.0, "sampled_reward_mean": 0.8,
+            "passed": True}
+    stage = {"registration_sha256": v4l.REGISTRATION_SHA256, "warmstart": {"tried": [
+        {"epochs": 1, "complete": True, "gate": {**gate, "set_entropy_normalised": 0.9, "passed": False}},
+        {"epochs": 2, "complete": True, "gate": gate}]}}
+    (tmp_path / "main" / "stage.json").write_text(json.dumps(stage))
+    (tmp_path / "plan.json").write_text(json.dumps({"seeds": [100, 101, 102]}))
+    out = v4l.analyse(tmp_path)
+    check = out["start_check"]
+    assert check["gate"]["set_entropy_normalised"] == 0.97 and check["threshold"] == 0.95
+    assert check["stages"]["pilot"]["threshold_reread_passed"]
+    main = check["stages"]["main"]
+    assert not main["threshold_reread_passed"] and main["runs"] == 6 and main["distinct_step0_entropy"] == 1
+    assert main["entropy_gap_to_gate"] == pytest.approx(-0.10)
+    assert main["step0_set_logp_min"] == pytest.approx(math.log(0.5))
+    assert out["coverage"] == {"planned": 9, "complete": 6, "crashed": 0, "not_started": 3,
+                               "complete_pairs_primary": 2}
+    assert out["registration_sha256"] == v4l.REGISTRATION_SHA256 and out["registration_is_current"]
+    assert out["preregistered"] == json.loads(v4l.REGISTRATION_FILE.read_text(encoding="utf-8"))
+    assert [p["step"] for p in out["curves"]["gspo"]] == [0, 300] and out["curves"]["gspo"][0]["n"] == 2
+
+
+def test_the_residual_is_split_by_whether_a_row_of_the_step_was_clipped(tmp_path: pathlib.Path) -> None:
+    rec = record("mr_w", 100, [(0, 1.0), (300, 0.5)])
+    rec["series"].update({"cancellation/shared_prefix_residual": [[1, 0.0], [2, 0.4], [3, 1e-8], [4, 0.6]],
+                          "clip_ratio/region_mean": [[1, 0.0], [2, 0.25], [3, 0.0], [4, 0.5]]})
+    write(tmp_path / "main", rec)
+    split = v4l.analyse(tmp_path)["residual_by_clipping"]["mr_w"]
+    assert split["unclipped"] == {"steps": 2, "mean": pytest.approx(5e-9), "max": 1e-8}
+    assert split["clipped"] == {"steps": 2, "mean": pytest.approx(0.5), "max": 0.6}
+
+
+def test_the_analysis_names_the_registration_its_records_admitted(tmp_path: pathlib.Path) -> None:
+    """A record folder that admitted some other registration gets no design read from the current one."""
+    write(tmp_path / "main", record("gspo", 100, [(0, 1.0), (300, 0.5)]))
+    (tmp_path / "main" / "stage.json").write_text(json.dumps({"registration_sha256": "0" * 64}))
+    out = v4l.analyse(tmp_path)
+    assert out["registration_sha256"] == "0" * 64 and not out["registration_is_current"]
+    assert out["preregistered"] is None
+
+
+RECORDS = v4l.ROOT / "benchmarks" / "results" / "study_v4_long" / "gpu_2026-11-29" / "records.tgz"
+ANALYSIS = v4l.ROOT / "benchmarks" / "results" / "study_v4_long.json"
+
+
+@pytest.mark.slow  # about 5 s: unpacks 5 MB and reads 33 run records
+def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Path) -> None:
+    """results/study_v4_long.json is ``--analyse`` of the run folder committed in records.tgz, to 1e-9 relative
+    (sums over at most 300 steps of values about 1, in another order on another machine)."""
+    import tarfile
+
+    from test_study_v4 import assert_numbers_close
+
+    with tarfile.open(RECORDS) as tar:
+        tar.extractall(tmp_path, filter="data")
+    folder = tmp_path / "tmp" / "v4long"
+    committed = json.loads(ANALYSIS.read_text())
+    assert_numbers_close(json.loads(json.dumps(v4l.analyse(folder))), committed)
+    assert committed["coverage"]["crashed"] == 0 and committed["registration_is_current"] is not None
+
+
 def test_the_plan_stops_on_a_failed_pilot_gate_and_main_refuses(tmp_path: pathlib.Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     pilot = tmp_path / "pilot"
@@ -283,6 +407,7 @@ def test_arm_flags_give_the_anchor_the_stale_arms_completions_per_step() -> None
     for arm in v4l.ARMS:
         assert flag(arm, "--per_device_train_batch_size") == "32" and flag(arm, "--gradient_accumulation_steps") == "1"
         assert flag(arm, "--loss_type") == "dr_grpo"
+        assert flag(arm, "--bf16") == "false"  # revision 2: the arms train the float32 policy the gate read
     assert [flag(a, "--steps_per_generation") for a in v4l.ARMS] == ["1", "4", "4"]
     assert [flag(a, "--group_transform") for a in v4l.ARMS] == ["none", "none", "min_replace"]
 

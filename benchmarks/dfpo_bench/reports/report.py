@@ -33,6 +33,7 @@ from dfpo_bench.reports import (  # noqa: E402
     report_study_v2,
     report_study_v3,
     report_study_v4,
+    report_study_v4_long,
     report_trained,
     report_users_size,
 )
@@ -182,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     study_v4_lines = report_study_v4.study_v4_section(
         results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines)
         + bool(study_v2_lines) + bool(users_size_lines) + bool(study_v3_lines) + bool(trained_lines))
+    study_v4_long_lines = report_study_v4_long.study_v4_long_section(
+        results, fig_dir, out, vllm_number + bool(e2e_lines) + bool(long_run_lines) + bool(shape_lines)
+        + bool(study_v2_lines) + bool(users_size_lines) + bool(study_v3_lines) + bool(trained_lines)
+        + bool(study_v4_lines))
     lines = [
         "# Benchmark results",
         "",
@@ -215,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         *study_v3_lines,
         *trained_lines,
         *study_v4_lines,
+        *study_v4_long_lines,
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines).rstrip() + "\n")

@@ -291,7 +291,7 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
     lines.append("* Not analysed: " + "; ".join(f"`results/{k}/`, {v}" for k, v in EXCLUDED.items()) + ".")
     long_run = load_json(results / "study_v4_long.json")
     lines.append("* Part 3 (the long run from a balanced warm start, `studies/study_v4_long.py`): "
-                 + ("see its own records." if long_run else "registered, no run yet, so no long-run curves."))
+                 + (f"section {number + 1}." if long_run else "registered, no run yet, so no long-run curves."))
     lines += ["", f"Figures: `{figure}`, each analysed point's relative effect against I, with the pooled fit"
               + (f"; `{residuals}`, each point's residual after Min-Replace's step against GSPO's." if residuals
                  else ".") if figure else "No figure (no analysed points).", ""]

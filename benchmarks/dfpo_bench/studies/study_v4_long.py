@@ -45,8 +45,9 @@ from dfpo_bench.lib.stats import mde_t, t_ppf
 
 ROOT = common.ROOT
 RESULTS = ROOT / "benchmarks" / "results" / "study_v4"
-REGISTRATION_FILE = RESULTS / "preregistered_long.json"
-REGISTRATION_SHA256 = "9dc767b12042f7cc1eac4a23ae2b3ce62bec67db9a14532ba7996ab192623110"  # the file's whole content
+REGISTRATION_FILE = RESULTS / "preregistered_long_r2.json"  # revision 2; revision 1 (preregistered_long.json)
+# stays committed: the 2026-11-29 records admitted it, and the analysis reads the design their hash names
+REGISTRATION_SHA256 = "fc415a31ea3bd5f77fc2b0f61699d2df232fde746abd4030ec10dc5830afaf0a"  # the file's whole content
 TASK = "dfpo_bench.study_v4_tasks:two_digit"
 ARMS = {"anchor": ("none", True), "gspo": ("none", False), "mr_w": ("min_replace", False)}  # transform, on-policy
 PREREGISTRATION: dict[str, Any] = {
@@ -67,13 +68,23 @@ PREREGISTRATION: dict[str, Any] = {
                  "entropy": "drift meter (dfpo_trl.testing.measures: completion_log_probs, equivalent_set_stats) on "
                             "the first 64 held-out prompts (the runs' drift meter prompts): mean over prompts of the "
                             "two forms' entropy (correct sum), / ln 2",
-                 "format_mass": "share of the sampled completions written in either form, whatever the number"},
+                 "format_mass": "share of the sampled completions written in either form, whatever the number",
+                 "read_on": "the checkpoint as the arms load it: reloaded from disk into a fresh model, in float32, "
+                            "the arms' precision (revision 2; revision 1 read the in-memory model after the SFT, "
+                            "also float32, while the arms ran under bf16 autocast)"},
     },
     "trajectory": "sequence-level ratio (GSPO), loss_type dr_grpo, scale_rewards none, whole groups per micro-batch, "
                   "G = 8, 4 groups (32 completions) per micro-batch and per optimizer step, epsilon 0.1 / 0.12, "
                   "learning rate 2e-5 constant, max_completion_length 16, temperature 1, transformers generation "
                   "(no vLLM), 300 optimizer steps, drift meter every 10 steps on 64 held-out prompts, held-out greedy "
-                  "accuracy every 50 on 100",
+                  "accuracy every 50 on 100, float32 forwards and weights (bf16 false; revision 2)",
+    "revision": 2,
+    "revision_reason": "revision 1's runs (2026-11-29, one H200) read normalised set entropy 0.876 at their own step 0 "
+                       "where the gate had read 0.973: the kit's base weights lie on the bf16 grid, the SFT moves "
+                       "them by less than half a bf16 step, and the arms' bf16 autocast rounded most of the change "
+                       "away (reproduced on the CPU: 0.880 under bf16 autocast, 0.973 in float32, same weights). "
+                       "Revision 2 runs the arms in float32, reads the gate on the checkpoint as the arms load it, "
+                       "and adds the runs' own step-0 reading to the pilot gate",
     "loss_type_reason": "under loss_type grpo each row's loss is divided by its own length, so a token shared by a "
                         "group's rows gets coefficients A_i s_i / L_i that Min-Replace's sum A_i s~_i = 0 does not "
                         "cancel when lengths differ (here sums of 2 and 3 digits; under grpo the on-policy anchor kept"
@@ -101,9 +112,12 @@ PREREGISTRATION: dict[str, Any] = {
                   "steps)"],
     "pilot_seeds": [0, 1, 2, 3, 4, 5], "main_seed_start": 100,
     "pilot_gate": {"reward_first_window": 20, "reward_min": 0.2, "reward_max": 0.8, "min_complete_per_arm": 4,
+                   "start_entropy_min": 0.95,
                    "what": "mean step_reward over the first 20 steps of the pilot's anchor and gspo runs in "
-                           "[0.2, 0.8] (about half of a group succeeds), and at least 4 complete runs per arm; "
-                           "otherwise plan.json says stop and the main stage refuses"},
+                           "[0.2, 0.8] (about half of a group succeeds), at least 4 complete runs per arm, and every "
+                           "complete pilot run's own step-0 drift reading of the normalised set entropy >= 0.95 (the "
+                           "start the gate certified is the one the runs train from); otherwise plan.json says stop "
+                           "and the main stage refuses"},
     "mde": 0.05, "power": 0.8, "alpha": 0.05, "sd_inflation": 3.3,
     "seeds_rule": "sd = 3.3 x the pilot's paired SD of the primary (mr_w - gspo over complete pilot pairs); main seeds "
                   "n = the smallest n >= 10 with (t_.975,n-1 + t_.8,n-1) sd / sqrt n <= 0.05, at most 48; at the cap "
@@ -136,7 +150,7 @@ def arm_flags(arm: str) -> list[str]:
             "--gradient_accumulation_steps", "1", "--learning_rate", "2e-5", "--lr_scheduler_type", "constant",
             "--max_completion_length", "16", "--temperature", "1.0", "--drift_every", "10", "--drift_size", "64",
             "--eval_every", "50", "--eval_size", "100", "--train_size", "2048", "--logging_steps", "1",
-            "--use_vllm", "false", "--group_transform", transform]
+            "--use_vllm", "false", "--bf16", "false", "--group_transform", transform]
 
 
 STEPS = 300
@@ -280,6 +294,9 @@ def warmstart_one(args: argparse.Namespace, epochs: int, state: dict[str, Any]) 
             f.write(json.dumps({"sft": {"losses": losses, "examples": w["examples"]}}) + "\n")
             model.save_pretrained(folder / "model")
             tokenizer.save_pretrained(folder / "model")
+            del model  # the gate reads the checkpoint as the arms load it: from disk, in float32
+            model, tokenizer = load_model(str(folder / "model"))
+            model.to(device)
             f.write(json.dumps({"weights_sha256": weights_sha256(model)}) + "\n")
             gate = measure_gate(model, tokenizer, device)
             f.write(json.dumps({"gate": gate}) + "\n")
@@ -404,6 +421,15 @@ def main_stage(args: argparse.Namespace) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ analysis
+def registration_by_sha256(sha256: str | None) -> dict[str, Any] | None:
+    """The committed registration (``results/study_v4/preregistered_long*.json``) whose whole-content hash is
+    ``sha256``, parsed: the design the records admitted, whichever revision is current now."""
+    for path in sorted(RESULTS.glob("preregistered_long*.json")):
+        if sha256 is not None and file_sha256(path) == sha256:
+            return json.loads(path.read_text(encoding="utf-8"))
+    return None
+
+
 def area(points: list[tuple[int, float]]) -> float | None:
     """Trapezoid area over the steps divided by their span (the run's mean); None below two steps."""
     points = sorted(dict(points).items())
@@ -426,14 +452,23 @@ def run_row(record: dict[str, Any], arm: str) -> dict[str, Any]:
             for d in drift]
     reward = [v for s, v in (record.get("series") or {}).get("step_reward", [])
               if s <= PREREGISTRATION["pilot_gate"]["reward_first_window"]]
-    residual = [v for _, v in (record.get("series") or {}).get("cancellation/shared_prefix_residual", [])]
+    series = record.get("series") or {}
+    residual = [v for _, v in series.get("cancellation/shared_prefix_residual", [])]
+    clipped = {int(step) for step, v in series.get("clip_ratio/region_mean", []) if v > 0}
+    split = {"clipped": [v for step, v in series.get("cancellation/shared_prefix_residual", []) if step in clipped],
+             "unclipped": [v for step, v in series.get("cancellation/shared_prefix_residual", [])
+                           if step not in clipped]}
     last = max(drift, key=lambda d: d["step"]) if drift else {}
+    first = min(drift, key=lambda d: d["step"]) if drift else {}
     return {**row, "primary": area(ent), "final_entropy": ent[-1][1] if ent else None,
-            "step0_entropy": dict(ent).get(0), "mass_weighted_area": area(mass),
+            "step0_entropy": dict(ent).get(0), "step0_set_logp": first.get("set_logp_mean") if first.get("step") == 0
+            else None, "curve": [{"step": int(d["step"]), "set_entropy_normalised": float(d["set_entropy_normalised"]),
+                                  "set_logp_mean": float(d["set_logp_mean"])} for d in drift],
+            "mass_weighted_area": area(mass),
             "set_mass_final": math.exp(last["set_logp_mean"]) if last else None,
             "heldout_after": (record.get("heldout") or {}).get("after"),
             "reward_first": statistics.fmean(reward) if reward else None,
-            "residual_mean": statistics.fmean(residual) if residual else None}
+            "residual_mean": statistics.fmean(residual) if residual else None, "residual_by_clipping": split}
 
 
 def rows_of(folder: pathlib.Path) -> list[dict[str, Any]]:
@@ -487,6 +522,11 @@ def plan(out_dir: pathlib.Path) -> dict[str, Any]:
                        f"[{g['reward_min']}, {g['reward_max']}]")
     if pilot_pair is None:
         reasons.append("fewer than 2 complete pilot pairs")
+    starts = [r["step0_entropy"] for r in rows if r["complete"]]
+    if any(v is None or v < g["start_entropy_min"] for v in starts):
+        low = min((v for v in starts if v is not None), default=None)
+        reasons.append(f"a pilot run's own step-0 normalised set entropy ({low}, or none logged) is below the start "
+                       f"gate's {g['start_entropy_min']}: the runs did not start from the certified warm start")
     result: dict[str, Any] = {"registration_sha256": REGISTRATION_SHA256, "written_at": common.utc_now(),
                               "complete": complete,
                               "reward_first_mean": reward, "pilot_primary_pair": pilot_pair, "go": not reasons,
@@ -503,7 +543,12 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     """The registered analysis of the main stage: per-arm counts (crashes as crashes), the primary and secondary
     paired comparisons."""
     rows = rows_of(out_dir / "main")
-    out: dict[str, Any] = {"registration_sha256": REGISTRATION_SHA256, "preregistered": PREREGISTRATION,
+    stage = out_dir / "main" / "stage.json"
+    stage_record = json.loads(stage.read_text()) if stage.exists() else None
+    admitted_sha = (stage_record or {}).get("registration_sha256")
+    out: dict[str, Any] = {"registration_sha256": admitted_sha,
+                           "registration_is_current": admitted_sha == REGISTRATION_SHA256,
+                           "preregistered": registration_by_sha256(admitted_sha),
                            "arms": {a: {"runs": sum(r["arm"] == a for r in rows),
                                         "complete": sum(r["arm"] == a and r["complete"] for r in rows),
                                         "crashed": sorted(r["seed"] for r in rows if r["arm"] == a
@@ -513,8 +558,7 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
         values = by_arm(rows, key)
         out["comparisons"][key] = {f"{a} - {b}": paired(values[a], values[b])
                                    for a, b in (("mr_w", "gspo"), ("anchor", "gspo"), ("mr_w", "anchor"))}
-    stage = out_dir / "main" / "stage.json"
-    out["stage"] = json.loads(stage.read_text()) if stage.exists() else None  # the warm start (forced or not), plan
+    out["stage"] = stage_record  # the warm start (forced or not), the plan's hash, the launches
     prim = out["comparisons"]["primary"]["mr_w - gspo"]
     out["primary"] = prim
     out["primary_wording"] = None if prim is None else (
@@ -522,6 +566,85 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     out["residual_mean"] = {a: statistics.fmean(v) if (v := [r["residual_mean"] for r in rows if r["arm"] == a
                                                              and r.get("residual_mean") is not None]) else None
                             for a in ARMS}
+    out["residual_by_clipping"] = {  # a meter check: Min-Replace cancels exactly where no row was clipped
+        a: {kind: {"steps": len(v), "mean": statistics.fmean(v) if v else None, "max": max(v) if v else None}
+            for kind in ("unclipped", "clipped")
+            for v in [[x for r in rows if r["arm"] == a and r["complete"]
+                       for x in (r.get("residual_by_clipping") or {}).get(kind, [])]]}
+        for a in ARMS}
+    plan_file = out_dir / "plan.json"
+    out["plan"] = json.loads(plan_file.read_text()) if plan_file.exists() else None
+    pilot_rows = rows_of(out_dir / "pilot")
+    out["pilot_arms"] = {a: {"complete": sum(r["arm"] == a and r["complete"] for r in pilot_rows),
+                             "crashed": sorted(r["seed"] for r in pilot_rows if r["arm"] == a and not r["complete"])}
+                         for a in ARMS}
+    out["coverage"] = coverage(out["plan"], rows)
+    design = out["preregistered"] or PREREGISTRATION
+    out["start_check"] = start_check(out["stage"], {"pilot": pilot_rows, "main": rows},
+                                     design["warmstart"]["gate"]["set_entropy_normalised_min"])
+    out["curves"] = curves(rows)
+    out["wall_s"] = {stage: {a: sorted(float(r["wall_s"]) for r in stage_rows if r["arm"] == a and r["complete"]
+                                       and r.get("wall_s") is not None) for a in ARMS}
+                     for stage, stage_rows in (("pilot", pilot_rows), ("main", rows))}
+    out["provenance"] = sorted({json.dumps({"checkout": r.get("checkout"), "card": r.get("card")}, sort_keys=True)
+                                for r in [*pilot_rows, *rows]})
+    return out
+
+
+def coverage(planned: dict[str, Any] | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The main stage's planned runs (plan.json's seeds x the arms) against those recorded: complete, crashed, and
+    never started (a planned run with no record: not a crash, not a value)."""
+    seeds = (planned or {}).get("seeds") or []
+    recorded = {(r["arm"], r["seed"]): r["complete"] for r in rows}
+    return {"planned": len(seeds) * len(ARMS), "complete": sum(recorded.values()),
+            "crashed": sum(not c for c in recorded.values()),
+            "not_started": sum((a, s) not in recorded for s in seeds for a in ARMS),
+            "complete_pairs_primary": len({r["seed"] for r in rows if r["arm"] == "mr_w" and r["complete"]}
+                                          & {r["seed"] for r in rows if r["arm"] == "gspo" and r["complete"]})}
+
+
+def start_check(stage: dict[str, Any] | None, rows_by_stage: dict[str, list[dict[str, Any]]], threshold: float
+                ) -> dict[str, Any]:
+    """Did the arms start where the gate measured? The warm start's gate reads its checkpoint in the warm-start
+    process; every run reloads that checkpoint and its own drift meter reads the same prompts at step 0. This sets
+    the two side by side and re-reads the registered entropy threshold on the runs' step-0 numbers (format mass has
+    no step-0 counterpart in a run's record). Added after the 2026-11-29 run found them apart (benchmarks/README.md,
+    "Study v4, part 3"); it changes no registered quantity."""
+    chosen = next((t for t in ((stage or {}).get("warmstart") or {}).get("tried", [])
+                   if t.get("complete") and (t.get("gate") or {}).get("passed")), None)
+    gate = (chosen or {}).get("gate") or {}
+    out: dict[str, Any] = {"gate": {k: gate.get(k) for k in ("set_entropy_normalised", "set_logp_mean",
+                                                               "log_odds_mean", "sampled_reward_mean")},
+                           "threshold": threshold, "stages": {}}
+    for name, rows in rows_by_stage.items():
+        ent = [r["step0_entropy"] for r in rows if r["complete"] and r.get("step0_entropy") is not None]
+        logp = [r["step0_set_logp"] for r in rows if r["complete"] and r.get("step0_set_logp") is not None]
+        if not ent:
+            continue
+        out["stages"][name] = {
+            "runs": len(ent), "distinct_step0_entropy": len({round(v, 12) for v in ent}),
+            "step0_entropy_min": min(ent), "step0_entropy_max": max(ent),
+            "step0_set_logp_min": min(logp) if logp else None, "step0_set_logp_max": max(logp) if logp else None,
+            "entropy_gap_to_gate": (statistics.fmean(ent) - gate["set_entropy_normalised"])
+            if gate.get("set_entropy_normalised") is not None else None,
+            "threshold_reread_passed": min(ent) >= threshold}
+    return out
+
+
+def curves(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per arm and drift step, the mean over complete runs of the normalised set entropy and of the set mass
+    exp(set_logp), with the number of runs (the long-run curves)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for a in ARMS:
+        steps: dict[int, list[dict[str, float]]] = {}
+        for r in rows:
+            if r["arm"] == a and r["complete"]:
+                for point in r.get("curve") or []:
+                    steps.setdefault(point["step"], []).append(point)
+        out[a] = [{"step": s, "n": len(points),
+                   "set_entropy_normalised": statistics.fmean(p["set_entropy_normalised"] for p in points),
+                   "set_mass": statistics.fmean(math.exp(p["set_logp_mean"]) for p in points)}
+                  for s, points in sorted(steps.items())]
     return out
 
 

@@ -1,0 +1,188 @@
+"""RESULTS.md's section on study v4 part 3 (``dfpo_bench.studies.study_v4_long``): the long run with room to drift.
+Every number is read from ``results/study_v4_long.json``, which is ``study_v4_long.py --analyse`` of the run folder
+packed in ``results/study_v4_long/<run>/records.tgz`` (a slow test holds the two equal); the registered design is
+read from ``study_v4_long.PREREGISTRATION``. Called by ``benchmarks/dfpo_bench/reports/report.py``."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+from typing import Any
+
+from dfpo_bench.lib.common import load_json, save_figure
+from dfpo_bench.studies.study_v4_long import ARMS, PREREGISTRATION, STEPS
+
+RUN_FOLDER = "study_v4_long/gpu_2026-11-29"
+LABELS = {"anchor": "anchor (on-policy)", "gspo": "GSPO (stale)", "mr_w": "Min-Replace (stale)"}
+
+
+def fmt(value: float | None, digits: int = 3, sign: bool = False) -> str:
+    return "–" if value is None else f"{value:{'+' if sign else ''}.{digits}f}"
+
+
+def paired_cell(entry: dict[str, Any] | None) -> str:
+    if not entry:
+        return "–"
+    return (f"{entry['difference']:+.3f} [{entry['low']:+.3f}, {entry['high']:+.3f}], n {entry['n']}, "
+            f"MDE {entry['mde']:.3f}")
+
+
+def curves_figure(analysis: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path) -> str | None:
+    """figures/study_v4_long_curves.png: per arm, the mean over the main stage's complete runs of the normalised set
+    entropy (the primary's integrand) and of the set mass, at every drift measurement, with the registered gate's
+    threshold and the gate's own reading at step 0."""
+    curves = analysis.get("curves") or {}
+    if not any(curves.values()):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for arm in ARMS:
+        points = curves.get(arm) or []
+        if not points:
+            continue
+        steps = [p["step"] for p in points]
+        n = max(p["n"] for p in points)
+        left.plot(steps, [p["set_entropy_normalised"] for p in points], label=f"{LABELS[arm]}, {n} runs")
+        right.plot(steps, [p["set_mass"] for p in points], label=LABELS[arm])
+    gate = (analysis.get("start_check") or {}).get("gate") or {}
+    threshold = (analysis.get("start_check") or {}).get("threshold")
+    left.axhline(threshold, color="grey", lw=0.6, ls="--", label=f"registered start gate ≥ {threshold:g}")
+    if gate.get("set_entropy_normalised") is not None:
+        left.scatter([0], [gate["set_entropy_normalised"]], marker="*", color="k", zorder=3,
+                     label="the gate's own reading")
+    left.set(xlabel="optimizer step", ylabel="normalised set entropy", ylim=(-0.02, 1.02),
+             title="The two forms' entropy (mean over seeds)")
+    right.set(xlabel="optimizer step", ylabel="set mass exp(set log-prob)", ylim=(0, 1),
+              title="Mass on the two correct forms")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, fig_dir, "study_v4_long_curves.png", out, dpi=110)
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.0f}–{max(values):.0f} s (median {statistics.median(values):.0f})" if values else "–"
+
+
+def study_v4_long_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int
+                          ) -> list[str]:
+    analysis = load_json(results / "study_v4_long.json")
+    if not analysis:
+        return []
+    plan, coverage, start = analysis.get("plan") or {}, analysis["coverage"], analysis["start_check"]
+    rule, pilot_pair = plan.get("rule") or {}, plan.get("pilot_primary_pair") or {}
+    provenance = analysis["provenance"]
+    gate, reg = start["gate"], analysis.get("preregistered") or PREREGISTRATION
+    tried = ((analysis.get("stage") or {}).get("warmstart") or {}).get("tried") or []
+    figure = curves_figure(analysis, fig_dir, out)
+    checkouts = [json.loads(p) for p in provenance]
+    checkout = (checkouts[0].get("checkout") or {}) if checkouts else {}
+    lines = [f"## {number}. Study v4, part 3: a long run with room to drift (`studies/study_v4_long.py`)", "",
+             f"Card: {', '.join(sorted({str(c.get('card')) for c in checkouts}))}; every pilot and main-stage run "
+             f"under {'one checkout' if len(checkouts) == 1 else f'{len(checkouts)} checkouts'}: commit "
+             f"{str(checkout.get('commit', '?'))[:7]}{' (clean)' if checkout.get('dirty') is False else ' (dirty)'}, "
+             f"source hash {str(checkout.get('source_sha256', '?'))[:12]}…; registration "
+             f"`{analysis['registration_sha256'][:8]}…` (revision {reg.get('revision', 1)}"
+             + ("" if analysis.get("registration_is_current") else ", since revised: benchmarks/README.md, "
+                "\"Study v4, part 3\", \"Revision 2\"")
+             + f"). Records: `results/{RUN_FOLDER}/records.tgz` (the run folder "
+             "without model weights: the warm start's records, the pilot's and the main stage's run records and logs, "
+             "the plan), analysis: `results/study_v4_long.json`. Design: benchmarks/README.md, \"Study v4, part 3\" "
+             f"(two-digit addition in two equal-length forms, `dr_grpo`, G = 8, 32 completions per step, "
+             f"{STEPS} optimizer steps; arms: anchor "
+             "on-policy, GSPO and Min-Replace 4 steps per rollout).", ""]
+    lines += ["**What ran.**", ""]
+    attempts = [(t["epochs"], t.get("gate") or {}) for t in tried]
+    lines.append("* Warm start: " + "; ".join(
+        f"{epochs} epoch{'s' if epochs != 1 else ''}: normalised set entropy "
+        f"{fmt(g.get('set_entropy_normalised'))}, format mass {fmt(g.get('format_mass'))}, "
+        f"{'passed' if g.get('passed') else 'failed'}" for epochs, g in attempts)
+        + f" (gate: entropy ≥ {reg['warmstart']['gate']['set_entropy_normalised_min']:g}, format mass "
+        f"≥ {reg['warmstart']['gate']['format_mass_min']:g}).")
+    pilot = analysis["pilot_arms"]
+    lines.append(
+        "* Pilot: " + ", ".join(f"{a} {pilot[a]['complete']}" for a in ARMS) + " complete runs, crashes: "
+        f"{sum(len(pilot[a]['crashed']) for a in ARMS)}. Its gate: mean training reward over the first "
+        f"{reg['pilot_gate']['reward_first_window']} steps {fmt(plan.get('reward_first_mean'))} (registered range "
+        f"[{reg['pilot_gate']['reward_min']:g}, {reg['pilot_gate']['reward_max']:g}]), "
+        f"{'go' if plan.get('go') else 'stop: ' + str(plan.get('reason'))}. The pilot's paired primary "
+        f"(Min-Replace − GSPO) {paired_cell(pilot_pair)}; the rule's planning SD {fmt(rule.get('planning_sd'))} "
+        f"(3.3 × {fmt(rule.get('pilot_sd'))}) asked for {rule.get('n', '–')} main seeds per arm"
+        + (f", the cap, where the MDE would be {fmt(rule.get('mde_at_n'))} against the registered "
+           f"{reg['mde']:g}" if rule.get("capped") else "") + ".")
+    lines.append(
+        f"* Main stage: {coverage['complete']} of {coverage['planned']} planned runs complete, "
+        f"{coverage['crashed']} crashed, {coverage['not_started']} never started (the device time of one session "
+        f"ended; a run not started is not a crash and carries no value); {coverage['complete_pairs_primary']} "
+        "complete Min-Replace/GSPO pairs.")
+    wall = analysis["wall_s"]
+    lines.append("* Wall time per run, 9 at a time on the card: " + "; ".join(
+        f"{LABELS[a]} {spread(wall['pilot'][a] + wall['main'][a])}" for a in ARMS) + ".")
+    held = all(st["threshold_reread_passed"] for st in start["stages"].values())
+    lines += ["", f"**Did the arms start where the gate measured?** {'Yes' if held else 'No'}.", ""]
+    for stage, s in start["stages"].items():
+        lines.append(
+            f"* {stage}: all {s['runs']} runs read the same step-0 numbers ({s['distinct_step0_entropy']} distinct "
+            f"value): normalised set entropy {fmt(s['step0_entropy_min'])}, set log-mass "
+            f"{fmt(s['step0_set_logp_min'])} nats; the gate, on the same prompts in the warm-start process, read "
+            f"{fmt(gate['set_entropy_normalised'])} and {fmt(gate['set_logp_mean'])} nats. The registered threshold "
+            f"re-read on the runs' own step 0: {'passed' if s['threshold_reread_passed'] else 'FAILED'}.")
+    if not held:
+        lines += ["", "So the runs did not start from the balanced state the gate certified. Why is in "
+                  "benchmarks/README.md, \"Study v4, part 3\", \"The hand-off\". The comparisons below are what "
+                  "the records hold; they are not the registered test of a balanced start.", ""]
+    else:
+        lines.append("")
+    lines += ["**Comparisons** (main stage, paired by seed; 95% paired t interval, MDE at 80% power, two-sided "
+              "α 0.05; not adjusted for multiplicity):", "",
+              "| measure | Min-Replace − GSPO (primary on the first row) | anchor − GSPO | Min-Replace − anchor |",
+              "| --- | --- | --- | --- |"]
+    names = {"primary": "area under the normalised set entropy (primary)", "final_entropy": "final normalised "
+             "entropy", "mass_weighted_area": "mass-weighted entropy area", "set_mass_final": "final set mass",
+             "heldout_after": "held-out greedy accuracy after"}
+    for key, label in names.items():
+        row = analysis["comparisons"][key]
+        lines.append(f"| {label} | {paired_cell(row['mr_w - gspo'])} | {paired_cell(row['anchor - gspo'])} | "
+                     f"{paired_cell(row['mr_w - anchor'])} |")
+    res = analysis["residual_mean"]
+    prim = analysis["primary"]
+    split = analysis.get("residual_by_clipping") or {}
+
+    def part(arm: str, kind: str) -> str:
+        e = (split.get(arm) or {}).get(kind) or {}
+        largest = "–" if e.get("max") is None else f"{e['max']:.2g}"
+        return f"{fmt(e.get('mean'), 3)} over {e.get('steps', 0)} steps (largest {largest})"
+
+    lines += ["", "Shared-prefix residual, mean over logged steps: "
+              + ", ".join(f"{LABELS[a]} {fmt(res.get(a))}" for a in ARMS)
+              + ". Split by whether any row of the step was clipped (a clipped row carries no gradient, so no "
+              "transform of the weights can restore the group's cancellation there): where none was, GSPO "
+              f"{part('gspo', 'unclipped')} and Min-Replace {part('mr_w', 'unclipped')}, its exact cancellation up "
+              f"to float error; where some row was, GSPO {part('gspo', 'clipped')} and Min-Replace "
+              f"{part('mr_w', 'clipped')}. Under `dr_grpo` the on-policy anchor reads "
+              f"{fmt(((split.get('anchor') or {}).get('unclipped') or {}).get('max'), 3)} at every step.", ""]
+    if figure:
+        lines += [f"![long-run curves]({figure})", ""]
+    lines += ["**What the data support.**", ""]
+    if prim:
+        lines.append(
+            f"* Primary: Min-Replace − GSPO {prim['difference']:+.3f} [{prim['low']:+.3f}, {prim['high']:+.3f}] over "
+            f"{prim['n']} seeds: " + (f"not detected above {prim['mde']:.3f}, the MDE these {prim['n']} pairs reach"
+                                      if prim["low"] <= 0 <= prim["high"] else "detected")
+            + f" (registered target {reg['mde']:g}; {coverage['not_started']} planned runs were never started)."
+            + ("" if held else " And the start it was measured from is not the registered one (above)."))
+    curves = analysis["curves"]
+    collapse = {a: next((p["step"] for p in curves[a] if p["set_entropy_normalised"] < 0.1), None) for a in ARMS}
+    lines.append("* The forms collapsed in every arm: the mean normalised entropy fell below 0.1 by step "
+                 + ", ".join(f"{collapse[a]} ({LABELS[a]})" for a in ARMS)
+                 + ", from the runs' step-0 reading, so the area is decided in the first few tens of steps.")
+    crashed = coverage["crashed"] + sum(len(pilot[a]["crashed"]) for a in ARMS)
+    lines.append("* Nothing crashed." if not crashed else f"* Crashes: {crashed} runs (pilot "
+                 + ", ".join(f"{a} {pilot[a]['crashed']}" for a in ARMS) + "; main "
+                 + ", ".join(f"{a} {analysis['arms'][a]['crashed']}" for a in ARMS) + "), counted, never values.")
+    return lines
