@@ -541,7 +541,9 @@ def plan(out_dir: pathlib.Path) -> dict[str, Any]:
 
 def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     """The registered analysis of the main stage: per-arm counts (crashes as crashes), the primary and secondary
-    paired comparisons."""
+    paired comparisons, under the registration the records admitted. Beside it, added after the 2026-11-29 run:
+    the plan's coverage, the start check, the residual split by clipping, the per-arm curves, the wall times and the
+    checkouts that ran."""
     rows = rows_of(out_dir / "main")
     stage = out_dir / "main" / "stage.json"
     stage_record = json.loads(stage.read_text()) if stage.exists() else None
