@@ -14,7 +14,12 @@ from ..app.evaluation import greedy_accuracy
 from ..groups.ids import WHOLE_GROUPS_KEY, consecutive_group_ids, group_index
 from ..groups.prepass_schedule import pre_pass_rows
 from ..metrics.curves import jitter2, steps_to_threshold
-from ..metrics.drift import completion_log_probs, end_token_ids, equivalent_set_stats
+from ..metrics.drift import (
+    completion_log_probs,
+    end_token_ids,
+    equivalent_set_stats,
+    summarise_equivalent_sets,
+)
 from ..objectives.weights import loss_mask, post_clip_weights, sequence_log_ratio, sign_aware_post_clip
 from ..profiling import PROFILE_LABELS
 from ..trl_hooks.sync_watchdog import STALL_EXIT_CODE, SyncWatchdog, streamed_size
@@ -40,6 +45,7 @@ __all__ = [
     "completion_log_probs",
     "end_token_ids",
     "equivalent_set_stats",
+    "summarise_equivalent_sets",
     "greedy_accuracy",
     # the deadline on the server-mode weight sync (docs/cli.md): its exit code, the guard that logs each phase and
     # the line that says what a sync streamed

@@ -54,8 +54,12 @@ def rounding(base: dict[str, Any], tuned: dict[str, Any]) -> dict[str, float]:
 def reading(model: Any, tokenizer: Any, mode: str, accuracy: bool) -> dict[str, Any]:
     """The drift set's summary (and greedy accuracy) with ``model`` as loaded for ``mode``."""
     import torch
-    from dfpo_trl.app.evaluation import greedy_accuracy
-    from dfpo_trl.metrics.drift import completion_log_probs, end_token_ids, summarise_equivalent_sets
+    from dfpo_trl.testing.measures import (
+        completion_log_probs,
+        end_token_ids,
+        greedy_accuracy,
+        summarise_equivalent_sets,
+    )
 
     task = study_v4_tasks.two_digit()
     rows = list(task.build_dataset("test", 64))
