@@ -11,14 +11,11 @@ import statistics
 from typing import Any
 
 from dfpo_bench.lib.common import load_json, save_figure
+from dfpo_bench.lib.stats import fmt
 from dfpo_bench.studies.study_v4_long import ARMS, PREREGISTRATION, STEPS
 
 RUN_FOLDER = "study_v4_long/gpu_2026-11-29"
 LABELS = {"anchor": "anchor (on-policy)", "gspo": "GSPO (stale)", "mr_w": "Min-Replace (stale)"}
-
-
-def fmt(value: float | None, digits: int = 3, sign: bool = False) -> str:
-    return "–" if value is None else f"{value:{'+' if sign else ''}.{digits}f}"
 
 
 def paired_cell(entry: dict[str, Any] | None) -> str:
