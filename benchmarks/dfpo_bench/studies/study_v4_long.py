@@ -551,10 +551,7 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     out: dict[str, Any] = {"registration_sha256": admitted_sha,
                            "registration_is_current": admitted_sha == REGISTRATION_SHA256,
                            "preregistered": registration_by_sha256(admitted_sha),
-                           "arms": {a: {"runs": sum(r["arm"] == a for r in rows),
-                                        "complete": sum(r["arm"] == a and r["complete"] for r in rows),
-                                        "crashed": sorted(r["seed"] for r in rows if r["arm"] == a
-                                                          and not r["complete"])} for a in ARMS},
+                           "arms": arm_counts(rows),
                            "comparisons": {}, "runs": rows}
     for key in ("primary", "final_entropy", "mass_weighted_area", "set_mass_final", "heldout_after"):
         values = by_arm(rows, key)
@@ -577,9 +574,7 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     plan_file = out_dir / "plan.json"
     out["plan"] = json.loads(plan_file.read_text()) if plan_file.exists() else None
     pilot_rows = rows_of(out_dir / "pilot")
-    out["pilot_arms"] = {a: {"complete": sum(r["arm"] == a and r["complete"] for r in pilot_rows),
-                             "crashed": sorted(r["seed"] for r in pilot_rows if r["arm"] == a and not r["complete"])}
-                         for a in ARMS}
+    out["pilot_arms"] = arm_counts(pilot_rows)
     out["coverage"] = coverage(out["plan"], rows)
     design = out["preregistered"] or PREREGISTRATION
     out["start_check"] = start_check(out["stage"], {"pilot": pilot_rows, "main": rows},
@@ -591,6 +586,13 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     out["provenance"] = sorted({json.dumps({"checkout": r.get("checkout"), "card": r.get("card")}, sort_keys=True)
                                 for r in [*pilot_rows, *rows]})
     return out
+
+
+def arm_counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per arm: runs recorded, complete, and the seeds that crashed."""
+    return {a: {"runs": sum(r["arm"] == a for r in rows),
+                "complete": sum(r["arm"] == a and r["complete"] for r in rows),
+                "crashed": sorted(r["seed"] for r in rows if r["arm"] == a and not r["complete"])} for a in ARMS}
 
 
 def coverage(planned: dict[str, Any] | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
