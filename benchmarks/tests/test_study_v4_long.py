@@ -160,6 +160,10 @@ def test_the_sft_loop_and_the_gate_run_on_a_tiny_model(tmp_path: pathlib.Path) -
     assert all(ids[-1] == tokenizer.eos_token_id and 0 < cut < len(ids) for ids, cut in batches)
     losses = v4l.sft(model, tokenizer, examples, epochs=3, batch_size=4, lr=1e-2, seed=0, device="cpu")
     assert len(losses) == 6 and losses[-1] < losses[0]
+    assert not torch.are_deterministic_algorithms_enabled()  # the SFT's deterministic kernels end with it
+    replay = AutoModelForCausalLM.from_pretrained(path)
+    assert v4l.sft(replay, tokenizer, examples, epochs=3, batch_size=4, lr=1e-2, seed=0, device="cpu") == losses
+    assert v4l.weights_sha256(replay) == v4l.weights_sha256(model)  # laid again, the same start
     gate = v4l.measure_gate(model, tokenizer, "cpu", prompts=6, samples=3)  # the registered 64 x 8 on the GPU
     model.save_pretrained(tmp_path / "saved")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
@@ -426,3 +430,17 @@ def test_every_arm_trains_through_dfpo_train_on_a_tiny_model(tmp_path: pathlib.P
         assert summary["steps"] == 2 and [d["step"] for d in summary["drift"]["curve"]] == [0, 1, 2]
         row = v4l.run_row({**common.compact_record(summary, {"seed": 0}), "complete": True}, arm)
         assert row["primary"] is not None and row["step0_entropy"] is not None
+
+
+def test_the_replayed_warm_start_is_compared_entry_by_entry(tmp_path: pathlib.Path) -> None:
+    assert v4l.warmstart_replay(tmp_path) is None  # no replay ran
+    for folder, entry, sha in (("warmstart", "e1", "aa"), ("warmstart", "e2", "bb"),
+                               ("replay/warmstart", "e1", "aa"), ("replay/warmstart", "e2", "bc")):
+        path = tmp_path / folder / entry / "warmstart.jsonl"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"header": {}}) + "\n" + json.dumps({"weights_sha256": sha}) + "\n")
+    replay = v4l.warmstart_replay(tmp_path)
+    assert replay["entries"]["e1"]["identical"] and not replay["entries"]["e2"]["identical"]
+    assert replay["all_identical"] is False
+    (tmp_path / "replay/warmstart/e2/warmstart.jsonl").write_text(json.dumps({"weights_sha256": "bb"}) + "\n")
+    assert v4l.warmstart_replay(tmp_path)["all_identical"] is True

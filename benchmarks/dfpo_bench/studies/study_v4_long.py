@@ -23,6 +23,7 @@ benchmarks/README.md, "Study v4, part 3".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -30,6 +31,7 @@ import pathlib
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from dfpo_bench import study_v4_tasks
@@ -184,6 +186,35 @@ def sft(model: Any, tokenizer: Any, examples: list[dict[str, Any]], epochs: int,
     import torch
 
     torch.manual_seed(seed)
+    with deterministic_kernels():
+        return _sft_loop(model, tokenizer, examples, epochs, batch_size, lr, seed, device)
+
+
+@contextlib.contextmanager
+def deterministic_kernels() -> Iterator[None]:
+    """Deterministic kernels for the SFT, restored after: the GPU machine keeps nothing between sessions, so a later
+    session lays the warm start again and may continue the main stage only if the weights hash the same
+    (:func:`weights_sha256`). Float32 attention on CUDA would otherwise take the memory-efficient kernel, whose
+    backward accumulates with atomics; the math kernel and cuBLAS's fixed workspace do not."""
+    import os
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _sft_loop(model: Any, tokenizer: Any, examples: list[dict[str, Any]], epochs: int, batch_size: int, lr: float,
+              seed: int, device: str) -> list[float]:
+    import torch
+
     data = sft_batches(tokenizer, examples)
     rng = random.Random(seed)
     model.to(device).train()
@@ -585,7 +616,23 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
                      for stage, stage_rows in (("pilot", pilot_rows), ("main", rows))}
     out["provenance"] = sorted({json.dumps({"checkout": r.get("checkout"), "card": r.get("card")}, sort_keys=True)
                                 for r in [*pilot_rows, *rows]})
+    out["warmstart_replay"] = warmstart_replay(out_dir)
     return out
+
+
+def warmstart_replay(out_dir: pathlib.Path) -> dict[str, Any] | None:
+    """The warm start laid a second time beside the first (OUT/replay/warmstart, the GPU job's REPLAY=1): per epoch
+    count, whether the two checkpoints' weights hash the same. A later session can continue the main stage only if
+    they do; None when no replay ran."""
+    replay = out_dir / "replay" / "warmstart"
+    if not replay.is_dir():
+        return None
+    entries = {}
+    for path in sorted(replay.glob("e*/warmstart.jsonl")):
+        again, first = read_jsonl(path), read_jsonl(out_dir / "warmstart" / path.parent.name / "warmstart.jsonl")
+        a, b = (again or {}).get("weights_sha256"), (first or {}).get("weights_sha256")
+        entries[path.parent.name] = {"first": b, "replay": a, "identical": a is not None and a == b}
+    return {"entries": entries, "all_identical": bool(entries) and all(e["identical"] for e in entries.values())}
 
 
 def arm_counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

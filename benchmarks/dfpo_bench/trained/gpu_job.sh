@@ -77,9 +77,13 @@ case "$1" in
     # started from
     [ -n "${DEADLINE_S:-}" ] || { echo "v4long needs DEADLINE_S (seconds of device time the runs may use)"; exit 2; }
     mkdir -p /tmp/v4long
+    # REPLAY=1 lays the warm start a second time into /tmp/v4long/replay beside the stage (its hashes against the
+    # first: the analysis's warmstart_replay)
     OMP_NUM_THREADS=2 setsid nohup bash -c "
       [ -f /tmp/v4long/warmstart/chosen.json ] || python -m dfpo_bench.studies.study_v4_long --stage warmstart \
         --model $smol --out-dir /tmp/v4long > /tmp/v4long/warmstart.log 2>&1
+      [ -z '${REPLAY:-}' ] || python -m dfpo_bench.studies.study_v4_long --stage warmstart --model $smol \
+        --out-dir /tmp/v4long/replay > /tmp/v4long/replay.log 2>&1 &
       python -m dfpo_bench.studies.study_v4_long --stage ${STAGE:-pilot} --out-dir /tmp/v4long --gpus $2 \
         --parallel ${PARALLEL:-8} --deadline-s $DEADLINE_S --expected-run-s ${EXPECTED_RUN_S:-900} \
         > /tmp/v4long/${STAGE:-pilot}.log 2>&1
