@@ -14,37 +14,50 @@ from dfpo_bench.reports import report_study_v4_long  # noqa: E402
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 
 
-def committed() -> dict[str, Any]:
-    return json.loads((RESULTS / "study_v4_long.json").read_text())
+def committed(name: str = "study_v4_long.json") -> dict[str, Any]:
+    return json.loads((RESULTS / name).read_text())
 
 
-def section(tmp_path: pathlib.Path, analysis: dict[str, Any]) -> str:
+def section(tmp_path: pathlib.Path, analysis: dict[str, Any], superseded: dict[str, Any] | None = None) -> str:
     results = tmp_path / "results"
     results.mkdir(parents=True)
     (results / "study_v4_long.json").write_text(json.dumps(analysis))
+    if superseded is not None:
+        (results / "study_v4_long_r1.json").write_text(json.dumps(superseded))
     return "\n".join(report_study_v4_long.study_v4_long_section(results, tmp_path / "figures",
                                                                 tmp_path / "RESULTS.md", 16))
 
 
-def test_the_committed_analysis_gives_the_section_with_its_numbers_and_figure(tmp_path: pathlib.Path) -> None:
-    analysis = committed()
-    text = section(tmp_path, analysis)
-    cov, prim = analysis["coverage"], analysis["primary"]
+def test_the_committed_analyses_give_the_section_with_their_numbers_and_figures(tmp_path: pathlib.Path) -> None:
+    current, first = committed(), committed("study_v4_long_r1.json")
+    text = section(tmp_path, current, first)
     assert text.startswith("## 16. Study v4, part 3")
-    assert f"{cov['complete']} of {cov['planned']} planned runs complete" in text
-    assert f"{prim['difference']:+.3f} [{prim['low']:+.3f}, {prim['high']:+.3f}]" in text
-    assert "**Did the arms start where the gate measured?** No." in text and "FAILED" in text
-    assert "not the registered one" in text and "Nothing crashed." in text
-    assert (tmp_path / "figures" / "study_v4_long_curves.png").exists()
+    head, sub = text.split("### 16.1. Revision 1 (superseded)")
+    for part, analysis in ((head, current), (sub, first)):
+        cov, prim = analysis["coverage"], analysis["primary"]
+        assert f"{cov['complete']} of {cov['planned']} planned runs complete" in part
+        assert f"{prim['difference']:+.3f} [{prim['low']:+.3f}, {prim['high']:+.3f}]" in part
+        assert "Nothing crashed." in part
+    assert "(revision 2)" in head and "**Did the arms start where the gate measured?** Yes." in head
+    assert "FAILED" not in head and "not the registered one" not in head
+    assert "e2 the same weights" in head  # the warm start laid twice: the same hash
+    assert "(revision 1, since revised" in sub and "**Did the arms start where the gate measured?** No." in sub
+    assert "FAILED" in sub and "not the registered one" in sub
+    assert "main (3 at a time)" in head and "main (9 at a time)" in sub
+    for figure in ("study_v4_long_curves.png", "study_v4_long_r1_curves.png"):
+        assert (tmp_path / "figures" / figure).exists()
 
 
-def test_the_start_sentence_and_the_crash_line_follow_the_analysis(tmp_path: pathlib.Path) -> None:
+def test_the_start_sentence_the_replay_and_the_crash_line_follow_the_analysis(tmp_path: pathlib.Path) -> None:
     analysis = copy.deepcopy(committed())
-    for stage in analysis["start_check"]["stages"].values():
-        stage["threshold_reread_passed"] = True
+    analysis["start_check"]["stages"]["main"]["threshold_reread_passed"] = False
+    analysis["warmstart_replay"]["entries"]["e2"]["identical"] = False
+    analysis["warmstart_replay"]["all_identical"] = False
     analysis["arms"]["mr_w"]["crashed"] = [104]
     analysis["coverage"]["crashed"] = 1
     text = section(tmp_path, analysis)
-    assert "**Did the arms start where the gate measured?** Yes." in text and "FAILED" not in text
-    assert "not the registered one" not in text
+    assert "### 16.1" not in text  # no superseded analysis, no subsection
+    assert "**Did the arms start where the gate measured?** No." in text and "FAILED" in text
+    assert "not the registered one" in text
+    assert "e2 OTHER weights" in text and "can continue the stages" not in text
     assert "* Crashes: 1 runs" in text and "mr_w [104]" in text and "Nothing crashed." not in text

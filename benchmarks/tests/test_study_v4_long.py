@@ -361,24 +361,38 @@ def test_the_analysis_names_the_registration_its_records_admitted(tmp_path: path
     assert out["preregistered"] is None
 
 
-RECORDS = v4l.ROOT / "benchmarks" / "results" / "study_v4_long" / "gpu_2026-11-29" / "records.tgz"
-ANALYSIS = v4l.ROOT / "benchmarks" / "results" / "study_v4_long.json"
+RESULTS = v4l.ROOT / "benchmarks" / "results"
+RUNS = {  # the run folder packed by the GPU -> its committed analysis
+    "gpu_2026-11-29": "study_v4_long_r1.json",  # revision 1
+    "gpu_2026-11-29_r2": "study_v4_long.json",  # revision 2, the current registration
+}
 
 
-@pytest.mark.slow  # about 5 s: unpacks 5 MB and reads 33 run records
-def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Path) -> None:
-    """results/study_v4_long.json is ``--analyse`` of the run folder committed in records.tgz, to 1e-9 relative
+@pytest.mark.slow  # about 5 s each: unpacks 5 MB and reads up to 33 run records
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Path, run: str) -> None:
+    """Each committed analysis is ``--analyse`` of the run folder committed in its records.tgz, to 1e-9 relative
     (sums over at most 300 steps of values about 1, in another order on another machine)."""
     import tarfile
 
     from test_study_v4 import assert_numbers_close
 
-    with tarfile.open(RECORDS) as tar:
+    with tarfile.open(RESULTS / "study_v4_long" / run / "records.tgz") as tar:
         tar.extractall(tmp_path, filter="data")
     folder = tmp_path / "tmp" / "v4long"
-    committed = json.loads(ANALYSIS.read_text())
+    committed = json.loads((RESULTS / RUNS[run]).read_text())
     assert_numbers_close(json.loads(json.dumps(v4l.analyse(folder))), committed)
-    assert committed["coverage"]["crashed"] == 0 and committed["registration_is_current"] is not None
+    assert committed["coverage"]["crashed"] == 0
+    assert committed["registration_is_current"] is (RUNS[run] == "study_v4_long.json")
+
+
+def test_runs_at_a_time_reads_each_launch_of_a_stage_log(tmp_path: pathlib.Path) -> None:
+    log = tmp_path / "main.log"
+    assert v4l.runs_at_a_time(log) == []
+    log.write_text("18 runs to do (0 already done), 9 at a time on each of GPUs [0] (NVIDIA H200)\n"
+                   "[     0s] start v4l__anchor__s0 on GPU 0 (attempt 1)\n"
+                   "6 runs to do (12 already done), 3 at a time on each of GPUs [0] (NVIDIA H200)\n")
+    assert v4l.runs_at_a_time(log) == [9, 3]
 
 
 def test_the_plan_stops_on_a_failed_pilot_gate_and_main_refuses(tmp_path: pathlib.Path,

@@ -1,7 +1,8 @@
 """RESULTS.md's section on study v4 part 3 (``dfpo_bench.studies.study_v4_long``): the long run with room to drift.
-Every number is read from ``results/study_v4_long.json``, which is ``study_v4_long.py --analyse`` of the run folder
-packed in ``results/study_v4_long/<run>/records.tgz`` (a slow test holds the two equal); the registered design is
-read from ``study_v4_long.PREREGISTRATION``. Called by ``benchmarks/dfpo_bench/reports/report.py``."""
+Every number is read from the analyses in :data:`RUNS` (the current registration's first, then the superseded
+revision's), each ``study_v4_long.py --analyse`` of the run folder packed in ``results/<run>/records.tgz`` (a slow
+test holds them equal); the registered design is the one each analysis names. Called by
+``benchmarks/dfpo_bench/reports/report.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from dfpo_bench.lib.common import load_json, save_figure
 from dfpo_bench.lib.stats import fmt
 from dfpo_bench.studies.study_v4_long import ARMS, PREREGISTRATION, STEPS
 
-RUN_FOLDER = "study_v4_long/gpu_2026-11-29"
+RUNS = (  # analysis file, run folder, figure: the current registration's run first
+    ("study_v4_long.json", "study_v4_long/gpu_2026-11-29_r2", "study_v4_long_curves.png"),
+    ("study_v4_long_r1.json", "study_v4_long/gpu_2026-11-29", "study_v4_long_r1_curves.png"),
+)
 LABELS = {"anchor": "anchor (on-policy)", "gspo": "GSPO (stale)", "mr_w": "Min-Replace (stale)"}
 
 
@@ -25,41 +29,43 @@ def paired_cell(entry: dict[str, Any] | None) -> str:
             f"MDE {entry['mde']:.3f}")
 
 
-def curves_figure(analysis: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path) -> str | None:
-    """figures/study_v4_long_curves.png: per arm, the mean over the main stage's complete runs of the normalised set
-    entropy (the primary's integrand) and of the set mass, at every drift measurement, with the registered gate's
-    threshold and the gate's own reading at step 0."""
-    curves = analysis.get("curves") or {}
-    if not any(curves.values()):
+def curves_figure(analysis: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path, name: str) -> str | None:
+    """figures/<name>: per arm, the mean over complete runs of the normalised set entropy (the primary's integrand)
+    and of the set mass, at every drift measurement, for the main stage and (a row below) the pilot, with the
+    registered gate's threshold and the gate's own reading at step 0."""
+    rows = [(stage, c) for stage, c in (("main stage", analysis.get("curves") or {}),
+                                        ("pilot", analysis.get("pilot_curves") or {})) if any(c.values())]
+    if not rows:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for arm in ARMS:
-        points = curves.get(arm) or []
-        if not points:
-            continue
-        steps = [p["step"] for p in points]
-        n = max(p["n"] for p in points)
-        left.plot(steps, [p["set_entropy_normalised"] for p in points], label=f"{LABELS[arm]}, {n} runs")
-        right.plot(steps, [p["set_mass"] for p in points], label=LABELS[arm])
+    fig, axes = plt.subplots(len(rows), 2, figsize=(9, 3.4 * len(rows)), squeeze=False)
     gate = (analysis.get("start_check") or {}).get("gate") or {}
     threshold = (analysis.get("start_check") or {}).get("threshold")
-    left.axhline(threshold, color="grey", lw=0.6, ls="--", label=f"registered start gate ≥ {threshold:g}")
-    if gate.get("set_entropy_normalised") is not None:
-        left.scatter([0], [gate["set_entropy_normalised"]], marker="*", color="k", zorder=3,
-                     label="the gate's own reading")
-    left.set(xlabel="optimizer step", ylabel="normalised set entropy", ylim=(-0.02, 1.02),
-             title="The two forms' entropy (mean over seeds)")
-    right.set(xlabel="optimizer step", ylabel="set mass exp(set log-prob)", ylim=(0, 1),
-              title="Mass on the two correct forms")
-    left.legend(fontsize=7)
-    right.legend(fontsize=7)
+    for (stage, curves), (left, right) in zip(rows, axes, strict=True):
+        for arm in ARMS:
+            points = curves.get(arm) or []
+            if not points:
+                continue
+            steps = [p["step"] for p in points]
+            n = max(p["n"] for p in points)
+            left.plot(steps, [p["set_entropy_normalised"] for p in points], label=f"{LABELS[arm]}, {n} runs")
+            right.plot(steps, [p["set_mass"] for p in points], label=LABELS[arm])
+        left.axhline(threshold, color="grey", lw=0.6, ls="--", label=f"registered start gate ≥ {threshold:g}")
+        if gate.get("set_entropy_normalised") is not None:
+            left.scatter([0], [gate["set_entropy_normalised"]], marker="*", color="k", zorder=3,
+                         label="the gate's own reading")
+        left.set(xlabel="optimizer step", ylabel="normalised set entropy", ylim=(-0.02, 1.02),
+                 title=f"{stage}: the two forms' entropy (mean over seeds)")
+        right.set(xlabel="optimizer step", ylabel="set mass exp(set log-prob)", ylim=(0, 1),
+                  title=f"{stage}: mass on the two correct forms")
+        left.legend(fontsize=7)
+        right.legend(fontsize=7)
     fig.tight_layout()
-    return save_figure(fig, fig_dir, "study_v4_long_curves.png", out, dpi=110)
+    return save_figure(fig, fig_dir, name, out, dpi=110)
 
 
 def spread(values: list[float]) -> str:
@@ -68,28 +74,45 @@ def spread(values: list[float]) -> str:
 
 def study_v4_long_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int
                           ) -> list[str]:
-    analysis = load_json(results / "study_v4_long.json")
-    if not analysis:
-        return []
+    """The section: the current registration's run, then each superseded revision's as a subsection."""
+    lines: list[str] = []
+    for i, (analysis_file, run_folder, figure_name) in enumerate(RUNS):
+        analysis = load_json(results / analysis_file)
+        if not analysis:
+            continue
+        if not lines:
+            lines += [f"## {number}. Study v4, part 3: a long run with room to drift (`studies/study_v4_long.py`)",
+                      ""]
+        if i:
+            reg = analysis.get("preregistered") or {}
+            lines += [f"### {number}.{i}. Revision {reg.get('revision', 1)} (superseded)", ""]
+        lines += [*run_lines(analysis, analysis_file, run_folder, figure_name, fig_dir, out), ""]
+    return lines[:-1]
+
+
+def run_lines(analysis: dict[str, Any], analysis_file: str, run_folder: str, figure_name: str,
+              fig_dir: pathlib.Path, out: pathlib.Path) -> list[str]:
     plan, coverage, start = analysis.get("plan") or {}, analysis["coverage"], analysis["start_check"]
     rule, pilot_pair = plan.get("rule") or {}, plan.get("pilot_primary_pair") or {}
     provenance = analysis["provenance"]
     gate, reg = start["gate"], analysis.get("preregistered") or PREREGISTRATION
     tried = ((analysis.get("stage") or {}).get("warmstart") or {}).get("tried") or []
-    figure = curves_figure(analysis, fig_dir, out)
+    figure = curves_figure(analysis, fig_dir, out, figure_name)
     checkouts = [json.loads(p) for p in provenance]
     checkout = (checkouts[0].get("checkout") or {}) if checkouts else {}
-    lines = [f"## {number}. Study v4, part 3: a long run with room to drift (`studies/study_v4_long.py`)", "",
-             f"Card: {', '.join(sorted({str(c.get('card')) for c in checkouts}))}; every pilot and main-stage run "
+    lines = [f"Card: {', '.join(sorted({str(c.get('card')) for c in checkouts}))}; every pilot and main-stage run "
              f"under {'one checkout' if len(checkouts) == 1 else f'{len(checkouts)} checkouts'}: commit "
-             f"{str(checkout.get('commit', '?'))[:7]}{' (clean)' if checkout.get('dirty') is False else ' (dirty)'}, "
-             f"source hash {str(checkout.get('source_sha256', '?'))[:12]}…; registration "
+             f"{str(checkout.get('commit', '?'))[:7]}"
+             + (" (clean)" if checkout.get("dirty") is False else
+                " with uncommitted changes (the GPU machine's copy of the repository keeps the session's first "
+                "commit and carries the later ones as changes; the source hash says which code ran)")
+             + f", source hash {str(checkout.get('source_sha256', '?'))[:12]}…; registration "
              f"`{analysis['registration_sha256'][:8]}…` (revision {reg.get('revision', 1)}"
              + ("" if analysis.get("registration_is_current") else ", since revised: benchmarks/README.md, "
                 "\"Study v4, part 3\", \"Revision 2\"")
-             + f"). Records: `results/{RUN_FOLDER}/records.tgz` (the run folder "
+             + f"). Records: `results/{run_folder}/records.tgz` (the run folder "
              "without model weights: the warm start's records, the pilot's and the main stage's run records and logs, "
-             "the plan), analysis: `results/study_v4_long.json`. Design: benchmarks/README.md, \"Study v4, part 3\" "
+             f"the plan), analysis: `results/{analysis_file}`. Design: benchmarks/README.md, \"Study v4, part 3\" "
              f"(two-digit addition in two equal-length forms, `dr_grpo`, G = 8, 32 completions per step, "
              f"{STEPS} optimizer steps; arms: anchor "
              "on-policy, GSPO and Min-Replace 4 steps per rollout).", ""]
@@ -118,8 +141,18 @@ def study_v4_long_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pat
         f"ended; a run not started is not a crash and carries no value); {coverage['complete_pairs_primary']} "
         "complete Min-Replace/GSPO pairs.")
     wall = analysis["wall_s"]
-    lines.append("* Wall time per run, 9 at a time on the card: " + "; ".join(
-        f"{LABELS[a]} {spread(wall['pilot'][a] + wall['main'][a])}" for a in ARMS) + ".")
+    at_a_time = analysis.get("at_a_time") or {}
+    lines.append("* Wall time per run on the card: " + "; ".join(
+        f"{stage} ({', '.join(str(k) for k in at_a_time.get(stage) or []) or '?'} at a time): "
+        + ", ".join(f"{LABELS[a]} {spread(wall[stage][a])}" for a in ARMS)
+        for stage in ("pilot", "main") if any(wall[stage].values())) + ".")
+    replay = analysis.get("warmstart_replay")
+    if replay:
+        lines.append("* The warm start laid a second time on the same card, beside the pilot: "
+                     + ", ".join(f"{k} {'the same weights' if e['identical'] else 'OTHER weights'} (SHA-256 "
+                                 f"{str(e['replay'])[:12]}…)" for k, e in replay["entries"].items())
+                     + (". A later session that lays it again can continue the stages."
+                        if replay["all_identical"] else "."))
     held = all(st["threshold_reread_passed"] for st in start["stages"].values())
     lines += ["", f"**Did the arms start where the gate measured?** {'Yes' if held else 'No'}.", ""]
     for stage, s in start["stages"].items():
@@ -175,9 +208,21 @@ def study_v4_long_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pat
             + ("" if held else " And the start it was measured from is not the registered one (above)."))
     curves = analysis["curves"]
     collapse = {a: next((p["step"] for p in curves[a] if p["set_entropy_normalised"] < 0.1), None) for a in ARMS}
-    lines.append("* The forms collapsed in every arm: the mean normalised entropy fell below 0.1 by step "
-                 + ", ".join(f"{collapse[a]} ({LABELS[a]})" for a in ARMS)
-                 + ", from the runs' step-0 reading, so the area is decided in the first few tens of steps.")
+    if all(collapse[a] is not None for a in ARMS):
+        lines.append("* The forms collapsed in every arm: the main stage's mean normalised entropy fell below 0.1 by "
+                     "step " + ", ".join(f"{collapse[a]} ({LABELS[a]})" for a in ARMS)
+                     + f", from the runs' step-0 reading of {fmt(curves['gspo'][0]['set_entropy_normalised'])}, so "
+                     "the area is decided in the first few tens of steps.")
+    else:
+        lines.append("* The main stage's mean normalised entropy first fell below 0.1 at step "
+                     + ", ".join(f"{collapse[a] if collapse[a] is not None else 'never'} ({LABELS[a]})"
+                                 for a in ARMS) + ".")
+    early = analysis.get("exploratory_early_entropy") or {}
+    if any(early.values()):
+        lines.append("* Exploratory, not registered: Min-Replace − GSPO in the normalised entropy at the early drift "
+                     "steps, paired by seed over every complete pilot and main-stage pair (not adjusted for the "
+                     f"{len(early)} looks): " + "; ".join(f"step {k} {paired_cell(v)}" for k, v in early.items())
+                     + ".")
     crashed = coverage["crashed"] + sum(len(pilot[a]["crashed"]) for a in ARMS)
     lines.append("* Nothing crashed." if not crashed else f"* Crashes: {crashed} runs (pilot "
                  + ", ".join(f"{a} {pilot[a]['crashed']}" for a in ARMS) + "; main "

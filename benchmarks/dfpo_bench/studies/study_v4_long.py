@@ -29,6 +29,7 @@ import json
 import math
 import pathlib
 import random
+import re
 import statistics
 import time
 from collections.abc import Iterator
@@ -617,7 +618,29 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     out["provenance"] = sorted({json.dumps({"checkout": r.get("checkout"), "card": r.get("card")}, sort_keys=True)
                                 for r in [*pilot_rows, *rows]})
     out["warmstart_replay"] = warmstart_replay(out_dir)
+    out["pilot_curves"] = curves(pilot_rows)
+    out["at_a_time"] = {stage: runs_at_a_time(out_dir / f"{stage}.log") for stage in ("pilot", "main")}
+    out["exploratory_early_entropy"] = early_entropy(pilot_rows + rows)
     return out
+
+
+def early_entropy(rows: list[dict[str, Any]], steps: tuple[int, ...] = (10, 20, 30, 40, 50)) -> dict[str, Any]:
+    """Exploratory, not registered (added after revision 2's first runs, whose curves part in the first tens of
+    steps and meet after): Min-Replace − GSPO in the normalised set entropy at each early drift step, paired by seed
+    over every complete run of the pilot and the main stage (their seeds differ, so no pair repeats)."""
+    return {str(step): paired(*({r["seed"]: p["set_entropy_normalised"] for r in rows
+                                 if r["arm"] == arm and r["complete"] for p in r.get("curve") or []
+                                 if p["step"] == step} for arm in ("mr_w", "gspo")))
+            for step in steps}
+
+
+def runs_at_a_time(log: pathlib.Path) -> list[int]:
+    """How many runs each launch of a stage kept going at once, as its log's first line states ("... N at a time on
+    each of GPUs ..."), one entry per launch (the GPU job appends a later session's launch to the same log); the wall
+    times depend on it."""
+    if not log.exists():
+        return []
+    return [int(m.group(1)) for m in re.finditer(r"(\d+) at a time on each of GPUs", log.read_text())]
 
 
 def warmstart_replay(out_dir: pathlib.Path) -> dict[str, Any] | None:

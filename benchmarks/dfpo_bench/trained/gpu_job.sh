@@ -86,7 +86,7 @@ case "$1" in
         --out-dir /tmp/v4long/replay > /tmp/v4long/replay.log 2>&1 &
       python -m dfpo_bench.studies.study_v4_long --stage ${STAGE:-pilot} --out-dir /tmp/v4long --gpus $2 \
         --parallel ${PARALLEL:-8} --deadline-s $DEADLINE_S --expected-run-s ${EXPECTED_RUN_S:-900} \
-        > /tmp/v4long/${STAGE:-pilot}.log 2>&1
+        >> /tmp/v4long/${STAGE:-pilot}.log 2>&1
     " > /tmp/v4long/driver.log 2>&1 < /dev/null &
     echo "study v4 part 3 (${STAGE:-pilot}) started on GPU $2" ;;
   poll)
