@@ -59,5 +59,5 @@ def test_the_start_sentence_the_replay_and_the_crash_line_follow_the_analysis(tm
     assert "### 16.1" not in text  # no superseded analysis, no subsection
     assert "**Did the arms start where the gate measured?** No." in text and "FAILED" in text
     assert "not the registered one" in text
-    assert "e2 OTHER weights" in text and "can continue the stages" not in text
+    assert "e2 OTHER weights" in text and "continues the stages" not in text
     assert "* Crashes: 1 runs" in text and "mr_w [104]" in text and "Nothing crashed." not in text

@@ -151,8 +151,8 @@ def run_lines(analysis: dict[str, Any], analysis_file: str, run_folder: str, fig
         lines.append("* The warm start laid a second time on the same card, beside the pilot: "
                      + ", ".join(f"{k} {'the same weights' if e['identical'] else 'OTHER weights'} (SHA-256 "
                                  f"{str(e['replay'])[:12]}…)" for k, e in replay["entries"].items())
-                     + (". A later session that lays it again can continue the stages."
-                        if replay["all_identical"] else "."))
+                     + (". A later session that lays it again continues the stages if its laying hashes the same "
+                        "(the stage checks before it launches anything)." if replay["all_identical"] else "."))
     held = all(st["threshold_reread_passed"] for st in start["stages"].values())
     lines += ["", f"**Did the arms start where the gate measured?** {'Yes' if held else 'No'}.", ""]
     for stage, s in start["stages"].items():
