@@ -18,6 +18,7 @@ import torch
 from dfpo_bench import study_v4_tasks
 from dfpo_bench.lib import common
 from dfpo_bench.lib.registration import file_sha256
+from dfpo_bench.reports import report_study_v4_long
 from dfpo_bench.studies import study_v4_long as v4l
 
 SMOLLM2 = pathlib.Path.home() / ".cache" / "dfpo_trl" / "smollm2-135m-instruct"
@@ -362,10 +363,8 @@ def test_the_analysis_names_the_registration_its_records_admitted(tmp_path: path
 
 
 RESULTS = v4l.ROOT / "benchmarks" / "results"
-RUNS = {  # the run folder packed by the GPU -> its committed analysis
-    "gpu_2026-11-29": "study_v4_long_r1.json",  # revision 1
-    "gpu_2026-11-29_r2": "study_v4_long.json",  # revision 2, the current registration
-}
+RUNS = {folder: analysis for analysis, folder, _ in report_study_v4_long.RUNS}  # the report's: run folder -> analysis
+CURRENT = report_study_v4_long.RUNS[0][0]  # the current registration's analysis comes first
 
 
 @pytest.mark.slow  # about 5 s each: unpacks 5 MB and reads up to 33 run records
@@ -377,13 +376,13 @@ def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Pa
 
     from test_study_v4 import assert_numbers_close
 
-    with tarfile.open(RESULTS / "study_v4_long" / run / "records.tgz") as tar:
+    with tarfile.open(RESULTS / run / "records.tgz") as tar:
         tar.extractall(tmp_path, filter="data")
     folder = tmp_path / "tmp" / "v4long"
     committed = json.loads((RESULTS / RUNS[run]).read_text())
     assert_numbers_close(json.loads(json.dumps(v4l.analyse(folder))), committed)
     assert committed["coverage"]["crashed"] == 0
-    assert committed["registration_is_current"] is (RUNS[run] == "study_v4_long.json")
+    assert committed["registration_is_current"] is (RUNS[run] == CURRENT)
 
 
 def test_runs_at_a_time_reads_each_launch_of_a_stage_log(tmp_path: pathlib.Path) -> None:
