@@ -482,14 +482,13 @@ def run_row(record: dict[str, Any], arm: str) -> dict[str, Any]:
     ent = [(int(d["step"]), float(d["set_entropy_normalised"])) for d in drift]
     mass = [(int(d["step"]), float(d["set_entropy_normalised"]) * math.exp(float(d["set_logp_mean"])))
             for d in drift]
-    reward = [v for s, v in (record.get("series") or {}).get("step_reward", [])
-              if s <= PREREGISTRATION["pilot_gate"]["reward_first_window"]]
     series = record.get("series") or {}
-    residual = [v for _, v in series.get("cancellation/shared_prefix_residual", [])]
+    reward = [v for s, v in series.get("step_reward", []) if s <= PREREGISTRATION["pilot_gate"]["reward_first_window"]]
+    residual_series = series.get("cancellation/shared_prefix_residual", [])
+    residual = [v for _, v in residual_series]
     clipped = {int(step) for step, v in series.get("clip_ratio/region_mean", []) if v > 0}
-    split = {"clipped": [v for step, v in series.get("cancellation/shared_prefix_residual", []) if step in clipped],
-             "unclipped": [v for step, v in series.get("cancellation/shared_prefix_residual", [])
-                           if step not in clipped]}
+    split = {"clipped": [v for step, v in residual_series if step in clipped],
+             "unclipped": [v for step, v in residual_series if step not in clipped]}
     last = max(drift, key=lambda d: d["step"]) if drift else {}
     first = min(drift, key=lambda d: d["step"]) if drift else {}
     return {**row, "primary": area(ent), "final_entropy": ent[-1][1] if ent else None,
