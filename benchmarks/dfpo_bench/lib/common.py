@@ -17,7 +17,6 @@ import os
 import pathlib
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -289,7 +288,9 @@ def launch(args: argparse.Namespace, queue: list[Run], skip_failed: bool = False
     """Run ``queue``, ``args.parallel`` at a time on each GPU of ``args.gpus`` (each new run on the least busy one;
     without ``--gpus`` ``args.parallel`` at a time in all), skipping runs with a complete record in their folder's
     ``runs/`` (``run.out_dir``, default ``args.out_dir``) or ``args.skip_done`` (with ``skip_failed``, any record:
-    a crash stays recorded as a crash, not retried); starts no run expected to end after ``args.deadline_s``."""
+    a crash stays recorded as a crash, not retried); starts no run expected to end after ``args.deadline_s``: its
+    expected wall time is the longest ended run of its method, ``args.expected_run_s`` before one has ended (the
+    longest, not the median, because a run cut by the machine's return is a crash)."""
     args.card, args.versions = card(), installed_versions()
 
     def recorded(directory: pathlib.Path) -> set[str]:
@@ -308,7 +309,7 @@ def launch(args: argparse.Namespace, queue: list[Run], skip_failed: bool = False
     where = f"each of GPUs {gpus}" if gpus else "one device"
     print(f"{len(queue)} runs to do ({skipped} already done), {args.parallel} at a time on {where} ({args.card})",
           flush=True)
-    walls: list[float] = []
+    walls: dict[str, list[float]] = {}
     while queue or running:
         for run in list(running):
             code = run.process.poll()
@@ -324,13 +325,13 @@ def launch(args: argparse.Namespace, queue: list[Run], skip_failed: bool = False
                 continue
             record = finish(run, args, code)
             if record.get("complete"):
-                walls.append(record["wall_s"])
+                walls.setdefault(run.method, []).append(record["wall_s"])
             print(f"[{time.time() - began:6.0f}s] {run.name}: exit {code}, {record.get('steps')} steps, "
                   f"{record['wall_s']:.0f}s, held-out {(record.get('heldout') or {}).get('after')}", flush=True)
         if starting is not None and (starting.engine_ready() or time.time() - starting.started > args.start_timeout):
             starting = None
         elapsed = time.time() - began
-        expected = statistics.median(walls) if walls else args.expected_run_s
+        expected = max(walls.get(queue[0].method) or [args.expected_run_s]) if queue else 0.0
         fits = args.deadline_s is None or elapsed + expected < args.deadline_s
         if starting is None and queue and len(running) < capacity and fits:
             run = queue.pop(0)
