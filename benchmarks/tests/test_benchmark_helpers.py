@@ -48,3 +48,44 @@ def test_random_configs_leave_no_zero_pad_embedding() -> None:
         assert config.pad_token_id is None, name
     model = AutoModelForCausalLM.from_config(trainers.random_config("tiny", Tokenizer()))
     assert float(model.get_input_embeddings().weight.detach()[Tokenizer.pad_token_id].abs().sum()) > 0
+
+
+def test_the_launcher_starts_no_run_its_arm_says_the_deadline_would_cut(tmp_path: Path, monkeypatch) -> None:
+    """On a virtual clock, one run at a time: an anchor run lasts 50 s, a stale run 20 s, deadline 115 s. After the
+    anchor (0-50 s) and a stale run (51-71 s), the next anchor is expected to last 50 s, so it would end at about
+    122 s and must not start (the median of the ended runs, 35 s, would have started it and had it cut)."""
+    import argparse
+    import types
+
+    from dfpo_bench.lib import common
+
+    clock = types.SimpleNamespace(now=0.0)
+    fake_time = types.SimpleNamespace(time=lambda: clock.now, sleep=lambda s: setattr(clock, "now", clock.now + s))
+    lasts = {"anchor": 50.0, "gspo": 20.0}
+    intervals: list[tuple[str, float, float]] = []
+
+    class Process:
+        def __init__(self, run: common.Run) -> None:
+            self.run, self.end = run, clock.now + lasts[run.method]
+
+        def poll(self) -> int | None:
+            return 0 if clock.now >= self.end else None
+
+    def start(run: common.Run, args: argparse.Namespace, index: int) -> None:
+        run.attempts, run.started, run.process = run.attempts + 1, clock.now, Process(run)
+
+    def finish(run: common.Run, args: argparse.Namespace, code: int) -> dict:
+        intervals.append((run.name, run.started, clock.now))
+        return {"complete": True, "wall_s": clock.now - run.started, "steps": 1}
+
+    monkeypatch.setattr(common, "time", fake_time)
+    monkeypatch.setattr(common, "start", start)
+    monkeypatch.setattr(common, "finish", finish)
+    monkeypatch.setattr(common, "card", lambda: "virtual")
+    monkeypatch.setattr(common, "installed_versions", lambda: {})
+    args = argparse.Namespace(parallel=1, gpus=None, deadline_s=115.0, expected_run_s=30.0, skip_done=[],
+                              out_dir=str(tmp_path), start_timeout=0.0)
+    queue = [common.Run("t", m, s, []) for s, m in ((0, "anchor"), (0, "gspo"), (1, "anchor"), (1, "gspo"))]
+    common.launch(args, queue)
+    assert [name for name, _, _ in intervals] == ["t__anchor__s0", "t__gspo__s0"]
+    assert all(end <= args.deadline_s for _, _, end in intervals)
