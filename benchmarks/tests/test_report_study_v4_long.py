@@ -43,7 +43,9 @@ def test_the_committed_analyses_give_the_section_with_their_numbers_and_figures(
     assert "e2 the same weights" in head  # the warm start laid twice: the same hash
     assert "(revision 1, since revised" in sub and "**Did the arms start where the gate measured?** No." in sub
     assert "FAILED" in sub and "not the registered one" in sub
-    assert "main (3 at a time)" in head and "main (9 at a time)" in sub
+    assert "main (3, 9, 3 at a time)" in head and "main (9 at a time)" in sub  # one entry per launch
+    assert "The warm start laid in 2 sessions" in head and "hashing the same in every laying" in head
+    assert "laid in" not in sub  # one laying: nothing to compare
     for figure in ("study_v4_long_curves.png", "study_v4_long_r1_curves.png"):
         assert (tmp_path / "figures" / figure).exists()
 
@@ -60,4 +62,7 @@ def test_the_start_sentence_the_replay_and_the_crash_line_follow_the_analysis(tm
     assert "**Did the arms start where the gate measured?** No." in text and "FAILED" in text
     assert "not the registered one" in text
     assert "e2 OTHER weights" in text and "continues the stages" not in text
+    assert "hashing the same in every laying" in text
+    analysis["warmstart_layings"]["all_identical"] = False
+    assert "NOT hashing the same in every laying" in section(tmp_path / "tampered", analysis)
     assert "* Crashes: 1 runs" in text and "mr_w [104]" in text and "Nothing crashed." not in text

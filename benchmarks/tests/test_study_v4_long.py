@@ -367,7 +367,7 @@ RUNS = {folder: analysis for analysis, folder, _ in report_study_v4_long.RUNS}  
 CURRENT = report_study_v4_long.RUNS[0][0]  # the current registration's analysis comes first
 
 
-@pytest.mark.slow  # about 5 s each: unpacks 5 MB and reads up to 33 run records
+@pytest.mark.slow  # about 5 s each: unpacks up to 10 MB and reads up to 51 run records
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Path, run: str) -> None:
     """Each committed analysis is ``--analyse`` of the run folder committed in its records.tgz, to 1e-9 relative
@@ -457,3 +457,32 @@ def test_the_replayed_warm_start_is_compared_entry_by_entry(tmp_path: pathlib.Pa
     assert replay["all_identical"] is False
     (tmp_path / "replay/warmstart/e2/warmstart.jsonl").write_text(json.dumps({"weights_sha256": "bb"}) + "\n")
     assert v4l.warmstart_replay(tmp_path)["all_identical"] is True
+
+
+def test_every_laying_of_the_warm_start_is_compared_across_sessions(tmp_path: pathlib.Path) -> None:
+    """This session's laying, its replay and an earlier session's (moved aside to laid_before/ by the GPU job):
+    identical only when every epoch count hashes the same in every laying; one laying compares nothing."""
+    assert v4l.warmstart_layings(tmp_path) is None
+
+    def lay(folder: str, hashes: dict[str, str], started: str) -> None:
+        for entry, sha in hashes.items():
+            path = tmp_path / folder / entry / "warmstart.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            header = {"started_at": started, "card": "card", "checkout": {"source_sha256": "src"}}
+            path.write_text(json.dumps({"header": header}) + "\n" + json.dumps({"weights_sha256": sha}) + "\n")
+
+    lay("warmstart", {"e1": "aa", "e2": "bb"}, "later")
+    assert v4l.warmstart_layings(tmp_path)["all_identical"] is None
+    lay(f"{v4l.LAID_BEFORE}/earlier/warmstart", {"e1": "aa", "e2": "bb"}, "earlier")
+    layings = v4l.warmstart_layings(tmp_path)
+    assert layings["all_identical"] is True
+    assert [x["folder"] for x in layings["layings"]] == ["warmstart", "laid_before/earlier/warmstart"]
+    assert layings["layings"][1] == {"folder": "laid_before/earlier/warmstart", "started_at": "earlier",
+                                     "card": "card", "source_sha256": "src",
+                                     "weights_sha256": {"e1": "aa", "e2": "bb"}}
+    lay("replay/warmstart", {"e1": "aa"}, "replay")  # stopped after one epoch count: e2 is missing there
+    assert v4l.warmstart_layings(tmp_path)["all_identical"] is False
+    lay("replay/warmstart", {"e2": "bb"}, "replay")
+    assert v4l.warmstart_layings(tmp_path)["all_identical"] is True
+    lay(f"{v4l.LAID_BEFORE}/earlier/warmstart", {"e2": "bc"}, "earlier")  # another session, other weights
+    assert v4l.warmstart_layings(tmp_path)["all_identical"] is False

@@ -99,14 +99,17 @@ def run_lines(analysis: dict[str, Any], analysis_file: str, run_folder: str, fig
     tried = ((analysis.get("stage") or {}).get("warmstart") or {}).get("tried") or []
     figure = curves_figure(analysis, fig_dir, out, figure_name)
     checkouts = [json.loads(p) for p in provenance]
-    checkout = (checkouts[0].get("checkout") or {}) if checkouts else {}
+    states = [c.get("checkout") or {} for c in checkouts]
+    dirty = any(c.get("dirty") is not False for c in states)
     lines = [f"Card: {', '.join(sorted({str(c.get('card')) for c in checkouts}))}; every pilot and main-stage run "
-             f"under {'one checkout' if len(checkouts) == 1 else f'{len(checkouts)} checkouts'}: commit "
-             f"{str(checkout.get('commit', '?'))[:7]}"
-             + (" (clean)" if checkout.get("dirty") is False else
-                " with uncommitted changes (the GPU machine's copy of the repository keeps the session's first "
-                "commit and carries the later ones as changes; the source hash says which code ran)")
-             + f", source hash {str(checkout.get('source_sha256', '?'))[:12]}…; registration "
+             f"under {'one checkout' if len(states) == 1 else f'{len(states)} checkouts (one per session)'}: "
+             + "; ".join(f"commit {str(c.get('commit', '?'))[:7]}"
+                         + ("" if c.get("dirty") is False else " with uncommitted changes")
+                         + f", source hash {str(c.get('source_sha256', '?'))[:12]}…" for c in states)
+             + (" (the GPU machine's copy of the repository keeps the session's first commit and carries the later "
+                "ones as changes; the source hash says which code ran, and benchmarks/README.md, \"Study v4, part "
+                "3\", names the commit each hash equals)" if dirty else "")
+             + "; registration "
              f"`{analysis['registration_sha256'][:8]}…` (revision {reg.get('revision', 1)}"
              + ("" if analysis.get("registration_is_current") else ", since revised: benchmarks/README.md, "
                 "\"Study v4, part 3\", \"Revision 2\"")
@@ -137,8 +140,8 @@ def run_lines(analysis: dict[str, Any], analysis_file: str, run_folder: str, fig
            f"{reg['mde']:g}" if rule.get("capped") else "") + ".")
     lines.append(
         f"* Main stage: {coverage['complete']} of {coverage['planned']} planned runs complete, "
-        f"{coverage['crashed']} crashed, {coverage['not_started']} never started (the device time of one session "
-        f"ended; a run not started is not a crash and carries no value); {coverage['complete_pairs_primary']} "
+        f"{coverage['crashed']} crashed, {coverage['not_started']} never started (a session's device time ended "
+        f"first; a run not started is not a crash and carries no value); {coverage['complete_pairs_primary']} "
         "complete Min-Replace/GSPO pairs.")
     wall = analysis["wall_s"]
     at_a_time = analysis.get("at_a_time") or {}
@@ -146,13 +149,25 @@ def run_lines(analysis: dict[str, Any], analysis_file: str, run_folder: str, fig
         f"{stage} ({', '.join(str(k) for k in at_a_time.get(stage) or []) or '?'} at a time): "
         + ", ".join(f"{LABELS[a]} {spread(wall[stage][a])}" for a in ARMS)
         for stage in ("pilot", "main") if any(wall[stage].values())) + ".")
-    replay = analysis.get("warmstart_replay")
+    replay, layings = analysis.get("warmstart_replay"), analysis.get("warmstart_layings") or {}
+    later = layings.get("all_identical") is not None and sum(
+        x["folder"] != "replay/warmstart" for x in layings["layings"]) > 1
     if replay:
         lines.append("* The warm start laid a second time on the same card, beside the pilot: "
                      + ", ".join(f"{k} {'the same weights' if e['identical'] else 'OTHER weights'} (SHA-256 "
                                  f"{str(e['replay'])[:12]}…)" for k, e in replay["entries"].items())
                      + (". A later session that lays it again continues the stages if its laying hashes the same "
-                        "(the stage checks before it launches anything)." if replay["all_identical"] else "."))
+                        "(the stage checks before it launches anything)." if replay["all_identical"] and not later
+                        else "."))
+    if later:
+        sessions = [x for x in layings["layings"] if x["folder"] != "replay/warmstart"]
+        lines.append(
+            f"* The warm start laid in {len(sessions)} sessions (started "
+            + ", ".join(str(x["started_at"])[:16].replace("T", " ") for x in sorted(
+                sessions, key=lambda x: str(x["started_at"]))) + " UTC), each from its own fresh machine, "
+            + ("every epoch count's weights hashing the same in every laying, the replay included: the later "
+               "sessions' runs started from the first session's weights." if layings["all_identical"] else
+               "NOT hashing the same in every laying."))
     held = all(st["threshold_reread_passed"] for st in start["stages"].values())
     lines += ["", f"**Did the arms start where the gate measured?** {'Yes' if held else 'No'}.", ""]
     for stage, s in start["stages"].items():

@@ -617,6 +617,7 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     out["provenance"] = sorted({json.dumps({"checkout": r.get("checkout"), "card": r.get("card")}, sort_keys=True)
                                 for r in [*pilot_rows, *rows]})
     out["warmstart_replay"] = warmstart_replay(out_dir)
+    out["warmstart_layings"] = warmstart_layings(out_dir)
     out["pilot_curves"] = curves(pilot_rows)
     out["at_a_time"] = {stage: runs_at_a_time(out_dir / f"{stage}.log") for stage in ("pilot", "main")}
     out["exploratory_early_entropy"] = early_entropy(pilot_rows + rows)
@@ -655,6 +656,34 @@ def warmstart_replay(out_dir: pathlib.Path) -> dict[str, Any] | None:
         a, b = (again or {}).get("weights_sha256"), (first or {}).get("weights_sha256")
         entries[path.parent.name] = {"first": b, "replay": a, "identical": a is not None and a == b}
     return {"entries": entries, "all_identical": bool(entries) and all(e["identical"] for e in entries.values())}
+
+
+LAID_BEFORE = "laid_before"  # OUT/laid_before/<when>/warmstart: an earlier session's laying, moved aside by the GPU job
+
+
+def warmstart_layings(out_dir: pathlib.Path) -> dict[str, Any] | None:
+    """Every laying of the warm start the folder holds: this session's (OUT/warmstart), its replay (OUT/replay/
+    warmstart) and each earlier session's (OUT/laid_before/*/warmstart, whose model did not travel): when, on which
+    card and source, and each epoch count's weights hash. ``all_identical``: every laying hashes the same per epoch
+    count, which is what lets the main stage run across sessions (None below two layings: nothing to compare).
+    None without a laying."""
+    folders = [out_dir / "warmstart", out_dir / "replay" / "warmstart",
+               *sorted((out_dir / LAID_BEFORE).glob("*/warmstart"))]
+    layings = []
+    for folder in folders:
+        entries = {path.parent.name: read_jsonl(path) for path in sorted(folder.glob("e*/warmstart.jsonl"))}
+        if not entries:
+            continue
+        header = next(iter(entries.values()))["header"] or {}
+        layings.append({"folder": folder.relative_to(out_dir).as_posix(), "started_at": header.get("started_at"),
+                        "card": header.get("card"), "source_sha256": (header.get("checkout") or {}).get(
+                            "source_sha256"),
+                        "weights_sha256": {k: e["weights_sha256"] for k, e in entries.items()}})
+    if not layings:
+        return None
+    per_entry = {k: {lay["weights_sha256"].get(k) for lay in layings} for lay in layings for k in lay["weights_sha256"]}
+    same = all(len(v) == 1 and None not in v for v in per_entry.values()) if len(layings) > 1 else None
+    return {"layings": layings, "all_identical": same}
 
 
 def arm_counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

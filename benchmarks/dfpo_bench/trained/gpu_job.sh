@@ -72,11 +72,19 @@ case "$1" in
     # study v4 part 3, detached on GPU $2: the warm start unless /tmp/v4long has one, then STAGE (pilot or main),
     # PARALLEL runs at a time; no run starts that is expected to end after DEADLINE_S s from the stage's start
     # (required: the device time left, less the polls' margin; EXPECTED_RUN_S until a run has ended, default 900).
-    # A later session first unpacks the earlier records into /tmp/v4long (every folder but warmstart/, whose model
-    # does not travel): the stage refuses to launch if the warm start laid again has other weights than its runs
-    # started from
+    # A later session first unpacks the earlier records into / (tar xzf records.tgz -C /): their warm start, whose
+    # model does not travel, is moved aside to /tmp/v4long/laid_before/<when>/ and laid again; the stage refuses to
+    # launch if the new laying has other weights than its runs started from
     [ -n "${DEADLINE_S:-}" ] || { echo "v4long needs DEADLINE_S (seconds of device time the runs may use)"; exit 2; }
     mkdir -p /tmp/v4long
+    if [ -f /tmp/v4long/warmstart/chosen.json ] && ! compgen -G "/tmp/v4long/warmstart/e*/model/*.safetensors" \
+        > /dev/null; then
+      when=$(python -c "import json; print(json.load(open('/tmp/v4long/warmstart/chosen.json'))['written_at'])")
+      when=${when//:/-}
+      mkdir -p "/tmp/v4long/laid_before/$when" && mv /tmp/v4long/warmstart "/tmp/v4long/laid_before/$when/"
+      [ ! -f /tmp/v4long/warmstart.log ] || mv /tmp/v4long/warmstart.log "/tmp/v4long/laid_before/$when/"
+      echo "the earlier warm start (laid $when, its model not here) is now laid_before/$when; laying it again"
+    fi
     # REPLAY=1 lays the warm start a second time into /tmp/v4long/replay beside the stage (its hashes against the
     # first: the analysis's warmstart_replay)
     OMP_NUM_THREADS=2 setsid nohup bash -c "
