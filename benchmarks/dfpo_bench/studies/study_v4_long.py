@@ -650,12 +650,16 @@ def warmstart_replay(out_dir: pathlib.Path) -> dict[str, Any] | None:
     replay = out_dir / "replay" / "warmstart"
     if not replay.is_dir():
         return None
-    entries = {}
-    for path in sorted(replay.glob("e*/warmstart.jsonl")):
-        again, first = read_jsonl(path), read_jsonl(out_dir / "warmstart" / path.parent.name / "warmstart.jsonl")
-        a, b = (again or {}).get("weights_sha256"), (first or {}).get("weights_sha256")
-        entries[path.parent.name] = {"first": b, "replay": a, "identical": a is not None and a == b}
+    first = {k: e["weights_sha256"] for k, e in read_laying(out_dir / "warmstart").items()}
+    entries = {k: {"first": first.get(k), "replay": e["weights_sha256"],
+                   "identical": e["weights_sha256"] is not None and e["weights_sha256"] == first.get(k)}
+               for k, e in read_laying(replay).items()}
     return {"entries": entries, "all_identical": bool(entries) and all(e["identical"] for e in entries.values())}
+
+
+def read_laying(folder: pathlib.Path) -> dict[str, dict[str, Any]]:
+    """One laying of the warm start (a ``warmstart/`` folder): each schedule entry's file, by entry name ("e1")."""
+    return {path.parent.name: read_jsonl(path) for path in sorted(folder.glob("e*/warmstart.jsonl"))}
 
 
 LAID_BEFORE = "laid_before"  # OUT/laid_before/<when>/warmstart: an earlier session's laying, moved aside by the GPU job
@@ -671,7 +675,7 @@ def warmstart_layings(out_dir: pathlib.Path) -> dict[str, Any] | None:
                *sorted((out_dir / LAID_BEFORE).glob("*/warmstart"))]
     layings = []
     for folder in folders:
-        entries = {path.parent.name: read_jsonl(path) for path in sorted(folder.glob("e*/warmstart.jsonl"))}
+        entries = read_laying(folder)
         if not entries:
             continue
         header = next(iter(entries.values()))["header"] or {}
