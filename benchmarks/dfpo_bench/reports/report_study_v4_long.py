@@ -150,8 +150,8 @@ def run_lines(analysis: dict[str, Any], analysis_file: str, run_folder: str, fig
         + ", ".join(f"{LABELS[a]} {spread(wall[stage][a])}" for a in ARMS)
         for stage in ("pilot", "main") if any(wall[stage].values())) + ".")
     replay, layings = analysis.get("warmstart_replay"), analysis.get("warmstart_layings") or {}
-    later = layings.get("all_identical") is not None and sum(
-        x["folder"] != "replay/warmstart" for x in layings["layings"]) > 1
+    sessions = [x for x in layings.get("layings") or [] if x["folder"] != "replay/warmstart"]
+    later = layings.get("all_identical") is not None and len(sessions) > 1
     if replay:
         lines.append("* The warm start laid a second time on the same card, beside the pilot: "
                      + ", ".join(f"{k} {'the same weights' if e['identical'] else 'OTHER weights'} (SHA-256 "
@@ -160,7 +160,6 @@ def run_lines(analysis: dict[str, Any], analysis_file: str, run_folder: str, fig
                         "(the stage checks before it launches anything)." if replay["all_identical"] and not later
                         else "."))
     if later:
-        sessions = [x for x in layings["layings"] if x["folder"] != "replay/warmstart"]
         lines.append(
             f"* The warm start laid in {len(sessions)} sessions (started "
             + ", ".join(str(x["started_at"])[:16].replace("T", " ") for x in sorted(
