@@ -43,8 +43,11 @@ def test_the_committed_analyses_give_the_section_with_their_numbers_and_figures(
     assert "e2 the same weights" in head  # the warm start laid twice: the same hash
     assert "(revision 1, since revised" in sub and "**Did the arms start where the gate measured?** No." in sub
     assert "FAILED" in sub and "not the registered one" in sub
-    assert "main (3, 9, 3 at a time)" in head and "main (9 at a time)" in sub  # one entry per launch
-    assert "The warm start laid in 2 sessions" in head and "hashing the same in every laying" in head
+    launches = ", ".join(str(n) for n in current["at_a_time"]["main"])  # one entry per launch of the stage
+    assert f"main ({launches} at a time)" in head and "main (9 at a time)" in sub
+    sessions = [lay for lay in current["warmstart_layings"]["layings"] if not lay["folder"].startswith("replay/")]
+    assert len(sessions) >= 3 and f"The warm start laid in {len(sessions)} sessions" in head
+    assert "hashing the same in every laying" in head
     assert "laid in" not in sub  # one laying: nothing to compare
     for figure in ("study_v4_long_curves.png", "study_v4_long_r1_curves.png"):
         assert (tmp_path / "figures" / figure).exists()
@@ -66,3 +69,18 @@ def test_the_start_sentence_the_replay_and_the_crash_line_follow_the_analysis(tm
     analysis["warmstart_layings"]["all_identical"] = False
     assert "NOT hashing the same in every laying" in section(tmp_path / "tampered", analysis)
     assert "* Crashes: 1 runs" in text and "mr_w [104]" in text and "Nothing crashed." not in text
+
+
+def test_the_records_line_names_every_layer_in_unpacking_order(tmp_path: pathlib.Path) -> None:
+    assert report_study_v4_long.records_text(tmp_path, "run") == (
+        "not in the repository (`results/run/records.tgz` is missing)")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "records.tgz").write_bytes(b"")
+    assert report_study_v4_long.records_text(tmp_path, "run").startswith("`results/run/records.tgz` (the run folder")
+    for n in (10, 2):
+        (tmp_path / "run" / f"records_{n}.tgz").write_bytes(b"")
+    text = report_study_v4_long.records_text(tmp_path, "run")
+    assert text.startswith("`results/run/records.tgz`, then `records_2.tgz`, `records_10.tgz` (the run folder")
+    assert "record_layers unpack" in text
+    committed_text = report_study_v4_long.records_text(RESULTS, report_study_v4_long.RUNS[0][1])
+    assert "then `records_2.tgz`" in committed_text  # the current run's records span sessions

@@ -1,8 +1,8 @@
 """RESULTS.md's section on study v4 part 3 (``dfpo_bench.studies.study_v4_long``): the long run with room to drift.
 Every number is read from the analyses in :data:`RUNS` (the current registration's first, then the superseded
-revision's), each ``study_v4_long.py --analyse`` of the run folder packed in ``results/<run>/records.tgz`` (a slow
-test holds them equal); the registered design is the one each analysis names. Called by
-``benchmarks/dfpo_bench/reports/report.py``."""
+revision's), each ``study_v4_long.py --analyse`` of the run folder packed in ``results/<run>/records.tgz`` and its
+later layers (``dfpo_bench.lib.record_layers``; a slow test holds them equal); the registered design is the one each
+analysis names. Called by ``benchmarks/dfpo_bench/reports/report.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pathlib
 import statistics
 from typing import Any
 
+from dfpo_bench.lib import record_layers
 from dfpo_bench.lib.common import load_json, save_figure
 from dfpo_bench.lib.stats import fmt
 from dfpo_bench.studies.study_v4_long import ARMS, PREREGISTRATION, STEPS
@@ -86,11 +87,28 @@ def study_v4_long_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pat
         if i:
             reg = analysis.get("preregistered") or {}
             lines += [f"### {number}.{i}. Revision {reg.get('revision', 1)} (superseded)", ""]
-        lines += [*run_lines(analysis, analysis_file, run_folder, figure_name, fig_dir, out), ""]
+        lines += [*run_lines(analysis, analysis_file, records_text(results, run_folder), figure_name, fig_dir, out),
+                  ""]
     return lines[:-1]
 
 
-def run_lines(analysis: dict[str, Any], analysis_file: str, run_folder: str, figure_name: str,
+def records_text(results: pathlib.Path, run_folder: str) -> str:
+    """Where the run folder's records are: its archives in unpacking order (with what the later ones hold), or that
+    the repository lacks them."""
+    try:
+        names = [p.name for p in record_layers.layers(results / run_folder)]
+    except FileNotFoundError:
+        return f"not in the repository (`results/{run_folder}/records.tgz` is missing)"
+    held = ("the run folder without model weights: the warm start's records, the pilot's and the main stage's run "
+            "records and logs, the plan")
+    if len(names) == 1:
+        return f"`results/{run_folder}/{names[0]}` ({held})"
+    return (f"`results/{run_folder}/{names[0]}`, then " + ", ".join(f"`{n}`" for n in names[1:])
+            + f" ({held}; each later archive holds only the files a later session added or changed, and `python -m "
+            "dfpo_bench.lib.record_layers unpack` extracts them in order)")
+
+
+def run_lines(analysis: dict[str, Any], analysis_file: str, records: str, figure_name: str,
               fig_dir: pathlib.Path, out: pathlib.Path) -> list[str]:
     plan, coverage, start = analysis.get("plan") or {}, analysis["coverage"], analysis["start_check"]
     rule, pilot_pair = plan.get("rule") or {}, plan.get("pilot_primary_pair") or {}
@@ -113,9 +131,8 @@ def run_lines(analysis: dict[str, Any], analysis_file: str, run_folder: str, fig
              f"`{analysis['registration_sha256'][:8]}…` (revision {reg.get('revision', 1)}"
              + ("" if analysis.get("registration_is_current") else ", since revised: benchmarks/README.md, "
                 "\"Study v4, part 3\", \"Revision 2\"")
-             + f"). Records: `results/{run_folder}/records.tgz` (the run folder "
-             "without model weights: the warm start's records, the pilot's and the main stage's run records and logs, "
-             f"the plan), analysis: `results/{analysis_file}`. Design: benchmarks/README.md, \"Study v4, part 3\" "
+             + f"). Records: {records}, analysis: `results/{analysis_file}`. Design: benchmarks/README.md, "
+             "\"Study v4, part 3\" "
              f"(two-digit addition in two equal-length forms, `dr_grpo`, G = 8, 32 completions per step, "
              f"{STEPS} optimizer steps; arms: anchor "
              "on-policy, GSPO and Min-Replace 4 steps per rollout).", ""]

@@ -72,8 +72,9 @@ case "$1" in
     # study v4 part 3, detached on GPU $2: the warm start unless /tmp/v4long has one, then STAGE (pilot or main),
     # PARALLEL runs at a time; no run starts that is expected to end after DEADLINE_S s from the stage's start
     # (required: the device time left, less the polls' margin; EXPECTED_RUN_S until a run has ended, default 900).
-    # A later session first unpacks the earlier records into / (tar xzf records.tgz -C /): their warm start, whose
-    # model does not travel, is moved aside to /tmp/v4long/laid_before/<when>/ and laid again; the stage refuses to
+    # A later session first unpacks the earlier records into /, every layer in order (for f in $(python -m
+    # dfpo_bench.lib.record_layers list RESULTS_FOLDER); do tar xzf $f -C /; done): their warm start, whose model
+    # does not travel, is moved aside to /tmp/v4long/laid_before/<when>/ and laid again; the stage refuses to
     # launch if the new laying has other weights than its runs started from
     [ -n "${DEADLINE_S:-}" ] || { echo "v4long needs DEADLINE_S (seconds of device time the runs may use)"; exit 2; }
     mkdir -p /tmp/v4long
