@@ -24,7 +24,7 @@ def first_archive(folder: pathlib.Path, root: pathlib.Path) -> None:
 
 
 def contents(root: pathlib.Path) -> dict[str, bytes]:
-    return {rel: path.read_bytes() for rel, path in record_layers.files(root).items()}
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def test_layers_unpacked_in_order_give_each_session_s_folder(tmp_path: pathlib.Path) -> None:

@@ -38,7 +38,6 @@ every time and line, exit codes); a short table is printed last.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pathlib
@@ -58,7 +57,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 from dfpo_bench.launch.vllm_server import benchmark_server_command, start_server  # noqa: E402
 from dfpo_bench.lib.common import SUMMARY_FILE, installed_versions, write_json  # noqa: E402
-from dfpo_bench.lib.provenance import checkout_state  # noqa: E402
+from dfpo_bench.lib.provenance import checkout_state, tree_hashes  # noqa: E402
 from dfpo_bench.lib.vllm_tools import derived_recipe, shell_line, stop_server, vllm_has_scale_out  # noqa: E402
 
 EVENT = "SYNC_FAULT "  # the child's event lines: EVENT + one JSON object
@@ -76,14 +75,6 @@ PHASES = {"init_communicator": "setup", "update_named_params": "sync"}
 
 
 # ------------------------------------------------------------------------------------------------ pure helpers
-def tree_hashes(path: pathlib.Path) -> dict[str, str]:
-    """Every file under ``path`` (relative path -> SHA-256 of its bytes): what "untouched" is checked against."""
-    if not path.is_dir():
-        return {}
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
-
-
 def compare_trees(before: dict[str, str], after: dict[str, str]) -> dict[str, Any]:
     """What changed between two :func:`tree_hashes`: files added, removed, rewritten, and checkpoint folders that
     appeared (a checkpoint begun after ``before`` is partial when the run did not finish)."""

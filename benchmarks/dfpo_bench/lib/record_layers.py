@@ -23,6 +23,8 @@ import pathlib
 import re
 import tarfile
 
+from dfpo_bench.lib.provenance import tree_hashes
+
 FIRST = "records.tgz"
 LAYER = re.compile(r"records_(\d+)\.tgz")  # the N-th packing, N ≥ 2
 
@@ -48,21 +50,16 @@ def unpack(folder: pathlib.Path, dest: pathlib.Path) -> list[pathlib.Path]:
     return found
 
 
-def files(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Every regular file under ``root`` by its path relative to ``root`` (POSIX form)."""
-    return {p.relative_to(root).as_posix(): p for p in root.rglob("*") if p.is_file()}
-
-
 def changed_files(base: pathlib.Path, new: pathlib.Path) -> list[str]:
     """Paths (relative, sorted) of files in ``new`` that ``base`` lacks or holds with other bytes. Raises ValueError
     naming every file of ``base`` that ``new`` lacks: a layer cannot delete."""
-    old, now = files(base), files(new)
+    old, now = tree_hashes(base), tree_hashes(new)
     gone = sorted(set(old) - set(now))
     if gone:
         raise ValueError(f"{len(gone)} file(s) of the earlier layers are gone from {new}: {', '.join(gone[:5])}"
                          f"{' ...' if len(gone) > 5 else ''}; a layer cannot delete, so pack the folder whole as a "
                          "new records.tgz in a new results folder instead")
-    return sorted(k for k in now if k not in old or old[k].read_bytes() != now[k].read_bytes())
+    return sorted(k for k in now if old.get(k) != now[k])
 
 
 def next_layer(folder: pathlib.Path) -> pathlib.Path:
