@@ -3,7 +3,8 @@
 the layers before it. Unpacked in order, the layers give the run folder as the last session left it.
 
 Why layers: a study that runs across sessions used to repack its whole run folder each session, so every session
-committed another full copy into the repository's history (10 MB and growing). A layer costs what the session added.
+committed another full copy into the repository's history (14 MB by the third session). A layer costs what the
+session added.
 
     python -m dfpo_bench.lib.record_layers list RESULTS_FOLDER              # the layers in order, one a line
     python -m dfpo_bench.lib.record_layers unpack RESULTS_FOLDER DEST       # every layer in order into DEST
@@ -35,9 +36,14 @@ def layers(folder: pathlib.Path) -> list[pathlib.Path]:
     first = folder / FIRST
     if not first.is_file():
         raise FileNotFoundError(f"{first} is missing: the layers {folder}/records_N.tgz apply on top of it")
-    later = sorted((p for p in folder.glob("records_*.tgz") if LAYER.fullmatch(p.name)),
-                   key=lambda p: int(LAYER.fullmatch(p.name).group(1)))
-    return [first, *later]
+    numbered = {n: p for p in folder.glob("records_*.tgz") if (n := layer_number(p)) is not None}
+    return [first, *(numbered[n] for n in sorted(numbered))]
+
+
+def layer_number(path: pathlib.Path) -> int | None:
+    """N of a ``records_N.tgz``; None for any other name (``records.tgz`` included)."""
+    match = LAYER.fullmatch(path.name)
+    return int(match.group(1)) if match else None
 
 
 def unpack(folder: pathlib.Path, dest: pathlib.Path) -> list[pathlib.Path]:
@@ -65,7 +71,7 @@ def changed_files(base: pathlib.Path, new: pathlib.Path) -> list[str]:
 def next_layer(folder: pathlib.Path) -> pathlib.Path:
     """The name the folder's next layer takes: ``records_2.tgz`` after ``records.tgz`` alone, else one past the
     highest N."""
-    numbers = [int(LAYER.fullmatch(p.name).group(1)) for p in layers(folder)[1:]]
+    numbers = [layer_number(p) for p in layers(folder)[1:]]
     return folder / f"records_{max(numbers, default=1) + 1}.tgz"
 
 
