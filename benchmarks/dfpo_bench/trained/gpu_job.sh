@@ -13,6 +13,7 @@
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh v4long GPU        study v4 part 3: warm start, then STAGE (pilot|main), detached
 #                                                                  (PARALLEL, DEADLINE_S)
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh poll S            waits S s, prints progress, packs what exists into $OUT
+#                                                                  (study v4 part 3's archive in 15 MiB parts once larger)
 # A detached job dies with the machine, which goes back 30 s after a call returns: keep calling `poll`.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
@@ -125,5 +126,12 @@ case "$1" in
       tail -2 /tmp/v4long/*.log 2>/dev/null | tail -10
       tar czf "$OUT/study_v4_long.tgz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
         --exclude='checkpoint-*' /tmp/v4long 2>/dev/null
+      # a file over 16 MiB does not come back from $OUT (the machine's limit; the folder passed it at 18 MB): over
+      # 15 MiB the archive travels as parts, joined here with `cat study_v4_long.tgz.part_* > study_v4_long.tgz`
+      # and checked against study_v4_long.sha256
+      if [ "$(stat -c %s "$OUT/study_v4_long.tgz")" -gt $((15 * 1024 * 1024)) ]; then
+        (cd "$OUT" && sha256sum study_v4_long.tgz > study_v4_long.sha256 \
+          && split -b 15M -d -a 1 study_v4_long.tgz study_v4_long.tgz.part_ && rm study_v4_long.tgz)
+      fi
     fi ;;
 esac
