@@ -10,12 +10,11 @@ or untracked). :func:`run_provenance` is what every run record of such a stage c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pathlib
 from typing import Any
 
-from .provenance import checkout_state, git
+from .provenance import checkout_state, file_sha256, git
 
 __all__ = ["RegistrationError", "check_registration", "file_sha256", "registration_state", "registration_text",
            "run_provenance", "write_registration"]
@@ -24,11 +23,6 @@ __all__ = ["RegistrationError", "check_registration", "file_sha256", "registrati
 class RegistrationError(SystemExit):
     """A stage refused to start: the registration is missing, altered or not committed. A SystemExit, so a CLI
     stops with the message and a test can catch it."""
-
-
-def file_sha256(path: pathlib.Path) -> str:
-    """SHA-256 of the file's whole content (bytes, no parsing: whitespace and key order count)."""
-    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
 def registration_text(design: dict[str, Any]) -> str:

@@ -11,20 +11,12 @@ nothing. ``split`` leaves an archive at or under the part size as it is; a large
 from __future__ import annotations
 
 import argparse
-import hashlib
 import pathlib
 import re
 
+from dfpo_bench.lib.provenance import file_sha256
+
 PART_BYTES = 15 * 1024 * 1024  # under the machine's 16 MiB per returned file, with room to spare
-
-
-def sha256_of(path: pathlib.Path) -> str:
-    """SHA-256 of a file's bytes, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def parts_of(folder: pathlib.Path, name: str) -> list[pathlib.Path]:
@@ -41,7 +33,7 @@ def split(archive: pathlib.Path, part_bytes: int = PART_BYTES) -> list[pathlib.P
         raise ValueError(f"part_bytes must be positive, got {part_bytes}")
     if archive.stat().st_size <= part_bytes:
         return [archive]
-    (archive.parent / f"{archive.name}.sha256").write_text(f"{sha256_of(archive)}  {archive.name}\n")
+    (archive.parent / f"{archive.name}.sha256").write_text(f"{file_sha256(archive)}  {archive.name}\n")
     parts = []
     with archive.open("rb") as f:
         while block := f.read(part_bytes):
@@ -68,7 +60,7 @@ def join(folder: pathlib.Path, name: str, dest: pathlib.Path) -> pathlib.Path:
     with out.open("wb") as f:
         for part in parts:
             f.write(part.read_bytes())
-    expected, got = recorded.read_text().split()[0], sha256_of(out)
+    expected, got = recorded.read_text().split()[0], file_sha256(out)
     if got != expected:
         out.unlink()
         raise ValueError(f"{len(parts)} part(s) of {name} in {folder} join to SHA-256 {got[:12]}…, not the recorded "
