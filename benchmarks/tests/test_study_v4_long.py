@@ -367,7 +367,7 @@ RUNS = {folder: analysis for analysis, folder, _ in report_study_v4_long.RUNS}  
 CURRENT = report_study_v4_long.RUNS[0][0]  # the current registration's analysis comes first
 
 
-@pytest.mark.slow  # about 10 s each: unpacks up to 18 MB of layers and reads up to 105 run records
+@pytest.mark.slow  # 1-3 s each here (2 cores): unpacks up to 18 MB of layers and reads up to 105 run records
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Path, run: str) -> None:
     """Each committed analysis is ``--analyse`` of the run folder committed in its records (records.tgz and any later

@@ -1,8 +1,8 @@
 """An archive too large to come back from the GPU machine in one file, split into parts there and joined here.
 
 Why: a file over 16 MiB under ``$OUT`` does not come back from the device machine (at most 8 files, 16 MiB each,
-64 MiB together). Study v4 part 3's run folder passed 18 MB packed in its fourth session, and that poll returned
-nothing. ``split`` leaves an archive at or under the part size as it is; a larger one becomes ``NAME.part_0``,
+64 MiB together). Study v4 part 3's run folder (revision 2) passed 18 MB packed in its fourth session, and a poll
+returned nothing. ``split`` leaves an archive at or under the part size as it is; a larger one becomes ``NAME.part_0``,
 ``NAME.part_1``, ... beside ``NAME.sha256`` (``sha256sum``'s format), and ``join`` rebuilds ``NAME`` and checks it.
 
     python -m dfpo_bench.lib.return_parts split $OUT/study_v4_long.tgz          # on the machine, after packing
