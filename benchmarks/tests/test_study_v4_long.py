@@ -275,6 +275,17 @@ def record(arm: str, seed: int, entropy: list[tuple[int, float]], complete: bool
             "heldout": {"after": 0.5}, "series": {"step_reward": [[s, reward] for s in range(1, 31)]}}
 
 
+def test_the_checkouts_are_listed_in_the_order_the_sessions_ran() -> None:
+    """The card line says one checkout per session, so they come in session order (the pilot's first, then the
+    main stage's by the lowest seed each ran), not in the order of their commit hashes; a repeat is listed once."""
+    def row(seed: int, commit: str) -> dict[str, Any]:
+        return {"seed": seed, "card": "H200", "checkout": {"commit": commit}}
+    pilot = [row(1, "f0"), row(0, "f0")]
+    main = [row(120, "a2"), row(101, "c1"), row(100, "f0"), row(129, "0b"), row(121, "a2")]
+    order = [json.loads(k)["checkout"]["commit"] for k in v4l.checkouts_in_order(pilot, main)]
+    assert order == ["f0", "c1", "a2", "0b"]
+
+
 def write(folder: pathlib.Path, rec: dict[str, Any]) -> None:
     path = folder / "runs" / f"v4l__{rec['method']}__s{rec['seed']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -367,7 +378,7 @@ RUNS = {folder: analysis for analysis, folder, _ in report_study_v4_long.RUNS}  
 CURRENT = report_study_v4_long.RUNS[0][0]  # the current registration's analysis comes first
 
 
-@pytest.mark.slow  # 1-3 s each here (2 cores): unpacks up to 18 MB of layers and reads up to 105 run records
+@pytest.mark.slow  # 1-3 s each here (2 cores): unpacks up to 22 MB of layers and reads up to 129 run records
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Path, run: str) -> None:
     """Each committed analysis is ``--analyse`` of the run folder committed in its records (records.tgz and any later

@@ -570,6 +570,17 @@ def plan(out_dir: pathlib.Path) -> dict[str, Any]:
     return result
 
 
+def checkouts_in_order(pilot_rows: list[dict[str, Any]], main_rows: list[dict[str, Any]]) -> list[str]:
+    """Each distinct (checkout, card) the runs name, in the order the sessions ran them: by the stage (pilot first)
+    and the lowest seed each ran, since every session takes the next seeds of the plan."""
+    first: dict[str, tuple[int, int]] = {}
+    for stage_index, stage_rows in enumerate((pilot_rows, main_rows)):
+        for r in stage_rows:
+            key = json.dumps({"checkout": r.get("checkout"), "card": r.get("card")}, sort_keys=True)
+            first[key] = min(first.get(key, (stage_index, r["seed"])), (stage_index, r["seed"]))
+    return sorted(first, key=first.__getitem__)
+
+
 def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     """The registered analysis of the main stage: per-arm counts (crashes as crashes), the primary and secondary
     paired comparisons, under the registration the records admitted. Beside it, added after the 2026-11-29 run:
@@ -614,8 +625,7 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
     out["wall_s"] = {stage: {a: sorted(float(r["wall_s"]) for r in stage_rows if r["arm"] == a and r["complete"]
                                        and r.get("wall_s") is not None) for a in ARMS}
                      for stage, stage_rows in (("pilot", pilot_rows), ("main", rows))}
-    out["provenance"] = sorted({json.dumps({"checkout": r.get("checkout"), "card": r.get("card")}, sort_keys=True)
-                                for r in [*pilot_rows, *rows]})
+    out["provenance"] = checkouts_in_order(pilot_rows, rows)
     out["warmstart_replay"] = warmstart_replay(out_dir)
     out["warmstart_layings"] = warmstart_layings(out_dir)
     out["pilot_curves"] = curves(pilot_rows)
