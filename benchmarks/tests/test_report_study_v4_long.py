@@ -71,6 +71,21 @@ def test_the_start_sentence_the_replay_and_the_crash_line_follow_the_analysis(tm
     assert "* Crashes: 1 runs" in text and "mr_w [104]" in text and "Nothing crashed." not in text
 
 
+def test_the_main_stage_lines_say_whether_every_planned_run_started(tmp_path: pathlib.Path) -> None:
+    """While planned runs were never started the lines count them; once every planned run started, the primary is
+    the registered test, and the lines no longer explain runs that were never started."""
+    analysis = copy.deepcopy(committed())
+    analysis["coverage"]["not_started"] = 33
+    text = section(tmp_path / "interim", analysis)
+    assert "33 never started (a session's device time ended first" in text
+    assert "(registered target 0.05; 33 planned runs were never started)." in text
+    assert "the registered test)" not in text
+    analysis["coverage"]["not_started"] = 0
+    text = section(tmp_path / "finished", analysis)
+    assert "every planned run started;" in text and "every planned run started: the registered test)." in text
+    assert "never started" not in text
+
+
 def test_the_records_line_names_every_layer_in_unpacking_order(tmp_path: pathlib.Path) -> None:
     assert report_study_v4_long.records_text(tmp_path, "run") == (
         "not in the repository (`results/run/records.tgz` is missing)")

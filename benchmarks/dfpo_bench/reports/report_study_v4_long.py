@@ -157,9 +157,10 @@ def run_lines(analysis: dict[str, Any], analysis_file: str, records: str, figure
            f"{reg['mde']:g}" if rule.get("capped") else "") + ".")
     lines.append(
         f"* Main stage: {coverage['complete']} of {coverage['planned']} planned runs complete, "
-        f"{coverage['crashed']} crashed, {coverage['not_started']} never started (a session's device time ended "
-        f"first; a run not started is not a crash and carries no value); {coverage['complete_pairs_primary']} "
-        "complete Min-Replace/GSPO pairs.")
+        f"{coverage['crashed']} crashed, "
+        + (f"{coverage['not_started']} never started (a session's device time ended first; a run not started is "
+           "not a crash and carries no value)" if coverage["not_started"] else "every planned run started")
+        + f"; {coverage['complete_pairs_primary']} complete Min-Replace/GSPO pairs.")
     wall = analysis["wall_s"]
     at_a_time = analysis.get("at_a_time") or {}
     lines.append("* Wall time per run on the card: " + "; ".join(
@@ -235,7 +236,9 @@ def run_lines(analysis: dict[str, Any], analysis_file: str, records: str, figure
             f"* Primary: Min-Replace − GSPO {prim['difference']:+.3f} [{prim['low']:+.3f}, {prim['high']:+.3f}] over "
             f"{prim['n']} seeds: " + (f"not detected above {prim['mde']:.3f}, the MDE these {prim['n']} pairs reach"
                                       if prim["low"] <= 0 <= prim["high"] else "detected")
-            + f" (registered target {reg['mde']:g}; {coverage['not_started']} planned runs were never started)."
+            + f" (registered target {reg['mde']:g}; "
+            + (f"{coverage['not_started']} planned runs were never started)."
+               if coverage["not_started"] else "every planned run started: the registered test).")
             + ("" if held else " And the start it was measured from is not the registered one (above)."))
     curves = analysis["curves"]
     collapse = {a: next((p["step"] for p in curves[a] if p["set_entropy_normalised"] < 0.1), None) for a in ARMS}
