@@ -8,8 +8,8 @@
 #                                                                  against TRL's, 8B LoRA, 24 GB cap, interleaved rounds
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh v4pilot GPU       study v4's pilot stage alone, detached, 3 processes
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh cards GPU         the 8B recipe's cards (cards_8b.py), detached, on one GPU
-#   bash benchmarks/dfpo_bench/trained/gpu_job.sh study GPU         study v4 (pilot, plan, main, analysis), detached (PILOT_PROCS,
-#                                                                  MAIN_PROCS, MAIN_DEADLINE_S)
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh study GPUS        study v4 (pilot, plan, main, analysis), detached (PILOT_PROCS
+#                                                                  on the first of GPUS, MAIN_PROCS on each, MAIN_DEADLINE_S)
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh v4long GPU        study v4 part 3: warm start, then STAGE (pilot|main), detached
 #                                                                  (PARALLEL, DEADLINE_S)
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh poll S            waits S s, prints progress, packs what exists into $OUT
@@ -59,16 +59,19 @@ case "$1" in
     # PILOT_PROCS processes for the 6 pilot trajectories, then MAIN_PROCS for the planned ones (a 135M float32
     # process held about 13 GiB on an H200, 2026-11-29: four models and their AdamW states; the throughput was the
     # same at 4, 6 and 8 processes, the GPU at 99%); no main trajectory starts after
-    # MAIN_DEADLINE_S s, so none is cut by the machine's return (a planned seed never started is not a crash)
+    # MAIN_DEADLINE_S s, so none is cut by the machine's return (a planned seed never started is not a crash).
+    # GPUS is one index or several ("0 1"): the pilot runs on the first, MAIN_PROCS main processes on each; every
+    # process claims its trajectories from the same /tmp/v4, and its log is STAGE_GPU_I.log
     mkdir -p /tmp/v4
-    CUDA_VISIBLE_DEVICES=$2 OMP_NUM_THREADS=2 setsid nohup bash -c "
-      run() { for i in \$(seq \$2); do python -m dfpo_bench.studies.study_v4 --stage \$1 --model $smol \
-        --out-dir /tmp/v4 \$3 > /tmp/v4/\$1_\$i.log 2>&1 & sleep 3; done; wait; }
-      run pilot ${PILOT_PROCS:-6} '' && python -m dfpo_bench.studies.study_v4 --plan /tmp/v4 > /tmp/v4/plan.log 2>&1 \
-        && run main ${MAIN_PROCS:-8} '--deadline-s ${MAIN_DEADLINE_S:-1e9}'
+    OMP_NUM_THREADS=2 setsid nohup bash -c "
+      run() { for g in \$4; do for i in \$(seq \$2); do CUDA_VISIBLE_DEVICES=\$g python -m dfpo_bench.studies.study_v4 \
+        --stage \$1 --model $smol --out-dir /tmp/v4 \$3 > /tmp/v4/\$1_\${g}_\$i.log 2>&1 & sleep 2; done; done; wait; }
+      run pilot ${PILOT_PROCS:-6} '' '${2%% *}' \
+        && python -m dfpo_bench.studies.study_v4 --plan /tmp/v4 > /tmp/v4/plan.log 2>&1 \
+        && run main ${MAIN_PROCS:-8} '--deadline-s ${MAIN_DEADLINE_S:-1e9}' '$2'
       python -m dfpo_bench.studies.study_v4 --analyse /tmp/v4 --out /tmp/v4/study_v4.json > /tmp/v4/analyse.log 2>&1
     " > /tmp/v4/driver.log 2>&1 < /dev/null &
-    echo "study v4 started on GPU $2" ;;
+    echo "study v4 started on GPUs $2" ;;
   v4long)
     # study v4 part 3, detached on GPU $2: the warm start unless /tmp/v4long has one, then STAGE (pilot or main),
     # PARALLEL runs at a time; no run starts that is expected to end after DEADLINE_S s from the stage's start
