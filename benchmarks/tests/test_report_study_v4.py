@@ -30,13 +30,14 @@ def section(tmp_path: pathlib.Path, analysis: dict[str, Any]) -> str:
 
 def test_the_wording_follows_the_primary_interval(tmp_path: pathlib.Path) -> None:
     analysis = committed()
+    reached = f"Not detected above {analysis['settings']['main']['mde_relative']:.4f}"
     text = section(tmp_path / "a", analysis)
-    assert "**Not detected above 0.0095**" in text and "(tracked and clean" in text
+    assert f"**{reached}**" in text and "(tracked and clean" in text
     assert (tmp_path / "a" / "figures" / "study_v4_branch_scatter.png").exists()
     moved = copy.deepcopy(analysis)
     moved["settings"]["main"]["primary_relative"].update(value=0.05, low=0.02, high=0.08)
     text = section(tmp_path / "b", moved)
-    assert "**Detected** (in the predicted direction)" in text and "Not detected above 0.0095" not in text
+    assert "**Detected** (in the predicted direction)" in text and reached not in text
     moved["settings"]["main"]["primary_relative"].update(value=-0.05, low=-0.08, high=-0.02)
     assert "**Detected** (against the prediction)" in section(tmp_path / "c", moved)
 
@@ -52,3 +53,20 @@ def test_a_crash_is_named_and_a_failed_gate_said(tmp_path: pathlib.Path) -> None
     analysis["settings"]["control"]["gate"].update(value=0.05, passed=False)
     text = section(tmp_path, analysis)
     assert "* Crashes: 1 (main/main/s120.jsonl;" in text and "was **not reached**, 0.050" in text
+
+
+def test_each_checkout_is_named_with_its_count_and_the_commit_its_source_hash_is_of() -> None:
+    """One clause per source hash, in the analysis's order, summing the entries that differ only in their diff; a
+    hash the report does not list says so instead of naming a commit."""
+    def run(commit: str, source: str, diff: str, n: int) -> dict[str, Any]:
+        return {"checkout": {"commit": commit, "dirty": True, "diff_sha256": diff, "source_sha256": source},
+                "trajectories": n}
+    first, second = list(report_study_v4.RUN_COMMITS)
+    text = report_study_v4.checkouts_sentence([run("4931addee", first + "00", "a", 20),
+                                               run("327d7e93", second + "ff", "b", 1),
+                                               run("327d7e93", second + "ff", "c", 13)])
+    assert text.startswith("The trajectories ran under 2 checkouts: 20 under source hash " + first)
+    assert (f"14 under source hash {second}… (the hash of `{report_study_v4.RUN_COMMITS[second]}`; the records name "
+            "commit 327d7e9 with uncommitted changes)") in text
+    assert "an unlisted commit" in report_study_v4.checkouts_sentence([run("abc", "f" * 64, "d", 3)])
+    assert "under 1 checkout:" in report_study_v4.checkouts_sentence([run("abc", "f" * 64, "d", 3)])

@@ -378,7 +378,7 @@ RUNS = {folder: analysis for analysis, folder, _ in report_study_v4_long.RUNS}  
 CURRENT = report_study_v4_long.RUNS[0][0]  # the current registration's analysis comes first
 
 
-@pytest.mark.slow  # 1-3 s each here (2 cores): unpacks up to 22 MB of layers and reads up to 129 run records
+@pytest.mark.slow  # 1-3 s each here (2 cores): unpacks up to 27 MB of layers and reads up to 162 run records
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Path, run: str) -> None:
     """Each committed analysis is ``--analyse`` of the run folder committed in its records (records.tgz and any later
@@ -399,8 +399,9 @@ def test_runs_at_a_time_reads_each_launch_of_a_stage_log(tmp_path: pathlib.Path)
     assert v4l.runs_at_a_time(log) == []
     log.write_text("18 runs to do (0 already done), 9 at a time on each of GPUs [0] (NVIDIA H200)\n"
                    "[     0s] start v4l__anchor__s0 on GPU 0 (attempt 1)\n"
-                   "6 runs to do (12 already done), 3 at a time on each of GPUs [0] (NVIDIA H200)\n")
-    assert v4l.runs_at_a_time(log) == [9, 3]
+                   "6 runs to do (12 already done), 3 at a time on each of GPUs [0] (NVIDIA H200)\n"
+                   "33 runs to do (111 already done), 9 at a time on each of GPUs [0, 1] (NVIDIA H200)\n")
+    assert v4l.runs_at_a_time(log) == ["9", "3", "18 (9 on each of 2 GPUs)"]
 
 
 def test_the_plan_stops_on_a_failed_pilot_gate_and_main_refuses(tmp_path: pathlib.Path,

@@ -5,18 +5,24 @@ registered design is read from ``study_v4.PREREGISTRATION``. Called by ``benchma
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
+from dfpo_bench.lib import record_layers
 from dfpo_bench.lib.common import load_json, save_figure
 from dfpo_bench.lib.stats import mde_t
 from dfpo_bench.studies.study_v4 import PREREGISTRATION
 
-# The run the analysis reads, and the commit whose sources ran it: provenance.source_sha256 of a checkout of that
-# commit equals the records' source_sha256 (checked when the results came back, 2026-11-29); the records' commit is
-# the device copy's base, the session's starting commit.
+# The run the analysis reads (records.tgz, then one records_N.tgz layer per later session: lib/record_layers.py), and
+# per session the commit whose sources ran it: provenance.source_sha256 of a checkout of that commit equals the
+# records' source_sha256 (each checked when the results came back); the records' own commit is the device copy's
+# base, the session's starting commit.
 RUN_FOLDER = "study_v4/gpu_2026-11-29"
-RUN_COMMIT = "77524bd"
+RUN_COMMITS = {  # source_sha256 (first 12 hex digits) -> the commit it is the hash of
+    "6a411b3804c6": "77524bd",  # 2026-11-29, first session: pilot, plan, 16 main and 4 control trajectories
+    "440be7845963": "ee6b6e4",  # 2026-11-29, second session (two GPUs): 14 more main trajectories
+}
 EXCLUDED = {  # earlier GPU folders, not analysed (benchmarks/README.md, "Study v4", says why in full)
     "study_v4/gpu_2026-11-28": "a broken probe (every paired effect read 0; fixed since)",
     "study_v4/gpu_2026-11-28b": "a pilot stopped by hand when the device time ran out (crashes; a meter check only)",
@@ -108,6 +114,23 @@ def residual_figure(analysis: dict[str, Any], fig_dir: pathlib.Path, out: pathli
     return save_figure(fig, fig_dir, "study_v4_residuals.png", out, dpi=110)
 
 
+def checkouts_sentence(runs: list[dict[str, Any]]) -> str:
+    """Which code ran, one clause per source hash in the order the analysis met them (the sessions' order): how many
+    trajectories, the commit that hash is of (``RUN_COMMITS``), and the commit the records name."""
+    by_source: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        checkout = run.get("checkout") or {}
+        entry = by_source.setdefault(str(checkout.get("source_sha256", "?"))[:12], {"n": 0, "named": set()})
+        entry["n"] += run.get("trajectories", 0)
+        entry["named"].add((str(checkout.get("commit", "?"))[:7], bool(checkout.get("dirty"))))
+    clauses = [f"{e['n']} under source hash {h}… (the hash of `{RUN_COMMITS.get(h, 'an unlisted commit')}`; the "
+               "records name " + ", ".join(f"commit {c}" + (" with uncommitted changes" if d else "")
+                                           for c, d in sorted(e["named"])) + ")" for h, e in by_source.items()]
+    return (f"The trajectories ran under {len(by_source)} checkout{'s' if len(by_source) != 1 else ''}: "
+            + "; ".join(clauses) + " (the device copies the session's working tree onto the commit the session "
+            "started from; `benchmarks/dfpo_bench/lib/provenance.py` computes the hash).")
+
+
 def points_per_trajectory(name: str) -> int:
     """Branch points of one trajectory of a registered setting: S of every S + 1 optimizer steps."""
     s = PREREGISTRATION["settings"][name]
@@ -128,8 +151,10 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
     settings, coverage = analysis["settings"], analysis["coverage"]
     main, control = settings.get("main") or {}, settings.get("control") or {}
     runs = analysis["provenance"]
-    checkout = (runs[0].get("checkout") or {}) if runs else {}
-    registration = (runs[0].get("registration") or {}) if runs else {}
+    registrations = {json.dumps(r.get("registration"), sort_keys=True) for r in runs}
+    registration = (runs[0].get("registration") or {}) if len(registrations) == 1 else {}
+    later = sorted((p for p in (results / RUN_FOLDER).glob("records_*.tgz") if record_layers.layer_number(p)),
+                   key=record_layers.layer_number)
     mde = PREREGISTRATION["mde"]
     figure = scatter(analysis, fig_dir, out)
     residuals = residual_figure(analysis, fig_dir, out)
@@ -137,17 +162,18 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
              "(`studies/branch_test.py`, `studies/study_v4.py`)", "",
              f"Card: {', '.join(sorted({str(r.get('card')) for r in runs}))}; versions "
              f"{', '.join(f'{k} {v}' for k, v in sorted((runs[0].get('versions') or {}).items())) if runs else '–'}; "
-             "float32 weights, TF32 off. The records name commit "
-             f"{str(checkout.get('commit', '?'))[:7]}"
-             + (" with uncommitted changes (the device copies the session's working tree onto the commit the session "
-                "started from)" if checkout.get("dirty") else "") + "; their source hash "
-             f"{str(checkout.get('source_sha256', '?'))[:12]}… is the hash of `{RUN_COMMIT}` "
-             f"(`benchmarks/dfpo_bench/lib/provenance.py`). "
-             f"{'Every' if len(runs) == 1 else 'Not every'} main-stage trajectory ran under that one checkout, and "
-             f"the registration each admitted is `{str(registration.get('sha256', '?'))[:8]}…` "
-             f"({'tracked and clean' if registration.get('tracked') and registration.get('clean') else 'NOT clean'}, "
-             f"committed in {str(registration.get('commit', '?'))[:7]}). Records: `results/{RUN_FOLDER}/records.tgz` "
-             "(pilot and main trajectory files, logs, the plan), analysis: `results/study_v4.json`.", "",
+             "float32 weights, TF32 off. " + checkouts_sentence(runs) + " "
+             + (f"Every trajectory admitted the same registration, `{str(registration.get('sha256', '?'))[:8]}…` "
+                f"({'tracked and clean' if registration.get('tracked') and registration.get('clean') else 'NOT clean'}"
+                f", committed in {str(registration.get('commit', '?'))[:7]})." if registration else
+                f"The trajectories admitted {len(registrations)} different registrations (see `provenance` in the "
+                "analysis).")
+             + f" Records: `results/{RUN_FOLDER}/records.tgz`"
+             + (", then " + ", ".join(f"`{p.name}`" for p in later) + " (pilot and main trajectory files, logs, the "
+                "plan; each later archive holds only what a later session added or changed, and `python -m "
+                "dfpo_bench.lib.record_layers unpack` extracts them in order)" if later else
+                " (pilot and main trajectory files, logs, the plan)")
+             + ", analysis: `results/study_v4.json`.", "",
              "**Design** (registered before the runs; benchmarks/README.md, \"Study v4, part 1\"): from a GSPO "
              "trajectory, at every step whose next micro-batch is j ≥ 1 steps stale, two trainers loaded with "
              "bit-identical weights and AdamW state each take one real optimizer step on that micro-batch, GSPO and "

@@ -644,13 +644,17 @@ def early_entropy(rows: list[dict[str, Any]], steps: tuple[int, ...] = (10, 20, 
             for step in steps}
 
 
-def runs_at_a_time(log: pathlib.Path) -> list[int]:
+def runs_at_a_time(log: pathlib.Path) -> list[str]:
     """How many runs each launch of a stage kept going at once, as its log's first line states ("... N at a time on
-    each of GPUs ..."), one entry per launch (the GPU job appends a later session's launch to the same log); the wall
-    times depend on it."""
+    each of GPUs [0, 1] ..."), one entry per launch (the GPU job appends a later session's launch to the same log):
+    "N" on one GPU, "N×K (N on each of K GPUs)" on several; the wall times depend on the runs per GPU."""
     if not log.exists():
         return []
-    return [int(m.group(1)) for m in re.finditer(r"(\d+) at a time on each of GPUs", log.read_text())]
+    out = []
+    for m in re.finditer(r"(\d+) at a time on each of GPUs \[([\d, ]*)\]", log.read_text()):
+        per_gpu, gpus = int(m.group(1)), len(re.findall(r"\d+", m.group(2))) or 1
+        out.append(str(per_gpu) if gpus == 1 else f"{per_gpu * gpus} ({per_gpu} on each of {gpus} GPUs)")
+    return out
 
 
 def warmstart_replay(out_dir: pathlib.Path) -> dict[str, Any] | None:
