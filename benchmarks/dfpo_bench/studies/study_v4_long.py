@@ -647,7 +647,8 @@ def early_entropy(rows: list[dict[str, Any]], steps: tuple[int, ...] = (10, 20, 
 def runs_at_a_time(log: pathlib.Path) -> list[str]:
     """How many runs each launch of a stage kept going at once, as its log's first line states ("... N at a time on
     each of GPUs [0, 1] ..."), one entry per launch (the GPU job appends a later session's launch to the same log):
-    "N" on one GPU, "N×K (N on each of K GPUs)" on several; the wall times depend on the runs per GPU."""
+    "N" on one GPU, their product then "(N on each of K GPUs)" on K > 1 ("18 (9 on each of 2 GPUs)"); the wall
+    times depend on the runs per GPU."""
     if not log.exists():
         return []
     out = []
