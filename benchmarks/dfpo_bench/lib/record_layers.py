@@ -46,6 +46,20 @@ def layer_number(path: pathlib.Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def describe(results: pathlib.Path, run_folder: str, held: str) -> str:
+    """A report's sentence on where a run folder's records are (``results/run_folder``): its archives in unpacking
+    order, ``held`` saying what they hold, and what the later ones hold; or that the repository lacks them."""
+    try:
+        names = [p.name for p in layers(results / run_folder)]
+    except FileNotFoundError:
+        return f"not in the repository (`results/{run_folder}/{FIRST}` is missing)"
+    if len(names) == 1:
+        return f"`results/{run_folder}/{names[0]}` ({held})"
+    return (f"`results/{run_folder}/{names[0]}`, then " + ", ".join(f"`{n}`" for n in names[1:])
+            + f" ({held}; each later archive holds only the files a later session added or changed, and `python -m "
+            "dfpo_bench.lib.record_layers unpack` extracts them in order)")
+
+
 def unpack(folder: pathlib.Path, dest: pathlib.Path) -> list[pathlib.Path]:
     """Extract every layer of ``folder`` into ``dest`` in order (a later layer's file replaces an earlier one's);
     returns the layers read."""

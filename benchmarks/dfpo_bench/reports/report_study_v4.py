@@ -153,8 +153,6 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
     runs = analysis["provenance"]
     registrations = {json.dumps(r.get("registration"), sort_keys=True) for r in runs}
     registration = (runs[0].get("registration") or {}) if len(registrations) == 1 else {}
-    later = sorted((p for p in (results / RUN_FOLDER).glob("records_*.tgz") if record_layers.layer_number(p)),
-                   key=record_layers.layer_number)
     mde = PREREGISTRATION["mde"]
     figure = scatter(analysis, fig_dir, out)
     residuals = residual_figure(analysis, fig_dir, out)
@@ -168,12 +166,8 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
                 f", committed in {str(registration.get('commit', '?'))[:7]})." if registration else
                 f"The trajectories admitted {len(registrations)} different registrations (see `provenance` in the "
                 "analysis).")
-             + f" Records: `results/{RUN_FOLDER}/records.tgz`"
-             + (", then " + ", ".join(f"`{p.name}`" for p in later) + " (pilot and main trajectory files, logs, the "
-                "plan; each later archive holds only what a later session added or changed, and `python -m "
-                "dfpo_bench.lib.record_layers unpack` extracts them in order)" if later else
-                " (pilot and main trajectory files, logs, the plan)")
-             + ", analysis: `results/study_v4.json`.", "",
+             + " Records: " + record_layers.describe(results, RUN_FOLDER, "pilot and main trajectory files, logs, "
+                                                     "the plan") + ", analysis: `results/study_v4.json`.", "",
              "**Design** (registered before the runs; benchmarks/README.md, \"Study v4, part 1\"): from a GSPO "
              "trajectory, at every step whose next micro-batch is j ≥ 1 steps stale, two trainers loaded with "
              "bit-identical weights and AdamW state each take one real optimizer step on that micro-batch, GSPO and "

@@ -95,17 +95,8 @@ def study_v4_long_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pat
 def records_text(results: pathlib.Path, run_folder: str) -> str:
     """Where the run folder's records are: its archives in unpacking order (with what the later ones hold), or that
     the repository lacks them."""
-    try:
-        names = [p.name for p in record_layers.layers(results / run_folder)]
-    except FileNotFoundError:
-        return f"not in the repository (`results/{run_folder}/records.tgz` is missing)"
-    held = ("the run folder without model weights: the warm start's records, the pilot's and the main stage's run "
-            "records and logs, the plan")
-    if len(names) == 1:
-        return f"`results/{run_folder}/{names[0]}` ({held})"
-    return (f"`results/{run_folder}/{names[0]}`, then " + ", ".join(f"`{n}`" for n in names[1:])
-            + f" ({held}; each later archive holds only the files a later session added or changed, and `python -m "
-            "dfpo_bench.lib.record_layers unpack` extracts them in order)")
+    return record_layers.describe(results, run_folder, "the run folder without model weights: the warm start's "
+                                  "records, the pilot's and the main stage's run records and logs, the plan")
 
 
 def run_lines(analysis: dict[str, Any], analysis_file: str, records: str, figure_name: str,
