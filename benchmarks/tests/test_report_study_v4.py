@@ -56,17 +56,59 @@ def test_a_crash_is_named_and_a_failed_gate_said(tmp_path: pathlib.Path) -> None
 
 
 def test_each_checkout_is_named_with_its_count_and_the_commit_its_source_hash_is_of() -> None:
-    """One clause per source hash, in the analysis's order, summing the entries that differ only in their diff; a
-    hash the report does not list says so instead of naming a commit."""
+    """One clause per source hash, in the sessions' order whatever the analysis's, summing the entries that differ
+    only in their diff; a hash the report does not list says so instead of naming a commit, and comes last."""
     def run(commit: str, source: str, diff: str, n: int) -> dict[str, Any]:
         return {"checkout": {"commit": commit, "dirty": True, "diff_sha256": diff, "source_sha256": source},
                 "trajectories": n}
-    first, second = list(report_study_v4.RUN_COMMITS)
-    text = report_study_v4.checkouts_sentence([run("4931addee", first + "00", "a", 20),
+    first, second, third = list(report_study_v4.RUN_COMMITS)[:3]
+    text = report_study_v4.checkouts_sentence([run("abc", "f" * 64, "d", 2),
+                                               run("a625e137", third + "11", "e", 48),
+                                               run("4931addee", first + "00", "a", 20),
                                                run("327d7e93", second + "ff", "b", 1),
                                                run("327d7e93", second + "ff", "c", 13)])
-    assert text.startswith("The trajectories ran under 2 checkouts: 20 under source hash " + first)
+    assert text.startswith("The trajectories ran under 4 checkouts: 20 under source hash " + first)
     assert (f"14 under source hash {second}… (the hash of `{report_study_v4.RUN_COMMITS[second]}`; the records name "
             "commit 327d7e9 with uncommitted changes)") in text
+    assert text.index(f"hash {second}") < text.index(f"hash {third}") < text.index("an unlisted commit")
     assert "an unlisted commit" in report_study_v4.checkouts_sentence([run("abc", "f" * 64, "d", 3)])
     assert "under 1 checkout:" in report_study_v4.checkouts_sentence([run("abc", "f" * 64, "d", 3)])
+
+
+def test_the_control_says_where_its_mde_stands_against_the_target(tmp_path: pathlib.Path) -> None:
+    """The control's sentence compares the MDE it reached with the registered target both ways, and gives the points
+    with signal per trajectory of the pilot and of the main stage."""
+    analysis = committed()
+    control = analysis["settings"]["control"]
+    target = report_study_v4.PREREGISTRATION["mde"]["relative_effect"]
+    per_trajectory = control["points"] / control["trajectories"]
+    control["mde_relative"] = target * 0.99
+    text = section(tmp_path / "a", analysis)
+    assert f"the MDE reached is at or below the registered target {target:g}" in text
+    assert f"the main stage's trajectories had {per_trajectory:.1f} ({control['points']} of " in text
+    control["mde_relative"] = target * 3
+    assert f"the MDE reached is above the registered target {target:g}" in section(tmp_path / "b", analysis)
+    assert report_study_v4.power_word(None, target) == "not known against"
+
+
+def test_a_secondary_is_named_only_when_its_interval_excludes_0_with_the_arm_it_favours(
+        tmp_path: pathlib.Path) -> None:
+    """The pair is GSPO − Min-Replace: a positive interval names GSPO's step, a negative one Min-Replace's, and an
+    interval holding 0 gives no line."""
+    analysis = committed()
+    main, control = analysis["settings"]["main"], analysis["settings"]["control"]
+    main["abs_log_odds"].update(value=0.01, low=0.005, high=0.02)
+    main["set_logp"].update(value=-0.2, low=-0.3, high=-0.1)
+    control["abs_log_odds"].update(value=-0.01, low=-0.02, high=-0.005)
+    control["set_logp"].update(value=0.0, low=-0.1, high=0.1)
+    lines = [line for line in section(tmp_path, analysis).splitlines() if line.startswith("* Secondary")]
+    assert lines == [
+        "* Secondary, main: GSPO's step left the forms' |log-odds| larger, by 0.0100 (GSPO − MR "
+        f"{report_study_v4.interval(main['abs_log_odds'])}); one of the 4 secondary intervals above, unadjusted, "
+        "not a registered prediction.",
+        "* Secondary, main: Min-Replace's step left the rewarded set more log-mass, by 0.2000 nats (GSPO − MR "
+        f"{report_study_v4.interval(main['set_logp'])}); one of the 4 secondary intervals above, unadjusted, "
+        "not a registered prediction.",
+        "* Secondary, control: Min-Replace's step left the forms' |log-odds| larger, by 0.0100 (GSPO − MR "
+        f"{report_study_v4.interval(control['abs_log_odds'])}); one of the 4 secondary intervals above, "
+        "unadjusted, not a registered prediction."]

@@ -22,6 +22,7 @@ RUN_FOLDER = "study_v4/gpu_2026-11-29"
 RUN_COMMITS = {  # source_sha256 (first 12 hex digits) -> the commit it is the hash of
     "6a411b3804c6": "77524bd",  # 2026-11-29, first session: pilot, plan, 16 main and 4 control trajectories
     "440be7845963": "ee6b6e4",  # 2026-11-29, second session (two GPUs): 14 more main trajectories
+    "e1220b2355a5": "a625e13",  # 2026-11-29, third session (two GPUs): the last 5 main and 43 control trajectories
 }
 EXCLUDED = {  # earlier GPU folders, not analysed (benchmarks/README.md, "Study v4", says why in full)
     "study_v4/gpu_2026-11-28": "a broken probe (every paired effect read 0; fixed since)",
@@ -115,20 +116,30 @@ def residual_figure(analysis: dict[str, Any], fig_dir: pathlib.Path, out: pathli
 
 
 def checkouts_sentence(runs: list[dict[str, Any]]) -> str:
-    """Which code ran, one clause per source hash in the order the analysis met them (the sessions' order): how many
-    trajectories, the commit that hash is of (``RUN_COMMITS``), and the commit the records name."""
+    """Which code ran, one clause per source hash in the sessions' order (``RUN_COMMITS``'s; a hash it does not list
+    comes last): how many trajectories, the commit that hash is of, and the commit the records name."""
     by_source: dict[str, dict[str, Any]] = {}
     for run in runs:
         checkout = run.get("checkout") or {}
         entry = by_source.setdefault(str(checkout.get("source_sha256", "?"))[:12], {"n": 0, "named": set()})
         entry["n"] += run.get("trajectories", 0)
         entry["named"].add((str(checkout.get("commit", "?"))[:7], bool(checkout.get("dirty"))))
-    clauses = [f"{e['n']} under source hash {h}… (the hash of `{RUN_COMMITS.get(h, 'an unlisted commit')}`; the "
-               "records name " + ", ".join(f"commit {c}" + (" with uncommitted changes" if d else "")
-                                           for c, d in sorted(e["named"])) + ")" for h, e in by_source.items()]
+    sessions = list(RUN_COMMITS)
+    order = sorted(by_source, key=lambda h: sessions.index(h) if h in sessions else len(sessions))
+    clauses = [f"{by_source[h]['n']} under source hash {h}… (the hash of "
+               f"`{RUN_COMMITS.get(h, 'an unlisted commit')}`; the records name "
+               + ", ".join(f"commit {c}" + (" with uncommitted changes" if d else "")
+                           for c, d in sorted(by_source[h]["named"])) + ")" for h in order]
     return (f"The trajectories ran under {len(by_source)} checkout{'s' if len(by_source) != 1 else ''}: "
             + "; ".join(clauses) + " (the device copies the session's working tree onto the commit the session "
             "started from; `benchmarks/dfpo_bench/lib/provenance.py` computes the hash).")
+
+
+def power_word(reached: float | None, target: float) -> str:
+    """Where the MDE a stage reached stands against the registered target MDE (smaller is more power)."""
+    if reached is None:
+        return "not known against"
+    return "at or below" if reached <= target else "above"
 
 
 def points_per_trajectory(name: str) -> int:
@@ -228,7 +239,7 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
                f"be {mde_t(p['se'], p['clusters'] - 1):.4f})" if holds_zero(p) else
                f"**Detected** ({'in the predicted direction' if p['value'] > 0 else 'against the prediction'})")
             + f"; the registered target MDE was {mde['relative_effect']:g}, and the MDE reached is "
-            + ("below it" if reached is not None and reached <= mde["relative_effect"] else "above it")
+            + power_word(reached, mde["relative_effect"]) + " it"
             + f", with {coverage['main']['complete']} of the {coverage['main']['planned']} planned trajectories. "
             f"The plan, from the pilot's SD inflated × 2 and × √deff as registered, expected an MDE of "
             f"{fmt(planned_main.get('mde_at_n'), 4)} at its {planned_main.get('points', '–')} points; the bootstrap's "
@@ -238,19 +249,20 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
             f"{main['means']['removed_share']:.3f}.")
     if control:
         p = control["primary_relative"]
+        pilot_control = plan["settings"].get("control", {}).get("points_per_trajectory", 0.0)
+        main_stage_control = control["points"] / max(control["trajectories"], 1)
         lines.append(
             f"* Positive control: its registered gate (mean GSPO imbalance at j = S ≥ {gate.get('min')}) "
             + ("was **reached**" if gate.get("passed") else "was **not reached**")
             + f", {fmt(gate.get('value'))}. Its effect {interval(p)}: "
-            + (f"not detected above {control['mde_relative']:.3f} ({mde_t(p['se'], p['clusters'] - 1):.3f} with "
+            + (f"not detected above {control['mde_relative']:.4f} ({mde_t(p['se'], p['clusters'] - 1):.4f} with "
                f"Student's t on {p['clusters'] - 1} degrees of freedom)" if holds_zero(p) else "detected")
             + f", from {coverage['control']['complete']} of its {coverage['control']['planned']} planned "
-            "trajectories (the plan asked for the registered maximum of points: in the pilot about "
-            f"{plan['settings'].get('control', {}).get('points_per_trajectory', 0):.0f} of each trajectory's "
-            f"{points_per_trajectory('control')} branch points had a group with signal), so the control is "
-            "far from its target power; "
-            f"{control['no_signal_points']} of its {control['points'] + control['no_signal_points']} main-stage "
-            "points had no signal.")
+            f"trajectories; the MDE reached is {power_word(control['mde_relative'], mde['relative_effect'])} the "
+            f"registered target {mde['relative_effect']:g}. The plan asked for the registered maximum of points "
+            f"from {pilot_control:.1f} of each trajectory's {points_per_trajectory('control')} branch points with a "
+            f"group with signal in the pilot; the main stage's trajectories had {main_stage_control:.1f} "
+            f"({control['points']} of {control['points'] + control['no_signal_points']}).")
     if slope and intercept:
         lines.append(
             f"* Co-primary: the slope of the per-point relative effect on I, main and control pooled, "
@@ -261,12 +273,14 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
                "The effect fell as the term grew")
             + ("; the intercept's interval holds 0." if holds_zero(intercept) else "; the intercept is not 0."))
     for name, e in present:
-        if holds_zero(e["set_logp"]):
-            continue
-        more = "Min-Replace's" if e["set_logp"]["value"] < 0 else "GSPO's"
-        lines.append(f"* Secondary, {name}: after {more} step the rewarded set kept more log-mass, by "
-                     f"{abs(e['set_logp']['value']):.4f} nats {interval(e['set_logp'])}; one of the "
-                     f"{2 * len(settings)} secondary intervals above, unadjusted, not a registered prediction.")
+        for key, what, unit in (("abs_log_odds", "left the forms' |log-odds| larger", ""),
+                                ("set_logp", "left the rewarded set more log-mass", " nats")):
+            if holds_zero(e[key]):
+                continue
+            larger = "GSPO's" if e[key]["value"] > 0 else "Min-Replace's"  # the pair is GSPO − Min-Replace
+            lines.append(f"* Secondary, {name}: {larger} step {what}, by {abs(e[key]['value']):.4f}{unit} "
+                         f"(GSPO − MR {interval(e[key])}); one of the {2 * len(settings)} secondary intervals above, "
+                         "unadjusted, not a registered prediction.")
     counts, heavy = {}, []  # heavy: (same step?, clipped share) of every point with I > HEAVY
     for name, e in settings.items():
         columns = e.get("point_columns")
