@@ -224,18 +224,20 @@ def device_numbers_agree(device: dict[str, Any], here: dict[str, Any]) -> None:
 def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Path) -> None:
     """results/study_v4.json is ``--analyse`` of the GPU run's trajectory files as committed (every layer unpacked in
     order), and it equals the analysis the GPU machine wrote at the end of the last session (study_v4.json in the
-    records). The first session's layer alone analysed here equals the analysis the machine wrote then (its
-    study_v4_device.json, before the coverage, provenance and point columns were added) on every number it holds."""
+    records). Each earlier session's records, its layer and those before it, analysed here equal the analysis the
+    machine wrote then on every number it holds (the first session's study_v4_device.json, written before the
+    coverage, provenance and point columns were added; each later session's study_v4.json)."""
     layers = record_layers.layers(RECORDS)
-    assert [p.name for p in layers] == ["records.tgz", "records_2.tgz"]
-    with tarfile.open(layers[0]) as tar:
-        tar.extractall(tmp_path / "first", filter="data")
-    device_numbers_agree(json.loads((tmp_path / "first" / "study_v4_device.json").read_text()),
-                         study_v4.analyse(tmp_path / "first"))
+    assert [p.name for p in layers] == ["records.tgz", "records_2.tgz", "records_3.tgz"]
+    for k, layer in enumerate(layers):
+        with tarfile.open(layer) as tar:
+            tar.extractall(tmp_path / "sessions", filter="data")
+        device = tmp_path / "sessions" / ("study_v4_device.json" if k == 0 else "study_v4.json")
+        device_numbers_agree(json.loads(device.read_text()), study_v4.analyse(tmp_path / "sessions"))
     record_layers.unpack(RECORDS, tmp_path / "all")
     committed = json.loads(ANALYSIS.read_text())
     assert_numbers_close(study_v4.analyse(tmp_path / "all"), committed)
     assert_numbers_close(json.loads((tmp_path / "all" / "study_v4.json").read_text()), committed)
     assert committed["crashes"] == [] and all(c["crashed"] == 0 for c in committed["coverage"].values())
-    assert committed["coverage"]["main"]["complete"] == 30 == sum(r["trajectories"] for r in committed["provenance"]
+    assert committed["coverage"]["main"]["complete"] == 35 == sum(r["trajectories"] for r in committed["provenance"]
                                                                   ) - committed["coverage"]["control"]["complete"]

@@ -12,6 +12,8 @@
 #                                                                  on the first of GPUS, MAIN_PROCS on each, MAIN_DEADLINE_S)
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh v4long GPU        study v4 part 3: warm start, then STAGE (pilot|main), detached
 #                                                                  (PARALLEL, DEADLINE_S)
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh wait S            waits up to S s for study v4's detached processes (its
+#                                                                  driver ends after the analysis), then `poll 1`
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh poll S            waits S s, prints progress, packs what exists into $OUT
 #                                                                  (study v4 part 3's archive in 15 MiB parts once larger)
 # A detached job dies with the machine, which goes back 30 s after a call returns: keep calling `poll`.
@@ -102,6 +104,12 @@ case "$1" in
         >> /tmp/v4long/${STAGE:-pilot}.log 2>&1
     " > /tmp/v4long/driver.log 2>&1 < /dev/null &
     echo "study v4 part 3 (${STAGE:-pilot}) started on GPU $2" ;;
+  wait)
+    # the pattern's [d] keeps pgrep from matching a command line that holds the pattern itself (a shell that runs
+    # `pgrep -f "dfpo_bench.studies.study_v4"` would match its own line and wait the whole S)
+    for _ in $(seq "${2:-540}"); do pgrep -f "[d]fpo_bench.studies.study_v4" > /dev/null || break; sleep 1; done
+    echo "waited; study v4 processes left: $(pgrep -fc "[d]fpo_bench.studies.study_v4")"
+    exec bash "$0" poll 1 ;;
   poll)
     sleep "${2:-20}"
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
