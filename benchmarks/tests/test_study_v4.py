@@ -229,15 +229,20 @@ def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Pa
     coverage, provenance and point columns were added; each later session's study_v4.json)."""
     layers = record_layers.layers(RECORDS)
     assert [p.name for p in layers] == ["records.tgz", "records_2.tgz", "records_3.tgz"]
+    sessions = tmp_path / "sessions"  # the layers extracted one by one, each session's records in turn
     for k, layer in enumerate(layers):
         with tarfile.open(layer) as tar:
-            tar.extractall(tmp_path / "sessions", filter="data")
-        device = tmp_path / "sessions" / ("study_v4_device.json" if k == 0 else "study_v4.json")
-        device_numbers_agree(json.loads(device.read_text()), study_v4.analyse(tmp_path / "sessions"))
-    record_layers.unpack(RECORDS, tmp_path / "all")
+            tar.extractall(sessions, filter="data")
+        here = study_v4.analyse(sessions)
+        device_numbers_agree(json.loads((sessions / ("study_v4_device.json" if k == 0 else "study_v4.json"))
+                                        .read_text()), here)
+    record_layers.unpack(RECORDS, tmp_path / "all")  # the tool gives the same folder: ``here`` is its analysis
+    files = sorted(p.relative_to(tmp_path / "all") for p in (tmp_path / "all").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(sessions) for p in sessions.rglob("*") if p.is_file())
+    assert all((tmp_path / "all" / f).read_bytes() == (sessions / f).read_bytes() for f in files)
     committed = json.loads(ANALYSIS.read_text())
-    assert_numbers_close(study_v4.analyse(tmp_path / "all"), committed)
-    assert_numbers_close(json.loads((tmp_path / "all" / "study_v4.json").read_text()), committed)
+    assert_numbers_close(here, committed)
+    assert_numbers_close(json.loads((sessions / "study_v4.json").read_text()), committed)
     assert committed["crashes"] == [] and all(c["crashed"] == 0 for c in committed["coverage"].values())
     assert committed["coverage"]["main"]["complete"] == 35 == sum(r["trajectories"] for r in committed["provenance"]
                                                                   ) - committed["coverage"]["control"]["complete"]
