@@ -1,14 +1,19 @@
 """dfpo_bench.reports.report_study_v4: the section's wording follows the intervals (an interval holding 0 reads "not
 detected above" the MDE reached, one excluding it reads "detected" with its direction), the same-step points are
-the ones with equal gradient norms and a zero effect, and the committed analysis gives a section with its figure."""
+the ones with equal gradient norms and a zero effect, the exploratory fits start from the registered one, and the
+committed analysis gives a section with its figure."""
 
 from __future__ import annotations
 
 import copy
 import json
 import pathlib
+import random
 from typing import Any
 
+import pytest
+
+from dfpo_bench.lib import stats
 from dfpo_bench.reports import report_study_v4  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
@@ -112,3 +117,43 @@ def test_a_secondary_is_named_only_when_its_interval_excludes_0_with_the_arm_it_
         "* Secondary, control: Min-Replace's step left the forms' |log-odds| larger, by 0.0100 (GSPO − MR "
         f"{report_study_v4.interval(control['abs_log_odds'])}); one of the 4 secondary intervals above, "
         "unadjusted, not a registered prediction."]
+
+
+def test_the_sums_bootstrap_is_the_cluster_bootstrap_of_ols() -> None:
+    """stats.cluster_bootstrap_ols (each draw from its clusters' sums) gives what cluster_bootstrap gives with ols's
+    slope and intercept as the statistic, draw for draw; it refuses one cluster and an x that does not vary."""
+    rng = random.Random(3)
+    clusters = {f"t{k}": [(x := rng.uniform(0, 0.6), 0.2 * x - 0.03 + rng.gauss(0, 0.05 + 0.02 * k))
+                          for _ in range(rng.randint(3, 30))] for k in range(25)}
+    clusters["t3"] = [(0.0, 0.0)] * 7  # same-step points at I = 0
+    slope, intercept = stats.cluster_bootstrap_ols(clusters, draws=500, seed=1)
+    for got, i in ((slope, 0), (intercept, 1)):
+        want = stats.cluster_bootstrap(clusters, lambda pts, i=i: (f := stats.ols(pts)) and f[i], draws=500, seed=1)
+        assert got.keys() == want.keys()
+        for key in ("value", "low", "high", "se"):
+            assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+        assert (got["draws"], got["items"], got["clusters"]) == (want["draws"], want["items"], want["clusters"])
+    assert stats.cluster_bootstrap_ols({"a": clusters["t0"]}) == (None, None)
+    assert stats.cluster_bootstrap_ols({"a": [(0.5, 1.0), (0.5, 2.0)], "b": [(0.5, 0.0)]}) == (None, None)
+
+
+def test_the_exploratory_fits_start_from_the_registered_one_and_say_which_way_a_subset_pulled(
+        tmp_path: pathlib.Path) -> None:
+    """The pooled fit recomputed from the point columns is the analysis's registered slope and intercept; the
+    sentence gives the fit without the same-step points with the way they pulled the slope, and each setting's."""
+    analysis = committed()
+    fits = report_study_v4.exploratory_fits(analysis["settings"])
+    for got, want in zip(fits["all"], (analysis["slope"], analysis["intercept"]), strict=True):
+        for key in ("value", "low", "high", "se"):
+            assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+    assert [report_study_v4.pulled(*pair) for pair in ((0.1, 0.2), (0.2, 0.1), (0.1, -0.1), (-0.1, -0.1))] == [
+        "towards 0", "away from 0", "across 0", "neither way"]
+    without, control = fits["without same-step points"], fits["control"]
+    line = next(line for line in section(tmp_path, analysis).splitlines() if line.startswith("* Not registered"))
+    assert (f"without the same-step points, slope {report_study_v4.interval(without[0], 3)}, intercept "
+            f"{report_study_v4.interval(without[1], 3)} (so those points pulled the pooled slope "
+            f"{report_study_v4.pulled(analysis['slope']['value'], without[0]['value'])})") in line
+    assert f"control alone, slope {report_study_v4.interval(control[0], 3)}" in line
+    items = sum(len(e["point_columns"]["trajectory"]) for e in analysis["settings"].values())
+    assert fits["all"][0]["items"] == items > without[0]["items"] == items - sum(
+        sum(report_study_v4.identical_steps(e["point_columns"])) for e in analysis["settings"].values())

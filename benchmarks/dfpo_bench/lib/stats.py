@@ -1,6 +1,7 @@
 """Statistics and number formatting shared by the benchmark scripts and reports: 95% Student-t intervals over seeds,
-Welch intervals of differences, the MDE with t, the bootstrap interval of a median. Pure Python (scipy
-when installed, for the t quantile); it imports no other benchmark module.
+Welch intervals of differences, the MDE with t, the bootstrap interval of a median, cluster bootstraps (of any
+statistic, and of a least-squares fit from the clusters' sums). Pure Python (scipy when installed, for the t
+quantile); it imports no other benchmark module.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import random
 import statistics
 from typing import Any
 
-__all__ = ["bootstrap_median", "clean", "cluster_bootstrap", "diff_ci", "fmt", "fmt_ci", "mean_ci", "mde_t", "ols",
-           "t_ppf", "t_quantile"]
+__all__ = ["bootstrap_median", "clean", "cluster_bootstrap", "cluster_bootstrap_ols", "diff_ci", "fmt", "fmt_ci",
+           "mean_ci", "mde_t", "ols", "t_ppf", "t_quantile"]
 
 
 def t_quantile(df: float) -> float:
@@ -132,3 +133,40 @@ def cluster_bootstrap(clusters: dict[Any, list[Any]], statistic: Any, draws: int
     return {"value": point, "low": boot[int(0.025 * len(boot))], "high": boot[int(0.975 * len(boot)) - 1],
             "se": statistics.stdev(boot) if len(boot) > 1 else 0.0, "clusters": len(keys),
             "items": sum(len(clusters[k]) for k in keys), "draws": len(boot)}
+
+
+def cluster_bootstrap_ols(clusters: dict[Any, list[tuple[float, float]]], draws: int = 4000, seed: int = 0
+                          ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(slope, intercept) of :func:`ols` over the (x, y) pairs of ``clusters`` pooled, each as
+    :func:`cluster_bootstrap` gives it with ``ols``'s slope or intercept as the statistic: the same resamplings (the
+    same seed and key order), the same percentile interval. A resampling's fit needs only its clusters' sums (n, Σx,
+    Σy, Σx², Σxy), so each draw costs the number of clusters, not of points; the sums are centred on the pooled means
+    first, so the result equals ``ols`` on the pooled points to rounding."""
+    keys = sorted(clusters, key=str)
+    pooled = [point for k in keys for point in clusters[k]]
+    if len(keys) < 2 or ols(pooled) is None:
+        return None, None
+    mx, my = statistics.fmean(x for x, _ in pooled), statistics.fmean(y for _, y in pooled)
+    sums = {k: (len(clusters[k]), sum(x - mx for x, _ in clusters[k]), sum(y - my for _, y in clusters[k]),
+                sum((x - mx) ** 2 for x, _ in clusters[k]), sum((x - mx) * (y - my) for x, y in clusters[k]))
+            for k in keys}
+    scale = max(s[3] for s in sums.values())
+
+    def fit(chosen: list[Any]) -> tuple[float, float] | None:
+        n, sx, sy, sxx, sxy = (sum(sums[k][i] for k in chosen) for i in range(5))
+        if n < 2 or sxx - sx * sx / n <= 1e-12 * scale * len(chosen):  # x does not vary (ols: None)
+            return None
+        slope = (sxy - sx * sy / n) / (sxx - sx * sx / n)
+        return slope, my + sy / n - slope * (mx + sx / n)
+
+    rng = random.Random(seed)
+    boot = [f for _ in range(draws) if (f := fit(rng.choices(keys, k=len(keys)))) is not None]
+    point = ols(pooled)
+    entries = []
+    for i in range(2):
+        values = sorted(f[i] for f in boot)
+        entries.append({"value": point[i], "low": values[int(0.025 * len(values))],
+                        "high": values[int(0.975 * len(values)) - 1],
+                        "se": statistics.stdev(values) if len(values) > 1 else 0.0, "clusters": len(keys),
+                        "items": len(pooled), "draws": len(values)} if values else None)
+    return entries[0], entries[1]

@@ -11,7 +11,7 @@ from typing import Any
 
 from dfpo_bench.lib import record_layers
 from dfpo_bench.lib.common import load_json, save_figure
-from dfpo_bench.lib.stats import mde_t
+from dfpo_bench.lib.stats import cluster_bootstrap_ols, mde_t
 from dfpo_bench.studies.study_v4 import PREREGISTRATION
 
 # The run the analysis reads (records.tgz, then one records_N.tgz layer per later session: lib/record_layers.py), and
@@ -154,6 +154,41 @@ def identical_steps(columns: dict[str, list[Any]]) -> list[bool]:
     return [g == 1.0 and r == 0.0 for g, r in zip(columns["grad_norm_ratio"], columns["relative"], strict=True)]
 
 
+def fit(points: dict[str, list[tuple[float, float]]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The co-primary's fit of the relative effect on I (slope, intercept) over ``points`` (trajectory -> (I,
+    effect) pairs), each with the analysis's own cluster bootstrap (study_v4.analyse: 4000 draws, seed 0), from the
+    clusters' sums."""
+    return cluster_bootstrap_ols(points)
+
+
+def pulled(with_them: float, without_them: float) -> str:
+    """Which way a subset of points moved a slope: ``with_them`` fitted on every point, ``without_them`` on the
+    rest."""
+    if with_them * without_them < 0:
+        return "across 0"
+    if abs(with_them) == abs(without_them):
+        return "neither way"
+    return "towards 0" if abs(with_them) < abs(without_them) else "away from 0"
+
+
+def exploratory_fits(settings: dict[str, Any]) -> dict[str, tuple[dict[str, Any] | None, dict[str, Any] | None]]:
+    """Not registered: the co-primary's fit on subsets of the analysed points, read from the point columns. "all" is
+    the registered pooled fit recomputed (it equals the analysis's slope and intercept), "without same-step points"
+    leaves out the points where both arms took the same step (:func:`identical_steps`), and each setting alone shows
+    which setting's points carry the pooled slope (the settings differ in I and in everything else)."""
+    subsets: dict[str, dict[str, list[tuple[float, float]]]] = {
+        "all": {}, "without same-step points": {}, **{name: {} for name in settings}}
+    for name, e in settings.items():
+        columns = e.get("point_columns")
+        if not columns:
+            continue
+        for trajectory, term, effect, same in zip(columns["trajectory"], columns["imbalance"], columns["relative"],
+                                                  identical_steps(columns), strict=True):
+            for subset in ("all", name) + (() if same else ("without same-step points",)):
+                subsets[subset].setdefault(f"{name}/{trajectory}", []).append((term, effect))
+    return {subset: fit(points) for subset, points in subsets.items() if points}
+
+
 def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
     analysis = load_json(results / "study_v4.json")
     if not analysis:
@@ -269,9 +304,12 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
             f"{interval(slope, 3)} per unit of I (half-width {half:.3f}; registered target "
             f"{mde['slope_half_width']:g}), intercept {interval(intercept, 3)}. "
             + ("The effect did not grow detectably with the term"
-               if holds_zero(slope) else "The effect grew with the term" if slope["value"] > 0 else
-               "The effect fell as the term grew")
-            + ("; the intercept's interval holds 0." if holds_zero(intercept) else "; the intercept is not 0."))
+               if holds_zero(slope) else "The effect grew with the term, as predicted" if slope["value"] > 0 else
+               "The effect fell as the term grew, against the prediction")
+            + ("; the intercept's interval holds 0." if holds_zero(intercept) else
+               "; the intercept is not 0, where the registration predicted it near 0: extrapolated to a term of 0, "
+               f"the fit has {'GSPO' if intercept['value'] > 0 else 'Min-Replace'}'s step moving the forms further "
+               f"along the drift, by {abs(intercept['value']):.1%} of GSPO's movement."))
     for name, e in present:
         for key, what, unit in (("abs_log_odds", "left the forms' |log-odds| larger", ""),
                                 ("set_logp", "left the rewarded set more log-mass", " nats")):
@@ -300,7 +338,23 @@ def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.
             + ". At such a point every row that carried gradient already had its group's minimum weight, so "
             "Min-Replace lowered only rows without gradient (in the ratio form a clipped row has none). I counts "
             "every row's post-clip weight, gradient or not, so it can overstate what the transform can change; "
-            "these points sit at large I with an effect of exactly 0 and pull the pooled slope towards 0.")
+            "these points sit at large I with an effect of exactly 0.")
+    fits, parts = exploratory_fits(settings), []
+    without = fits.get("without same-step points", (None, None))
+    if slope and any(n for n, _ in counts.values()) and without[0] and without[1]:
+        parts.append(f"without the same-step points, slope {interval(without[0], 3)}, intercept "
+                     f"{interval(without[1], 3)} (so those points pulled the pooled slope "
+                     + pulled(slope["value"], without[0]["value"]) + ")")
+    if len(settings) > 1:
+        for name in settings:
+            alone, at_zero = fits.get(name, (None, None))
+            if alone and at_zero:
+                parts.append(f"{name} alone, slope {interval(alone, 3)}, intercept {interval(at_zero, 3)}"
+                             + ("" if holds_zero(alone) or holds_zero(at_zero) else
+                                f" (its fit crosses 0 at I = {-at_zero['value'] / alone['value']:.2f})"))
+    if parts:
+        lines.append("* Not registered (exploratory, the co-primary's fit and resampling on subsets of the same "
+                     "points, unadjusted): " + "; ".join(parts) + ".")
     changes = {name: residual_pairs(e["point_columns"]) for name, e in settings.items() if e.get("point_columns")}
     if any(changes.values()):
         lines.append(
