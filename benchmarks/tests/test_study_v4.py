@@ -228,7 +228,7 @@ def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Pa
     machine wrote then on every number it holds (the first session's study_v4_device.json, written before the
     coverage, provenance and point columns were added; each later session's study_v4.json)."""
     layers = record_layers.layers(RECORDS)
-    assert [p.name for p in layers] == ["records.tgz", "records_2.tgz", "records_3.tgz"]
+    assert [p.name for p in layers] == ["records.tgz", "records_2.tgz", "records_3.tgz", "records_4.tgz"]
     sessions = tmp_path / "sessions"  # the layers extracted one by one, each session's records in turn
     for k, layer in enumerate(layers):
         with tarfile.open(layer) as tar:
@@ -243,6 +243,7 @@ def test_the_committed_analysis_is_the_gpu_records_analysed(tmp_path: pathlib.Pa
     committed = json.loads(ANALYSIS.read_text())
     assert_numbers_close(here, committed)
     assert_numbers_close(json.loads((sessions / "study_v4.json").read_text()), committed)
-    assert committed["crashes"] == [] and all(c["crashed"] == 0 for c in committed["coverage"].values())
+    assert committed["crashes"] == [] and all(c["crashed"] == 0 == c["not_started"] and c["complete"] == c["planned"]
+                                              for c in committed["coverage"].values())
     assert committed["coverage"]["main"]["complete"] == 35 == sum(r["trajectories"] for r in committed["provenance"]
                                                                   ) - committed["coverage"]["control"]["complete"]

@@ -23,6 +23,7 @@ RUN_COMMITS = {  # source_sha256 (first 12 hex digits) -> the commit it is the h
     "6a411b3804c6": "77524bd",  # 2026-11-29, first session: pilot, plan, 16 main and 4 control trajectories
     "440be7845963": "ee6b6e4",  # 2026-11-29, second session (two GPUs): 14 more main trajectories
     "e1220b2355a5": "a625e13",  # 2026-11-29, third session (two GPUs): the last 5 main and 43 control trajectories
+    "5661e59ec77a": "5ac5424",  # 2026-11-29, fourth session (two GPUs): the last 27 control trajectories
 }
 EXCLUDED = {  # earlier GPU folders, not analysed (benchmarks/README.md, "Study v4", says why in full)
     "study_v4/gpu_2026-11-28": "a broken probe (every paired effect read 0; fixed since)",
