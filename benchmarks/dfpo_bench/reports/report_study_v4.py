@@ -155,13 +155,6 @@ def identical_steps(columns: dict[str, list[Any]]) -> list[bool]:
     return [g == 1.0 and r == 0.0 for g, r in zip(columns["grad_norm_ratio"], columns["relative"], strict=True)]
 
 
-def fit(points: dict[str, list[tuple[float, float]]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The co-primary's fit of the relative effect on I (slope, intercept) over ``points`` (trajectory -> (I,
-    effect) pairs), each with the analysis's own cluster bootstrap (study_v4.analyse: 4000 draws, seed 0), from the
-    clusters' sums."""
-    return cluster_bootstrap_ols(points)
-
-
 def pulled(with_them: float, without_them: float) -> str:
     """Which way a subset of points moved a slope: ``with_them`` fitted on every point, ``without_them`` on the
     rest."""
@@ -176,7 +169,9 @@ def exploratory_fits(settings: dict[str, Any]) -> dict[str, tuple[dict[str, Any]
     """Not registered: the co-primary's fit on subsets of the analysed points, read from the point columns. "all" is
     the registered pooled fit recomputed (it equals the analysis's slope and intercept), "without same-step points"
     leaves out the points where both arms took the same step (:func:`identical_steps`), and each setting alone shows
-    which setting's points carry the pooled slope (the settings differ in I and in everything else)."""
+    which setting's points carry the pooled slope (the settings differ in I and in everything else). Each is (slope,
+    intercept) with the analysis's own cluster bootstrap (study_v4.analyse: 4000 draws, seed 0), from the clusters'
+    sums."""
     subsets: dict[str, dict[str, list[tuple[float, float]]]] = {
         "all": {}, "without same-step points": {}, **{name: {} for name in settings}}
     for name, e in settings.items():
@@ -187,7 +182,7 @@ def exploratory_fits(settings: dict[str, Any]) -> dict[str, tuple[dict[str, Any]
                                                   identical_steps(columns), strict=True):
             for subset in ("all", name) + (() if same else ("without same-step points",)):
                 subsets[subset].setdefault(f"{name}/{trajectory}", []).append((term, effect))
-    return {subset: fit(points) for subset, points in subsets.items() if points}
+    return {subset: cluster_bootstrap_ols(points) for subset, points in subsets.items() if points}
 
 
 def study_v4_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
