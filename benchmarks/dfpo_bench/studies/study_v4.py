@@ -34,7 +34,7 @@ from dfpo_bench.lib.registration import (
     run_provenance,
     write_registration,
 )
-from dfpo_bench.lib.stats import cluster_bootstrap, mde_t, ols  # noqa: E402
+from dfpo_bench.lib.stats import cluster_bootstrap, cluster_bootstrap_ols, mde_t  # noqa: E402
 
 ROOT = common.ROOT
 RESULTS = ROOT / "benchmarks" / "results" / "study_v4"
@@ -334,8 +334,7 @@ def analyse(out_dir: pathlib.Path) -> dict[str, Any]:
         out["settings"][name] = entry
     with_crashes = effect_rows(out_dir / "main", with_crashes=True).get("main", {})
     out["sensitivity_with_crashed_points"] = cluster_bootstrap(with_crashes, ratio_of_means) if crashes else None
-    out["slope"] = cluster_bootstrap(pooled, lambda pts: (fit := ols(pts)) and fit[0])
-    out["intercept"] = cluster_bootstrap(pooled, lambda pts: (fit := ols(pts)) and fit[1])
+    out["slope"], out["intercept"] = cluster_bootstrap_ols(pooled)  # cluster_bootstrap's draws of ols, from sums
     return out
 
 
