@@ -2,7 +2,7 @@
 
 The public names are imported on first use (PEP 562), so that ``dfpo-train --help`` and its input errors, which
 import ``dfpo_trl.app`` and so this package, answer in a fraction of a second instead of the seconds torch, TRL and
-transformers take to import (docs/cli.md). The first public name taken from here (``from dfpo_trl import
+transformers take to import (docs/source/guides/cli.md). The first public name taken from here (``from dfpo_trl import
 DFPOConfig``) imports the trainer, and with it the checks of every TRL touch point (``trl_hooks/compat.py``).
 
 The import graph's layers, lowest first (tests/test_layering.py checks them and that no two packages import each
@@ -11,7 +11,8 @@ other, even through others): ``precision`` (the compute dtype) and ``profiling``
 rule a value must meet, the method a config trains with); ``objectives`` (the objective as pure math) and
 ``trl_hooks`` (the few places DFPO touches TRL); ``metrics``, ``groups`` and ``tasks``; ``delta`` (DelTA's weights,
 which read the groups' ids and log metrics); ``trainer`` wires them into TRL; ``testing`` (the tiny builders and the
-trainer's observers, public) and ``app`` (the ``dfpo-train`` program) sit on top (docs/README.md has the map).
+trainer's observers, public) and ``app`` (the ``dfpo-train`` program) sit on top (docs/source/concepts/architecture.md
+has the map).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ _PUBLIC = {
     "parse_recipe": (".app.parser", "parse_recipe"),
 }
 
-# The stable public API (docs/README.md, "Stable names"): every other name in dfpo_trl's modules is internal, except
-# dfpo_trl.testing's own lists.
+# The stable public API (docs/source/concepts/architecture.md, "Stable names"): every other name in dfpo_trl's modules
+# is internal, except dfpo_trl.testing's own lists.
 __all__ = [
     "DFPOConfig",
     "DFPOTrainer",

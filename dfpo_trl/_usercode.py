@@ -1,8 +1,8 @@
 """Where a user's own code failed, for a one-line message: their frame (file:line), not a traceback through TRL.
 
 A reward function, task, dataset or plugin that raises ends ``dfpo-train`` in one line naming the user's own frame
-and the exception (docs/cli.md, "A failure in your own code"). Standard library only: the command line's fast checks
-(plugins) use it before torch is imported.
+and the exception (docs/source/guides/cli.md, "A failure in your own code"). Standard library only: the command line's
+fast checks (plugins) use it before torch is imported.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Labels on DFPO's parts of a micro-step for ``torch.profiler``: while a profiler records, each part runs inside
 ``torch.profiler.record_function(label)``, so a trace or a ``key_averages()`` table shows DFPO's own time and kernels
-apart from TRL's (docs/testing.md, "Profile labels"). Without a profiler a part costs one check of
+apart from TRL's (docs/source/contributing.md, "Profile labels"). Without a profiler a part costs one check of
 ``torch.autograd._profiler_enabled()`` and a shared ``nullcontext`` (about 0.2 µs, some 30 a micro-step), not the
 microseconds a ``record_function`` costs; the labels never touch a tensor, so no number changes.
 

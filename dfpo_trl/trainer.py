@@ -6,9 +6,9 @@ layout), the :class:`~dfpo_trl.groups.prepass.PrePass` (pre-pass layout), the
 :class:`~dfpo_trl.metrics.store.MetricStore` and DelTA's :class:`~dfpo_trl.delta.weighting.DeltaWeighting`. TRL's
 ``_compute_loss`` runs unchanged: right after its policy forward, one call
 (:func:`~dfpo_trl.objectives.step.micro_step_objective`) turns the inputs TRL reads next into DFPO's objective, and
-:func:`~dfpo_trl.metrics.objective.log_micro_step` logs its return value (docs/README.md, "How a micro-step flows").
-Every touch point is declared and checked at import in :mod:`dfpo_trl.trl_hooks.compat`. Each DFPO part runs under
-a ``torch.profiler`` label of :data:`~dfpo_trl.profiling.PROFILE_LABELS` (free without a profiler).
+:func:`~dfpo_trl.metrics.objective.log_micro_step` logs its return value (docs/source/concepts/architecture.md, "How a
+micro-step flows"). Every touch point is declared and checked at import in :mod:`dfpo_trl.trl_hooks.compat`. Each DFPO
+part runs under a ``torch.profiler`` label of :data:`~dfpo_trl.profiling.PROFILE_LABELS` (free without a profiler).
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ class DFPOTrainer(GRPOTrainer):
 
     @property
     def group_layout(self) -> str:
-        """The group layout this trainer resolved (docs/layouts.md): never ``"auto"``, unlike the config field of
-        that name, which says what was asked for."""
+        """The group layout this trainer resolved (docs/source/concepts/layouts.md): never ``"auto"``, unlike the config
+        field of that name, which says what was asked for."""
         return self.layout.name
 
     @property
@@ -253,7 +253,7 @@ class DFPOTrainer(GRPOTrainer):
 
     def unwrapped_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """``accelerator.unwrap_model(model)``, computed once per wrapper object: accelerate walks every submodule
-        and probes for packages on each call (docs/decisions.md, "The loss path's cost")."""
+        and probes for packages on each call (docs/source/concepts/decisions.md, "The loss path's cost")."""
         if self._unwrapped is None or self._unwrapped[0] is not model:
             self._unwrapped = (model, self.accelerator.unwrap_model(model))
         return self._unwrapped[1]

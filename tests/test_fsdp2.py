@@ -9,7 +9,7 @@ False, the model is wrapped in ``DistributedDataParallel``). ``fully_shard`` its
 worker here makes the assignments of that GPU branch (:func:`fsdp2_on_cpu`); everything after it is accelerate's,
 TRL's and torch's own FSDP2 path: ``fsdp2_prepare_model``, DTensor parameters, parameter all-gathers in every
 forward (the pre-pass's too), gradient reduce-scatter in backward. Each test asserts that its model is an
-``FSDPModule`` with DTensor parameters, so a silent fall-back to DDP fails it (docs/layouts.md, FSDP2).
+``FSDPModule`` with DTensor parameters, so a silent fall-back to DDP fails it (docs/source/concepts/layouts.md, FSDP2).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def worker(rank: int, port: int, sizes: dict[str, Any], batch_path: str, out_dir
 
 def expected_prepass_chunks(records: list[list[dict[str, Any]]], sizes: dict[str, Any], step: int) -> list[int]:
     """Forward chunks each process needs at the optimizer step starting at micro-step ``step``: its local rows of
-    every group that has a row in the step on any process (docs/layouts.md, pre-pass), in chunks of
+    every group that has a row in the step on any process (docs/source/concepts/layouts.md, pre-pass), in chunks of
     ``prepass_batch_size``."""
     group_size, local = sizes["num_generations"], sizes["per_device_train_batch_size"] * sizes["steps_per_generation"]
     window = range(step, step + sizes["gradient_accumulation_steps"])

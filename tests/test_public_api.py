@@ -1,5 +1,5 @@
 """The package root's public surface: TRL's own trainer signature, the compatibility error and warning, and a short
-``__all__`` (docs/README.md, "Stable names")."""
+``__all__`` (docs/source/concepts/architecture.md, "Stable names")."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_error_imports_without_the_trainer() -> None:
 
 
 def test_root_all_is_the_stable_list() -> None:
-    """A change to the stable names is a deliberate one: this list and docs/README.md change together."""
+    """A change to the stable names is a deliberate one: this list and docs/source/concepts/architecture.md change
+    together."""
     assert dfpo_trl.__all__ == [
         "DFPOConfig",
         "DFPOTrainer",

@@ -1,7 +1,7 @@
 """The README's first screen (the top until "## Use") says what a newcomer needs once and truly: the main job's
 time and where it writes, the suite's size and time, the extras the paper recipes need. And the documents stay a map
-of the code: every module on docs/README.md's map, no module path or link that leads nowhere, every equation label
-the code cites defined in docs/."""
+of the code: every module on docs/source/concepts/architecture.md's map, no module path or link that leads nowhere,
+every equation label the code cites defined in docs/."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_extras_named_for_the_paper_recipes_exist() -> None:
 
 # ---------------------------------------------------------------------------------------- the documentation's map
 
-DOCS = sorted((ROOT / "docs").glob("*.md"))
+DOCS = sorted((ROOT / "docs" / "source").rglob("*.md"))
 MAPS = [ROOT / "README.md", *DOCS, ROOT / "benchmarks" / "README.md"]  # the hand-written documents
 
 
@@ -57,10 +57,10 @@ def _package_modules() -> list[str]:
 
 
 def test_every_module_is_on_the_docs_map() -> None:
-    """docs/README.md names every module with its job and its document: a new module goes on the map."""
-    docs_map = (ROOT / "docs" / "README.md").read_text()
+    """The architecture page names every module with its job and its document: a new module goes on the map."""
+    docs_map = (ROOT / "docs" / "source" / "concepts" / "architecture.md").read_text()
     missing = [m for m in _package_modules() if f"`{m}`" not in docs_map]
-    assert not missing, f"add a line to docs/README.md's module table for: {missing}"
+    assert not missing, f"add a line to docs/source/concepts/architecture.md's module table for: {missing}"
 
 
 def _defines(module: Path, name: str) -> bool:

@@ -1,5 +1,5 @@
 """``dfpo_trl.testing``: its stable names, builders that depend on the seed alone, and a ``DFPOCallback`` that sees
-every micro-step's objective exactly as the loss uses it (docs/testing.md)."""
+every micro-step's objective exactly as the loss uses it (docs/source/contributing.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_all_is_the_stable_list() -> None:
-    """A change to the stable names is a deliberate one: this list and docs/testing.md change together."""
+    """A change to the stable names is a deliberate one: this list and docs/source/contributing.md change together."""
     assert testing.__all__ == [
         "WORDS",
         "DFPOCallback",
@@ -43,7 +43,7 @@ def test_all_is_the_stable_list() -> None:
 
 def test_the_measures_are_the_librarys_own_objects() -> None:
     """``dfpo_trl.testing.measures`` re-exports, never copies: a check through it reads what a run computes. The
-    list changes with docs/testing.md's table."""
+    list changes with docs/source/contributing.md's table."""
     import importlib
 
     from dfpo_trl.testing import measures
@@ -64,7 +64,7 @@ def test_the_measures_are_the_librarys_own_objects() -> None:
     for module, names in homes.items():
         for name in names:
             assert getattr(measures, name) is getattr(importlib.import_module(module), name), name
-    documented = (Path(__file__).resolve().parents[1] / "docs" / "testing.md").read_text()
+    documented = (Path(__file__).resolve().parents[1] / "docs" / "source" / "contributing.md").read_text()
     assert all(f"`{name}" in documented for name in measures.__all__)
 
 

@@ -17,7 +17,8 @@ GSPO = dict(importance_sampling_level="sequence", epsilon=0.2, epsilon_high=0.28
 
 
 def assert_same(a: tuple, b: tuple) -> None:
-    """DFPO off runs TRL's loss on the same inputs with the same operations (docs/design.md): bit for bit."""
+    """DFPO off runs TRL's loss on the same inputs with the same operations (docs/source/concepts/design.md): bit for
+    bit."""
     assert torch.equal(a[0], b[0]), (a[0], b[0])
     assert a[1].keys() == b[1].keys()
     for name in a[1]:

@@ -127,8 +127,8 @@ def fused_completion_logps(model: Any, batch: dict[str, Any]) -> torch.Tensor:
 def shared_prefix_residual(
     token_coefficients: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared-prefix residual (docs/metrics.md) of one set of whole groups, (value, count), as the trainer's
-    backward hook computes it (metrics/hooks.py): the mean over shared positions with Σ_i |c_{i,t}| > 0 of
+    """The shared-prefix residual (docs/source/concepts/metrics.md) of one set of whole groups, (value, count), as the
+    trainer's backward hook computes it (metrics/hooks.py): the mean over shared positions with Σ_i |c_{i,t}| > 0 of
     |Σ_i c_{i,t}| / Σ_i |c_{i,t}| (0 when no position is used) and that count. Inputs are (num_groups, G, T)."""
     from dfpo_trl.metrics.mechanism import shared_prefix_mask, shared_prefix_residual_sums
 

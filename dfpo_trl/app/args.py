@@ -83,8 +83,9 @@ class DFPOScriptArguments:
     drift_every: int = field(
         default=0,
         metadata={
-            "help": "Equivalent-solution drift meter (docs/metrics.md): every this many optimizer steps, score "
-            "drift_size held-out prompts' equally rewarded answer forms with the current policy and log drift/* (the "
+            "help": "Equivalent-solution drift meter (docs/source/concepts/metrics.md): every this many optimizer "
+            "steps, score drift_size held-out prompts' equally rewarded answer forms with the current policy and log "
+            "drift/* (the "
             "log-odds between forms, the entropy over them, each form's share of the sampled correct completions). "
             "0: off. Needs a task with equivalent forms: two_forms, sum_sentence."
         },
@@ -95,7 +96,8 @@ class DFPOScriptArguments:
     plugins: list[str] | None = field(
         default=None,
         metadata={
-            "help": "Modules imported first, to register transforms, tasks or rewards (docs/extending.md)."
+            "help": "Modules imported first, to register transforms, tasks or rewards "
+            "(docs/source/guides/custom_transform.md)."
         },
     )
 

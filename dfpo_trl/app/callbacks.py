@@ -65,9 +65,9 @@ class FormShareReward:
 
 
 class DriftMeterCallback(TrainerCallback):
-    """Equivalent-solution drift (dfpo_trl.metrics.drift, docs/metrics.md): every ``every`` optimizer steps (and before
-    training), the current policy's log-probabilities of each held-out prompt's equivalent canonical completions
-    (``task.equivalent_forms``), summarised as D1–D4 over the prompts.
+    """Equivalent-solution drift (dfpo_trl.metrics.drift, docs/source/concepts/metrics.md): every ``every`` optimizer
+    steps (and before training), the current policy's log-probabilities of each held-out prompt's equivalent canonical
+    completions (``task.equivalent_forms``), summarised as D1–D4 over the prompts.
 
     Logged through ``metrics`` (a metric store, e.g. ``DFPOTrainer.dfpo_metrics``) at the step measured, as
     ``drift/log_odds_abs_mean``, ``drift/log_odds_abs_std``, ``drift/log_odds_mean``, ``drift/set_entropy``,

@@ -110,7 +110,7 @@ class HeldoutAccuracyCallback(TrainerCallback):
     the periodic values up to step k from there instead of measuring the resumed model and calling it "before";
     ``results["resumed_at"]`` is k. When the checkpoint has no such row for as many problems (written by another
     trainer, or with another ``eval_size``), it measures at step k: ``results["before"]`` is None and
-    ``results["at_resume"]`` holds that accuracy (docs/cli.md, "Resume").
+    ``results["at_resume"]`` holds that accuracy (docs/source/guides/cli.md, "Resume").
     """
 
     def __init__(

@@ -1,4 +1,5 @@
-"""The files a run writes to ``output_dir``, and the earlier run's set aside in ``previous_run/`` (docs/cli.md).
+"""The files a run writes to ``output_dir``, and the earlier run's set aside in ``previous_run/``
+(docs/source/guides/cli.md).
 
 Standard library only: the script arguments and the command line's fast checks read these names before torch is
 imported.
@@ -14,7 +15,8 @@ __all__ = ["PLOT_FILE", "PREVIOUS_RUN_DIR", "SAVED_MODEL_PATTERNS", "SUMMARY_FIL
 
 SUMMARY_FILE = "dfpo_summary.json"
 PLOT_FILE = "dfpo_metrics.png"
-# Where a run moves the results an earlier run left in its output_dir (docs/cli.md); the one before is deleted.
+# Where a run moves the results an earlier run left in its output_dir (docs/source/guides/cli.md); the one before is
+# deleted.
 PREVIOUS_RUN_DIR = "previous_run"
 # What `save_model` writes, for summaries written before they listed their files ("files").
 SAVED_MODEL_PATTERNS = (
@@ -28,8 +30,8 @@ SAVED_MODEL_PATTERNS = (
 def set_aside_previous_outputs(output_dir: str) -> list[str]:
     """Move what an earlier run wrote to ``output_dir`` (its summary, figure and saved model: the files its summary
     lists) into ``output_dir/previous_run/``, replacing an older ``previous_run/``, so that nothing there can be
-    taken for this run's results (docs/cli.md). Checkpoints (``checkpoint-*/``) and other files stay. Returns the
-    names moved."""
+    taken for this run's results (docs/source/guides/cli.md). Checkpoints (``checkpoint-*/``) and other files stay.
+    Returns the names moved."""
     out = Path(output_dir)
     if not out.is_dir():
         return []

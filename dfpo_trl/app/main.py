@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[TrainerCallback]
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("dfpo_trl").setLevel(logging.INFO)
     args = sys.argv[1:] if argv is None else list(argv)
-    if "--preflight" in args:  # the checks to run on every node before a multi-node job (docs/cli.md)
+    if "--preflight" in args:  # the checks to run on every node before a multi-node job (docs/source/guides/cli.md)
         from .preflight import main as preflight
 
         return preflight([a for a in args if a != "--preflight"])
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[TrainerCallback]
             return code
         raise SystemExit(0)
     try:
-        with sigterm_interrupts():  # a scheduler's SIGTERM ends the run as Ctrl-C does (docs/cli.md)
+        with sigterm_interrupts():  # a scheduler's SIGTERM ends the run as Ctrl-C does (docs/source/guides/cli.md)
             precheck(args)  # recipe, field names, paths: before torch, transformers and TRL are imported
             summary = importlib.import_module(".train", __package__).parse_and_run(args, callbacks)
     except (RecipeError, ModelUnavailableError) as exc:

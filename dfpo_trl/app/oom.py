@@ -1,5 +1,5 @@
 """An out-of-memory error anywhere in a ``dfpo-train`` run as one line: the phase it happened in, the sizes that set
-that phase's memory, and the two or three settings that lower it (docs/cli.md, "Out of memory").
+that phase's memory, and the two or three settings that lower it (docs/source/guides/cli.md, "Out of memory").
 
 :func:`watch_phases` wraps the trainer's phases on its instance (generation, DFPO's pre-pass, the loss micro-step,
 the held-out evaluation): the innermost one an error passes through names it. :func:`out_of_memory_as_one_line`

@@ -1,4 +1,5 @@
-"""What a run writes to ``output_dir``: the summary (JSON and printed), the figure and the saved model (docs/cli.md).
+"""What a run writes to ``output_dir``: the summary (JSON and printed), the figure and the saved model
+(docs/source/guides/cli.md).
 
 An earlier run's results are first set aside in ``previous_run/`` (:mod:`.files`).
 """
@@ -139,7 +140,7 @@ def write_outputs(
         "drift": drift_cb.results if drift_cb is not None else None,
         **curves.results,
         # the one training time is time_split["training"]; log_history's last row also has transformers' own
-        # train_runtime, which counts the held-out evaluation before training (docs/cli.md)
+        # train_runtime, which counts the held-out evaluation before training (docs/source/guides/cli.md)
         "time_split": time_split,
         "seed": training_args.seed,
         "versions": package_versions(),
@@ -147,7 +148,7 @@ def write_outputs(
         "finished_utc": _utc(finished),
         "plot": plot_path,
         "output_dir": str(out),
-        # every file this run wrote to output_dir: what the next run moves to previous_run/ (docs/cli.md)
+        # every file this run wrote to output_dir: what the next run moves to previous_run/ (docs/source/guides/cli.md)
         "files": sorted({SUMMARY_FILE, *([PLOT_FILE] if plot_path else []), *saved}),
         "log_history": trainer.state.log_history,  # every logged step, as TRL's trainer_state.json keeps it
     }
@@ -187,7 +188,8 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 def _heldout_line(heldout: dict[str, Any]) -> str:
     """Held-out accuracy before -> after training; for a resumed run, where "before" came from, or the accuracy at
-    the resume step, named as such, when the checkpoint did not hold the one before training (docs/cli.md)."""
+    the resume step, named as such, when the checkpoint did not hold the one before training
+    (docs/source/guides/cli.md)."""
     before, after, resumed = heldout.get("before"), heldout.get("after"), heldout.get("resumed_at")
     since, where = "", ""
     if before is None and heldout.get("at_resume") is not None:

@@ -76,7 +76,7 @@ def task_help() -> str:
 
 def transform_help() -> str:
     """The ``group_transform`` field's help (it lists the built-ins), then every transform registered beyond them
-    (by a plugin, docs/extending.md) with its balance condition, as the registry holds them now."""
+    (by a plugin, docs/source/guides/custom_transform.md) with its balance condition, as the registry holds them now."""
     spec = next(f for f in dfpo_fields() if f.name == "group_transform")
     added = [f"'{name}' (balances: {entry.balance})" for name, entry in TRANSFORMS.items() if not entry.builtin]
     extra = f" Registered by plugins: {', '.join(added)}." if added else ""
@@ -150,7 +150,7 @@ class DFPOParser(TrlParser):
 
     def parse_args_into_dataclasses(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
         """Import the plugin modules (the flag's, else the recipe's) first: the dataclasses' checks read what they
-        register, e.g. DFPOConfig's group_transform the transform registry (docs/extending.md)."""
+        register, e.g. DFPOConfig's group_transform the transform registry (docs/source/guides/custom_transform.md)."""
         flagged = flag_plugins(sys.argv[1:] if args is None else args)
         import_plugins(flagged if flagged is not None else as_module_list(self.primary_action("plugins").default))
         return super().parse_args_into_dataclasses(args, *rest, **kwargs)

@@ -1,4 +1,5 @@
-"""A collective that failed because another process of the run is gone, as one line (docs/cli.md, "Several nodes").
+"""A collective that failed because another process of the run is gone, as one line (docs/source/guides/cli.md, "Several
+nodes").
 
 When a process of a multi-process run dies (killed, out of host memory), the others learn it in their next
 collective: gloo raises "Connection reset/closed by peer" at once when the dead process's sockets close; a peer that

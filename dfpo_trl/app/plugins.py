@@ -1,6 +1,6 @@
 """Plugin modules of ``dfpo-train``: imported before the recipe's dataclasses are built, so that what they register
 (a group transform with :func:`dfpo_trl.register_transform`, a task, a reward) exists when ``DFPOConfig`` checks
-``group_transform`` against the registry (docs/extending.md).
+``group_transform`` against the registry (docs/source/guides/custom_transform.md).
 
 They are named by the ``plugins`` field, on the command line (``--plugins my_pkg.transforms``) or in the recipe
 (``plugins: [my_pkg.transforms]``); the flag beats the recipe, as for every field. The working directory is

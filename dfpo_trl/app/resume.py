@@ -1,4 +1,4 @@
-"""What ``dfpo-train`` does for checkpoints and resuming beyond the trainer (docs/cli.md, "Resume").
+"""What ``dfpo-train`` does for checkpoints and resuming beyond the trainer (docs/source/guides/cli.md, "Resume").
 
 ``--save_steps N`` on the command line means "save every N steps": with a recipe whose ``save_strategy`` is
 ``"no"`` (the CPU recipe's) it used to write nothing, silently.

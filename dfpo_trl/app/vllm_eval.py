@@ -7,7 +7,7 @@ That logged value is a mean of per-batch means (a short last batch weighs as muc
 here from the correctness reward's own values, recorded while the evaluation runs: per problem the mean of its k
 rewards (``None`` left out), then the mean over problems. The callback is :class:`HeldoutAccuracyCallback` with the
 measurement swapped, so the summary, the log history (``heldout/accuracy``), the curve and the figure carry avg@k
-where they carry the greedy accuracy without vLLM (docs/decisions.md, "Held-out avg@k through vLLM").
+where they carry the greedy accuracy without vLLM (docs/source/concepts/decisions.md, "Held-out avg@k through vLLM").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ TRL's loss types), ``rules`` (the shape of a validation rule), ``checks`` (each 
 fields), ``method`` (the method a config trains with) and ``docs`` (the README's field table).
 
 ``DFPOConfig`` is imported on first use (PEP 562): ``dfpo-train`` reads ``options``, ``rules``, ``trl_field_rules``
-and ``method`` before it imports torch and TRL, which ``fields`` imports (docs/cli.md).
+and ``method`` before it imports torch and TRL, which ``fields`` imports (docs/source/guides/cli.md).
 """
 
 from __future__ import annotations

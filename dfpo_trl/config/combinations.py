@@ -41,7 +41,7 @@ def _require_clipped_loss_type(config: DFPOConfig, what: str) -> None:
 
 
 def _cancellation(config: DFPOConfig) -> None:
-    """cancellation_target='gradient' (docs/cancellation.md) and what it needs."""
+    """cancellation_target='gradient' (docs/source/concepts/cancellation.md) and what it needs."""
     if config.cancellation_target == "weights":
         if config.cancellation_one_sided != "keep":
             raise ValueError(
@@ -151,7 +151,7 @@ def _old_logps_rewrite(config: DFPOConfig) -> None:
 
 def _off_policy_mask(config: DFPOConfig) -> None:
     """TRL's off-policy mask drops sequences from the loss after the transform has balanced the group: only the
-    gradient target folds it into the balance (docs/cancellation.md, "TRL's off-policy mask")."""
+    gradient target folds it into the balance (docs/source/concepts/cancellation.md, "TRL's off-policy mask")."""
     if config.off_policy_mask_threshold is None or config.cancellation_target == "gradient":
         return
     from ..transforms import get_transform  # the registry imports torch
@@ -168,7 +168,8 @@ def _off_policy_mask(config: DFPOConfig) -> None:
 
 
 def _delta(config: DFPOConfig) -> None:
-    """DelTA (docs/delta.md): its options only with token_weighting='delta', token-level clipped losses only."""
+    """DelTA (docs/source/concepts/delta.md): its options only with token_weighting='delta', token-level clipped losses
+    only."""
     if config.token_weighting != "delta":
         changed = [
             f.name for f in fields(config) if f.name.startswith("delta_") and getattr(config, f.name) != f.default
@@ -197,8 +198,9 @@ def _delta(config: DFPOConfig) -> None:
 
 def _liger_kernel(config: DFPOConfig) -> None:
     """TRL 1.16's deprecated ``use_liger_kernel`` swaps the model's layers for Liger's Triton kernels (GPU only):
-    DFPO's objectives with them have never run here (docs/decisions.md, "TRL features on top"), so an option that
-    changes the loss is refused with them rather than trained untested. Without one, TRL's own path is left as is."""
+    DFPO's objectives with them have never run here (docs/source/concepts/decisions.md, "TRL features on top"), so an
+    option that changes the loss is refused with them rather than trained untested. Without one, TRL's own path is left
+    as is."""
     active = method_in_use(config).active_options
     if config.use_liger_kernel and active:
         raise ValueError(

@@ -16,7 +16,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 # The table sits between this heading and this sentence of README.md.
 HEADING = "### DFPO fields of `DFPOConfig`\n\n"
 AFTER = "\n\nEvery other field is TRL's `GRPOConfig`, unchanged."
-_DOCS_PAGE = re.compile(r"(?<![\w/])docs/[\w.-]+\.md(?:#[\w-]+)?")
+_DOCS_PAGE = re.compile(r"(?<![\w/])docs/[\w./-]+\.md(?:#[\w-]+)?")
 
 
 def _cell(text: str) -> str:

@@ -56,7 +56,7 @@ def gradient_checkpointing_metadata(has_activation_checkpointing: bool) -> dict[
     With a ``None`` default (transformers >= 5.24) ``--gradient_checkpointing`` alone must still mean True, so the
     flag takes an optional value (``nargs``/``const``). With a ``True`` default (older 5.x) the parser adds those
     itself and also a ``--no_gradient_checkpointing`` flag built from this metadata, where ``nargs`` is an error
-    (docs/decisions.md, "TRL features on top")."""
+    (docs/source/concepts/decisions.md, "TRL features on top")."""
     help_text = (
         "Activation checkpointing (trades compute for memory); default on, as in TRL. Same as "
         "activation_checkpointing on transformers >= 5.24; this name also works on older 5.x releases."
@@ -121,8 +121,8 @@ class DFPOConfig(GRPOConfig):
 
     DFPO ("Design Conditions for Intra-Group Learning of Sequence-Level Rewards: Token Gradient
     Cancellation", arXiv 2604.13088) keeps token updates exchangeable inside a group so that shared,
-    reward-irrelevant tokens cancel. Equation numbers refer to that paper; `docs/design.md` describes what we
-    implement, `docs/delta.md` DelTA's token weights (`token_weighting`, `delta_*`).
+    reward-irrelevant tokens cancel. Equation numbers refer to that paper; `docs/source/concepts/design.md` describes
+    what we implement, `docs/source/concepts/delta.md` DelTA's token weights (`token_weighting`, `delta_*`).
     """
 
     # TRL's default (on), kept; None here so that only an explicit setting reaches transformers' deprecated alias.
@@ -135,7 +135,8 @@ class DFPOConfig(GRPOConfig):
         f"In-group transform of the post-clip sequence weights s̄ (stop-gradient): {builtin_transforms_help()}, "
         "or one registered by `register_transform`. Needs "
         "`importance_sampling_level=\"sequence\"`; acts only off-policy.",
-        "DFPO eq. 47, 49, 50, 18, 51, 52–55, Table 3; docs/design.md, docs/extending.md",
+        "DFPO eq. 47, 49, 50, 18, 51, 52–55, Table 3; docs/source/concepts/design.md, "
+        "docs/source/guides/custom_transform.md",
     )
     transform_scale: float = documented(
         SCALE_FACTOR_DEFAULT, "κ of the `\"scale\"` ablation, s̃ = κ s̄; finite and > 0.", "DFPO Table 3 (κ = 0.5)"
@@ -149,7 +150,7 @@ class DFPOConfig(GRPOConfig):
         "ratio",
         "`\"ratio\"`: J_i = Â_i φ_i s̄_i(θ), φ = sg(s̃/s̄), so `\"none\"` is TRL's GSPO; `\"score\"`: "
         "J_i = Â_i sg(s̃_i) ρ_i(θ), clipped sequences keep their gradient.",
-        "DFPO eq. 59–62 (ratio), 16/68/85 (score); docs/design.md",
+        "DFPO eq. 59–62 (ratio), 16/68/85 (score); docs/source/concepts/design.md",
     )
     transform_stop_gradient: bool = documented(
         True,
@@ -160,13 +161,13 @@ class DFPOConfig(GRPOConfig):
         "weights",
         "What the transform balances: `\"weights\"` Σ_i Â_i s̃_i = 0 (the paper); `\"gradient\"` Σ_i a_i s̃_i = 0 "
         "over the gradients that survive the clip (a_i = Â_i c_i 1[i ∈ U]), exact on shared tokens.",
-        "ours, docs/cancellation.md (C1–C7)",
+        "ours, docs/source/concepts/cancellation.md (C1–C7)",
     )
     cancellation_one_sided: OneSidedPolicy = documented(
         "keep",
         "Under `\"gradient\"`, a group whose survivors share one sign keeps the `\"weights\"` result "
         "(`\"keep\"`) or gets s̃ = 0 (`\"zero\"`).",
-        "docs/cancellation.md (C8)",
+        "docs/source/concepts/cancellation.md (C8)",
     )
     symmetric_clip: bool = documented(
         False,
@@ -177,39 +178,39 @@ class DFPOConfig(GRPOConfig):
         None,
         "Shuffle whole groups so that every micro-batch holds them: `None` only when a DFPO option needs it "
         "(DFPO off = TRL's run bit for bit), `True` always (TRL's batch order changes), `False` never.",
-        "ours, docs/layouts.md",
+        "ours, docs/source/concepts/layouts.md",
     )
     group_layout: GroupLayout = documented(
         "auto",
         "How a transform gets whole groups that a micro-batch lacks: `\"auto\"` (the cheapest exact way), "
         "`\"redistributed\"` (one all-to-all per rollout), `\"pre_pass\"` (an extra no-grad forward).",
-        "ours, docs/layouts.md",
+        "ours, docs/source/concepts/layouts.md",
     )
     prepass_batch_size: int | None = documented(
         None,
         "Rows per no-grad forward chunk of the pre-pass; `None`: 4 × `per_device_train_batch_size`.",
-        "docs/layouts.md",
+        "docs/source/concepts/layouts.md",
     )
     log_mechanism_metrics: bool = documented(
         True,
         "Log `asym/*`, `transform/*`, `cancellation/*`, `diagnostics/*`.",
-        "DFPO eq. 23; docs/metrics.md",
+        "DFPO eq. 23; docs/source/concepts/metrics.md",
     )
     log_energy_buckets: int = documented(
         0,
         "k ≥ 2 frequency buckets' energy shares; `0` off.",
-        "DFPO eq. 24; docs/metrics.md",
+        "DFPO eq. 24; docs/source/concepts/metrics.md",
     )
     energy_form: EnergyForm = documented(
         "aggregate",
         "`aggregate` (per token type) or `per_position`.",
-        "DFPO eq. 24; docs/metrics.md",
+        "DFPO eq. 24; docs/source/concepts/metrics.md",
     )
     token_weighting: TokenWeighting = documented(
         "none",
         "`\"delta\"`: DelTA's per-token weights λ̄ on the clipped surrogate (token level; loss types `grpo`, "
         "`bnpo`, `dr_grpo`, `dapo`).",
-        "DelTA; docs/delta.md",
+        "DelTA; docs/source/concepts/delta.md",
     )
     delta_lambda_min: float = documented(
         DELTA_LAMBDA_MIN_DEFAULT, "λ_min of λ = λ_min + (λ_max − λ_min) α; 0 < λ_min ≤ λ_max.", "DelTA"
@@ -225,22 +226,22 @@ class DFPOConfig(GRPOConfig):
         DELTA_GAMMA_DEFAULT,
         "γ of α = σ(margin / γ): `\"std\"` (the side's margins' std), `\"mean_abs\"` (their mean |margin|; ours) "
         "or a fixed number > 0.",
-        "DelTA's released code; docs/delta.md",
+        "DelTA's released code; docs/source/concepts/delta.md",
     )
     delta_gamma_update: GammaUpdate = documented(
         "lagged",
         "Refinement takes γ from the margins before each update (`\"lagged\"`) or after it (`\"current\"`, ours).",
-        "DelTA's released code; docs/delta.md",
+        "DelTA's released code; docs/source/concepts/delta.md",
     )
     delta_zero_advantage: ZeroAdvantageRule = documented(
         "lambda_min",
         "Tokens of Â = 0 completions get λ_min (`\"lambda_min\"`) or 1 (`\"one\"`, ours).",
-        "DelTA's released code; docs/delta.md",
+        "DelTA's released code; docs/source/concepts/delta.md",
     )
     delta_scope: DeltaScope = documented(
         "global",
         "Centroids, γ and N/Z over all processes (`\"global\"`, ours) or per process (`\"process\"`).",
-        "DelTA's released code; docs/delta.md",
+        "DelTA's released code; docs/source/concepts/delta.md",
     )
     delta_assignment: Assignment = documented(
         "soft", "α = σ(margin / γ) (`\"soft\"`) or 1[margin > 0] (`\"hard\"`).", "DelTA ablation"
@@ -248,7 +249,7 @@ class DFPOConfig(GRPOConfig):
     delta_contrast: Contrast = documented(
         "opposite",
         "Margin to the opposite side's centroid (`\"opposite\"`) or own side only (`\"within\"`).",
-        "DelTA ablation; docs/delta.md",
+        "DelTA ablation; docs/source/concepts/delta.md",
     )
     delta_random: bool = documented(
         False, "Control: λ ~ U[λ_min, λ_max] on the same tokens, seeded from `seed`.", "DelTA ablation"
@@ -258,8 +259,8 @@ class DFPOConfig(GRPOConfig):
         "Seconds a server-mode weight sync to vLLM may take before the run stops with one line naming the "
         "addresses and variables to check, instead of hanging (the set-up gets `vllm_server_timeout` on top); 0: "
         "no limit. The default is a wide margin over a measured sync (0.17 s for 538 MB on one host, about 21 s for "
-        "Qwen3-32B's weights scaled linearly; docs/decisions.md)",
-        "ours; docs/cli.md#several-nodes-the-preflight-and-a-stalled-weight-sync",
+        "Qwen3-32B's weights scaled linearly; docs/source/concepts/decisions.md)",
+        "ours; docs/source/guides/cli.md#several-nodes-the-preflight-and-a-stalled-weight-sync",
     )
 
     def __post_init__(self) -> None:

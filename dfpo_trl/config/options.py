@@ -8,7 +8,8 @@ owns its names) and ``delta_gamma`` also takes a number, so neither is a Literal
 
 :data:`LOSS_TYPES` is the one table of TRL's loss types DFPO can rewrite: all of them are the clipped surrogate
 -min(r A, clip(r) A); each row says how the loss aggregates a row's tokens (the factor c_i of
-docs/cancellation.md, eq. C3) and where DelTA's λ̄ must average 1 (docs/delta.md, step 6).
+docs/source/concepts/cancellation.md, eq. C3) and where DelTA's λ̄ must average 1 (docs/source/concepts/delta.md, step
+6).
 """
 
 from __future__ import annotations
@@ -60,12 +61,14 @@ __all__ = [
 
 # ---- closed options; the first value of each is the field's default
 TransformGradient = Literal["ratio", "score"]  # DFPO eq. 59–62 (ratio) or 16/68/85 (score)
-CancellationTarget = Literal["weights", "gradient"]  # the paper's balance, or docs/cancellation.md's (eq. C1)
-OneSidedPolicy = Literal["keep", "zero"]  # docs/cancellation.md (C8)
-GroupLayout = Literal["auto", "redistributed", "pre_pass"]  # docs/layouts.md; "auto": the cheapest exact one
-EnergyForm = Literal["aggregate", "per_position"]  # eq. 24's readings (docs/metrics.md)
+# the paper's balance, or docs/source/concepts/cancellation.md's (eq. C1)
+CancellationTarget = Literal["weights", "gradient"]
+OneSidedPolicy = Literal["keep", "zero"]  # docs/source/concepts/cancellation.md (C8)
+# docs/source/concepts/layouts.md; "auto": the cheapest exact one
+GroupLayout = Literal["auto", "redistributed", "pre_pass"]
+EnergyForm = Literal["aggregate", "per_position"]  # eq. 24's readings (docs/source/concepts/metrics.md)
 TokenWeighting = Literal["none", "delta"]
-# DelTA's options (docs/delta.md); the first of each is the authors' released code's behaviour.
+# DelTA's options (docs/source/concepts/delta.md); the first of each is the authors' released code's behaviour.
 GammaRule = Literal["std", "mean_abs"]  # delta_gamma may also be a fixed number > 0
 GammaUpdate = Literal["lagged", "current"]
 ZeroAdvantageRule = Literal["lambda_min", "one"]
@@ -122,7 +125,7 @@ LOSS_TYPES: dict[str, LossType] = {
         # DAPO divides by the token count of the whole generation batch over all processes, Dr. GRPO by a constant.
         LossType("dr_grpo", AGGREGATION_CONSTANT, True, DOMAIN_ROLLOUT),
         LossType("dapo", AGGREGATION_CONSTANT, True, DOMAIN_ROLLOUT),
-        # LUSPO's per-row token sum cancels the 1/L_i of its sequence ratio (docs/cancellation.md).
+        # LUSPO's per-row token sum cancels the 1/L_i of its sequence ratio (docs/source/concepts/cancellation.md).
         LossType("luspo", AGGREGATION_CONSTANT, False, None),
     )
 }

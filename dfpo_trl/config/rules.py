@@ -101,7 +101,7 @@ def transform_fix(names: Iterable[str]) -> str:
     torch (which reads the built-in names from its stored table) say it in these words."""
     return (
         f"use one of {quoted(tuple(names), ', ')}, or register the transform first with "
-        "dfpo_trl.register_transform (in dfpo-train: --plugins MODULE, docs/extending.md)"
+        "dfpo_trl.register_transform (in dfpo-train: --plugins MODULE, docs/source/guides/custom_transform.md)"
     )
 
 

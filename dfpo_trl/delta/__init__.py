@@ -1,4 +1,4 @@
-"""DelTA token weights (docs/delta.md): discriminative per-token coefficients.
+"""DelTA token weights (docs/source/concepts/delta.md): discriminative per-token coefficients.
 
 One public entry point, :func:`delta_token_weights` (λ̄ of a batch under a ``DFPOConfig``'s ``delta_*`` fields);
 everything else here is internal. ``weights`` holds the math, ``centroids`` the centroids and scores it uses,

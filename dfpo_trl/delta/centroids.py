@@ -1,4 +1,5 @@
-"""DelTA's centroids and scores (docs/delta.md steps 2–5): side sums, centroids, margins, γ, α and refinement.
+"""DelTA's centroids and scores (docs/source/concepts/delta.md steps 2–5): side sums, centroids, margins, γ, α and
+refinement.
 
 Internal to :mod:`dfpo_trl.delta.weights`, which validates the options and calls :func:`side_sums` and
 :func:`refined_scores`. Every function works on the *active* tokens (scored tokens of rows with Â ≠ 0), given as
@@ -111,7 +112,7 @@ def _margins(
     all_reduce: Reducer | None,
     chunk: int,
 ) -> Tensor:
-    """Score margins of the active tokens (numerators of DelTA's α, docs/delta.md step 4).
+    """Score margins of the active tokens (numerators of DelTA's α, docs/source/concepts/delta.md step 4).
 
     ``opposite``: ``‖v − μ_opp‖² − ‖v − μ_own‖²``. Expanding both squares, the ``‖v‖²`` terms cancel and
     the margin of a positive-side token is the linear discriminator ``2 δ·(v − (μ₊ + μ₋)/2)`` with
@@ -133,7 +134,7 @@ def _margins(
 
 
 def _gamma(margin: Tensor, side: Tensor, rule: Gamma, all_reduce: Reducer | None) -> Tensor:
-    """γ_side (2,) of DelTA's α (docs/delta.md step 4) from the margins of the side's tokens.
+    """γ_side (2,) of DelTA's α (docs/source/concepts/delta.md step 4) from the margins of the side's tokens.
 
     ``"std"``: population standard deviation, variance floored at 1e-8 (the released code). Computed in two
     passes (mean, then squared deviations) rather than as E[m²] − E[m]², which loses digits in float32 when
@@ -150,7 +151,8 @@ def _gamma(margin: Tensor, side: Tensor, rule: Gamma, all_reduce: Reducer | None
 
 
 def _scores(margin: Tensor, side: Tensor, assignment: str, gamma: Tensor | None) -> Tensor:
-    """α from margins: σ(margin / γ_side) (DelTA's α, docs/delta.md step 4) or the hard 1[margin > 0]."""
+    """α from margins: σ(margin / γ_side) (DelTA's α, docs/source/concepts/delta.md step 4) or the hard 1[margin >
+    0]."""
     if assignment == "hard":
         return (margin > 0).to(margin.dtype)
     assert gamma is not None
@@ -174,7 +176,8 @@ def refined_scores(
     all_reduce: Reducer | None,
     chunk: int,
 ) -> Tensor:
-    """α* after ``refine_steps`` centroid refinements (docs/delta.md steps 3–5), γ scheduled by ``gamma_update``.
+    """α* after ``refine_steps`` centroid refinements (docs/source/concepts/delta.md steps 3–5), γ scheduled by
+    ``gamma_update``.
 
     ``sum_vec``, ``sum_w`` are the |Â|-weighted side sums of the initial centroids.
 

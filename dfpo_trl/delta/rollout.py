@@ -1,6 +1,6 @@
 """DelTA at rollout time, as pure functions: λ̄ of a batch, in its loss's domain, and what DelTA logs of it.
 
-The steps are those of docs/delta.md:
+The steps are those of docs/source/concepts/delta.md:
 
 * :func:`delta_token_weights`, DelTA's one public entry point: λ̄ of one batch under a ``DFPOConfig``'s ``delta_*``
   fields, self-normalised over the batch (the token-mean loss's domain);
@@ -57,7 +57,8 @@ def _lambda_and_bar(
     all_reduce: Reducer | None,
     generator: torch.Generator | None,
 ) -> tuple[Tensor, Tensor]:
-    """(λ, λ̄) of one batch under ``config``'s DelTA options (docs/delta.md steps 1–6), the one computation behind
+    """(λ, λ̄) of one batch under ``config``'s DelTA options (docs/source/concepts/delta.md steps 1–6), the one
+    computation behind
     :func:`delta_token_weights` and :func:`_rollout_weights`; the options were checked when the config was built.
 
     λ from the proxy v = (1 − p) h with p = exp(``logprobs``); λ̄ = λ N / Z over the masked tokens of the whole
@@ -87,7 +88,7 @@ def delta_token_weights(
     *,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """DelTA's λ̄ (B, T) for the token-mean (``dapo``) loss, on one process (docs/delta.md).
+    """DelTA's λ̄ (B, T) for the token-mean (``dapo``) loss, on one process (docs/source/concepts/delta.md).
 
     ``hidden`` (B, T, d): the LM-head inputs before each sampled token; ``logprobs`` (B, T): the sampled tokens'
     log-probabilities at the sampling temperature; ``advantages`` (B,); ``mask`` (B, T): nonzero on response
@@ -106,7 +107,8 @@ def delta_token_weights(
 
 
 def normalisation_domain(loss_type: str) -> str:
-    """Where λ̄ must average 1 so that the loss's own normaliser is kept (DelTA's λ̄ = λ N / Z, docs/delta.md step 6).
+    """Where λ̄ must average 1 so that the loss's own normaliser is kept (DelTA's λ̄ = λ N / Z,
+    docs/source/concepts/delta.md step 6).
 
     ``grpo`` divides each sequence by its length: per sequence. ``bnpo`` divides the micro-batch by its
     (local) token count: per micro-batch, done at loss time. ``dapo`` divides by the token count of the whole

@@ -1,7 +1,7 @@
 """DeltaWeighting: DelTA's component of the trainer, λ̄ of each training rollout from h, attached and logged.
 
 With ``token_weighting="delta"``, once per *training* rollout batch, after TRL has computed the advantages
-(docs/delta.md):
+(docs/source/concepts/delta.md):
 
 * h, the final hidden state that feeds the LM head, is read by a forward hook on the backbone whose
   ``last_hidden_state`` TRL's fused LM head consumes (:class:`~dfpo_trl.trl_hooks.lm_head.HiddenCapture`; the

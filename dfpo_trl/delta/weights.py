@@ -1,4 +1,4 @@
-"""DelTA token weights λ (docs/delta.md): the math, private to the package.
+"""DelTA token weights λ (docs/source/concepts/delta.md): the math, private to the package.
 
 Scores each rollout token by how characteristic its proxy gradient vector is of its own advantage side versus the
 other (eq. DelTA-alpha) and maps the scores into λ ∈ [λ_min, λ_max];
@@ -9,7 +9,8 @@ other (eq. DelTA-alpha) and maps the scores into λ ∈ [λ_min, λ_max];
 options as keyword arguments and check them against the config's rules
 (:data:`~dfpo_trl.config.delta_rules.DELTA_RULES`): the reference forms the tests hold the math to. Defaults are
 the authors' released code's rules; the conventions (support, empty sides, precision, distributed reductions) are in
-docs/delta.md, "Conventions of the functions". Everything here is a ``no_grad`` function of detached tensors.
+docs/source/concepts/delta.md, "Conventions of the functions". Everything here is a ``no_grad`` function of detached
+tensors.
 """
 
 from __future__ import annotations
@@ -153,12 +154,12 @@ def _token_weights(
 ) -> Tensor:
     """DelTA coefficients λ (B, T) from proxy token-gradient vectors, before self-normalisation.
 
-    DelTA's method (docs/delta.md): centroids μ_± are the |Â|-weighted means of ``vectors`` (B, T, d) over each
-    side's scored tokens (docs/delta.md step 3); α = σ((‖v − μ_opp‖² − ‖v − μ_own‖²)/γ_side)
+    DelTA's method (docs/source/concepts/delta.md): centroids μ_± are the |Â|-weighted means of ``vectors`` (B, T, d)
+    over each side's scored tokens (docs/source/concepts/delta.md step 3); α = σ((‖v − μ_opp‖² − ‖v − μ_own‖²)/γ_side)
     (eq. DelTA-alpha; γ by ``gamma`` and ``gamma_update``); ``refine_steps`` times μ_side ← α|Â|-weighted mean
     and α recomputed; λ = λ_min + (λ_max − λ_min)α. ``advantages`` (B,) are the completions' Â, ``mask`` (B, T)
     is nonzero on scored tokens. The defaults are the authors' released code. Zero-advantage rows, padding,
-    empty sides, the ablations and ``all_reduce``: docs/delta.md, "Conventions of the functions".
+    empty sides, the ablations and ``all_reduce``: docs/source/concepts/delta.md, "Conventions of the functions".
 
     Args:
         vectors: (B, T, d) proxy token-gradient vectors v.
@@ -205,11 +206,11 @@ def _token_weights_from_hidden(
 ) -> Tensor:
     """:func:`_token_weights` for the LM-head-row proxy v = (1 − p) h without materialising v.
 
-    DelTA's proxy (docs/delta.md step 1): ∇_{W_y} log p(y) = (1 − p(y)) h. ``hidden`` (B, T, d) are the final
-    hidden states feeding the LM head, ``token_probs`` (B, T) the sampled tokens' probabilities p. Sums are
-    Σ w (1 − p) h (matmuls over h), distances use ‖v − μ‖² = (1−p)²‖h‖² − 2(1−p) h·μ + ‖μ‖² (docs/delta.md);
-    the only (tokens × d) temporaries are float32 copies of at most ``chunk_tokens`` rows of h.
-    Equal to ``_token_weights((1 - token_probs)[..., None] * hidden, ...)`` up to float rounding.
+    DelTA's proxy (docs/source/concepts/delta.md step 1): ∇_{W_y} log p(y) = (1 − p(y)) h. ``hidden`` (B, T, d) are the
+    final hidden states feeding the LM head, ``token_probs`` (B, T) the sampled tokens' probabilities p. Sums are
+    Σ w (1 − p) h (matmuls over h), distances use ‖v − μ‖² = (1−p)²‖h‖² − 2(1−p) h·μ + ‖μ‖²
+    (docs/source/concepts/delta.md); the only (tokens × d) temporaries are float32 copies of at most ``chunk_tokens``
+    rows of h. Equal to ``_token_weights((1 - token_probs)[..., None] * hidden, ...)`` up to float rounding.
 
     Args:
         hidden: (B, T, d) LM-head inputs h.

@@ -1,4 +1,4 @@
-"""How a transform gets whole groups (docs/layouts.md).
+"""How a transform gets whole groups (docs/source/concepts/layouts.md).
 
 ``ids`` (group and row ids, the (groups, G) index), ``batches`` (rollout dicts joined and reordered), ``shape`` (the
 run's shape, one frozen record), ``choice`` (which layout, why, at what cost), ``layout`` (the chosen layout at run

@@ -2,7 +2,7 @@
 
 TRL keeps a rollout as a dict of tensors (one row per sample), lists, flags and 0-dim tensors such as
 ``num_items_in_batch``; its ``split_tensor_dict`` cuts it into micro-batches. The layouts that regroup a rollout
-(docs/layouts.md) join those micro-batches, permute the rows and split again with these functions.
+(docs/source/concepts/layouts.md) join those micro-batches, permute the rows and split again with these functions.
 """
 
 from __future__ import annotations

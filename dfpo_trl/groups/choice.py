@@ -1,4 +1,5 @@
-"""The choice of a run's group layout (docs/layouts.md): the choice, its one-line description with cost, its refusals.
+"""The choice of a run's group layout (docs/source/concepts/layouts.md): the choice, its one-line description with cost,
+its refusals.
 
 A transform needs every member's s̄ at the same θ. :func:`choose_layout` picks the cheapest layout that makes the
 coefficients exact for the batch sizes and process count, and refuses only what no layout can make exact;
@@ -37,7 +38,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Group layouts of docs/layouts.md, cheapest first; the two a user may ask for by group_layout are its values.
+# Group layouts of docs/source/concepts/layouts.md, cheapest first; the two a user may ask for by group_layout are its
+# values.
 LAYOUT_GROUP_GRANULAR = "group_granular"  # whole groups in every micro-batch: free
 LAYOUT_CROSS_PROCESS = "cross_process"  # groups spread over processes in one micro-step: all-gather scalars
 LAYOUT_REDISTRIBUTED = GROUP_LAYOUT_REDISTRIBUTED  # rollout moved once: micro-steps hold whole groups across processes
@@ -46,8 +48,8 @@ LAYOUT_PER_SAMPLE = "per_sample"  # no transform: TRL's per-sample shuffle, grou
 
 
 def choose_layout(args: DFPOConfig, processes: int) -> str:
-    """The cheapest exact layout for these batch sizes (docs/layouts.md); refuse only what cannot be exact.
-    With every DFPO option off (and ``group_granular_batches`` not forced) TRL's per-sample order is kept."""
+    """The cheapest exact layout for these batch sizes (docs/source/concepts/layouts.md); refuse only what cannot be
+    exact. With every DFPO option off (and ``group_granular_batches`` not forced) TRL's per-sample order is kept."""
     per_device, group_size = args.per_device_train_batch_size, args.num_generations
     whole = per_device % group_size == 0
     if args.group_granular_batches is True and not whole:
@@ -98,7 +100,8 @@ def choose_layout(args: DFPOConfig, processes: int) -> str:
 
 
 def describe_layout(layout: str, args: DFPOConfig, processes: int) -> str:
-    """One start-up line: the group layout the trainer chose (docs/layouts.md), why, and what it costs."""
+    """One start-up line: the group layout the trainer chose (docs/source/concepts/layouts.md), why, and what it
+    costs."""
     b, G = args.per_device_train_batch_size, args.num_generations
     A, S = args.gradient_accumulation_steps, args.steps_per_generation
     head = f"DFPO group layout: {layout}"
@@ -129,7 +132,7 @@ def describe_layout(layout: str, args: DFPOConfig, processes: int) -> str:
             amount = f"{trained}-{b * S} rows per process, about +33% to +{high:.0f}% of their compute"
         return (
             f"{head} ({why}): {len(forwarding)} of every {len(rows)} optimizer steps add a no-grad forward over "
-            f"{amount}{gather} (docs/layouts.md, the pre-pass and its cost); {fix}"
+            f"{amount}{gather} (docs/source/concepts/layouts.md, the pre-pass and its cost); {fix}"
         )
     return (f"{head} (no in-group transform active: TRL's batch order): no extra cost; group metrics only on "
             "micro-batches that hold whole groups (group_granular_batches: true gives them every step)")

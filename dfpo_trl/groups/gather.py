@@ -1,7 +1,7 @@
 """Cross-process gathers of per-row scalars: the few floats a sequence that complete groups straddling processes.
 
 A group whose members sit on several processes is completed by gathering each row's (row id, group id, s̄, Â, U, c)
-from every process (docs/layouts.md): 6 floats a row, never a token tensor.
+from every process (docs/source/concepts/layouts.md): 6 floats a row, never a token tensor.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Group ids: the explicit id of every row's group, the (num_groups, G) view the transforms need, row positions.
 
-A DFPO transform needs every member's post-clip weight at the same parameters (docs/layouts.md). Groups are
-carried as an explicit int64 id per row (``inputs["group_ids"]``), never inferred from "every G rows",
+A DFPO transform needs every member's post-clip weight at the same parameters (docs/source/concepts/layouts.md). Groups
+are carried as an explicit int64 id per row (``inputs["group_ids"]``), never inferred from "every G rows",
 so that shuffling, splitting and gathering can never silently mix members of different prompts. Also here: the
 group-granular row order and the per-rollout random generators, which draw by (seed, process, step, stream).
 """
@@ -111,8 +111,8 @@ def group_granular_order(group_ids: torch.Tensor, generator: torch.Generator | N
     """A row order that shuffles whole groups and keeps each group's rows together (in their current order).
 
     Replaces TRL's per-sample shuffle so that splitting the generation batch into equal micro-batches of a
-    multiple of G rows keeps every group whole (the group-granular layout of docs/layouts.md), and, in the
-    pre-pass layout, so that an optimizer step's rows come from as few groups as its size allows.
+    multiple of G rows keeps every group whole (the group-granular layout of docs/source/concepts/layouts.md), and, in
+    the pre-pass layout, so that an optimizer step's rows come from as few groups as its size allows.
     """
     unique_ids, inverse = torch.unique(group_ids.cpu(), return_inverse=True)
     perm = torch.randperm(unique_ids.numel(), generator=generator)

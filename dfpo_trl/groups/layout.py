@@ -1,4 +1,5 @@
-"""GroupDelivery: the chosen group layout at work, delivering every micro-batch's whole groups (docs/layouts.md).
+"""GroupDelivery: the chosen group layout at work, delivering every micro-batch's whole groups
+(docs/source/concepts/layouts.md).
 
 Built once by the trainer (the choice is :func:`~dfpo_trl.groups.choice.choose_layout`) from the run's shape
 (:class:`~dfpo_trl.groups.shape.RunShape`) and the accelerator. It marks each rollout row with its group and row id,
@@ -50,9 +51,9 @@ __all__ = ["GroupDelivery"]
 
 
 class GroupDelivery:
-    """The group layout of one trainer (docs/layouts.md): ``name`` is one of :mod:`dfpo_trl.groups.choice`'s,
-    ``needs_groups`` whether any micro-batch's group view is read (a sequence rewrite or the group metrics),
-    ``options`` the DFPO options that are on (for the multimodal refusal)."""
+    """The group layout of one trainer (docs/source/concepts/layouts.md): ``name`` is one of
+    :mod:`dfpo_trl.groups.choice`'s, ``needs_groups`` whether any micro-batch's group view is read (a sequence rewrite
+    or the group metrics), ``options`` the DFPO options that are on (for the multimodal refusal)."""
 
     def __init__(self, name: str, shape: RunShape, accelerator: Any, needs_groups: bool, options: str) -> None:
         self.name, self.shape, self.accelerator = name, shape, accelerator
@@ -78,8 +79,8 @@ class GroupDelivery:
         if self.name in (LAYOUT_GROUP_GRANULAR, LAYOUT_PRE_PASS):
             # Whole groups in consecutive rows, groups in a random order: every micro-batch holds whole groups
             # (group_granular), or an optimizer step's rows come from as few groups as its size allows, the only
-            # ones the pre-pass forwards (pre_pass, the order PrePass.order decides; docs/layouts.md, "The pre-pass
-            # and its cost").
+            # ones the pre-pass forwards (pre_pass, the order PrePass.order decides; docs/source/concepts/layouts.md,
+            # "The pre-pass and its cost").
             full = concat_sequence_dicts(buffered)
             if self.name == LAYOUT_PRE_PASS:
                 order = PrePass.order(full[GROUP_IDS_KEY], shape, step)

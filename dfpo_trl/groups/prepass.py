@@ -1,4 +1,5 @@
-"""The pre-pass layout's one owner: s̄ and s̃ at each optimizer step's θ, from one no-grad forward (docs/layouts.md).
+"""The pre-pass layout's one owner: s̄ and s̃ at each optimizer step's θ, from one no-grad forward
+(docs/source/concepts/layouts.md).
 
 When groups are spread over micro-steps, a micro-step's loss cannot see the other members' s̄ at its θ. At the start
 of each optimizer step the pre-pass forwards (no gradient) every member of every group that has a row in the step,

@@ -1,5 +1,5 @@
 """The pre-pass's schedule as plain integers: when it runs, which micro-batches it fills, when θ = θ_old, and how
-many rows it forwards (docs/layouts.md, "The pre-pass and its cost").
+many rows it forwards (docs/source/concepts/layouts.md, "The pre-pass and its cost").
 
 Pure arithmetic on TRL's micro-step counter and the run's batch sizes, kept apart from
 :class:`~dfpo_trl.groups.prepass.PrePass` (which applies it to tensors) so that the start-up line
@@ -41,8 +41,8 @@ def off_policy(step: int, generate_every: int, accumulation: int) -> bool:
 def pre_pass_rows(
     per_device: int, accumulation: int, steps_per_generation: int, group_size: int, iterations: int = 1
 ) -> list[int]:
-    """Rows the pre-pass forwards on one process at each optimizer step of a rollout (docs/layouts.md, "The
-    pre-pass and its cost"), for a process that holds whole groups (per-device batch × steps_per_generation a
+    """Rows the pre-pass forwards on one process at each optimizer step of a rollout (docs/source/concepts/layouts.md,
+    "The pre-pass and its cost"), for a process that holds whole groups (per-device batch × steps_per_generation a
     multiple of G). The layout lays each group's rows consecutively, so the step that trains rows [kR, (k+1)R)
     (R = accumulation × per-device batch) forwards every row of the groups those rows touch: G·⌈R/G⌉ when R is a
     multiple of G or G of R, at most G more otherwise. The first step after a rollout forwards none (θ = θ_old);

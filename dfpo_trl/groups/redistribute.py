@@ -1,4 +1,5 @@
-"""The ``redistributed`` layout: where each rollout row goes, and the one all-to-all that moves it (docs/layouts.md).
+"""The ``redistributed`` layout: where each rollout row goes, and the one all-to-all that moves it
+(docs/source/concepts/layouts.md).
 
 When ``per_device_train_batch_size × num_processes`` is a multiple of G but the per-device batch is not, TRL's
 micro-batches cut groups across micro-steps, and exact in-group coefficients would need an extra forward (the
@@ -39,7 +40,7 @@ def redistribution_plan(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Where every row of a generation batch goes so that each micro-step holds whole groups *across* processes
-    (the ``redistributed`` layout, docs/layouts.md).
+    (the ``redistributed`` layout, docs/source/concepts/layouts.md).
 
     ``row_ids`` and ``group_ids`` list every row of the global generation batch (any order, row ids unique).
     Groups are put in a random order (``generator``: the same draw on every process) and laid out group by group,

@@ -17,7 +17,8 @@ __all__ = ["RunShape", "run_shape"]
 
 @dataclass(frozen=True)
 class RunShape:
-    """The numbers that fix how a rollout is laid out over micro-steps and processes (docs/layouts.md)."""
+    """The numbers that fix how a rollout is laid out over micro-steps and processes
+    (docs/source/concepts/layouts.md)."""
 
     num_generations: int  # G of training rollouts
     num_generations_eval: int  # G of evaluation rollouts

@@ -1,4 +1,4 @@
-"""DFPO's metrics (docs/metrics.md).
+"""DFPO's metrics (docs/source/concepts/metrics.md).
 
 ``store`` (the only path into TRL's logs), ``mechanism`` (Asym, residuals, φ), ``diagnostics`` (whether the
 transform acted at all), ``energy`` and ``energy_aggregate`` (eq. 24, per position and per token

@@ -4,9 +4,9 @@ TRL's ``_compute_loss`` counts clipped ratios from the inputs it is handed, and 
 (objectives/rewrite.py): in the score form, and for Orth-Proj's flipped rows under the gradient target, the old
 log-probs are the detached current ones (ratio 1, never counted); the effective advantage Â φ can change sign; and
 GRPO-fix clips both signs above 1 + ε_high, which TRL's PPO count misses for Â < 0. So where a rewrite is active
-DFPO recounts, from the inputs before the rewrite (docs/metrics.md "Clip fractions"). The micro-step's objective
-finds the clipped ratios once (:func:`~dfpo_trl.objectives.weights.clipped_ratios`, in its return value); this module
-only reduces and logs them:
+DFPO recounts, from the inputs before the rewrite (docs/source/concepts/metrics.md "Clip fractions"). The micro-step's
+objective finds the clipped ratios once (:func:`~dfpo_trl.objectives.weights.clipped_ratios`, in its return value); this
+module only reduces and logs them:
 
 * the ratio TRL computes: r = exp(ℓ − ℓ_old) per token, or at sequence level s = exp(ρ) with ρ the length-normalised
   sequence log-ratio (eq. 44), then capped at TRL's two-sided ``delta`` as TRL caps it before counting;

@@ -1,7 +1,7 @@
 """Curve metrics of a training run (eq. 19, 20): EMA, Jitter₂ and steps to a threshold, on Python numbers.
 
 They take a Python sequence or a 1-D tensor and return Python numbers (the main job's summary and the figure read
-them: docs/metrics.md, "Curve metrics"). None of them returns NaN for valid input.
+them: docs/source/concepts/metrics.md, "Curve metrics"). None of them returns NaN for valid input.
 """
 
 from __future__ import annotations

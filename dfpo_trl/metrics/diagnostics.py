@@ -1,4 +1,5 @@
-"""Per-step diagnostics a study reads to tell whether the transform acted at all (docs/metrics.md, "Diagnostics").
+"""Per-step diagnostics a study reads to tell whether the transform acted at all (docs/source/concepts/metrics.md,
+"Diagnostics").
 
 Whether DFPO's transform can change a run depends on things TRL's own metrics hide: how far the weights moved on
 the steps where the policy is stale (φ = s̃/s̄, only < 1 off-policy), how many of the rows that carry a gradient
@@ -74,9 +75,9 @@ def log_loss_diagnostics(
     store: MetricStore, mode: str, advantages: Tensor, mask: Tensor, clipped: ClippedRatios,
     is_ratio: Tensor | None,
 ) -> None:
-    """The loss call's diagnostics (docs/metrics.md): ``diagnostics/clip_fraction_signal`` (pooled clipped /
-    counted among rows with Â ≠ 0), ``diagnostics/zero_signal`` (a minimum over the interval's micro-batches and
-    processes: 1 when no row of any had Â ≠ 0) and, where TRL applies its vLLM importance-sampling ratio,
+    """The loss call's diagnostics (docs/source/concepts/metrics.md): ``diagnostics/clip_fraction_signal`` (pooled
+    clipped / counted among rows with Â ≠ 0), ``diagnostics/zero_signal`` (a minimum over the interval's micro-batches
+    and processes: 1 when no row of any had Â ≠ 0) and, where TRL applies its vLLM importance-sampling ratio,
     ``diagnostics/is_ratio_min`` / ``_max`` / ``_std``."""
     store.add_mean(mode, "diagnostics/clip_fraction_signal", *signal_clip_counts(clipped, advantages, mask))
     store.add_min(mode, "diagnostics/zero_signal", zero_signal(advantages))

@@ -4,8 +4,8 @@ The DFPO paper's Corollary 3.2 (and its Appendix A.3 toy) predicts that a sequen
 log-odds between two equally rewarded completions y_a, y_b of one prompt by η c (κ(y_a) − κ(y_b)) per update
 (its eq. 5 and 41): a difference in their sequence weights, not in their reward, so it accumulates until one surface
 form takes the equivalent set's mass (entropy collapse on that set). This module measures that on fixed prompts
-whose correct answer can be written in K ≥ 2 equivalent forms (a task's ``equivalent_forms``; docs/metrics.md,
-"Equivalent-solution drift", defines D1–D4):
+whose correct answer can be written in K ≥ 2 equivalent forms (a task's ``equivalent_forms``;
+docs/source/concepts/metrics.md, "Equivalent-solution drift", defines D1–D4):
 
 * D1, log-odds:   o(x) = log π(y_1 | x) − log π(y_2 | x)                       (the quantity of eq. 5 / 41)
 * D2, spread:     Δ(x) = max_f log π(y_f | x) − min_f log π(y_f | x)           (= |o(x)| for K = 2)
@@ -17,7 +17,7 @@ a causal LM over (prompt, completion) pairs, and :func:`end_token_ids`, which re
 
 A canonical completion y_f is the form's text followed by an end token: a sampled completion ends at the first of
 TRL's end tokens (the tokenizer's ``eos_token_id`` and the generation config's), so π(y_f | x) sums over them:
-π(text_f | x) · Σ_e π(e | x, text_f) (docs/metrics.md, "Equivalent-solution drift").
+π(text_f | x) · Σ_e π(e | x, text_f) (docs/source/concepts/metrics.md, "Equivalent-solution drift").
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Gradient energy on frequent tokens (eq. 24, docs/metrics.md): the LM-head gradient scale and bucket shares.
+"""Gradient energy on frequent tokens (eq. 24, docs/source/concepts/metrics.md): the LM-head gradient scale and bucket
+shares.
 
 ‖∇_W ℓ_t‖ = |c_t| · ‖∂ log p_t/∂W‖ per token, W the LM-head weight, c_t = ∂loss/∂log p_t: :func:`lm_head_grad_scale`
 gives the second factor from h (no autograd graph), :func:`frequency_buckets` the token sets B_b, and
@@ -27,8 +28,8 @@ def lm_head_grad_scale(
     final_logit_softcapping: float | None = None,
     vocab_chunk_size: int = 8192,
 ) -> torch.Tensor:
-    """‖∂ log p(y_t) / ∂W‖_F per token, W the LM-head weight (eq. 24, docs/metrics.md): the per-token LM-head
-    gradient norm ‖∇_W ℓ_t‖ is |c_t| times this, c_t = ∂loss/∂ log p(y_t).
+    """‖∂ log p(y_t) / ∂W‖_F per token, W the LM-head weight (eq. 24, docs/source/concepts/metrics.md): the per-token
+    LM-head gradient norm ‖∇_W ℓ_t‖ is |c_t| times this, c_t = ∂loss/∂ log p(y_t).
 
     For the logits TRL's fused head uses, z = softcap · tanh(s (h Wᵀ + b) / softcap) / τ (plain s (h Wᵀ + b) / τ
     without softcapping), row k of ∂ log p_y/∂W is (δ_ky − p_k) d_k (s/τ) h, d_k = 1 − tanh²(·)_k (1 without
@@ -120,8 +121,8 @@ def _check_bucket_inputs(
 
 
 def frequency_buckets(token_ids: torch.Tensor, mask: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Frequency bucket of every token of a batch (the token sets B of eq. 24, docs/metrics.md); −1 where
-    ``mask`` is 0.
+    """Frequency bucket of every token of a batch (the token sets B of eq. 24, docs/source/concepts/metrics.md); −1
+    where ``mask`` is 0.
 
     The distinct ids of the unmasked tokens are ranked by their count in this batch (most frequent first, ties
     by smaller id); their occurrences, in that order, are cut into ``num_buckets`` consecutive slices of equal

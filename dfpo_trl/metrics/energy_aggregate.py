@@ -1,4 +1,5 @@
-"""Aggregate gradient energy per vocabulary entry (eq. 24 read as the paper's claim needs it, docs/metrics.md).
+"""Aggregate gradient energy per vocabulary entry (eq. 24 read as the paper's claim needs it,
+docs/source/concepts/metrics.md).
 
 The per-position form (:mod:`dfpo_trl.metrics.energy`) sums ‖c_t ∂ log p_t/∂W‖ over positions, so two members of a
 group pushing one token type in opposite directions both count: cancellation is invisible by construction. The

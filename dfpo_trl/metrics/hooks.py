@@ -1,9 +1,9 @@
 """Backward hooks that read the token coefficients c_{i,t} = ∂loss/∂ℓ_{i,t} TRL's backward already computes.
 
 Two metrics need the exact scalar each token's gradient ∇ℓ_{i,t} receives from the real loss: the shared-prefix
-cancellation residual (docs/metrics.md, docs/cancellation.md eq. C8) and the gradient energy on frequent tokens
-(eq. 24). Both register a hook on the loss's per-token log-probs, so nothing in the loss or its gradients changes,
-and add device tensors to the metric store (no host read inside the backward).
+cancellation residual (docs/source/concepts/metrics.md, docs/source/concepts/cancellation.md eq. C8) and the gradient
+energy on frequent tokens (eq. 24). Both register a hook on the loss's per-token log-probs, so nothing in the loss or
+its gradients changes, and add device tensors to the metric store (no host read inside the backward).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def watch_token_coefficients(
     two_sided: Tensor | None,
 ) -> None:
     """Measure shared-prefix cancellation from the exact scalar on ∇ℓ_{i,t}: the gradient of the loss w.r.t. the
-    per-token log-probs, read in the backward pass TRL already runs (docs/metrics.md); also over the two-sided
-    groups alone (docs/cancellation.md, eq. C8), where the gradient target cancels exactly."""
+    per-token log-probs, read in the backward pass TRL already runs (docs/source/concepts/metrics.md); also over the
+    two-sided groups alone (docs/source/concepts/cancellation.md, eq. C8), where the gradient target cancels exactly."""
     shared = shared_prefix_mask(completion_ids[index], mask[index])
     # One-sided groups' positions leave the two-sided residual (a mask, not boolean indexing: no host sync).
     subsets = () if two_sided is None else (two_sided[index[:, 0]].bool(),)
@@ -57,9 +57,9 @@ def watch_gradient_energy(
     store: MetricStore, model: torch.nn.Module, per_token_logps: Tensor, inputs: dict[str, Any],
     capture: HiddenCapture, temperature: float, num_buckets: int, form: str = "aggregate",
 ) -> None:
-    """Energy on frequent tokens (eq. 24, docs/metrics.md), logged as each frequency bucket's share, with c_t =
-    ∂loss/∂log p_t read in the backward pass TRL already runs and the LM head read (no grad, gathered read-only under
-    ZeRO-3; ``model`` unwrapped) at this forward.
+    """Energy on frequent tokens (eq. 24, docs/source/concepts/metrics.md), logged as each frequency bucket's share,
+    with c_t = ∂loss/∂log p_t read in the backward pass TRL already runs and the LM head read (no grad, gathered
+    read-only under ZeRO-3; ``model`` unwrapped) at this forward.
 
     ``form="aggregate"``: per token type v of the micro-batch, ‖Σ_t c_t ∂ log p_t/∂W_v‖, the norm of the LM-head
     gradient row (metrics/energy_aggregate.py, eq. E1), so opposite pushes on one type cancel.

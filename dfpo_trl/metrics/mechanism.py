@@ -1,4 +1,4 @@
-"""Mechanism metrics of DFPO's in-group transforms (docs/metrics.md; arXiv 2604.13088 eq. 23/94, 38).
+"""Mechanism metrics of DFPO's in-group transforms (docs/source/concepts/metrics.md; arXiv 2604.13088 eq. 23/94, 38).
 
 Asym, the orthogonality residual, φ and the shared-prefix cancellation residual's sums take ``(num_groups, G)`` (or
 ``(num_groups, G, T)``) tensors, compute in float32 (float64 when an input is float64) and return 0-dim tensors, so
@@ -65,7 +65,8 @@ def orth_residual(w_tilde: torch.Tensor, advantages: torch.Tensor) -> torch.Tens
 
 
 def phi_stats(w_tilde: torch.Tensor, w_bar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, mean) of φ = w̃ / w̄, the stop-gradient factor of the ratio-form surrogate (docs/design.md).
+    """(min, mean) of φ = w̃ / w̄, the stop-gradient factor of the ratio-form surrogate
+    (docs/source/concepts/design.md).
 
     φ < 1 means the transform shrank a sequence's weight. w̄ is clamped below at 1e-12 before dividing.
     Any shape; empty input gives (0, 0).
@@ -106,9 +107,10 @@ def shared_prefix_mask(completion_ids: torch.Tensor, completion_mask: torch.Tens
 def shared_prefix_residual_sums(
     token_coefficients: torch.Tensor, shared: torch.Tensor, *group_subsets: torch.Tensor
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The shared-token cancellation residual (docs/metrics.md) as sums: over shared positions (``shared``) with
-    Σ_i |c_{i,t}| > 0, Σ |Σ_i c_{i,t}| / Σ_i |c_{i,t}| and the count of such positions (0 means the shared tokens'
-    gradients cancel exactly, 1 that they all push the same way), over all groups, then over each subset of groups.
+    """The shared-token cancellation residual (docs/source/concepts/metrics.md) as sums: over shared positions
+    (``shared``) with Σ_i |c_{i,t}| > 0, Σ |Σ_i c_{i,t}| / Σ_i |c_{i,t}| and the count of such positions (0 means the
+    shared tokens' gradients cancel exactly, 1 that they all push the same way), over all groups, then over each subset
+    of groups.
 
     ``token_coefficients`` (num_groups, G, T); ``shared`` the (num_groups, T) mask of
     :func:`shared_prefix_mask`; each of ``group_subsets`` a (num_groups,) bool selecting groups (e.g. the two-sided

@@ -1,4 +1,5 @@
-"""The metrics of DFPO's objective, logged from the objective's return values in one place (docs/metrics.md).
+"""The metrics of DFPO's objective, logged from the objective's return values in one place
+(docs/source/concepts/metrics.md).
 
 :func:`log_objective_values` logs what :func:`~dfpo_trl.objectives.step.objective_values` returns, wherever it ran
 (a loss micro-step or the pre-pass): the sanitised rows and the group metrics of the groups transformed there.

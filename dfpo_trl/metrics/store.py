@@ -9,7 +9,8 @@ one process's view.
 
 Adding launches no device work at all: an entry is kept as the (detached) tensor the caller made, and every
 entry of the interval is reduced at once at the flush, a few kernels per dtype however many entries there are
-(why not per add: docs/decisions.md, "Metrics"). A long logging interval is folded into one entry per metric every
+(why not per add: docs/source/concepts/decisions.md, "Metrics"). A long logging interval is folded into one entry per
+metric every
 :data:`COMPACT_AFTER` entries, so memory stays bounded.
 
 Five pooled kinds: ``mean`` (Σ total / Σ count, pooled over micro-steps and processes), ``min`` and ``max`` (the

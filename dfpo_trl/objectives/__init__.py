@@ -1,4 +1,5 @@
-"""DFPO's objective as pure math, tensors in, tensors out (docs/design.md, docs/cancellation.md).
+"""DFPO's objective as pure math, tensors in, tensors out (docs/source/concepts/design.md,
+docs/source/concepts/cancellation.md).
 
 ``weights`` (s, s̄, U, the loss mask, the clipped ratios), ``normalise`` (DelTA's λ̄ = λ N / Z, which the loss
 inputs redo per micro-batch for ``bnpo``), ``cancellation`` (the gradient target), ``rewrite`` (the objective as TRL's

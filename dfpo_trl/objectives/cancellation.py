@@ -8,8 +8,8 @@ J_i = Â_i φ_i s̄_i(θ)) member i contributes to a shared token t
 
 where U is the set of members whose gradient survives the sign-aware clip (eq. 44–47) and c_i the loss
 aggregation's per-member factor (1/L_i under ``loss_type="grpo"``, 1 under the token-sum losses). So the
-gradient cancels exactly when Σ_i a_i s̃_i = 0 with a_i = Â_i c_i 1[i ∈ U] (docs/cancellation.md, eq. C1).
-This module computes c and a (U is :func:`~dfpo_trl.objectives.weights.clip_survivors`), and runs each transform
+gradient cancels exactly when Σ_i a_i s̃_i = 0 with a_i = Â_i c_i 1[i ∈ U] (docs/source/concepts/cancellation.md, eq.
+C1). This module computes c and a (U is :func:`~dfpo_trl.objectives.weights.clip_survivors`), and runs each transform
 on a instead of Â, with members outside U kept at φ = 1 and Min-Replace replaced on U by its minimal-change
 balanced version (eq. C4–C7).
 

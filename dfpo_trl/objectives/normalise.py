@@ -1,6 +1,6 @@
-"""DelTA's self-normalisation λ̄ = λ N / Z (docs/delta.md step 6), below both of its users: DelTA's rollout weights
-(:mod:`dfpo_trl.delta.rollout`) and the objective's loss inputs (:mod:`dfpo_trl.objectives.rewrite`, which
-normalises λ̄ again over each micro-batch for ``bnpo``), so the objective needs nothing of the DelTA package.
+"""DelTA's self-normalisation λ̄ = λ N / Z (docs/source/concepts/delta.md step 6), below both of its users: DelTA's
+rollout weights (:mod:`dfpo_trl.delta.rollout`) and the objective's loss inputs (:mod:`dfpo_trl.objectives.rewrite`,
+which normalises λ̄ again over each micro-batch for ``bnpo``), so the objective needs nothing of the DelTA package.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def self_normalise(
     dim: int | None = None,
     all_reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
-    """λ̄ = λ · N / Z with N = Σ mask and Z = Σ λ · mask (DelTA's self-normalised objective, docs/delta.md step 6).
+    """λ̄ = λ · N / Z with N = Σ mask and Z = Σ λ · mask (DelTA's self-normalised objective,
+    docs/source/concepts/delta.md step 6).
 
     Afterwards the weights average exactly 1 over the masked tokens of the normalisation domain, so the
     loss's usual token-count normaliser N can be kept. The domain is the whole tensor (``dim=None``,

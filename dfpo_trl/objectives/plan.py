@@ -47,7 +47,8 @@ class ObjectivePlan:
     transform: GroupTransform  # group_transform's registry entry (eq. 18, 50–55, Table 3, or registered)
     scale_factor: float  # transform_scale (Table 3's κ)
     truncate_floor: float  # transform_truncate_floor (eq. 52's ϵ)
-    cancellation_target: CancellationTarget  # "weights" (the paper) or "gradient" (docs/cancellation.md, eq. C1)
+    # "weights" (the paper) or "gradient" (docs/source/concepts/cancellation.md, eq. C1)
+    cancellation_target: CancellationTarget
     one_sided: OneSidedPolicy  # cancellation_one_sided (eq. C8)
     form: RewriteForm  # the constants of the loss-input rewrite
     sequence_level: bool  # importance_sampling_level="sequence": s, s̄ are per sequence (eq. 44–47)
@@ -107,7 +108,7 @@ class ObjectivePlan:
     @property
     def counts_clipped_ratios(self) -> bool:
         """Whether a loss call finds the ratios TRL's clip removes: for the recount, or for the group metrics'
-        diagnostics (docs/metrics.md, "Diagnostics") under a clipped loss type."""
+        diagnostics (docs/source/concepts/metrics.md, "Diagnostics") under a clipped loss type."""
         return self.recounts_clip_fractions or (self.group_metrics and self.loss_type in CLIPPED_LOSS_TYPES)
 
     def differentiates(self, whole_groups: bool) -> bool:

@@ -5,15 +5,17 @@ TRL's ``_compute_loss`` runs unchanged; DFPO enters only through the two inputs 
 weights of :class:`~dfpo_trl.objectives.weights.RowWeights` to the inputs of DFPO's objective, tensors in, tensors
 out (tests/objectives/test_loss_inputs.py):
 
-* ratio form (docs/design.md): Â_i → Â_i φ_i with φ_i = s̃_i / s̄_i under stop-gradient. For φ_i ≥ 0, TRL's
+* ratio form (docs/source/concepts/design.md): Â_i → Â_i φ_i with φ_i = s̃_i / s̄_i under stop-gradient. For φ_i ≥ 0,
+TRL's
   -min(s Â φ, c Â φ) = -φ Â s̄(θ), which is eq. 59–62; φ ≡ 1 for ``"none"``, so that is GSPO exactly;
 * score form: old log-probs → the detached current ones (ratio 1 in value, ∇ρ in gradient, never clipped) and
   Â → Â_i s̃_i, so the policy term is -Â_i sg(s̃_i) ρ_i(θ) (eq. 16/68/85);
 * the flipped rows of Orth-Proj (any transform registered with ``nonnegative=False``) under
-  ``cancellation_target="gradient"`` take the score representation (docs/cancellation.md);
+  ``cancellation_target="gradient"`` take the score representation (docs/source/concepts/cancellation.md);
 * GRPO-fix (Appendix H, eq. 79–80): for Â < 0, tokens with r > 1+ε_high get the constant ratio 1+ε_high (zero
   gradient), which with TRL's ε_low := 1 makes the weight the same operator for both signs;
-* DelTA (docs/delta.md): Â → Â_i λ̄_{i,t} (B, T) last; since λ̄ > 0, the policy term is -λ̄ min(rÂ, clip(r)Â)
+* DelTA (docs/source/concepts/delta.md): Â → Â_i λ̄_{i,t} (B, T) last; since λ̄ > 0, the policy term is -λ̄ min(rÂ,
+clip(r)Â)
   (eq. DelTA-weighted-objective).
 
 β-KL, the vLLM importance-sampling correction, the entropy bonus, ``top_entropy_quantile``, truncation masking and
@@ -170,7 +172,7 @@ def token_weighted_advantages(advantages: Tensor, lambda_bar: Tensor, mask: Tens
     Args:
         advantages: Â (B,) (or already (B, T)). lambda_bar: DelTA's λ̄ (B, T). mask: the loss mask (B, T).
         renormalise: ``loss_type="bnpo"`` (normalised by the micro-batch's own tokens): λ̄ first made to average 1
-            over this micro-batch's loss tokens (docs/delta.md step 6).
+            over this micro-batch's loss tokens (docs/source/concepts/delta.md step 6).
 
     Returns:
         The token-weighted advantages (B, T).

@@ -1,5 +1,5 @@
 """DFPO's objective of a set of rows as one function, :func:`objective_values`, and the loss micro-step built on it,
-:func:`micro_step_objective` (docs/README.md, "How a micro-step flows").
+:func:`micro_step_objective` (docs/source/concepts/architecture.md, "How a micro-step flows").
 
 :func:`objective_values` turns rows (ℓ(θ), the old log-probs, Â, the loss mask) and the whole groups the layout
 delivers into the rows' sequence weights, the transformed groups and what the metrics read: the old log-probs bounded
@@ -139,7 +139,7 @@ def objective_values(
     Returns:
         :class:`ObjectiveValues`.
     """
-    if old is not None:  # docs/decisions.md, "Numerics": exp() never overflows, gradients unchanged
+    if old is not None:  # docs/source/concepts/decisions.md, "Numerics": exp() never overflows, gradients unchanged
         old = bounded_old_logps(logps, old, mask, plan.sequence_level)
     if not plan.sequence_level or (groups.index is None and not plan.rewrites_sequences):
         return ObjectiveValues(old, None, None, None, None)

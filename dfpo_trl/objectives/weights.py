@@ -4,11 +4,13 @@ Pure functions of tensors, no trainer and no config object (tests/objectives/tes
 tests/transforms/test_transforms.py):
 
 * :func:`loss_mask`: the tokens TRL's loss counts (completion mask × tool mask);
-* :func:`bounded_old_logps`: the log-ratio bound (docs/decisions.md, "Numerics"): ρ (sequence level) or each token's
+* :func:`bounded_old_logps`: the log-ratio bound (docs/source/concepts/decisions.md, "Numerics"): ρ (sequence level) or
+each token's
   log-ratio kept in ±20 by shifting the old log-probs, gradients unchanged;
 * :func:`sequence_log_ratio`: ρ_i (eq. 44), s_i = exp(ρ_i);
 * :func:`sign_aware_post_clip`: s̄ (eq. 46–47);
-* :func:`clip_survivors`: U, the members whose gradient survives TRL's clip (docs/cancellation.md, eq. C2);
+* :func:`clip_survivors`: U, the members whose gradient survives TRL's clip (docs/source/concepts/cancellation.md, eq.
+C2);
 * :func:`post_clip_weights`: s̄ and U of a micro-batch's rows from its log-probs;
 * :func:`clipped_ratios`: which ratios TRL's clip removes, with TRL's own ratio arithmetic (its ``clip_ratio/*``
   count, which DFPO's metrics read: metrics/clip.py, metrics/diagnostics.py);
@@ -186,8 +188,8 @@ def clipped_ratios(
     symmetric: bool,
     two_sided_cap: float | None = None,
 ) -> ClippedRatios:
-    """The ratios TRL's clip removes from one micro-batch, with TRL's ratio arithmetic (docs/metrics.md "Clip
-    fractions"): r = exp(ℓ − ℓ_old) per token, or at sequence level s = exp(ρ) (eq. 44), capped at TRL's two-sided
+    """The ratios TRL's clip removes from one micro-batch, with TRL's ratio arithmetic (docs/source/concepts/metrics.md
+    "Clip fractions"): r = exp(ℓ − ℓ_old) per token, or at sequence level s = exp(ρ) (eq. 44), capped at TRL's two-sided
     ``delta`` as TRL caps it; low: r < 1 − ε_low and Â < 0; high: r > 1 + ε_high and Â > 0, or, ``symmetric``
     (GRPO-fix's clip(r, 0, 1 + ε_high), eq. 79), Â ≠ 0. TRL's arithmetic, not :func:`sequence_log_ratio`'s: the
     count stands in for TRL's own.

@@ -180,8 +180,8 @@ class SumSentenceTask(ArithmeticTask):
     A correct completion is that sentence with the sum: 20 tokens (SmolLM2's tokenizer) fixed by the prompt
     before the first one that can differ between right and wrong answers (the sum's digits), so once the
     policy follows the format the members of a group share a long prefix and differ at the number. That is
-    the case where shared-token cancellation (docs/cancellation.md, docs/metrics.md) has something to act on;
-    ``arithmetic``'s completions vary in wording and share little. The sentence is the untrained
+    the case where shared-token cancellation (docs/source/concepts/cancellation.md, docs/source/concepts/metrics.md) has
+    something to act on; ``arithmetic``'s completions vary in wording and share little. The sentence is the untrained
     SmolLM2-135M-Instruct's own greedy phrasing, so the format is reachable at once: on the CPU (the embedded
     Q4_1 GGUF) greedy decoding followed it on all of 40 random problems and scores 0.925 on 40 held-out ones;
     sampling at temperature 1 (TRL's setting; 80 completions) scores 0.16 on average: 6% the sentence with the
@@ -250,11 +250,11 @@ class TwoFormsTask(ArithmeticTask):
     Full reward for "The sum is 8." and for "The answer is 8." (the whole completion), 0.5 for the right sum in any
     other wording (:class:`TwoFormsReward`). The two forms are an equivalent set in the sense of the DFPO paper's
     Corollary 3.2: equal reward, equal advantage in a group, different surface form, so any drift of their
-    log-odds during training is reward-irrelevant (the drift meter, dfpo_trl.metrics.drift and docs/metrics.md).
-    They were chosen because the untrained SmolLM2-135M-Instruct gives them similar probability under this prompt (mean
-    log-odds "sum" against "answer" −0.8, standard deviation 0.8 over 16 problems; the pair in the prompt's order
-    "Answer: <number>" / "The answer is <number>." was −4.6), so the equivalent set starts mixed and a collapse
-    onto one form is visible. Splits: exactly :class:`ArithmeticTask`'s.
+    log-odds during training is reward-irrelevant (the drift meter, dfpo_trl.metrics.drift and
+    docs/source/concepts/metrics.md). They were chosen because the untrained SmolLM2-135M-Instruct gives them similar
+    probability under this prompt (mean log-odds "sum" against "answer" −0.8, standard deviation 0.8 over 16 problems;
+    the pair in the prompt's order "Answer: <number>" / "The answer is <number>." was −4.6), so the equivalent set
+    starts mixed and a collapse onto one form is visible. Splits: exactly :class:`ArithmeticTask`'s.
     """
 
     name: str = "two_forms"

@@ -1,4 +1,5 @@
-"""``dfpo_trl.testing``: what a test or a benchmark of DFPO needs, offline and in seconds on a CPU (docs/testing.md).
+"""``dfpo_trl.testing``: what a test or a benchmark of DFPO needs, offline and in seconds on a CPU
+(docs/source/contributing.md).
 
 Public and stable (this module's ``__all__``); :mod:`.measures` adds the library's own terms and meters:
 

@@ -212,7 +212,7 @@ def positive_orth_proj(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tenso
     evaluate g densely, larger ones through a sort (O(G log G)); both give the same bracket. The QP is
     always feasible (v = 0), so a root exists; when only one side of Â is non-empty, that side goes
     to 0. Members with Â_i = 0 get max(w_i, 0); groups with no advantage are returned unchanged
-    (sanitized). Its cost on the GPU: docs/decisions.md, "Numerics".
+    (sanitized). Its cost on the GPU: docs/source/concepts/decisions.md, "Numerics".
 
     Args:
         w: (num_groups, G) post-clip sequence weights s̄.
@@ -257,7 +257,7 @@ def truncate_rebalance(
     δ > 0: the positive-advantage side is scaled by α = M_N / M_P; δ < 0: the negative side by
     β = M_P / M_N; δ = 0: s⁺. Zero-advantage members are never scaled. Eq. 55 prints
     β = −Σ_P Â_i s⁺_i / Σ_N (−Â_i) s⁺_i, which is negative; the positive β used here is the factor
-    that gives Âᵀs̃ = 0 (docs/design.md). α, β lie in (0, 1) when both sides are non-empty and are 0
+    that gives Âᵀs̃ = 0 (docs/source/concepts/design.md). α, β lie in (0, 1) when both sides are non-empty and are 0
     when the opposite side is empty (the only scaling that reaches orthogonality).
 
     ``floor`` (default 1e-6) only matters for weights ≤ floor; s̄ = exp(·) > 0, so it mostly guards

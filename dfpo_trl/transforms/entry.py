@@ -43,8 +43,8 @@ class GroupTransform(NamedTuple):
 
     ``apply`` takes (w, Â, scale_factor, truncate_floor) on (num_groups, G) tensors; ``balance`` is one of
     :data:`BALANCE_CONDITIONS`; ``nonnegative``: s̃ ≥ 0 whenever w > 0 (otherwise the gradient target hands TRL
-    the rows whose φ < 0 in the score representation, docs/cancellation.md); ``subset_balance``: the balanced
-    form on U that the gradient target uses instead of running ``apply`` on a; ``source`` the equation (or who
+    the rows whose φ < 0 in the score representation, docs/source/concepts/cancellation.md); ``subset_balance``: the
+    balanced form on U that the gradient target uses instead of running ``apply`` on a; ``source`` the equation (or who
     registered it); ``builtin``: shipped with dfpo_trl."""
 
     name: str

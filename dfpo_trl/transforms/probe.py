@@ -1,7 +1,7 @@
 """The check :func:`~dfpo_trl.transforms.register_transform` runs on a new transform: its function on a
 few fixed groups like those training meets (the all-zero-advantage group included), against the properties it
 declares (shape, finite values, non-negative weights, its balance condition within a relative tolerance). A first
-look, not a proof; the residual metrics watch the rest (docs/extending.md).
+look, not a proof; the residual metrics watch the rest (docs/source/guides/custom_transform.md).
 """
 
 from __future__ import annotations

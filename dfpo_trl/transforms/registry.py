@@ -5,7 +5,7 @@ its balance condition (:data:`BALANCE_CONDITIONS`), whether its weights stay non
 the clip survivors for ``cancellation_target="gradient"``. The built-ins' math, with the numerics every transform
 shares (sanitised weights, advantages scaled by the group's max, float32 or float64, w's dtype out), is in
 :mod:`dfpo_trl.transforms.builtins`, re-exported here; a registered function gets the same numerics around it
-(docs/extending.md).
+(docs/source/guides/custom_transform.md).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------------------------------
-# The registry: built-in and user-registered transforms (docs/extending.md)
+# The registry: built-in and user-registered transforms (docs/source/guides/custom_transform.md)
 # --------------------------------------------------------------------------------------------------
 
 def _identity(w: torch.Tensor, advantages: torch.Tensor, _scale: float, _floor: float) -> torch.Tensor:
@@ -115,8 +115,8 @@ def not_retargetable(transform: GroupTransform) -> str:
             f"{transform.name!r}")
     if transform.balances:  # "equal" without its balanced form on the clip survivors
         return (f"{head} declares balances={transform.balance!r} without a subset_balance, the balanced form on the "
-                "clip survivors that the gradient target needs; register one (docs/extending.md) or use one of "
-                f"{names}.")
+                "clip survivors that the gradient target needs; register one "
+                f"(docs/source/guides/custom_transform.md) or use one of {names}.")
     return f"{head} has none; use one of {names}."
 
 
@@ -156,7 +156,8 @@ def register_transform(
     replace: bool = False,
     check: bool = True,
 ) -> GroupFunction | Callable[[GroupFunction], GroupFunction]:
-    """Register ``fn(w, advantages) -> s̃`` as the in-group transform ``name`` (docs/extending.md); returns ``fn``.
+    """Register ``fn(w, advantages) -> s̃`` as the in-group transform ``name`` (docs/source/guides/custom_transform.md);
+    returns ``fn``.
 
     A decorator (``@register_transform("name", balances="zero_sum")``) or a call (``register_transform("name", fn,
     balances=...)``). ``fn`` gets both (num_groups, G) tensors as the built-ins do after their sanitisation: w with

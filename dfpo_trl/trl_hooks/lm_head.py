@@ -6,7 +6,8 @@ holds the shared pieces:
 
 * :func:`lm_head_input_module` and :class:`HiddenCapture`: a forward hook on the backbone whose
   ``last_hidden_state`` the fused head consumes, keeping the completion positions of one policy forward
-  (DelTA's rollout forward, docs/delta.md; the energy metric's training forward, docs/metrics.md);
+  (DelTA's rollout forward, docs/source/concepts/delta.md; the energy metric's training forward,
+  docs/source/concepts/metrics.md);
 * :func:`fused_lm_head`: the head's weight and bias and the logit transform TRL applies before its
   temperature (``logit_scale`` and ``final_logit_softcapping``, read as ``add_fused_lm_head`` reads them);
 * :func:`gathered_for_reading`: a read-only DeepSpeed ZeRO-3 gather of partitioned head parameters.

@@ -8,7 +8,7 @@ next rollout is drawn) and the prompt sampler's shuffle generator are lost. So T
 a rollout (with the resumed policy, restarting its generation schedule there) and, resumed in a later epoch, draws
 the first epoch's prompt order again. DFPO writes the first two with each checkpoint (one file per process:
 :data:`ROLLOUT_STATE_FILE`) and, on resume, restores them and advances the sampler past the epochs already trained
-(docs/decisions.md, "Resume").
+(docs/source/concepts/decisions.md, "Resume").
 """
 
 from __future__ import annotations

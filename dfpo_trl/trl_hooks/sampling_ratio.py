@@ -5,7 +5,7 @@ in its sequence modes. vLLM returns its log-probs after top-k / top-p / min-p (`
 over the tokens it kept, while the trainer scores the untruncated tempered distribution, so under truncated sampling
 each token adds log K ≤ 0 (K: the kept tokens' mass) and the sequence ratio falls exponentially with length.
 Measured with trained weights at the recipes' settings: benchmarks/RESULTS.md, "Trained weights"; the choice the
-recipes make is in docs/decisions.md, "vLLM's importance-sampling ratio under truncated sampling".
+recipes make is in docs/source/concepts/decisions.md, "vLLM's importance-sampling ratio under truncated sampling".
 
 :class:`RatioWatch` reads TRL's ratio after each rollout and logs one warning, the first time its mean falls below
 :data:`SHRINK_BELOW`, naming the fields that change it.

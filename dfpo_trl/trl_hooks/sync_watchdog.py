@@ -17,7 +17,8 @@ the server's address, the rendezvous address and port, the variables to check) a
 code :data:`STALL_EXIT_CODE`. It must end the process rather than raise: the main thread is blocked inside C
 (a socket read, an NCCL wait) where no Python exception can reach it. A weight sync never overlaps a checkpoint
 save (both run on the training loop's thread, and a ZeRO-3 save is collective), so no checkpoint is left
-half-written: the last complete one is where ``--resume_from_checkpoint`` restarts (docs/cli.md, "Several nodes").
+half-written: the last complete one is where ``--resume_from_checkpoint`` restarts (docs/source/guides/cli.md, "Several
+nodes").
 """
 
 from __future__ import annotations

@@ -891,7 +891,8 @@ def test_layout_and_its_cost_are_said_at_start_up(
     assert layout == [
         "DFPO group layout: pre_pass (per_device_train_batch_size 3 is not a multiple of num_generations 4): 3 of "
         "every 4 optimizer steps add a no-grad forward over 6.67 rows per process (3 trained), about +74% of their "
-        "compute (docs/layouts.md, the pre-pass and its cost); a per_device_train_batch_size that is a multiple of 4 "
+        "compute (docs/source/concepts/layouts.md, the pre-pass and its cost); a per_device_train_batch_size that is a "
+        "multiple of 4 "
         "makes the layout free (group_granular)"
     ]
 

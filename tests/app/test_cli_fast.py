@@ -1,6 +1,6 @@
 """``dfpo-train``'s fast path: ``--help`` and the errors of the recipe, the field names and the paths come before
-torch, transformers and TRL are imported (10-25 s on a loaded 2-core machine; docs/cli.md has the numbers), from
-a stored field table that must equal what the installed TRL and transformers give."""
+torch, transformers and TRL are imported (10-25 s on a loaded 2-core machine; docs/source/guides/cli.md has the
+numbers), from a stored field table that must equal what the installed TRL and transformers give."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``dfpo-train`` and checkpoints: ``--save_steps`` saves, a resumed run continues the interrupted one and reports its
-held-out accuracy as what it is (docs/cli.md, "Resume")."""
+held-out accuracy as what it is (docs/source/guides/cli.md, "Resume")."""
 
 from __future__ import annotations
 

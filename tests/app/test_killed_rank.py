@@ -1,6 +1,6 @@
 """A training process killed, or hung, in a multi-process ``dfpo-train`` launch on the CPU (gloo, one host): how long
 every process takes to end, with which exit codes and which lines, what stays in ``output_dir``, and that the run
-resumed from its last checkpoint is the uninterrupted one (docs/cli.md, "Several nodes").
+resumed from its last checkpoint is the uninterrupted one (docs/source/guides/cli.md, "Several nodes").
 
 Launched as users launch: ``accelerate launch --multi_gpu --num_processes 2 -m dfpo_trl RECIPE`` for one node (with
 ``use_cpu: true``; ``--cpu --num_processes 2`` starts ONE process in accelerate 1.15, its simple launcher), and for

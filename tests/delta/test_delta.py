@@ -1,4 +1,4 @@
-"""Tests for dfpo_trl.delta (docs/delta.md)."""
+"""Tests for dfpo_trl.delta (docs/source/concepts/delta.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dfpo_trl.delta.weights import _token_weights_from_hidden as token_weights_f
 from dfpo_trl.objectives.normalise import self_normalise
 
 LMIN, LMAX = 0.8, 1.2
-# Our earlier rules, each one option away from the released code's defaults (docs/delta.md).
+# Our earlier rules, each one option away from the released code's defaults (docs/source/concepts/delta.md).
 OLD_RULES = dict(gamma="mean_abs", gamma_update="current", zero_advantage="one")
 
 
@@ -43,8 +43,8 @@ def naive_weights(
     v, adv, mask, refine_steps=1, gamma="std", assignment="soft", contrast="opposite", gamma_update="lagged",
     zero_advantage="lambda_min",
 ):
-    """Direct transcription of DelTA's equations (docs/delta.md) with explicit distances in float64, for batches
-    with both sides. γ: "std" (population std of the side's margins, variance floored at 1e-8), "mean_abs" or a
+    """Direct transcription of DelTA's equations (docs/source/concepts/delta.md) with explicit distances in float64, for
+    batches with both sides. γ: "std" (population std of the side's margins, variance floored at 1e-8), "mean_abs" or a
     number; "lagged" takes the γ of refinement step k + 1 from the margins at step k's centroids."""
     v, adv = v.double(), adv.double()
     active = (mask != 0) & (adv[:, None] != 0)

@@ -1,4 +1,4 @@
-"""DelTA's weights against the rules of the authors' released code (docs/delta.md, "The released code").
+"""DelTA's weights against the rules of the authors' released code (docs/source/concepts/delta.md, "The released code").
 
 The reference below is written from those rules alone, with Python floats and loops, and never calls
 ``dfpo_trl.delta``: proxy v = (1 − p) h; |Â|-weighted side centroids Σ w v / max(Σ w, 1e-8) (an empty side has

@@ -1,4 +1,5 @@
-"""DelTA through the real trainer (docs/delta.md): rollout-time weights, alignment, loss, metrics, processes."""
+"""DelTA through the real trainer (docs/source/concepts/delta.md): rollout-time weights, alignment, loss, metrics,
+processes."""
 
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ def global_batch(rows: int, group_size: int, seed: int = 3) -> dict[str, Any]:
 def reference_weights(
     batch: dict[str, Any], group_size: int, target: str = "weights"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Single-process s̄, s̃ and a (eq. C1) for every row of the generation batch (docs/layouts.md's reference)."""
+    """Single-process s̄, s̃ and a (eq. C1) for every row of the generation batch (docs/source/concepts/layouts.md's
+    reference)."""
     rho = sequence_log_ratio(batch["reference_logps"], batch["old_per_token_logps"], batch["completion_mask"])
     adv = batch["advantages"]
     s_bar = sign_aware_post_clip(rho.exp(), adv, 0.2, 0.28)
@@ -141,7 +142,8 @@ def reference_loss(inputs: dict[str, Any], phi: torch.Tensor, sizes: dict[str, i
         # 4 rows, one group split over the two processes in the same micro-step: all-gather only.
         (dict(per_device_train_batch_size=2, num_generations=4, steps_per_generation=1,
               gradient_accumulation_steps=1, num_iterations=2), "cross_process"),
-        # The gradient target (docs/cancellation.md) in both layouts that gather: U and c travel with s̄ and Â.
+        # The gradient target (docs/source/concepts/cancellation.md) in both layouts that gather: U and c travel with s̄
+        # and Â.
         (dict(per_device_train_batch_size=3, num_generations=4, steps_per_generation=2,
               gradient_accumulation_steps=2, cancellation_target="gradient"), "pre_pass"),
         (dict(per_device_train_batch_size=2, num_generations=4, steps_per_generation=1,

@@ -1,4 +1,5 @@
-"""The pre-pass forwards only the groups an optimizer step trains (docs/layouts.md, "The pre-pass and its cost").
+"""The pre-pass forwards only the groups an optimizer step trains (docs/source/concepts/layouts.md, "The pre-pass and
+its cost").
 
 The pre-pass layout lays each process's groups in consecutive rows (groups in a seeded random order), so an
 optimizer step of R = A·b rows touches G·⌈R/G⌉ rows' worth of groups, not every local group as after TRL's

@@ -1,6 +1,6 @@
 """The pre-pass's integer rules (``groups/prepass_schedule.py``) and its one owner: the trainer reaches the pre-pass
 through one call per micro-step, and the start-up line counts rows with the same function the pre-pass is tested
-against (docs/layouts.md, "The pre-pass and its cost")."""
+against (docs/source/concepts/layouts.md, "The pre-pass and its cost")."""
 
 from __future__ import annotations
 

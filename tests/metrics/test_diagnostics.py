@@ -1,5 +1,5 @@
-"""Per-step diagnostics (dfpo_trl.metrics.diagnostics, docs/metrics.md "Diagnostics"): each on a constructed batch
-whose value is known by hand, the pure functions and the trainer's logged values."""
+"""Per-step diagnostics (dfpo_trl.metrics.diagnostics, docs/source/concepts/metrics.md "Diagnostics"): each on a
+constructed batch whose value is known by hand, the pure functions and the trainer's logged values."""
 
 from __future__ import annotations
 

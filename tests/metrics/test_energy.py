@@ -1,4 +1,4 @@
-"""Gradient energy on frequent tokens (arXiv 2604.13088 eq. 24, docs/metrics.md): the pure functions in
+"""Gradient energy on frequent tokens (arXiv 2604.13088 eq. 24, docs/source/concepts/metrics.md): the pure functions in
 ``dfpo_trl.metrics.energy``, the LM-head helpers in ``dfpo_trl.trl_hooks.lm_head``, ``log_energy_buckets`` in the
 config and the trainer (loss and gradients unchanged; logged shares equal a per-token autograd computation)."""
 
@@ -98,7 +98,8 @@ def test_scale_times_coefficient_is_the_autograd_lm_head_gradient_norm(config_ex
 
 
 def test_scale_is_the_design_formula_with_bias_and_temperature():
-    """‖h‖ · ‖e_y − p‖ / τ with ‖e_y − p‖² = 1 − 2 p_y + Σ_k p_k² (docs/metrics.md), full softmax in float64."""
+    """‖h‖ · ‖e_y − p‖ / τ with ‖e_y − p‖² = 1 − 2 p_y + Σ_k p_k² (docs/source/concepts/metrics.md), full softmax in
+    float64."""
     g = torch.Generator().manual_seed(0)
     hidden = 3 * torch.randn(4, 3, 8, generator=g)
     weight, bias = torch.randn(23, 8, generator=g), torch.randn(23, generator=g)
@@ -107,7 +108,7 @@ def test_scale_is_the_design_formula_with_bias_and_temperature():
     p_y = p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     expected = hidden.double().norm(dim=-1) * (1 - 2 * p_y + (p * p).sum(-1)).sqrt() / 1.7
     got = lm_head_grad_scale(hidden, weight, ids, 1.7, chunk_size=5, bias=bias, vocab_chunk_size=4)
-    assert_close_to_rounding(got, expected)  # float32 by design (docs/decisions.md), against float64
+    assert_close_to_rounding(got, expected)  # float32 by design (docs/source/concepts/decisions.md), against float64
     assert lm_head_grad_scale(hidden[:0], weight, ids[:0]).shape == (0, 3)
     with pytest.raises(ValueError, match="vocabulary"):
         lm_head_grad_scale(hidden, weight, ids + 23)

@@ -1,6 +1,7 @@
-"""Aggregate gradient energy (eq. 24 per token type, dfpo_trl.metrics.energy_aggregate, docs/metrics.md): exact
-cancellation on a shared token gives 0 where the per-position form stays positive; the row norms equal an autograd
-computation on the LM-head weight; ``energy_form`` in the config and the trainer."""
+"""Aggregate gradient energy (eq. 24 per token type, dfpo_trl.metrics.energy_aggregate,
+docs/source/concepts/metrics.md): exact cancellation on a shared token gives 0 where the per-position form stays
+positive; the row norms equal an autograd computation on the LM-head weight; ``energy_form`` in the config and the
+trainer."""
 
 from __future__ import annotations
 

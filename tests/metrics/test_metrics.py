@@ -1,4 +1,5 @@
-"""Tests of dfpo_trl.metrics.mechanism and .curves (docs/metrics.md; arXiv 2604.13088 eq. 19, 20, 23)."""
+"""Tests of dfpo_trl.metrics.mechanism and .curves (docs/source/concepts/metrics.md; arXiv 2604.13088 eq. 19, 20,
+23)."""
 
 from __future__ import annotations
 

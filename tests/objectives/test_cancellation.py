@@ -1,4 +1,5 @@
-"""cancellation_target="gradient" (docs/cancellation.md): the pure math, then the real `compute_loss`."""
+"""cancellation_target="gradient" (docs/source/concepts/cancellation.md): the pure math, then the real
+`compute_loss`."""
 
 from __future__ import annotations
 

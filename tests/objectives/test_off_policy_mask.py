@@ -1,6 +1,6 @@
-"""TRL's off-policy sequence mask (``off_policy_mask_threshold``) with DFPO (docs/cancellation.md, "TRL's off-policy
-mask"): folded into the survivors U under ``cancellation_target="gradient"``, in every layout that computes the row
-weights; refused with a balancing transform under ``"weights"``; DFPO off is still TRL's loss."""
+"""TRL's off-policy sequence mask (``off_policy_mask_threshold``) with DFPO (docs/source/concepts/cancellation.md,
+"TRL's off-policy mask"): folded into the survivors U under ``cancellation_target="gradient"``, in every layout that
+computes the row weights; refused with a balancing transform under ``"weights"``; DFPO off is still TRL's loss."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Completions TRL cannot score (every reward function returned None) and ``multi_objective_aggregation``, under a
-balancing transform trained off-policy (docs/decisions.md, "TRL features on top": "Unscorable completions").
+balancing transform trained off-policy (docs/source/concepts/decisions.md, "TRL features on top": "Unscorable
+completions").
 
 TRL 1.16 marks an unscorable completion's reward NaN, centres its group over the *scorable* members only (nan-aware
 mean and std; under ``"normalize_then_sum"`` each reward function separately, then over the batch), and only then

@@ -1,6 +1,7 @@
 """register_transform: a user's in-group transform, registered by decorator or call, is validated like a built-in,
 reaches the loss through DFPOTrainer, gets the same metrics, and is visible to DFPOConfig and dfpo-train only while
-registered (docs/extending.md). Every test leaves the registry as it found it (the `clean_registry` fixture)."""
+registered (docs/source/guides/custom_transform.md). Every test leaves the registry as it found it (the `clean_registry`
+fixture)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def half_min(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
 
 
 def median_rebalance(w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-    """Toy "zero_sum" transform (docs/extending.md): cap at the group median, then scale the heavier advantage side
-    down so that Σ_i Â_i s̃_i = 0 (as eq. 52–55 do after their floor)."""
+    """Toy "zero_sum" transform (docs/source/guides/custom_transform.md): cap at the group median, then scale the
+    heavier advantage side down so that Σ_i Â_i s̃_i = 0 (as eq. 52–55 do after their floor)."""
     capped = torch.minimum(w, w.median(dim=-1, keepdim=True).values)
     positive, negative = advantages > 0, advantages < 0
     mass_p = (advantages * capped * positive).sum(dim=-1, keepdim=True)
@@ -333,14 +334,14 @@ def test_an_unchecked_false_balance_shows_in_the_residual_metric():
 
 
 def test_the_worked_example_of_the_docs_registers_what_it_says():
-    """docs/extending.md's plugin module, run as written: it registers "median_rebalance" as zero_sum and
-    non-negative, and it is the toy the trainer tests above use."""
+    """docs/source/guides/custom_transform.md's plugin module, run as written: it registers "median_rebalance" as
+    zero_sum and non-negative, and it is the toy the trainer tests above use."""
     import re
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "extending.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "source" / "guides" / "custom_transform.md").read_text()
     module = next(b for b in re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL) if "@register_transform" in b)
     namespace: dict = {}
-    exec(compile(module, "docs/extending.md", "exec"), namespace)
+    exec(compile(module, "docs/source/guides/custom_transform.md", "exec"), namespace)
     entry = TRANSFORMS["median_rebalance"]
     assert (entry.balance, entry.nonnegative, entry.retargetable) == ("zero_sum", True, True)
     gen = torch.Generator().manual_seed(3)

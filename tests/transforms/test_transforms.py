@@ -1,5 +1,5 @@
 """Tests of dfpo_trl.transforms.builtins and transforms (and s, s̄ of dfpo_trl.objectives.weights) against
-the equations of arXiv 2604.13088 (Appendix B) and docs/design.md."""
+the equations of arXiv 2604.13088 (Appendix B) and docs/source/concepts/design.md."""
 
 from __future__ import annotations
 
@@ -626,7 +626,7 @@ def test_shape_mismatch_raises(name):
 
 def test_no_stop_gradient_min_replace_gives_zero_gradient():
     # Table 3's "no stop-grad" ablation: differentiating min_replace with Σ Â = 0 yields Σ_i Â_i s_min(θ),
-    # whose gradient is (Σ Â) ∇s_min = 0 exactly (docs/design.md).
+    # whose gradient is (Σ Â) ∇s_min = 0 exactly (docs/source/concepts/design.md).
     gen = torch.Generator().manual_seed(12)
     w = _ratio_weights(5, 6, gen).requires_grad_(True)
     adv = _zero_mean_advantages(5, 6, gen)

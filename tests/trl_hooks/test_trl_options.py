@@ -12,7 +12,7 @@ how rollouts are generated, buffered or scored, what is logged) but not the loss
 
 With a KL term (β > 0, its reference model) or TRL's entropy mask (``top_entropy_quantile`` < 1), the gradient
 adds the KL's or drops the masked tokens': the balance of the weights is checked, not the gradient's formula
-(the entropy mask with the gradient target is refused at config time; docs/cancellation.md).
+(the entropy mask with the gradient target is refused at config time; docs/source/concepts/cancellation.md).
 """
 
 from __future__ import annotations

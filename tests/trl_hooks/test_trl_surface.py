@@ -18,9 +18,9 @@ from dfpo_trl import DFPOConfig
 from dfpo_trl.config.fields import HAS_ACTIVATION_CHECKPOINTING
 
 ROOT = Path(__file__).resolve().parents[2]
-# The one inherited field DFPOConfig redeclares (docs/decisions.md, "TRL features on top"), on every transformers: its
-# help names both spellings; on transformers >= 5.24 its default None means "on", TRL's default, without
-# transformers' deprecation warning, and on older releases its default is TRL's True.
+# The one inherited field DFPOConfig redeclares (docs/source/concepts/decisions.md, "TRL features on top"), on every
+# transformers: its help names both spellings; on transformers >= 5.24 its default None means "on", TRL's default,
+# without transformers' deprecation warning, and on older releases its default is TRL's True.
 REDECLARED = {"gradient_checkpointing"}
 
 

@@ -3,7 +3,7 @@
 Three phases, one command each (see benchmarks/README.md):
 
 * ``--phase reference`` (one process, no DeepSpeed): s̄ and s̃ of every row of one fixed generation batch at
-  the initial weights, the single-process reference of docs/layouts.md.
+  the initial weights, the single-process reference of docs/source/concepts/layouts.md.
 * ``--phase zero3`` (``accelerate launch --config_file recipes/accelerate/zero3_2gpu.yaml``): the same batch,
   sliced per process as TRL slices a rollout, trained for one optimizer step of several micro-steps with
   groups cut across processes and micro-steps (layout ``pre_pass``); every process records the s̄, s̃ its loss

@@ -143,7 +143,8 @@ def child_pythonpath() -> str:
     return os.pathsep.join(p for p in (str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")) if p)
 
 
-SUMMARY_FILE = "dfpo_summary.json"  # what every dfpo-train run writes to its output_dir (docs/cli.md, "Outputs")
+# what every dfpo-train run writes to its output_dir (docs/source/guides/cli.md, "Outputs")
+SUMMARY_FILE = "dfpo_summary.json"
 
 
 def train_in_process(argv: list[str], output_dir: str | os.PathLike[str]) -> dict[str, Any]:

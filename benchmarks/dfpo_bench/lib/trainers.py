@@ -2,9 +2,9 @@
 reference), model/tokenizer loading and random configs, the tasks and rewards, config building.
 
 Every benchmark names methods by the keys of :data:`METHODS`. A method is a trainer class, a config class and
-the config overrides that make it that method (docs/reference-runs.md settings: GSPO ε = 3e-4/4e-4, GRPO = TRL's DAPO
-loss with ε = 0.2/0.28). Each method also names the reference it must be compared with in the same gradient
-form (docs/design.md): a ratio-form transform with GSPO, a score-form transform with ``none_score``, the
+the config overrides that make it that method (docs/source/concepts/reference-runs.md settings: GSPO ε = 3e-4/4e-4, GRPO
+= TRL's DAPO loss with ε = 0.2/0.28). Each method also names the reference it must be compared with in the same gradient
+form (docs/source/concepts/design.md): a ratio-form transform with GSPO, a score-form transform with ``none_score``, the
 token-level fixes with TRL's GRPO.
 """
 
@@ -22,7 +22,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 GPU_MODEL_PATH = "/root/models/smollm2-135m-instruct"
 
-# docs/reference-runs.md: GSPO with ε = 3e-4 / 4e-4 (sequence level); GRPO = TRL's DAPO loss with ε = 0.2 / 0.28.
+# docs/source/concepts/reference-runs.md: GSPO with ε = 3e-4 / 4e-4 (sequence level); GRPO = TRL's DAPO loss with ε =
+# 0.2 / 0.28.
 GSPO = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4)
 DAPO = dict(importance_sampling_level="token", loss_type="dapo", epsilon=0.2, epsilon_high=0.28)
 
@@ -63,8 +64,8 @@ METHODS: dict[str, Method] = {
         Method("delta", True, {**DAPO, "token_weighting": "delta"}, "grpo", "DelTA", "token"),
         # Diagnostic: GSPO through DFPOTrainer (group-granular batches, mechanism metrics), no transform.
         Method("dfpo_none", True, dict(GSPO), "gspo", "GSPO via DFPOTrainer"),
-        # Gradient-exact cancellation (docs/cancellation.md): the transform balances the surviving gradients'
-        # shared-token coefficients, not the weights.
+        # Gradient-exact cancellation (docs/source/concepts/cancellation.md): the transform balances the surviving
+        # gradients' shared-token coefficients, not the weights.
         Method(
             "min_replace_grad", True, {**GSPO, "group_transform": "min_replace", "cancellation_target": "gradient"},
             "gspo", "Min-Replace (gradient)",
@@ -83,8 +84,8 @@ METHODS: dict[str, Method] = {
     ]
 }
 
-# The cancellation study (docs/cancellation.md): the gradient-target variants against GSPO, Min-Replace on the
-# weights and the score form.
+# The cancellation study (docs/source/concepts/cancellation.md): the gradient-target variants against GSPO, Min-Replace
+# on the weights and the score form.
 CANCELLATION_METHODS = [
     "gspo", "min_replace", "min_replace_grad", "positive_orth_proj_grad", "min_replace_grad_zero", "none_score",
 ]
@@ -139,7 +140,7 @@ def check_methods(names: list[str], allow_missing: bool = False) -> list[str]:
         if missing and not allow_missing:
             raise SystemExit(
                 f"method {name!r} needs DFPOConfig field(s) {', '.join(missing)}, which this dfpo_trl lacks "
-                "(docs/cancellation.md); --allow-missing-fields runs it without them (CPU smoke only)"
+                "(docs/source/concepts/cancellation.md); --allow-missing-fields runs it without them (CPU smoke only)"
             )
     return names
 

@@ -34,7 +34,8 @@ WORDING = {
     "asym_after": "Lower Asym (eq. 23) than the reference",
     "asym_reduction": "The transform lowers Asym on the very steps it acts on (Asym before − after, which is 0 "
     "for the reference)",
-    "shared_prefix_residual": "Less uncancelled gradient on shared tokens (shared-prefix residual, docs/metrics.md)",
+    "shared_prefix_residual": "Less uncancelled gradient on shared tokens (shared-prefix residual, "
+    "docs/source/concepts/metrics.md)",
     "energy_frequent": "Less gradient energy on frequent tokens (eq. 24; share of the per-token LM-head gradient "
     "norm on the most frequent bucket of token occurrences)",
 }

@@ -148,14 +148,15 @@ def long_run_section(study: dict[str, Any] | None, figures: dict[str, str], numb
         f"{cards} (vLLM engines started one after another). " + ", ".join(f"{k} {v}" for k, v in
                                                                           study["versions"].items()) + ".",
         "",
-        "Checkpoint values: held-out accuracy and the drift meter (D2, D3; docs/metrics.md) as measured at that step; "
+        "Checkpoint values: held-out accuracy and the drift meter (D2, D3; docs/source/concepts/metrics.md) as "
+        "measured at that step; "
         f"policy entropy and clip fraction as means over the {study['window']} steps up to it. Whole-run values: "
         "steps until the training reward's EMA reaches κ = 0.6 (a run that never does counts as steps + 1, a lower "
         "bound), Jitter₂ of the per-step reward, the clip fraction averaged over every step, and the share of the "
         "LM-head gradient energy on the most frequent quarter of token occurrences (eq. 24) averaged over the steps "
         "where it was measured (those with a nonzero gradient: see the zero-gradient steps below). The energy "
         "here is the per-position form (a sum of each position's gradient norm), blind to cancellation between "
-        "positions (docs/metrics.md). Means over seeds with "
+        "positions (docs/source/concepts/metrics.md). Means over seeds with "
         "95% t-intervals; differences from the baseline are seed-paired (the same seed gives both methods the same "
         "problems in the same order) with 95% paired t-intervals.",
         "",

@@ -406,7 +406,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sequence-loss-type", choices=["grpo", "dapo", "bnpo", "dr_grpo"], default=None,
         help="loss_type of the sequence-level methods (GSPO and the transforms; default: grpo, as in "
-        "docs/reference-runs.md). "
+        "docs/source/concepts/reference-runs.md). "
         "A token-sum aggregation (dapo) makes shared tokens cancel whatever the completion lengths (NOTES.md)",
     )
     p.add_argument(

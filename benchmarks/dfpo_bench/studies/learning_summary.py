@@ -23,8 +23,8 @@ STEP_KEYS = (
 )
 STEP_PREFIXES = ("asym/", "cancellation/", "transform/", "delta/", "grpo_fix/", "energy/")
 RESIDUAL = "cancellation/shared_prefix_residual"
-RESIDUAL_TWO_SIDED = "cancellation/shared_prefix_residual_two_sided"  # docs/cancellation.md
-ONE_SIDED = "cancellation/one_sided_groups"  # docs/cancellation.md
+RESIDUAL_TWO_SIDED = "cancellation/shared_prefix_residual_two_sided"  # docs/source/concepts/cancellation.md
+ONE_SIDED = "cancellation/one_sided_groups"  # docs/source/concepts/cancellation.md
 CLIP_REGION = "clip_ratio/region_mean"
 
 def reward_curve(run: dict[str, Any]) -> list[float]:

@@ -1,5 +1,5 @@
-"""Study v2 read again from its per-run records: the numbers RESULTS §11, README and docs/metrics.md quote about what
-the study can and cannot say, computed here so that none is typed by hand.
+"""Study v2 read again from its per-run records: the numbers RESULTS §11, README and docs/source/concepts/metrics.md
+quote about what the study can and cannot say, computed here so that none is typed by hand.
 
     python -m dfpo_bench.studies.study_v2_findings            # -> benchmarks/results/study_v2_findings.json
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datasets import Dataset
 from dfpo_trl import get_reward
 
-TRAIN = "train"  # the training split's name in a task's build_dataset (docs/cli.md); the other is "test"
+TRAIN = "train"  # the training split's name in a task's build_dataset (docs/source/guides/cli.md); the other is "test"
 TWO_STEP_PROMPT = "Compute {a} × {b} + {c}. Show your work briefly, then give the final answer as: Answer: <number>"
 # The held-out problems come from one fixed stream whatever the run's seed; training problems from a stream keyed by
 # the seed and a salt, so the two never coincide.
