@@ -40,7 +40,7 @@ from .objectives.plan import ObjectivePlan
 from .objectives.step import TRLLoss, WholeGroups, micro_step_objective
 from .objectives.weights import loss_mask
 from .profiling import profiled
-from .tasks.safe import RewardError, SafeReward, defined_at
+from .rewards import RewardError, SafeReward, defined_at
 from .trl_hooks.callback import DFPOCallback
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,

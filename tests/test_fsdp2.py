@@ -247,7 +247,7 @@ def test_fsdp2_dfpo_off_is_the_same_run_as_grpo_trainer(tmp_path):
 def evaluate_then_train_worker(rank: int, port: int, out_dir: str) -> None:
     """The CLI's order under FSDP2: the held-out greedy evaluation (HeldoutAccuracyCallback, at train begin) runs
     ``generate`` on the sharded model, then training forwards and backwards the same FSDP units."""
-    from dfpo_trl.app.evaluation import HeldoutAccuracyCallback
+    from dfpo_trl.cli.evaluation import HeldoutAccuracyCallback
 
     start_rank(rank, port)
     heldout = HeldoutAccuracyCallback(last_digit_reward, addition_dataset(4, seed=1), max_new_tokens=3)

@@ -196,20 +196,20 @@ def test_the_file_checker_sees_a_lazy_circle_inside_one_package(tmp_path: Path) 
     package-level check cannot see; ``from . import mod`` names the module, a package's own ``__init__`` is not
     imported by its module's relative imports."""
     root = tmp_path / "dfpo_trl"
-    (root / "app").mkdir(parents=True)
-    (root / "app" / "__init__.py").write_text("")
-    (root / "app" / "fields.py").write_text("from .parser import make_parser\nfrom . import values\n")
-    (root / "app" / "parser.py").write_text("def f():\n    from .fields import build\n")
-    (root / "app" / "values.py").write_text("import json\n")
+    (root / "cli").mkdir(parents=True)
+    (root / "cli" / "__init__.py").write_text("")
+    (root / "cli" / "fields.py").write_text("from .parser import make_parser\nfrom . import values\n")
+    (root / "cli" / "parser.py").write_text("def f():\n    from .fields import build\n")
+    (root / "cli" / "values.py").write_text("import json\n")
     graph = module_graph(root)
     assert graph == {
-        "dfpo_trl.app": set(),
-        "dfpo_trl.app.fields": {"dfpo_trl.app.parser", "dfpo_trl.app.values"},
-        "dfpo_trl.app.parser": {"dfpo_trl.app.fields"},
-        "dfpo_trl.app.values": set(),
+        "dfpo_trl.cli": set(),
+        "dfpo_trl.cli.fields": {"dfpo_trl.cli.parser", "dfpo_trl.cli.values"},
+        "dfpo_trl.cli.parser": {"dfpo_trl.cli.fields"},
+        "dfpo_trl.cli.values": set(),
     }
-    assert circles(graph) == [["dfpo_trl.app.fields", "dfpo_trl.app.parser"]]
-    assert package_graph(root) == {"app": set()}  # invisible at package level
+    assert circles(graph) == [["dfpo_trl.cli.fields", "dfpo_trl.cli.parser"]]
+    assert package_graph(root) == {"cli": set()}  # invisible at package level
 
 
 def test_no_circle_between_files() -> None:
@@ -230,3 +230,40 @@ def test_config_is_at_the_bottom() -> None:
     graph = package_graph()
     for i, name in enumerate(BOTTOM):
         assert graph[name] <= set(BOTTOM[:i]), f"{name} imports {sorted(graph[name] - set(BOTTOM[:i]))}"
+
+
+#: The program: the ``dfpo-train`` CLI with its tasks (``cli``) and ``python -m dfpo_trl`` (``__main__``). Everything
+#: else in the package is the library.
+PROGRAM = ("cli", "__main__")
+
+
+def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for other in graph.get(todo.pop(), ()):
+            if other not in seen:
+                seen.add(other)
+                todo.append(other)
+    return seen
+
+
+def test_the_library_imports_nothing_from_the_program() -> None:
+    """The library (trainer, config, objectives, transforms, groups, delta, metrics, trl_hooks, rewards, testing)
+    imports nothing from ``dfpo_trl.cli`` or ``__main__``, even lazily or through another package; the program sits
+    on top of it."""
+    graph = package_graph()
+    assert set(PROGRAM) <= set(graph), sorted(graph)
+    for package in sorted(set(graph) - set(PROGRAM)):
+        reached = _reaches(graph, package) & set(PROGRAM)
+        assert not reached, f"library package {package!r} imports the program's {sorted(reached)}"
+
+
+def test_the_library_check_sees_a_lazy_import_of_the_program(tmp_path: Path) -> None:
+    root = tmp_path / "dfpo_trl"
+    (root / "cli").mkdir(parents=True)
+    (root / "cli" / "__init__.py").write_text("from ..metrics import m\n")
+    (root / "metrics.py").write_text("def f():\n    from .helper import h\n")
+    (root / "helper.py").write_text("def g():\n    from .cli import tasks\n")
+    graph = package_graph(root)
+    assert "cli" in _reaches(graph, "metrics")

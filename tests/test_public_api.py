@@ -40,8 +40,8 @@ def test_error_imports_without_the_trainer() -> None:
 
 
 def test_root_all_is_the_stable_list() -> None:
-    """A change to the stable names is a deliberate one: this list and docs/source/concepts/architecture.md change
-    together."""
+    """A change to the stable names is a deliberate one: this list and the API reference change together. The root
+    holds the library's names only; the program's are dfpo_trl.cli's."""
     assert dfpo_trl.__all__ == [
         "DFPOConfig",
         "DFPOTrainer",
@@ -51,41 +51,70 @@ def test_root_all_is_the_stable_list() -> None:
         "registered_transforms",
         "unregister_transform",
         "get_transform",
+        "RewardFunc",
+        "safe_reward",
+    ]
+    for name in dfpo_trl.__all__:
+        assert getattr(dfpo_trl, name) is not None
+
+
+def test_cli_all_is_the_programs_stable_list() -> None:
+    import dfpo_trl.cli
+
+    assert dfpo_trl.cli.__all__ == [
         "register_task",
         "get_task",
         "register_reward",
         "get_reward",
         "Task",
         "EquivalentFormsTask",
-        "RewardFunc",
-        "safe_reward",
         "TwoFormsTask",
         "TwoFormsReward",
         "embedded_model_path",
         "HeldoutAccuracyCallback",
+        "greedy_accuracy",
         "plot_metrics",
         "dfpo_train",
         "parse_recipe",
     ]
-    for name in dfpo_trl.__all__:
-        assert getattr(dfpo_trl, name) is not None
+    assert not set(dfpo_trl.cli.__all__) & set(dfpo_trl.__all__)
 
 
-def test_each_root_name_is_the_librarys_own_object() -> None:
-    """The root re-exports, it does not wrap: ``dfpo_train`` is the program ``dfpo-train`` runs, and each other name is
-    the object of the module that defines it."""
-    from dfpo_trl import tasks
-    from dfpo_trl.app import embedded, evaluation, main, parser, plotting
-    from dfpo_trl.tasks import registry
+def test_each_public_name_is_its_modules_own_object() -> None:
+    """The roots re-export, they do not wrap: ``dfpo_train`` is the program ``dfpo-train`` runs, and each other name
+    is the object of the module that defines it."""
+    import dfpo_trl.cli as cli
+    from dfpo_trl import rewards
+    from dfpo_trl.cli import embedded, evaluation, main, parser, plotting, tasks
+    from dfpo_trl.cli.tasks import registry
     from dfpo_trl.transforms import registry as transforms
 
-    assert dfpo_trl.dfpo_train is main.main
-    assert dfpo_trl.parse_recipe is parser.parse_recipe
-    assert dfpo_trl.embedded_model_path is embedded.embedded_model_path
-    assert dfpo_trl.HeldoutAccuracyCallback is evaluation.HeldoutAccuracyCallback
-    assert dfpo_trl.plot_metrics is plotting.plot_metrics
+    assert cli.dfpo_train is main.main
+    assert cli.parse_recipe is parser.parse_recipe
+    assert cli.embedded_model_path is embedded.embedded_model_path
+    assert cli.HeldoutAccuracyCallback is evaluation.HeldoutAccuracyCallback
+    assert cli.greedy_accuracy is evaluation.greedy_accuracy
+    assert cli.plot_metrics is plotting.plot_metrics
     assert dfpo_trl.get_transform is transforms.get_transform
-    assert (dfpo_trl.get_task, dfpo_trl.register_task, dfpo_trl.get_reward, dfpo_trl.register_reward) == (
+    assert (cli.get_task, cli.register_task, cli.get_reward, cli.register_reward) == (
         registry.get_task, registry.register_task, registry.get_reward, registry.register_reward)
-    for name in ("Task", "EquivalentFormsTask", "RewardFunc", "safe_reward", "TwoFormsTask", "TwoFormsReward"):
-        assert getattr(dfpo_trl, name) is getattr(tasks, name), name
+    for name in ("Task", "EquivalentFormsTask", "TwoFormsTask", "TwoFormsReward"):
+        assert getattr(cli, name) is getattr(tasks, name), name
+    assert dfpo_trl.safe_reward is rewards.safe_reward is tasks.safe_reward
+    assert dfpo_trl.RewardFunc is rewards.RewardFunc
+
+
+def test_the_programs_old_root_names_warn_and_resolve() -> None:
+    """Before 0.1.0 the program's names were importable from the root: they still are, with a FutureWarning that
+    names the new import (the changelog's entry)."""
+    import pytest
+
+    import dfpo_trl.cli as cli
+
+    for name in dfpo_trl._MOVED_TO_CLI:
+        dfpo_trl.__dict__.pop(name, None)
+        with pytest.warns(FutureWarning, match=rf"from dfpo_trl\.cli import {name}"):
+            assert getattr(dfpo_trl, name) is getattr(cli, name)
+    assert set(dfpo_trl._MOVED_TO_CLI) <= set(cli.__all__)
+    with pytest.raises(AttributeError):
+        dfpo_trl.no_such_name  # noqa: B018

@@ -53,10 +53,9 @@ def test_the_measures_are_the_librarys_own_objects() -> None:
         "dfpo_trl.groups.ids": ["WHOLE_GROUPS_KEY", "consecutive_group_ids", "group_index"],
         "dfpo_trl.groups.prepass_schedule": ["pre_pass_rows"],
         "dfpo_trl.metrics.curves": ["jitter2", "steps_to_threshold"],
-        "dfpo_trl.app.callbacks": ["DriftMeterCallback"],
+        "dfpo_trl.metrics.drift_meter": ["DriftMeterCallback"],
         "dfpo_trl.metrics.drift": ["completion_log_probs", "end_token_ids", "equivalent_set_stats",
                                    "summarise_equivalent_sets"],
-        "dfpo_trl.app.evaluation": ["greedy_accuracy"],
         "dfpo_trl.trl_hooks.sync_watchdog": ["STALL_EXIT_CODE", "SyncWatchdog", "streamed_size"],
         "dfpo_trl.profiling": ["PROFILE_LABELS"],
     }
@@ -81,7 +80,7 @@ def test_the_tiny_model_depends_on_its_seed_alone() -> None:
 def test_the_tiny_recipe_is_the_command_line_that_runs_it(tmp_path: Any) -> None:
     """The recipe's path first, then the model and output_dir flags for those given; a change goes into the recipe,
     and a change to None drops the field, which then keeps its default. ``dfpo-train`` reads it as written."""
-    from dfpo_trl.app.parser import parse_args
+    from dfpo_trl.cli.parser import parse_args
 
     recipe = str(tmp_path / "recipe.yaml")
     assert write_tiny_recipe(tmp_path) == [recipe]

@@ -95,7 +95,7 @@ def spawn_ranks(fn: Any, args: tuple, nprocs: int = 2, timeout_s: float = 300.0)
 
 
 def end_rank(trainers: list[Any]) -> None:
-    """End a spawned gloo rank as `dfpo-train` does (dfpo_trl.app.main.run), given the rank's only reference to its
+    """End a spawned gloo rank as `dfpo-train` does (dfpo_trl.cli.main.run), given the rank's only reference to its
     trainer in ``trainers`` (emptied here). Left to interpreter exit, a rank can abort ("terminate called without an
     active exception", seen once in CI): the group's Python handle must outlive the trainer so that torch joins
     gloo's threads with the GIL released."""
@@ -103,7 +103,7 @@ def end_rank(trainers: list[Any]) -> None:
 
     import torch.distributed as dist
 
-    from dfpo_trl.app.main import default_process_group
+    from dfpo_trl.cli.main import default_process_group
 
     group_handle = default_process_group()
     trainers[0].accelerator.wait_for_everyone()

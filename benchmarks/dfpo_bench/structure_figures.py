@@ -16,7 +16,7 @@ It prints one JSON object (and writes it to ``--out``). CPU only, a few seconds.
   :data:`TEXT_SUFFIXES` (``.py .md .yaml .yml .sh .toml .cfg .ini .txt .sbatch``), extensionless files that start
   with ``#!`` (scripts such as ``.ci/run``), and notebooks (``.ipynb``), which count **only the lines of their
   cells' sources** (code, markdown and raw cells; outputs and the JSON around them are left out). So JSON, JSONL,
-  CSV, logs, images and archives never count, ``dfpo_trl/app/field_table.json`` (generated) included.
+  CSV, logs, images and archives never count, ``dfpo_trl/cli/field_table.json`` (generated) included.
 - *Which lines*: every physical line of such a file (a last line without a newline counts), blank and comment
   lines included; ``nonblank`` is reported beside it.
 - *Parts*: by the path's first folder: ``dfpo_trl`` (the product), ``tests``, ``benchmarks`` (its code and

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from datasets import Dataset
-from dfpo_trl import RewardFunc, TwoFormsReward, TwoFormsTask, safe_reward
+from dfpo_trl import RewardFunc, safe_reward
+from dfpo_trl.cli import TwoFormsReward, TwoFormsTask
 
 
 def count_equalised_rewards(rewards: Sequence[float], forms: Sequence[int | None]) -> list[float]:

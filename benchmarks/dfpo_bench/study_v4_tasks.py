@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from datasets import Dataset
-from dfpo_trl import RewardFunc, TwoFormsReward, TwoFormsTask, safe_reward
+from dfpo_trl import RewardFunc, safe_reward
+from dfpo_trl.cli import TwoFormsReward, TwoFormsTask
 
 FORMS = ("The sum is {s}.", "The answer is {s}.")  # the same strings as dfpo_trl's two_forms (v3's forms)
 PROMPT = 'Compute {a} + {b}. Reply with "The sum is <number>." or "The answer is <number>."'

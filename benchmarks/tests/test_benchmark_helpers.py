@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from dfpo_trl import parse_recipe
+from dfpo_trl.cli import parse_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -53,7 +53,7 @@ def test_a_changed_preregistration_is_refused(tmp_path: pathlib.Path) -> None:
 
 
 def test_arm_flags_parse_and_the_anchor_is_on_policy_with_the_same_rollout(gpu_recipes_parse_here: None) -> None:
-    from dfpo_trl import parse_recipe
+    from dfpo_trl.cli import parse_recipe
 
     configs = {}
     for arm, (task, _, _) in study_v3.ARMS.items():

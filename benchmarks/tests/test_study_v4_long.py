@@ -28,7 +28,7 @@ def test_both_forms_have_equal_token_length_under_smollm2_s_tokenizer() -> None:
     """The embedded model's tokenizer (its converted checkpoint, converted here on first use, about 25 s on 2 cores;
     no model load): every sum 0..198 and a few wrong ones. It used to be skipped unless ~/.cache already held the
     conversion when the tests were collected, which a fresh CI machine never does."""
-    from dfpo_trl import embedded_model_path
+    from dfpo_trl.cli import embedded_model_path
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())

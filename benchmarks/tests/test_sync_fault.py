@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dfpo_trl import parse_recipe
+from dfpo_trl.cli import parse_recipe
 from dfpo_trl.testing.measures import STALL_EXIT_CODE, SyncWatchdog, streamed_size
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +105,7 @@ def test_phase_times_read_the_watchdogs_own_debug_line(caplog: pytest.LogCapture
         for _ in range(2):
             with dog.guard("the weight sync to the vLLM server (update_named_params)", str):
                 time.sleep(0.01)
-    formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")  # dfpo_trl.app.main's format
+    formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")  # dfpo_trl.cli.main's format
     log = "\n".join(formatter.format(record) for record in caplog.records)
     times = sync_fault.phase_times("noise\n" + log + "\nINFO other: finished in 9 s of its 1 s limit\n")
     assert set(times) == {"setup", "sync"} and len(times["setup"]) == 1 and len(times["sync"]) == 2

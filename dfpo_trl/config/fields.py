@@ -278,7 +278,7 @@ class DFPOConfig(GRPOConfig):
         launch --cpu``) the gloo process group got accelerate's default, 1800 s, whatever ``ddp_timeout`` said, so a
         process waiting in a collective for a peer that hangs, or a node that is gone, waited 30 minutes. Under a
         multi-process launch on the CPU the group is created here, with ``ddp_timeout``; transformers' set-up, next,
-        finds it initialised and keeps it (tests/app/test_killed_rank.py)."""
+        finds it initialised and keeps it (tests/cli/test_killed_rank.py)."""
         on_cpu = self.use_cpu or os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
         if not on_cpu or (launched_processes() or 1) < 2:
             return

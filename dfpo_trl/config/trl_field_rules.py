@@ -3,7 +3,7 @@
 and fail, if at all, minutes later inside a rollout or the loss.
 
 Standard library only (like :mod:`dfpo_trl.config.rules`): ``dfpo-train`` checks a command line's values against these
-rules before it imports torch, transformers and TRL (``dfpo_trl/app/values.py``), so a bad value costs a second.
+rules before it imports torch, transformers and TRL (``dfpo_trl/cli/values.py``), so a bad value costs a second.
 """
 
 from __future__ import annotations

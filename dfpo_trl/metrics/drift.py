@@ -93,7 +93,7 @@ def end_token_mismatch(tokenizer: Any, model: Any) -> str | None:
     return (
         f"the tokenizer's end token is {eos!r} (id {tokenizer.eos_token_id}) but {problem}; completions stop at "
         "every end token TRL lists, and the completion mask ends at the first. Set tokenizer.eos_token to the "
-        "model's end-of-turn token (the embedded model's conversion does: dfpo_trl.app.embedded.align_end_token)."
+        "model's end-of-turn token (the embedded model's conversion does: dfpo_trl.cli.embedded.align_end_token)."
     )
 
 

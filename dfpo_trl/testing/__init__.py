@@ -198,7 +198,7 @@ def write_tiny_recipe(
     only what it changes. Writes ``directory/recipe.yaml`` with ``changes`` on top of those fields (a change to None
     drops the field, which then keeps its default) and returns the command line that runs it: the recipe's path, then
     ``--model_name_or_path model`` (e.g. :func:`save_tiny_chat_model`'s directory) and ``--output_dir output_dir``
-    for those given, as a user gives them; append flags to it, or pass it to ``dfpo_trl.app.main.main``."""
+    for those given, as a user gives them; append flags to it, or pass it to ``dfpo_trl.cli.main.main``."""
     recipe = {**_TINY_RECIPE, **changes}
     path = Path(directory) / "recipe.yaml"
     path.write_text(yaml.safe_dump({key: value for key, value in recipe.items() if value is not None}, sort_keys=False))

@@ -9,8 +9,6 @@ only this list is kept stable (docs/source/contributing.md, "Measures").
 
 from __future__ import annotations
 
-from ..app.callbacks import DriftMeterCallback
-from ..app.evaluation import greedy_accuracy
 from ..groups.ids import WHOLE_GROUPS_KEY, consecutive_group_ids, group_index
 from ..groups.prepass_schedule import pre_pass_rows
 from ..metrics.curves import jitter2, steps_to_threshold
@@ -20,6 +18,7 @@ from ..metrics.drift import (
     equivalent_set_stats,
     summarise_equivalent_sets,
 )
+from ..metrics.drift_meter import DriftMeterCallback
 from ..objectives.weights import loss_mask, post_clip_weights, sequence_log_ratio, sign_aware_post_clip
 from ..profiling import PROFILE_LABELS
 from ..trl_hooks.sync_watchdog import STALL_EXIT_CODE, SyncWatchdog, streamed_size
@@ -40,13 +39,12 @@ __all__ = [
     # the mechanism metrics over a run's curve (docs/source/concepts/metrics.md)
     "jitter2",
     "steps_to_threshold",
-    # the equivalent-solution drift meter (docs/source/concepts/metrics.md) and the held-out accuracy dfpo-train reports
+    # the equivalent-solution drift meter (docs/source/concepts/metrics.md)
     "DriftMeterCallback",
     "completion_log_probs",
     "end_token_ids",
     "equivalent_set_stats",
     "summarise_equivalent_sets",
-    "greedy_accuracy",
     # the deadline on the server-mode weight sync (docs/source/guides/cli.md): its exit code, the guard that logs each
     # phase and the line that says what a sync streamed
     "STALL_EXIT_CODE",

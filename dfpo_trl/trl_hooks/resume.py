@@ -59,7 +59,7 @@ def check_every_process_saved(checkpoint: str, path: str) -> None:
     own without waiting for the others, so a process killed while the checkpoint was saved leaves its file out
     while the others complete theirs. Resumed, that process would regenerate the rollout while the others continue
     it, and they would wait on each other in their next collectives until ``ddp_timeout`` (seen on two gloo
-    processes: tests/app/test_killed_rank.py). Every process reaches the same verdict, from the same folder."""
+    processes: tests/cli/test_killed_rank.py). Every process reaches the same verdict, from the same folder."""
     found = {int(name[len("dfpo_rollout_state_"):-len(".pt")]) for name in os.listdir(checkpoint)
              if name.startswith("dfpo_rollout_state_") and name.endswith(".pt")}
     if not found:

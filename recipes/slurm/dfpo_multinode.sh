@@ -51,7 +51,7 @@ shared_flags() {  # $1: machine rank
 
 preflight_command() {  # $1: machine rank
     shared_flags "$1"
-    CMD=(python -m dfpo_trl.app.preflight "$RECIPE" "${FLAGS[@]}" --vllm_server_host "$SERVER_HOST"
+    CMD=(python -m dfpo_trl.cli.preflight "$RECIPE" "${FLAGS[@]}" --vllm_server_host "$SERVER_HOST"
          --vllm_server_port "$VLLM_PORT" --output_dir "$OUTPUT_DIR" "${EXTRA[@]}")
 }
 

@@ -299,8 +299,8 @@ def test_readme_field_table_is_the_fields_help():
 def test_a_batch_without_whole_groups_is_refused_in_the_clis_words(monkeypatch, tmp_path):
     """From Python as from the command line: one owner for the rule (TRL's bare "generation_batch_size (5) must be
     divisible by num_generations (4)" named no fix); the CLI heads the same words with where each field was set."""
-    from dfpo_trl.app.args import RecipeError
-    from dfpo_trl.app.precheck import precheck, stored_field_table
+    from dfpo_trl.cli.args import RecipeError
+    from dfpo_trl.cli.precheck import precheck, stored_field_table
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     said = ("a rollout of per_device_train_batch_size 5 x 1 process x gradient_accumulation_steps 1 = 5 completions "
@@ -340,7 +340,7 @@ def test_unset_bf16_is_float32_on_a_machine_without_a_bfloat16_gpu():
 def test_ddp_timeout_reaches_the_cpu_process_group(monkeypatch):
     """transformers 5.24 hands ddp_timeout to accelerate only off the CPU: a multi-process CPU run's gloo group got
     1800 s whatever ddp_timeout said. Under a CPU launch of several processes DFPOConfig creates the group itself
-    with ddp_timeout (checked end to end on two gloo "nodes" in tests/app/test_killed_rank.py); alone, or off the
+    with ddp_timeout (checked end to end on two gloo "nodes" in tests/cli/test_killed_rank.py); alone, or off the
     CPU, it leaves the set-up to transformers."""
     import datetime
 

@@ -21,7 +21,7 @@ def config(**overrides):
 
 
 def test_each_closed_option_is_a_literal_that_the_parser_turns_into_choices():
-    from dfpo_trl.app.parser import make_parser
+    from dfpo_trl.cli.parser import make_parser
 
     hints = get_type_hints(DFPOConfig)
     literal = {f.name: get_args(hints[f.name]) for f in fields(DFPOConfig) if get_origin(hints[f.name]) is Literal}

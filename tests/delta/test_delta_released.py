@@ -319,7 +319,7 @@ def test_defaults_and_numeric_gamma():
 
 
 def test_command_line_accepts_names_and_numbers_for_delta_gamma():
-    from dfpo_trl.app.parser import make_parser
+    from dfpo_trl.cli.parser import make_parser
 
     parser = make_parser()
     for value, want in (("mean_abs", "mean_abs"), ("0.25", 0.25)):

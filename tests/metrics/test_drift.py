@@ -15,7 +15,8 @@ import pytest
 import torch
 from tiny import WORDS, save_tiny_chat_model, tiny_tokenizer, write_tiny_recipe
 
-from dfpo_trl.app.callbacks import DriftMeterCallback, FormShareReward
+from dfpo_trl.cli.callbacks import FormShareReward
+from dfpo_trl.cli.tasks import EquivalentFormsTask, get_task
 from dfpo_trl.metrics.drift import (
     completion_log_probs,
     end_token_ids,
@@ -23,8 +24,8 @@ from dfpo_trl.metrics.drift import (
     equivalent_set_stats,
     summarise_equivalent_sets,
 )
+from dfpo_trl.metrics.drift_meter import DriftMeterCallback
 from dfpo_trl.metrics.store import MetricStore
-from dfpo_trl.tasks import EquivalentFormsTask, get_task
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 EPS64 = torch.finfo(torch.float64).eps
@@ -223,7 +224,7 @@ def test_drift_meter_warns_when_the_tokenizer_ends_completions_elsewhere(caplog:
     model = Bigram(torch.zeros(len(WORDS), len(WORDS)))
     model.generation_config = SimpleNamespace(eos_token_id=WORDS.index("is"))
     meter = DriftMeterCallback(task, task.build_dataset("test"), every=2)
-    with caplog.at_level("WARNING", logger="dfpo_trl.app.callbacks"):
+    with caplog.at_level("WARNING", logger="dfpo_trl.cli.callbacks"):
         meter.on_train_begin(None, SimpleNamespace(global_step=0, max_steps=2), None, model=model,
                              processing_class=tokenizer)
     assert "drift meter" in caplog.text and "'<eos>'" in caplog.text
@@ -299,7 +300,7 @@ RUN = dict(plot=False, seed=None, max_steps=4, learning_rate=None, temperature=N
 
 
 def test_cli_drift_meter_and_periodic_heldout_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from dfpo_trl.app.main import main
+    from dfpo_trl.cli.main import main
 
     out = tmp_path / "out"
     argv = write_tiny_recipe(tmp_path, tiny_model_dir, out, **RUN, task="two_forms", drift_every=2, drift_size=3,
@@ -319,7 +320,7 @@ def test_cli_drift_meter_and_periodic_heldout_end_to_end(tmp_path: Path, tiny_mo
 def test_cli_refuses_drift_on_a_task_without_equivalent_forms(
     tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dfpo_trl.app.main import main
+    from dfpo_trl.cli.main import main
 
     assert main(write_tiny_recipe(tmp_path, tiny_model_dir, tmp_path / "o", **RUN, task="arithmetic",
                                   drift_every=2)) == 2

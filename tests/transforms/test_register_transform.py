@@ -242,9 +242,9 @@ PLUGIN = """
 
 
 def test_cli_imports_plugins_before_checking_the_recipe(tmp_path, request, capsys):
-    from dfpo_trl.app.args import RecipeError
-    from dfpo_trl.app.main import main
-    from dfpo_trl.app.parser import parse_args
+    from dfpo_trl.cli.args import RecipeError
+    from dfpo_trl.cli.main import main
+    from dfpo_trl.cli.parser import parse_args
 
     write_plugin(tmp_path, request, "dfpo_toy_plugin", PLUGIN)
     recipe = tmp_path / "recipe.yaml"
@@ -264,8 +264,8 @@ def test_cli_imports_plugins_before_checking_the_recipe(tmp_path, request, capsy
 
 
 def test_cli_without_the_plugin_names_the_fix_and_a_failing_plugin_is_one_line(tmp_path, request):
-    from dfpo_trl.app.args import RecipeError
-    from dfpo_trl.app.parser import parse_args
+    from dfpo_trl.cli.args import RecipeError
+    from dfpo_trl.cli.parser import parse_args
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("use_cpu: true\nimportance_sampling_level: sequence\ngroup_transform: plugin_half_min\n")

@@ -209,7 +209,7 @@ def test_rollout_state_of_another_step_is_refused(uninterrupted, tmp_path):
 def test_rollout_state_loads_on_every_process_of_a_multi_process_cpu_run(tmp_path):
     """accelerate gives every process of a multi-process CPU launch (gloo) the device cpu:0, which torch.load cannot
     map to ("don't know how to restore data location"): the resume of a 2-process CPU run failed on every process
-    before its first step (tests/app/test_killed_rank.py). The file loads to the CPU there."""
+    before its first step (tests/cli/test_killed_rank.py). The file loads to the CPU there."""
     advantages = torch.arange(4.0)
     for process in (0, 1):
         torch.save({"global_step": 3, "step": 5, "buffer": [{"advantages": advantages}], "processes": 2},
@@ -226,7 +226,7 @@ def test_checkpoint_missing_a_process_rollout_file_is_refused_on_every_process(t
     the process without it regenerated the rollout while the others continued it, and they waited on each other
     until ddp_timeout. The files record their process count, so a missing last process is seen too; the app's
     check reads the same names before torch (PROCESS_FILES)."""
-    from dfpo_trl.app.paths import PROCESS_FILES
+    from dfpo_trl.cli.paths import PROCESS_FILES
     from dfpo_trl.trl_hooks.resume import ROLLOUT_STATE_FILE
 
     assert PROCESS_FILES[1].match(ROLLOUT_STATE_FILE.format(process=7))

@@ -122,7 +122,7 @@ def test_run_against_a_server_that_never_answers_ends_within_the_timeout(
     (out / "checkpoint-2" / "dfpo_rollout_state_0.pt").write_bytes(b"\x00" * 64)
     (out / "notes.txt").write_text("kept")
     before = tree(out)
-    script = VLLM_PRESENT + "import sys\nfrom dfpo_trl.app.main import main\nsys.exit(main(sys.argv[1:]))\n"
+    script = VLLM_PRESENT + "import sys\nfrom dfpo_trl.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", script, *argv],

@@ -12,8 +12,8 @@ import pytest
 from tiny import addition_dataset, base_args, last_digit_reward, tiny_model, tiny_tokenizer
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.app.args import RecipeError
-from dfpo_trl.app.vllm_eval import avg_at_k_callback, check_eval_batch
+from dfpo_trl.cli.args import RecipeError
+from dfpo_trl.cli.vllm_eval import avg_at_k_callback, check_eval_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_vllm_colocate  # noqa: E402
@@ -87,7 +87,7 @@ def test_dfpo_train_with_use_vllm_reports_avg_at_k(stand_in_vllm: Any, tmp_path:
     from tiny import save_tiny_chat_model, write_tiny_recipe
     from transformers import AutoModelForCausalLM
 
-    from dfpo_trl.app.main import main
+    from dfpo_trl.cli.main import main
 
     model_dir = save_tiny_chat_model(tmp_path / "model")
     stand_in_vllm(AutoModelForCausalLM.from_pretrained(model_dir))

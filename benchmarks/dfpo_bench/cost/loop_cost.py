@@ -56,7 +56,8 @@ def share_one_engine() -> None:
 
 def one_run(method: str, model: str, steps: int, seed: int) -> dict[str, Any]:
     import torch
-    from dfpo_trl import DFPOConfig, DFPOTrainer, get_task
+    from dfpo_trl import DFPOConfig, DFPOTrainer
+    from dfpo_trl.cli import get_task
     from trl import GRPOConfig, GRPOTrainer
 
     from dfpo_bench.lib.timing import StepClock

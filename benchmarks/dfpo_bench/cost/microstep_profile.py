@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads or not args.device.startswith("cuda"):
         torch.set_num_threads(args.threads or 1)
     started = time.perf_counter()
-    from dfpo_trl import get_task
+    from dfpo_trl.cli import get_task
 
     tokenizer = trainers.load_tokenizer(args.tokenizer or args.model or trainers.default_tokenizer_path())
     model = trainers.build_model(args.model, None if args.model else args.random_config, tokenizer,

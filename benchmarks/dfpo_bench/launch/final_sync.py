@@ -21,7 +21,7 @@ from dfpo_bench.lib.vllm_tools import install  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     install()
-    from dfpo_trl import dfpo_train
+    from dfpo_trl.cli import dfpo_train
 
     sys.exit(dfpo_train(sys.argv[1:] if argv is None else argv))
 

@@ -31,7 +31,8 @@ import torch
 from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[3]
-from dfpo_trl import DFPOConfig, get_task  # noqa: E402
+from dfpo_trl import DFPOConfig  # noqa: E402
+from dfpo_trl.cli import get_task  # noqa: E402
 
 from dfpo_bench.lib.exactness import (  # noqa: E402
     EPS_HIGH,

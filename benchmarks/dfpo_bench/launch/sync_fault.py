@@ -207,7 +207,7 @@ def child(train: list[str]) -> int:
     logging.getLogger("dfpo_trl.trl_hooks.sync_watchdog").setLevel(logging.DEBUG)
     import torch
     import yaml
-    from dfpo_trl import dfpo_train
+    from dfpo_trl.cli import dfpo_train
 
     emit("card", name=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
     code = dfpo_train(train, callbacks=[checkpoint_events(os.environ.get(PAUSE_ENV))])

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         args.model = GPU_MODEL
         if args.cpu and not os.path.isdir(GPU_MODEL):
-            from dfpo_trl import embedded_model_path
+            from dfpo_trl.cli import embedded_model_path
 
             args.model = str(embedded_model_path())
     args.max_steps = args.max_steps or (4 if args.cpu else 8)

@@ -10,7 +10,7 @@ Three runs, one after another, each in its own process (each builds its own vLLM
 * ``parity_trl`` and ``parity_dfpo_off``: TRL's ``GRPOTrainer`` and ``DFPOTrainer`` with every DFPO option off, built
   from the same keyword arguments (the recipe's GRPOConfig fields, ``--parity-steps`` optimizer steps, same seed);
   their per-step loss, rewards, entropy and gradient norm side by side, and where they first differ;
-* ``recipe``: ``recipes/smollm2_gpu_vllm.yaml`` as ``dfpo-train`` runs it (``dfpo_trl.app.main.run``), with TRL's vLLM
+* ``recipe``: ``recipes/smollm2_gpu_vllm.yaml`` as ``dfpo-train`` runs it (``dfpo_trl.cli.main.run``), with TRL's vLLM
   wrapper timed from outside (start-up, every ``generate``, every weight sync), the sampled-vs-trainer log-prob gap
   and the importance-sampling ratio TRL logs per rollout, and the held-out accuracy before and after.
 
@@ -51,7 +51,7 @@ SMOKE_FLAGS = ["--use_vllm", "false", "--use_cpu", "true", "--bf16", "false", "-
 # ------------------------------------------------------------------------------------------------ children
 def child_recipe(args: argparse.Namespace) -> dict[str, Any]:
     """The recipe through the CLI's own run, timed."""
-    from dfpo_trl import parse_recipe
+    from dfpo_trl.cli import parse_recipe
 
     timer = Timer()
     vllm = instrument_vllm(timer)
@@ -105,7 +105,8 @@ def child_recipe(args: argparse.Namespace) -> dict[str, Any]:
 def child_parity(args: argparse.Namespace, trainer_name: str) -> dict[str, Any]:
     """GRPOTrainer or DFPOTrainer (every DFPO option off) from the same keyword arguments."""
     import torch
-    from dfpo_trl import DFPOConfig, DFPOTrainer, get_task
+    from dfpo_trl import DFPOConfig, DFPOTrainer
+    from dfpo_trl.cli import get_task
     from trl import GRPOConfig, GRPOTrainer
 
     overrides = json.loads(args.parity_overrides)

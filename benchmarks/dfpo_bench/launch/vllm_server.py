@@ -125,7 +125,8 @@ def child(args: argparse.Namespace) -> None:
         record = {"steps": summary["steps"], "heldout": summary.get("heldout"), "method": summary["method"],
                   "per_step": per_step(summary["log_history"], keys)}
     else:
-        from dfpo_trl import DFPOConfig, DFPOTrainer, get_task
+        from dfpo_trl import DFPOConfig, DFPOTrainer
+        from dfpo_trl.cli import get_task
         from trl import GRPOConfig, GRPOTrainer
 
         values = yaml.safe_load(pathlib.Path(args.recipe).read_text())

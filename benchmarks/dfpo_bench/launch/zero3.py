@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
-from dfpo_trl import DFPOConfig, DFPOTrainer, get_task  # noqa: E402
+from dfpo_trl import DFPOConfig, DFPOTrainer  # noqa: E402
+from dfpo_trl.cli import get_task  # noqa: E402
 
 from dfpo_bench.lib.exactness import (  # noqa: E402
     EPS_HIGH,

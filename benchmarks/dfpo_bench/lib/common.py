@@ -148,9 +148,9 @@ SUMMARY_FILE = "dfpo_summary.json"
 
 
 def train_in_process(argv: list[str], output_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """``dfpo-train argv`` in this process (``dfpo_trl.dfpo_train``, so that a job's instruments see the run) and
+    """``dfpo-train argv`` in this process (``dfpo_trl.cli.dfpo_train``, so that a job's instruments see the run) and
     the summary it wrote to ``output_dir``; a run that exits non-zero raises, naming its exit code."""
-    from dfpo_trl import dfpo_train
+    from dfpo_trl.cli import dfpo_train
 
     code = dfpo_train(argv)
     if code != 0:

@@ -170,7 +170,7 @@ def default_tokenizer_path() -> str:
     """The GPU kit's checkpoint if present, else the embedded SmolLM2 (converted once, offline)."""
     if os.path.isdir(GPU_MODEL_PATH):
         return GPU_MODEL_PATH
-    from dfpo_trl import embedded_model_path
+    from dfpo_trl.cli import embedded_model_path
 
     return str(embedded_model_path())
 
@@ -277,13 +277,13 @@ def keep_per_sample_order(trainer: Any) -> None:
     layout.regroup = per_sample
 
 
-BENCHMARK_TASKS = ("arithmetic", "sum_sentence")  # tasks of dfpo_trl.tasks the learning benchmark runs on
+BENCHMARK_TASKS = ("arithmetic", "sum_sentence")  # tasks of dfpo_trl.cli.tasks the learning benchmark runs on
 
 
 def task_and_rewards(reward: str, task_name: str = "arithmetic") -> tuple[Any, list[Any]]:
-    """A task of ``dfpo_trl.tasks`` (``arithmetic`` or ``sum_sentence``) and the reward functions to train with:
+    """A task of ``dfpo_trl.cli.tasks`` (``arithmetic`` or ``sum_sentence``) and the reward functions to train with:
     the task's own (``reward="task"``, or ``"arithmetic"`` for backward compatibility) or ``id_parity``."""
-    from dfpo_trl import get_task
+    from dfpo_trl.cli import get_task
 
     if task_name not in BENCHMARK_TASKS:
         raise SystemExit(f"unknown task {task_name!r}; use one of {', '.join(BENCHMARK_TASKS)}")

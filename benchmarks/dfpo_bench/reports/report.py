@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         "`<|im_start|>` instead of `<|im_end|>`, and the drift meter scored `<|im_start|>` as the end of each "
         "answer form, which put its `drift/set_logp_mean` several nats too low. Timings are unaffected in kind; "
         "rewards, completion lengths and the drift meter's log-probabilities are from that setting. The embedded "
-        "model of the CPU main job takes its end token from the model's config (`dfpo_trl/app/embedded.py`). "
+        "model of the CPU main job takes its end token from the model's config (`dfpo_trl/cli/embedded.py`). "
         "Sections 10 to 13 ran with the corrected kit.",
         "",
         *overhead_section(overhead_entries(results)),

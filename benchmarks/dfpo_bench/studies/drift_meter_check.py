@@ -31,7 +31,8 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 import torch  # noqa: E402
-from dfpo_trl import DFPOConfig, get_task  # noqa: E402
+from dfpo_trl import DFPOConfig  # noqa: E402
+from dfpo_trl.cli import get_task  # noqa: E402
 from dfpo_trl.testing.measures import (  # noqa: E402
     DriftMeterCallback,
     completion_log_probs,
@@ -63,7 +64,7 @@ def safe_log(x: float) -> float | None:
 
 
 def load(model_path: str | None, device: str, dtype: str) -> tuple[Any, Any, str]:
-    from dfpo_trl import embedded_model_path
+    from dfpo_trl.cli import embedded_model_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(embedded_model_path()) if model_path is None else model_path

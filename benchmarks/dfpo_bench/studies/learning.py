@@ -19,7 +19,7 @@ num_generations`` prompts, off-policy (``steps_per_generation`` > gradient accum
 curves after every rollout: sampled reward per generation, and per optimizer step entropy, ``asym/*``,
 ``cancellation/*`` (the shared-prefix residual, overall and two-sided, the one-sided group fraction), ``transform/*``,
 clip ratios. At the end: greedy accuracy on the fixed held-out problems of the task (``--task``: ``arithmetic`` or
-``sum_sentence`` of ``dfpo_trl.tasks``). Summaries average the cancellation metrics and the clip fraction over the
+``sum_sentence`` of ``dfpo_trl.cli.tasks``). Summaries average the cancellation metrics and the clip fraction over the
 off-policy steps (index within the rollout ≠ 0) as well. Every method runs through DFPOTrainer by default
 (``--baseline-trainer dfpo``: GSPO and GRPO are DFPOTrainer with no DFPO option, the same loss and gradients as
 TRL), so every method has the same group-granular batches and the same mechanism metrics.
@@ -69,7 +69,7 @@ def run_one(args: argparse.Namespace) -> None:
     """Train one (method, seed), write its JSON after every rollout and at the end."""
     common.quiet()
     import torch
-    from dfpo_trl.testing.measures import greedy_accuracy
+    from dfpo_trl.cli import greedy_accuracy
     from transformers import PrinterCallback, TrainerCallback
 
     started = time.time()
@@ -369,7 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=None,
                    help="default: the learning methods, or with --study cancellation the study's six")
     p.add_argument("--task", choices=trainers.BENCHMARK_TASKS, default="arithmetic",
-                   help="training reward and held-out accuracy (dfpo_trl.tasks)")
+                   help="training reward and held-out accuracy (dfpo_trl.cli.tasks)")
     p.add_argument("--reward", choices=["task", "id_parity"], default="task",
                    help="training reward: the task's, or id_parity (random models, which never solve the task: "
                    "about half of each group scores 1, so the mechanism metrics have non-zero advantages)")

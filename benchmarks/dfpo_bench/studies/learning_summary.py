@@ -167,8 +167,8 @@ def aggregate(runs: list[dict[str, Any]], threshold: float, alpha: float) -> tup
 
 
 TASK_DESCRIPTIONS = {
-    "arithmetic": "arithmetic (dfpo_trl.tasks, single-digit a + b)",
-    "sum_sentence": "sum_sentence (dfpo_trl.tasks: single-digit a + b answered in a required ~20-token sentence)",
+    "arithmetic": "arithmetic (dfpo_trl.cli.tasks, single-digit a + b)",
+    "sum_sentence": "sum_sentence (dfpo_trl.cli.tasks: single-digit a + b answered in a required ~20-token sentence)",
 }
 
 

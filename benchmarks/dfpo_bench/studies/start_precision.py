@@ -54,10 +54,10 @@ def rounding(base: dict[str, Any], tuned: dict[str, Any]) -> dict[str, float]:
 def reading(model: Any, tokenizer: Any, mode: str, accuracy: bool) -> dict[str, Any]:
     """The drift set's summary (and greedy accuracy) with ``model`` as loaded for ``mode``."""
     import torch
+    from dfpo_trl.cli import greedy_accuracy
     from dfpo_trl.testing.measures import (
         completion_log_probs,
         end_token_ids,
-        greedy_accuracy,
         summarise_equivalent_sets,
     )
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from datasets import Dataset
-from dfpo_trl import get_reward
+from dfpo_trl.cli import get_reward
 
 TRAIN = "train"  # the training split's name in a task's build_dataset (docs/source/guides/cli.md); the other is "test"
 TWO_STEP_PROMPT = "Compute {a} × {b} + {c}. Show your work briefly, then give the final answer as: Answer: <number>"
