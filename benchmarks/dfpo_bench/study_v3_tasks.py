@@ -1,7 +1,7 @@
 """Study v3's tasks, given to ``dfpo-train --task`` by import path (the runs start in the repository root):
 
 * ``dfpo_bench.study_v3_tasks:strict`` — ``two_forms`` with both canonical forms rewarded 1 and every other wording 0
-  (:class:`dfpo_trl.TwoFormsReward` with ``unformatted=0``), so held-out accuracy is format accuracy and the
+  (:class:`dfpo_trl.cli.TwoFormsReward` with ``unformatted=0``), so held-out accuracy is format accuracy and the
   rewarded forms are the only thing the policy is pushed towards;
 * ``dfpo_bench.study_v3_tasks:equalised`` — the same, plus a second reward that equalises the two forms' counts among
   the rewarded completions of each group (the count-effect control arm, :func:`count_equalised_rewards`).

@@ -2,7 +2,7 @@
 
 * ``dfpo_bench.study_v4_tasks:two_digit`` — two-digit addition "Compute a + b" (a, b in 10..99), answered in
   "The sum is n." or "The answer is n." (study v3's two forms). Reward 1 for either form with the right sum and 0
-  otherwise (:class:`dfpo_trl.TwoFormsReward` with ``unformatted=0``): a wrong sum in either form gets 0, so the
+  otherwise (:class:`dfpo_trl.cli.TwoFormsReward` with ``unformatted=0``): a wrong sum in either form gets 0, so the
   form is not the reward signal; what separates the rewarded half of a group from the rest is the number.
 
 Why two-digit addition: single-digit addition is solved at once (nearly every group all-correct, no signal), while
