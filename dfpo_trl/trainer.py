@@ -1,14 +1,11 @@
 """``DFPOTrainer``: TRL's ``GRPOTrainer`` with DFPO's objectives, wired into TRL's hooks and nothing else.
 
-``__init__`` builds the parts from the config: the :class:`~dfpo_trl.objectives.plan.ObjectivePlan`, the run's
-:class:`~dfpo_trl.groups.shape.RunShape`, the :class:`~dfpo_trl.groups.layout.GroupDelivery` (the chosen group
-layout), the :class:`~dfpo_trl.groups.prepass.PrePass` (pre-pass layout), the
-:class:`~dfpo_trl.metrics.store.MetricStore` and DelTA's :class:`~dfpo_trl.delta.weighting.DeltaWeighting`. TRL's
-``_compute_loss`` runs unchanged: right after its policy forward, one call
-(:func:`~dfpo_trl.objectives.step.micro_step_objective`) turns the inputs TRL reads next into DFPO's objective, and
-:func:`~dfpo_trl.metrics.objective.log_micro_step` logs its return value (docs/source/concepts/architecture.md, "How a
-micro-step flows"). Every touch point is declared and checked at import in :mod:`dfpo_trl.trl_hooks.compat`. Each DFPO
-part runs under a ``torch.profiler`` label of :data:`~dfpo_trl.profiling.PROFILE_LABELS` (free without a profiler).
+``__init__`` builds the parts from the config: the objective's plan, the run's shape, the group layout and its
+pre-pass, the metric store and DelTA's weighting. TRL's ``_compute_loss`` runs unchanged: right after its policy
+forward, :func:`~dfpo_trl.objectives.step.micro_step_objective` turns the inputs TRL reads next into DFPO's objective
+and :func:`~dfpo_trl.metrics.objective.log_micro_step` logs it (docs/source/concepts/architecture.md, "How a
+micro-step flows"). Every touch point is declared and checked at import in :mod:`dfpo_trl.trl_hooks.compat`; each
+DFPO part runs under a ``torch.profiler`` label of :data:`~dfpo_trl.profiling.PROFILE_LABELS`.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from .delta.rollout import DELTA_WEIGHTS_KEY
@@ -32,7 +28,7 @@ from .groups.layout import GroupDelivery
 from .groups.prepass import PrePass
 from .groups.shape import run_shape
 from .metrics.clip import CLIP_RATIO_METRICS
-from .metrics.hooks import energy_capture, watch_gradient_energy, watch_token_coefficients
+from .metrics.hooks import energy_capture, watch_backward
 from .metrics.objective import log_micro_step
 from .metrics.step_reward import attach_row_rewards, log_step_reward, row_rewards
 from .metrics.store import MetricStore
@@ -61,14 +57,14 @@ from .trl_hooks.compat import (
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
 from .trl_hooks.pending import PendingCall, trainer_config
-from .trl_hooks.resume import load_rollout_state, replay_sampler_epochs, save_rollout_state, without_tied_keys
+from .trl_hooks.resume import RolloutResume
 from .trl_hooks.sampling_ratio import RatioWatch
 from .trl_hooks.sync_watchdog import watched_vllm_generation
 
 logger = logging.getLogger(__name__)
 
 
-class DFPOTrainer(GRPOTrainer):
+class DFPOTrainer(RolloutResume, GRPOTrainer):
     """`trl.GRPOTrainer` with DFPO objectives. Takes the same arguments; `args` must be a [`DFPOConfig`] (built
     from the model's name, every DFPO option off, when not given, as `GRPOTrainer` builds its default)."""
 
@@ -91,7 +87,6 @@ class DFPOTrainer(GRPOTrainer):
                 reward.group_size = self.num_generations
         self._pending: PendingCall | None = None  # see PendingCall
         self._unwrapped: tuple[torch.nn.Module, torch.nn.Module] | None = None  # see unwrapped_model
-        self._train_sampler: Any = None  # the prompt sampler of the current train() call: see _get_train_sampler
         self.plan = ObjectivePlan.from_config(self.args)
         if self.plan.form.grpo_fix:
             self.epsilon_low = 1.0  # clip(r, 1 - 1, 1 + eps_high) = clip(r, 0, 1 + eps_high): eq. 79's lower bound
@@ -281,15 +276,8 @@ class DFPOTrainer(GRPOTrainer):
             with profiled("dfpo/log_micro_step"):
                 log_micro_step(self.dfpo_metrics, mode, step, advantages, mask, plan, training=training,
                                off_policy=training and off_policy_step(self))
-            weights = step.values.weights
-            if plan.group_metrics and groups.index is not None and logps.requires_grad:
-                with profiled("dfpo/watch_token_coefficients"):
-                    watch_token_coefficients(self.dfpo_metrics, mode, logps, inputs["completion_ids"], mask,
-                                             groups.index, None if weights is None else weights.two_sided)
-            if capture is not None:
-                with profiled("dfpo/watch_gradient_energy"):
-                    watch_gradient_energy(self.dfpo_metrics, model, logps, inputs, capture, self.temperature,
-                                          plan.energy_buckets, plan.energy_form)
+            watch_backward(self.dfpo_metrics, mode, plan, model, logps, inputs, mask, groups.index,
+                           step.values.weights, capture, self.temperature)
             return out
 
     def _call_dfpo_callbacks(self, event: str, **values: Any) -> None:
@@ -298,35 +286,6 @@ class DFPOTrainer(GRPOTrainer):
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, DFPOCallback):
                 getattr(callback, event)(self.args, self.state, self.control, **values)
-
-    # -------------------------------------------------------------------------------------------- resume
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """TRL's checkpoint, plus this process's rollout buffer and micro-step counter (trl_hooks/resume.py), which
-        TRL does not save: a run resumed inside a rollout then continues it instead of regenerating."""
-        super()._save_checkpoint(model, trial)
-        if not self.args.save_only_model:  # a model-only checkpoint holds no optimizer or RNG state either
-            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder TRL's save just wrote
-            save_rollout_state(self, os.path.join(self._get_output_dir(trial=trial), folder))
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """TRL's load, plus the rollout state (when the checkpoint has it) and the prompt sampler advanced past the
-        epochs already trained; runs after the training state is restored and before the first epoch begins."""
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        load_rollout_state(self, checkpoint)
-        if self._train_sampler is not None:
-            replay_sampler_epochs(self._train_sampler, int(self.state.epoch or 0))
-
-    def _get_train_sampler(self, dataset: Any = None) -> Any:
-        """TRL's prompt sampler, kept to be advanced on resume."""
-        self._train_sampler = super()._get_train_sampler(dataset)
-        return self._train_sampler
-
-    def _issue_warnings_after_load(self, load_result: Any) -> None:
-        """transformers' warnings on a checkpoint's missing keys, without the tied weights (``lm_head.weight`` of a
-        model that ties it to the input embedding): the checkpoint holds them once, under the other name."""
-        super()._issue_warnings_after_load(without_tied_keys(self.model, load_result))
 
     # ------------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -33,14 +33,15 @@ def advertised_address() -> str | None:
     ``VLLM_HOST_IP`` when set, else the source address of the default route."""
     if os.environ.get("VLLM_HOST_IP"):
         return os.environ["VLLM_HOST_IP"]
-    return source_address("8.8.8.8", 80)  # get_ip()'s own probe; a UDP connect sends nothing
+    return source_address(("8.8.8.8", 80))  # get_ip()'s own probe; a UDP connect sends nothing
 
 
-def source_address(host: str, port: int) -> str | None:
-    """The local address this node's routing uses to reach ``host`` (a UDP connect sends no packet)."""
+def source_address(server: tuple[str, int]) -> str | None:
+    """The local address this node's routing uses to reach ``server`` (name, port); a UDP connect sends no packet."""
+    name, port = server
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((socket.gethostbyname(host), port))
+            probe.connect((socket.gethostbyname(name), port))
             return str(probe.getsockname()[0])
     except OSError:
         return None
@@ -51,13 +52,14 @@ def check_server(settings: Settings) -> list[tuple[str, str]]:
     the rendezvous address (a warning). Returns (status, line) pairs; raises on a failure."""
     url = settings.server_url or ""
     parsed = urllib.parse.urlparse(url)
-    host, port = parsed.hostname or "", parsed.port or 80
+    server = (parsed.hostname or "", parsed.port or 80)
     env_fix = "start it first and wait for its /health (recipes/slurm/), check --vllm_server_host/--vllm_server_port"
     try:
-        with socket.create_connection((host, port), timeout=HTTP_TIMEOUT_S):
+        with socket.create_connection(server, timeout=HTTP_TIMEOUT_S):
             pass
     except OSError as exc:
-        raise PreflightFailure(f"vLLM server {host}:{port} cannot be reached ({exc}); fix: {env_fix}") from exc
+        where = f"{server[0]}:{server[1]}"
+        raise PreflightFailure(f"vLLM server {where} cannot be reached ({exc}); fix: {env_fix}") from exc
     try:
         _get_json(f"{url}/health")
         models = _get_json(f"{url}/v1/models")
@@ -102,8 +104,8 @@ def check_server(settings: Settings) -> list[tuple[str, str]]:
             f"between releases; fix: install vLLM {remote} here (or serve with {local})"
         )
     lines.append(("ok", f"vLLM {remote or '?'} on the server, {local or 'not installed'} here"))
-    if settings.machine_rank == 0 and not _is_loopback(host):
-        advertised, reaching = advertised_address(), source_address(host, port)
+    if settings.machine_rank == 0 and not _is_loopback(server):
+        advertised, reaching = advertised_address(), source_address(server)
         if advertised and reaching and advertised != reaching:
             warning = (
                 f"this node advertises {advertised}:{settings.group_port} for the weight-transfer rendezvous but "
@@ -116,8 +118,8 @@ def check_server(settings: Settings) -> list[tuple[str, str]]:
     return lines
 
 
-def _is_loopback(host: str) -> bool:
+def _is_loopback(server: tuple[str, int]) -> bool:
     try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        return ipaddress.ip_address(socket.gethostbyname(server[0])).is_loopback
     except (OSError, ValueError):
         return False

@@ -21,7 +21,7 @@ from .energy_aggregate import row_factors, row_norms, type_buckets
 from .mechanism import shared_prefix_mask, shared_prefix_residual_sums
 from .store import MetricStore
 
-__all__ = ["energy_capture", "watch_gradient_energy", "watch_token_coefficients"]
+__all__ = ["energy_capture", "watch_backward", "watch_gradient_energy", "watch_token_coefficients"]
 
 
 def watch_token_coefficients(
@@ -93,3 +93,20 @@ def watch_gradient_energy(
                 store.add_mean("train", f"energy/freq_bucket_{b}", sums[b], total)
 
     per_token_logps.register_hook(on_grad)
+
+
+def watch_backward(
+    store: MetricStore, mode: str, plan: Any, model: torch.nn.Module, per_token_logps: Tensor, inputs: dict[str, Any],
+    mask: Tensor, index: Tensor | None, weights: Any, capture: HiddenCapture | None, temperature: float,
+) -> None:
+    """The backward hooks of one loss micro-step's metrics, as its plan (``ObjectivePlan``) asks: the token
+    coefficients' residual when the group metrics are on and the groups are known, the gradient energy when
+    :func:`energy_capture` captured h; ``weights``: the micro-step's ``RowWeights`` (None when it computed none)."""
+    if plan.group_metrics and index is not None and per_token_logps.requires_grad:
+        with profiled("dfpo/watch_token_coefficients"):
+            watch_token_coefficients(store, mode, per_token_logps, inputs["completion_ids"], mask, index,
+                                     None if weights is None else weights.two_sided)
+    if capture is not None:
+        with profiled("dfpo/watch_gradient_energy"):
+            watch_gradient_energy(store, model, per_token_logps, inputs, capture, temperature, plan.energy_buckets,
+                                  plan.energy_form)

@@ -18,10 +18,11 @@ import os
 from typing import Any
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .compat import generate_every
 
-__all__ = ["ROLLOUT_STATE_FILE", "load_rollout_state", "replay_sampler_epochs", "rollout_state_path",
+__all__ = ["ROLLOUT_STATE_FILE", "RolloutResume", "load_rollout_state", "replay_sampler_epochs", "rollout_state_path",
            "save_rollout_state", "tied_missing_keys", "without_tied_keys"]
 
 logger = logging.getLogger(__name__)
@@ -131,3 +132,38 @@ def without_tied_keys(model: torch.nn.Module, load_result: Any) -> Any:
     if not tied:
         return load_result
     return load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
+
+
+class RolloutResume:
+    """The resume half of ``DFPOTrainer`` (a mixin before ``trl.GRPOTrainer`` in its bases): TRL's checkpoint plus
+    the rollout state above, and the prompt sampler advanced on resume. Each method calls TRL's own first."""
+
+    _train_sampler: Any = None  # the prompt sampler of the current train() call: see _get_train_sampler
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """TRL's checkpoint, plus this process's rollout buffer and micro-step counter (trl_hooks/resume.py), which
+        TRL does not save: a run resumed inside a rollout then continues it instead of regenerating."""
+        super()._save_checkpoint(model, trial)
+        if not self.args.save_only_model:  # a model-only checkpoint holds no optimizer or RNG state either
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder TRL's save just wrote
+            save_rollout_state(self, os.path.join(self._get_output_dir(trial=trial), folder))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """TRL's load, plus the rollout state (when the checkpoint has it) and the prompt sampler advanced past the
+        epochs already trained; runs after the training state is restored and before the first epoch begins."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        load_rollout_state(self, checkpoint)
+        if self._train_sampler is not None:
+            replay_sampler_epochs(self._train_sampler, int(self.state.epoch or 0))
+
+    def _get_train_sampler(self, dataset: Any = None) -> Any:
+        """TRL's prompt sampler, kept to be advanced on resume."""
+        self._train_sampler = super()._get_train_sampler(dataset)
+        return self._train_sampler
+
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """transformers' warnings on a checkpoint's missing keys, without the tied weights (``lm_head.weight`` of a
+        model that ties it to the input embedding): the checkpoint holds them once, under the other name."""
+        super()._issue_warnings_after_load(without_tied_keys(self.model, load_result))

@@ -133,7 +133,7 @@ def test_server_that_never_answers_fails_in_bounded_time(monkeypatch: pytest.Mon
 def test_advertised_rendezvous_address_is_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     """Node 0 advertising one address and reaching the server from another: a warning line with the fix."""
     server = GetOnlyServer()
-    monkeypatch.setattr(preflight_server, "_is_loopback", lambda host: False)
+    monkeypatch.setattr(preflight_server, "_is_loopback", lambda server: False)
     monkeypatch.setattr(preflight_server, "advertised_address", lambda: "10.9.9.9")
     try:
         lines = dict((line, status) for status, line in check_server(settings(server_url=server.url)))
