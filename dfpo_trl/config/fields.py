@@ -1,9 +1,9 @@
 """``DFPOConfig``: TRL's ``GRPOConfig`` plus the DFPO fields, each documented once, in its ``metadata["help"]``.
 
 A DFPO field's help is its one documentation: what it means, then ``Source:`` (a DFPO paper equation, DelTA, or
-the docs/ page); its default is the field's own. The class docstring is generated from them below, the README's
-field table by ``python -m dfpo_trl.config.docs``; the rules a value must meet live in :mod:`.checks` (each field)
-and :mod:`.combinations` (between fields).
+the docs/ page); its default is the field's own. The class docstring is generated from them below, the reference
+page docs/source/reference/config.md by ``python -m dfpo_trl.config.docs``; the rules a value must meet live in
+:mod:`.checks` (each field) and :mod:`.combinations` (between fields).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def gradient_checkpointing_metadata(has_activation_checkpointing: bool) -> dict[
 
 
 def documented(default: Any, meaning: str, source: str) -> Any:
-    """A DFPO field whose help (shown by ``dfpo-train --help``, the docstring and the README) is its meaning and
+    """A DFPO field whose help (shown by ``dfpo-train --help``, the docstring and the reference page) is its meaning and
     its source; TRL's argument parser passes every metadata key to argparse, so both live in the one help."""
     return field(default=default, metadata={"help": f"{meaning}{SOURCE}{source}."})
 

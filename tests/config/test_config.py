@@ -117,14 +117,12 @@ def test_checkpointing_default_on_and_either_name_without_a_deprecation_warning(
 
 def test_every_builtin_transform_is_validated_and_documented():
     """One registry (dfpo_trl.transforms.TRANSFORMS) feeds config validation, the trainer and the docs: every
-    built-in name is accepted by DFPOConfig and listed in its docstring and in the README's field table (registered
-    ones: tests/transforms/test_register_transform.py)."""
-    from pathlib import Path
-
+    built-in name is accepted by DFPOConfig and listed in its docstring and in the config reference page
+    (registered ones: tests/transforms/test_register_transform.py)."""
+    from dfpo_trl.config.docs import PAGE
     from dfpo_trl.transforms import GROUP_TRANSFORMS
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    row = next(line for line in readme.splitlines() if line.startswith("| `group_transform` |"))
+    row = next(line for line in PAGE.read_text().splitlines() if line.startswith("| `group_transform` |"))
     docstring = DFPOConfig.__doc__.split("group_transform (")[1].split("transform_scale (")[0]
     for name in GROUP_TRANSFORMS:
         assert f'`"{name}"`' in row, name
@@ -283,17 +281,31 @@ def test_class_docstring_is_generated_from_the_help():
     assert "group_granular_batches (`bool` or `None`, *optional*, defaults to `None`):" in flat
 
 
-def test_readme_field_table_is_the_fields_help():
-    """README.md's "DFPO fields of DFPOConfig" table is what `python -m dfpo_trl.config.docs` writes; after a help
-    changes, this fails until the table is written again."""
+def test_config_reference_page_is_the_fields_help():
+    """docs/source/reference/config.md is what `python -m dfpo_trl.config.docs` writes: one row per DFPO field, its
+    help verbatim; after a help changes, this fails until the page is written again."""
     from dfpo_trl.config import docs as config_docs
-    from dfpo_trl.config.fields import dfpo_fields
+    from dfpo_trl.config.fields import dfpo_fields, split_help
 
-    readme = config_docs.README.read_text(encoding="utf-8")
-    assert config_docs.readme_with_table(readme) == readme
-    table = config_docs.readme_table()
-    assert table in readme and table.count("\n") == 1 + len(dfpo_fields())
+    page = config_docs.PAGE.read_text(encoding="utf-8")
+    assert page == config_docs.config_page()
+    table = config_docs.config_table()
+    assert table in page and table.count("\n") == 1 + len(dfpo_fields())
+    for spec in dfpo_fields():
+        assert f"| `{spec.name}` |" in page, spec.name
+        assert split_help(spec)[0].split(" (")[0].replace("|", "\\|") in page, spec.name
     assert config_docs.main(["--check"]) == 0
+
+
+def test_config_reference_check_fails_on_a_stale_page(tmp_path, monkeypatch):
+    """--check exits 1 when the page differs from the fields' help, and writing it again makes the check pass."""
+    from dfpo_trl.config import docs as config_docs
+
+    stale = tmp_path / "config.md"
+    stale.write_text(config_docs.config_page().replace("`group_transform`", "`group_transfrom`"), encoding="utf-8")
+    monkeypatch.setattr(config_docs, "PAGE", stale)
+    assert config_docs.main(["--check"]) == 1
+    assert config_docs.main([]) == 0 and config_docs.main(["--check"]) == 0
 
 
 def test_a_batch_without_whole_groups_is_refused_in_the_clis_words(monkeypatch, tmp_path):
