@@ -1,6 +1,6 @@
 """TRL 1.16 ``GRPOTrainer`` options that DFPO leaves to TRL, each trained with Min-Replace off-policy
-(``steps_per_generation`` > ``gradient_accumulation_steps``, group-granular layout) on a tiny model: the README's
-"TRL features and versions" table points here.
+(``steps_per_generation`` > ``gradient_accumulation_steps``, group-granular layout) on a tiny model: the reference
+page "TRL features and versions" (docs/source/reference/trl.md) points here.
 
 Each option changes what TRL hands the loss (how advantages are scaled or weighted, which rows the loss counts,
 how rollouts are generated, buffered or scored, what is logged) but not the loss DFPO rewrites, so on every micro-step:

@@ -1,4 +1,4 @@
-"""TRL 1.16's ``GRPOConfig`` surface under ``DFPOConfig`` (README, "TRL features and versions"): no DFPO field
+"""TRL 1.16's ``GRPOConfig`` surface under ``DFPOConfig`` (docs/source/reference/trl.md): no DFPO field
 shadows one of TRL's, ``use_liger_kernel`` is refused with a DFPO option and left to TRL without one, and our
 optional extras carry TRL 1.16's own bounds."""
 
@@ -127,12 +127,12 @@ def test_loss_types_without_the_clipped_surrogate_are_refused_with_a_transform(l
                                group_transform="min_replace"))
 
 
-def test_every_test_the_readme_table_names_exists() -> None:
-    """The README's "TRL features and versions" names its tests as `file.py::test_name` under tests/: each file
+def test_every_test_the_feature_table_names_exists() -> None:
+    """The reference page "TRL features and versions" names its tests as `file.py::test_name` under tests/: each file
     exists and defines that test, so the table cannot point at a test that was renamed or removed."""
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("## TRL features and versions")
-    section = readme[start:readme.index("\n## ", start + 1)]
+    page = (ROOT / "docs" / "source" / "reference" / "trl.md").read_text()
+    start = page.index("## Features")
+    section = page[start:page.index("\n## ", start + 1)]
     named = re.findall(r"`([\w/]+\.py)::(\w+)`", section)
     assert len(named) >= 20, named
     missing = [f"{path}::{name}" for path, name in named

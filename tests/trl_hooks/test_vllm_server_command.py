@@ -1,7 +1,7 @@
 """The generation server's command line. TRL 1.16 deprecates its own server script: it only runs vLLM's server
 with flags TRL needs (weights in over NCCL, processed log-probs), so a line missing one starts a server that
 generates but never receives the trainer's weights. Checked here without vLLM, against TRL's own builder
-(``trl.scripts.vllm_serve.build_command``): every ``vllm serve`` line the README and the server-mode recipes show,
+(``trl.scripts.vllm_serve.build_command``): every ``vllm serve`` line the docs' multi-node guide and the server-mode recipes show,
 with the recipe's model, port and context (the benchmarks' own builder is checked in benchmarks/tests)."""
 
 from __future__ import annotations
@@ -74,8 +74,11 @@ def joined_commands(lines: list[str]) -> list[str]:
     return commands
 
 
-def readme_commands() -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+GUIDE = ROOT / "docs" / "source" / "guides" / "multinode.md"  # the paper recipes' launch commands
+
+
+def guide_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
     return [c for block in blocks for c in joined_commands(block.splitlines()) if not c.startswith("#")]
 
 
@@ -133,8 +136,8 @@ def test_dense_model_is_served_without_data_parallelism() -> None:
     assert parse_serve(shlex.split(line))[3]["--data-parallel-size"] == "1"
 
 
-def test_readme_server_lines_are_the_recipes() -> None:
-    commands = readme_commands()
+def test_guide_server_lines_are_the_recipes() -> None:
+    commands = guide_commands()
     lines = server_lines(commands)
     assert lines
     by_model = {parse_serve(shlex.split(line))[2]: parse_serve(shlex.split(line)) for line in lines}
@@ -145,7 +148,7 @@ def test_readme_server_lines_are_the_recipes() -> None:
         assert by_model.pop(values["model_name_or_path"]) == parse_serve(shlex.split(header_line)), recipe.name
         trainers = [c for c in commands if c.startswith("accelerate launch") and f"recipes/{recipe.name}" in c]
         assert trainers and all("--vllm_server_host" in c for c in trainers)
-    assert not by_model, f"README server lines for no server-mode recipe: {sorted(by_model)}"
+    assert not by_model, f"{GUIDE.name} server lines for no server-mode recipe: {sorted(by_model)}"
 
 
 def test_no_trl_vllm_serve_in_user_facing_text() -> None:
