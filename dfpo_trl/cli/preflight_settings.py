@@ -45,7 +45,7 @@ class Settings:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dfpo-train --preflight",
-        description="Check this node before a multi-node job (README, 'Several nodes'); run it on every node.",
+        description="Check this node before a multi-node job (docs/source/guides/multinode.md); run it on every node.",
     )
     parser.add_argument("recipe", help="the training recipe (YAML)")
     parser.add_argument("--config_file", help="the accelerate config the job is launched with")

@@ -4,7 +4,7 @@ imports nothing of ``dfpo_trl`` but the transform registry below it (:mod:`dfpo_
 ``fields`` (:class:`DFPOConfig`, each field documented once), ``options`` (each closed option's values, the table of
 TRL's loss types), ``rules`` (the shape of a validation rule), ``checks`` (each field's rule), ``trl_field_rules``
 (TRL's fields', standard library only), ``delta_rules`` (DelTA's options'), ``combinations`` (the rules between
-fields), ``method`` (the method a config trains with) and ``docs`` (the README's field table).
+fields), ``method`` (the method a config trains with) and ``docs`` (the reference page of the DFPO fields).
 
 ``DFPOConfig`` is imported on first use (PEP 562): ``dfpo-train`` reads ``options``, ``rules``, ``trl_field_rules``
 and ``method`` before it imports torch and TRL, which ``fields`` imports (docs/source/guides/cli.md).

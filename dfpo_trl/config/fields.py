@@ -98,7 +98,8 @@ def split_help(spec: Field) -> tuple[str, str]:
 
 
 def render_default(value: Any) -> str:
-    """A default as the docstring and the README show it: strings in double quotes, the rest as Python writes it."""
+    """A default as the docstring and the reference page show it: strings in double quotes, the rest as Python
+    writes it."""
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
 

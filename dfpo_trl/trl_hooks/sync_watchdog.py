@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 # 124, as coreutils' `timeout` ends a command that ran past its limit: distinct from 2 (a refused command line),
 # 130 (Ctrl-C) and 143 (SIGTERM), so a launcher or a test can tell a stalled sync apart.
 STALL_EXIT_CODE = 124
-# What a stalled cross-node sync most often comes down to (README, "Several nodes").
+# What a stalled cross-node sync most often comes down to (docs/source/guides/multinode.md, "Networking").
 CHECK_VARIABLES = "VLLM_HOST_IP, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_GID_INDEX (RoCE)"
 
 

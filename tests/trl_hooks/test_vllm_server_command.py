@@ -1,8 +1,8 @@
 """The generation server's command line. TRL 1.16 deprecates its own server script: it only runs vLLM's server
 with flags TRL needs (weights in over NCCL, processed log-probs), so a line missing one starts a server that
 generates but never receives the trainer's weights. Checked here without vLLM, against TRL's own builder
-(``trl.scripts.vllm_serve.build_command``): every ``vllm serve`` line the docs' multi-node guide and the server-mode recipes show,
-with the recipe's model, port and context (the benchmarks' own builder is checked in benchmarks/tests)."""
+(``trl.scripts.vllm_serve.build_command``): every ``vllm serve`` line the docs' multi-node guide and the server-mode
+recipes show, with the recipe's model, port and context (the benchmarks' own builder is checked in benchmarks/tests)."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def vllm_has_scale_out() -> bool:
 
 def shell_line(command: list[str], gpus: str | None = None) -> str:
     """The command as one shell line with its environment (``CUDA_VISIBLE_DEVICES`` first when ``gpus`` is given),
-    as the README and the recipe headers write it."""
+    as the multi-node guide (docs/source/guides/multinode.md) and the recipe headers write it."""
     env = ({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}) | SERVER_ENV
     return " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command)
 

@@ -24,7 +24,7 @@ from .base import TRAIN_SPLIT, RewardFunc, check_split, completion_text
 ARITHMETIC_PROMPT = "Compute {a} + {b}. Give the final answer as: Answer: <number>"
 _ALL_PAIRS = [(a, b) for a in range(10) for b in range(10)]
 # Fixed stream for the held-out problems, independent of the run seed, so that every run (and the
-# before/after comparison in the README) is measured on the same problems.
+# summary's before/after comparison) is measured on the same problems.
 _HELDOUT_SEED = 20261126
 # Training problems come from their own stream keyed by the run seed; the string salt keeps it from ever
 # coinciding with the held-out stream even when a user passes the held-out seed as the run seed.
