@@ -79,7 +79,8 @@ def test_license_and_citation_files_exist() -> None:
 # ---------------------------------------------------------------------------------------- the documentation's map
 
 DOCS = sorted((ROOT / "docs" / "source").rglob("*.md"))
-MAPS = [ROOT / "README.md", *DOCS, ROOT / "benchmarks" / "README.md"]  # the hand-written documents
+# the hand-written documents; benchmarks/README.md is checked by benchmarks/tests/test_benchmarks_readme.py
+MAPS = [ROOT / "README.md", *DOCS]
 
 
 def _package_modules() -> list[str]:
@@ -198,24 +199,6 @@ def test_no_tracker_issue_numbers() -> None:
     assert not found, found
 
 
-def test_every_benchmark_script_is_in_the_benchmarks_readme() -> None:
-    """benchmarks/README.md's table names every module of the dfpo_bench package (what it measures, the machine, the
-    results; paths relative to benchmarks/dfpo_bench/), and says how to run each one."""
-    readme = (ROOT / "benchmarks" / "README.md").read_text()
-    table = {m.group(1) for m in re.finditer(r"^\| `([\w/]+\.py)` \|", readme, flags=re.MULTILINE)}
-    package = ROOT / "benchmarks" / "dfpo_bench"
-    scripts = {str(p.relative_to(package)) for p in package.rglob("*.py") if p.name != "__init__.py"}
-    assert scripts <= table, f"add to benchmarks/README.md's table: {sorted(scripts - table)}"
-    # imported, not run: the table says "a helper" or "nothing" (a section that report.py writes)
-    helpers = {m.group(1) for m in re.finditer(r"^\| `([\w/]+\.py)` \| (?:a helper|nothing):", readme,
-                                                 flags=re.MULTILINE)}
-    assert {"lib/common.py", "reports/report_long_run.py", "reports/report_launch_shape.py"} <= helpers
-    launched = set(re.findall(r"(?:python|\.yaml|accelerate launch|torchrun) benchmarks/dfpo_bench/([\w/]+\.py)\b",
-                              readme))
-    launched |= {m.replace(".", "/") + ".py" for m in re.findall(r"python -m dfpo_bench\.([\w.]+)", readme)}
-    assert not scripts - helpers - launched, f"no command in benchmarks/README.md for {scripts - helpers - launched}"
-
-
 def test_ci_tests_the_lower_bounds_pyproject_declares() -> None:
     """.ci/run's second venv pins .ci/lower-bounds.txt: each pin is the lower bound pyproject.toml declares for that
     library (a bound raised in one place only would again declare versions no test ran), and .ci/run uses it."""
@@ -235,21 +218,22 @@ def test_ci_tests_the_lower_bounds_pyproject_declares() -> None:
     assert "-c .ci/lower-bounds.txt" in (ROOT / ".ci" / "run").read_text()
 
 
-# Retired scripts (benchmarks/README.md says at which commit each was last): named as history, e.g. a commit's files;
-# and bit_identity.py's place before the benchmarks became a package, which a "before" checkout still runs.
-RETIRED = {"benchmarks/study_v2.py", "benchmarks/study_v2.sh", "benchmarks/bit_identity.py"}
+# A path in a restore command of an archived study (``git checkout <commit> -- benchmarks/...``, ``git show
+# <commit>:benchmarks/...``) names history: the file is at that commit, not in this checkout.
+HISTORY = re.compile(r"git (?:checkout|show) [0-9a-f]{7,40}\b")
 
 
 def test_benchmark_scripts_named_anywhere_exist() -> None:
     """Every ``benchmarks/<path>.py`` or ``.sh`` named in the documents, recipes, tests and the benchmark scripts
-    exists, so moving a script cannot leave a command that leads nowhere (``REV:benchmarks/x.py``, a retired
-    script's path in ``git show``, excepted)."""
-    texts = [*MAPS, *(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "tests").rglob("*.py"),
-             *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.sh"),
-             *(ROOT / "benchmarks" / "results").rglob("*.md")]
+    exists, so moving a script cannot leave a command that leads nowhere (a path in a line that restores it from a
+    commit excepted)."""
+    bench = ROOT / "benchmarks"
+    texts = [*MAPS, bench / "README.md", *(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "tests").rglob("*.py"),
+             *bench.rglob("*.py"), *bench.rglob("*.sh"), *(bench / "results").rglob("*.md")]
     stale = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in texts
-             for m in re.finditer(r"(?<![:\w/])benchmarks/[\w/]+\.(?:py|sh)\b", path.read_text())
-             if not (ROOT / m.group(0)).exists() and m.group(0) not in RETIRED]
+             for line in path.read_text().splitlines() if not HISTORY.search(line)
+             for m in re.finditer(r"(?<![:\w/])benchmarks/[\w/]+\.(?:py|sh)\b", line)
+             if not (ROOT / m.group(0)).exists()]
     assert not stale, stale
 
 

@@ -2,6 +2,7 @@
 
     python -m dfpo_bench.bit_identity --out /tmp/after.json                 # this checkout
     python -m dfpo_bench.bit_identity --compare /tmp/before.json /tmp/after.json
+    python -m dfpo_bench.bit_identity --check benchmarks/results/bit_identity.json   # rerun a file's configs, compare
 
 Each configuration trains the tiny random Llama of ``dfpo_trl.testing`` with ``DFPOTrainer.train()`` for ``--steps``
 optimizer steps (seed 0, float32, one process, transformers' generate, two micro-steps per optimizer step and a
@@ -104,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    p.add_argument("--check", metavar="FILE", help="rerun FILE's configurations and steps here and compare")
     args = p.parse_args(argv)
+    if args.check:
+        before = json.loads(pathlib.Path(args.check).read_text())
+        args.steps, args.configs = before["steps"], list(before["runs"])
     if args.compare:
         before, after = (json.loads(pathlib.Path(f).read_text()) for f in args.compare)
         same = compare(before, after)
@@ -113,15 +118,28 @@ def main(argv: list[str] | None = None) -> int:
     import platform
     import subprocess
 
+    import torch
+    import transformers
+    import trl
+
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    result = {"commit": commit, "machine": platform.processor() or platform.machine(), "steps": args.steps,
-              "shared": SHARED, "configs": {n: CONFIGS[n] for n in args.configs}, "runs": {}}
+    # a fingerprint holds on one machine and one set of versions only: they are recorded beside it
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}
+    result = {"commit": commit, "machine": platform.processor() or platform.machine(), "versions": versions,
+              "steps": args.steps, "shared": SHARED, "configs": {n: CONFIGS[n] for n in args.configs}, "runs": {}}
     for name in args.configs:
         result["runs"][name] = fingerprint(name, args.steps)
         print(f"{name:30s} {result['runs'][name]['params_sha256'][:16]} finite {result['runs'][name]['finite']}",
               flush=True)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.check:
+        if (before.get("versions"), before["machine"]) != (versions, result["machine"]):
+            print(f"note: {args.check} was made with {before.get('versions')} on {before['machine']}; a fingerprint "
+                  "holds on the same machine and versions only")
+        same = compare(before, result)
+        print("bit-identical" if same else "NOT bit-identical")
+        return 0 if same else 1
     return 0
 
 

@@ -1,16 +1,15 @@
 """dfpo_bench.lib.provenance: a run's record names the code that ran (commit, dirty flag, source hash), read from the
-checkout the run starts in, and the launcher (common.finish) puts it in every record."""
+checkout the run starts in (sync_fault.py and the trained-weights jobs record it)."""
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import shutil
 import subprocess
 
 import pytest
 
-from dfpo_bench.lib import common, provenance  # noqa: E402
+from dfpo_bench.lib import provenance
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
@@ -41,16 +40,3 @@ def test_without_git_the_commit_is_unknown_but_the_sources_are_hashed(tmp_path: 
     (tmp_path / "benchmarks" / "job.py").write_text("print(1)\n")
     state = provenance.checkout_state(tmp_path)
     assert state["commit"] is None and state["dirty"] is None and len(state["source_sha256"]) == 64
-
-
-def test_every_launcher_record_carries_the_checkout_read_at_start(tmp_path: pathlib.Path) -> None:
-    run = common.Run("two_forms", "gspo", 3, ["--seed", "3"])
-    run.log = tmp_path / "run.log"
-    run.log.write_text("Traceback: CUDA out of memory\n")
-    run.checkout = provenance.checkout_state(common.ROOT)
-    run.started = 0.0
-    args = argparse.Namespace(out_dir=str(tmp_path), card="cpu", versions={}, recipe=str(common.RECIPE), steps=2,
-                              extra=[])
-    record = common.finish(run, args, 1)
-    assert record["checkout"] == run.checkout and record["checkout"]["source_sha256"]
-    assert record["complete"] is False and "out of memory" in record["log_tail"]

@@ -1,5 +1,5 @@
 """The trained-weights kit's meters (dfpo_bench.trained): the rebuilt vLLM support whose mass K explains TRL's
-importance-sampling ratio under truncated sampling, the per-mode row factors, and the offline task."""
+importance-sampling ratio under truncated sampling, the per-mode row factors, and the 8B cards' verdicts."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from dfpo_bench.trained.is_ratio import rebuild_support_log_mass, row_factors, slope_per_token
 
-from dfpo_bench.trained.is_ratio import rebuild_support_log_mass, row_factors, slope_per_token  # noqa: E402
-from dfpo_bench.trained.tasks import TwoStepTask  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def brute_force_kept_mass(probs: list[float], top_p: float, top_k: int) -> float:
@@ -72,39 +71,6 @@ def test_slope_recovers_an_exponential_in_length():
     assert slope_per_token(lengths, [1.0, 1.0, 1.0]) == 0.0
 
 
-def test_two_step_task_answers_and_splits():
-    task = TwoStepTask()
-    train, held = task.build_dataset("train", 50, seed=1), task.build_dataset("test", 8, seed=1)
-    assert held["answer"] == task.build_dataset("test", 8, seed=99)["answer"]  # the held-out set ignores the seed
-    assert train["answer"] != task.build_dataset("train", 50, seed=2)["answer"]
-    for row in train:
-        text = row["prompt"][0]["content"]
-        a, b, c = (int(x) for x in text.split("Compute ")[1].split(".")[0].replace("×", "+").split("+"))
-        assert row["answer"] == a * b + c and 10 <= a <= 99 and 10 <= b <= 99 and 100 <= c <= 999
-    reward = task.reward_funcs[0]
-    scores = reward(prompts=[None] * 2, completions=[f"so Answer: {held['answer'][0]}", "Answer: 0"],
-                    answer=[held["answer"][0]] * 2)
-    assert scores == [1.0, 0.0]
-
-
-def test_learning_queue_orders_arms_and_contrasts():
-    """Each contrast overrides the runs' IS fields (its flags come last) and the IS contrast runs beside seed 0's
-    Min-Replace run; an unknown contrast is refused by the parser."""
-    import argparse
-
-    from dfpo_bench.trained import learn
-
-    args = argparse.Namespace(seeds=[0, 1], arms=["off", "min_replace"], contrasts=["transformers_eval",
-                              "min_replace_is_on"], is_flags="--vllm_importance_sampling_correction false")
-    queue = learn.build_queue(args)
-    assert [(r.method, r.seed) for r in queue] == [("off", 0), ("min_replace", 0), ("min_replace_is_on", 0),
-                                                   ("off", 1), ("min_replace", 1), ("transformers_eval", 0)]
-    is_on = queue[2].flags
-    assert is_on[is_on.index("--vllm_importance_sampling_correction", 2) + 1] == "true"  # the last one wins
-    assert queue[1].flags[-1] == "false"
-    assert queue[-1].flags[queue[-1].flags.index("--use_vllm") + 1] == "false"
-
-
 def test_cards_decide_only_what_the_uncapped_run_settles():
     """Below peak allocated + overhead: cannot fit; at or above peak reserved + overhead: fits; between: a capped
     run is needed (stage 2), and a crashed or CPU run decides nothing."""
@@ -148,60 +114,3 @@ def test_cards_table_reads_capped_runs_variants_and_sleep_mode_overhead(tmp_path
     sleep = rows["vllm_b8_sleep"]
     assert sleep["overhead_gib"] == 0.9 and sleep["cards"][1]["fits"] is False  # 39.3 + 0.9 > 40
     assert all(c["how"] == "crashed" and c["fits"] is None for c in rows["vllm_b8_engine20"]["cards"])
-
-
-def test_report_length_correlation_and_paired_time_ratios():
-    """The report's run-level numbers: a gradient that falls as exp(-c·length) correlates −1 in logs; steps with a
-    zero gradient (no signal) are left out; the time ratio pairs the arms by seed, complete runs only."""
-    from dfpo_bench.reports.report_trained import length_correlation, paired_time_ratios
-
-    lengths = [[s, 50.0 * s] for s in range(1, 6)]
-    run = {"series": {"completions/mean_length": lengths,
-                      "grad_norm": [[s, math.exp(-0.01 * 50.0 * s) if s != 3 else 0.0] for s in range(1, 6)]}}
-    # log g = −0.5 s is linear in s, not in log length: the correlation is negative and not exactly −1
-    value = length_correlation(run, "grad_norm")
-    assert -1.0 < value < -0.9
-    run["series"]["grad_norm"] = [[s, (50.0 * s) ** -2] for s in range(1, 6)]
-    assert abs(length_correlation(run, "grad_norm") + 1.0) < 1e-12
-    timing = {"step_time": [[1, 2.0], [2, 4.0]]}
-    runs = [{"method": "off", "seed": 0, "complete": True, "series": timing},
-            {"method": "min_replace", "seed": 0, "complete": True, "series": {"step_time": [[1, 3.0], [2, 3.0]]}},
-            {"method": "min_replace", "seed": 1, "complete": True, "series": timing},
-            {"method": "off", "seed": 1, "complete": False, "series": timing}]
-    assert paired_time_ratios(runs) == [(0, 1.0)]
-
-
-def test_trend_adjusted_ratio_recovers_an_effect_under_a_drifting_load():
-    """Times that fall 2% per run with the treated runs 5% slower: the fit returns 1.05 exactly and an interval of
-    zero width (no noise); a paired ratio of neighbours would be biased by the drift. One arm alone: no answer."""
-    from dfpo_bench.reports.report_trained import trend_adjusted_ratio
-
-    treated = [False, False, True, False, True, True, False, False, True, False]
-    sequence = [(t, 80.0 * 0.98**i * (1.05 if t else 1.0)) for i, t in enumerate(treated)]
-    ratio, low, high = trend_adjusted_ratio(sequence)
-    assert abs(ratio - 1.05) < 1e-12 and abs(high - low) < 1e-9
-    noisy = [(t, s * (1.0 + 0.01 * (-1) ** i)) for i, (t, s) in enumerate(sequence)]
-    ratio, low, high = trend_adjusted_ratio(noisy)
-    assert low < ratio < high and low < 1.05 < high
-    assert trend_adjusted_ratio([(False, 1.0)] * 6) is None
-
-
-def test_gain_comparison_pairs_by_seed_and_states_what_it_could_detect():
-    """Min-Replace's gain minus DFPO off's, per seed with both arms; the interval and the MDE by hand (t with 2 df)."""
-    from dfpo_bench.lib.stats import t_ppf, t_quantile
-    from dfpo_bench.reports.report_trained import gain_comparison
-
-    def run(method: str, seed: int, before: float, after: float) -> dict:
-        return {"method": method, "seed": seed, "heldout": {"before": before, "after": after}}
-
-    done = [run("off", 0, 0.2, 0.3), run("min_replace", 0, 0.2, 0.5), run("off", 1, 0.1, 0.5),
-            run("min_replace", 1, 0.1, 0.4), run("off", 2, 0.3, 0.4), run("min_replace", 2, 0.3, 0.6),
-            run("min_replace", 3, 0.0, 0.9)]  # seed 3 has no DFPO-off run: left out
-    diffs = [0.2, -0.1, 0.2]
-    mean = sum(diffs) / 3
-    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 2 / 3)
-    (line,) = gain_comparison(done)
-    assert "s0: +0.200, s1: -0.100, s2: +0.200" in line and f"mean {mean:+.3f}" in line
-    assert f"{mean - t_quantile(2) * se:+.3f} to {mean + t_quantile(2) * se:+.3f} over 3 seeds" in line
-    assert f"below {(t_ppf(0.975, 2) + t_ppf(0.8, 2)) * se:.2f} in avg@k" in line
-    assert gain_comparison(done[:2]) == []  # one seed: no interval

@@ -1,13 +1,7 @@
-"""At the users' size on one GPU: whole-loop cost, time split, memory and φ against TRL's GRPOTrainer, colocated vLLM.
-
-    # the LoRA recipe on Qwen3-8B's architecture (random init, built on the GPU and saved for vLLM on first use)
-    python -m dfpo_bench.cost.users_size --shape qwen3-8b --lora --methods trl dfpo_off min_replace \\
-        --vllm-memory 0.3 --budget-s 480 --out $OUT/users_size_8b_lora.json
-    # a full fine-tune of Qwen3-1.7B's architecture: every transform and the gradient target, and the pre-pass
-    # layout (per-device batch 4 < G = 8) with DFPO's group order and with TRL's per-sample order
-    python -m dfpo_bench.cost.users_size --shape qwen3-1.7b --methods all --budget-s 480 --out $OUT/users_size_1p7b.json
-    # CPU smoke test (no vLLM, tiny random Qwen3)
-    python -m dfpo_bench.cost.users_size --shape tiny --no-vllm --methods trl min_replace --rounds 1 --out /tmp/u.json
+"""The runner of ``trained/cards_8b.py``: one model and one vLLM engine per process, many short runs of one method
+from the same initial weights at the users' size (Qwen3-8B's architecture, random init, built on the GPU and saved for
+vLLM on first use). The users'-size study that it ran first (every method against TRL's GRPOTrainer in interleaved
+rounds) is archived with its records: docs/source/research.md, "The users' size".
 
 A random-init model answers nothing right, so the reward is ``id_parity`` (1 when the completion's token ids sum
 to an odd number): every group gets both advantage signs and the transforms act. The tokenizer is SmolLM2's (the
@@ -17,31 +11,19 @@ have Qwen3's real size and every sampled id decodes. The batch, lengths, LoRA an
 optimizer steps per rollout, the second off-policy; completions of up to 768 tokens; gradient checkpointing; bf16);
 the prompts are the arithmetic task's (about 40 tokens, shorter than GSM8K's).
 
-Design: ONE model and ONE vLLM engine per process (TRL's ``vllm.LLM`` returns the first engine for every later
-trainer; each run pushes its own initial weights into it before training). A run is one method trained from the
-same initial weights (LoRA: a fresh adapter, seeded; full: the initial weights restored) for ``--rollouts``
-rollouts; a round runs every method once, in a shuffled order; a warm-up run precedes round 0. Per optimizer step
-(CUDA synchronised): its wall time, the time in TRL's ``_generate_and_score_completions`` (the rollout), in vLLM's
-``generate`` and in the weight sync; the loss steps are the rest. The ratio to the baseline is taken within a
-round (same GPU, seconds apart) on the run's total time, on its loss-step time and on its generation alone
-(vLLM's ``generate``, or with ``--no-vllm`` TRL's one-turn generation through transformers' ``generate``); the summary
-gives each ratio's median over rounds with a percentile-bootstrap 95% interval over rounds. ``--cap-gib`` caps
-PyTorch's allocator (``torch.cuda.set_per_process_memory_fraction``), a smaller card on a larger GPU.
-Peak memory is torch's ``max_memory_allocated`` over the run (the engine's weights and KV cache included: vLLM
-allocates through torch in this process) and the engine's own allocation measured when it was built. The JSON is
-rewritten after every run, so a job cut by its time limit keeps every finished run.
+ONE model and ONE vLLM engine per process (TRL's ``vllm.LLM`` returns the first engine for every later trainer; each
+run pushes its own initial weights into it before training). Per optimizer step (CUDA synchronised): its wall time,
+the time in TRL's ``_generate_and_score_completions`` (the rollout), in vLLM's ``generate`` and in the weight sync;
+the loss steps are the rest. Peak memory is torch's ``max_memory_allocated`` over the run (the engine's weights and
+KV cache included: vLLM allocates through torch in this process) and the engine's own allocation measured when it
+was built.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import pathlib
-import random
-import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -53,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 import torch  # noqa: E402
 
-from dfpo_bench.lib import common, provenance, stats, trainers  # noqa: E402
+from dfpo_bench.lib import trainers  # noqa: E402
 from dfpo_bench.lib.timing import StepClock, synchronize  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "qwen3_8b_lora.yaml"
@@ -265,130 +247,3 @@ class Runner:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return record
-
-
-# --------------------------------------------------------------------------------------------- summaries
-def summarise(rounds: list[dict[str, dict[str, Any]]], methods: list[str]) -> dict[str, Any]:
-    """Per method: median over rounds of the ratio to its baseline (total and loss steps), bootstrap intervals."""
-    out: dict[str, Any] = {}
-    for method in methods:
-        base = METHODS[method][2]
-        complete = [r for r in rounds if method in r and base in r and not r[method]["crash"] and not r[base]["crash"]]
-        entry: dict[str, Any] = {"baseline": base, "rounds": len(complete),
-                                 "crashes": sum(1 for r in rounds if method in r and r[method]["crash"])}
-        runs = [r[method] for r in complete]
-        if runs:
-            entry["median_total_s"] = statistics.median(r["total_s"] for r in runs)
-            entry["median_loss_steps_s"] = statistics.median(r["loss_steps_s"] for r in runs)
-            for part in ("rollout_s", "generation_s", "weight_sync_s"):
-                entry[f"median_{part}"] = statistics.median(common.part_seconds(r, part) for r in runs)
-            entry["peak_allocated_gib"] = max((r.get("peak_allocated_gib") or 0.0) for r in runs)
-            phi = [v for r in runs for v in r["transform/phi_mean"]]
-            entry["phi_mean"] = statistics.fmean(phi) if phi else None
-            entry["pre_pass_rows_per_run"] = statistics.median(r["pre_pass_rows"] for r in runs)
-        if method != base and complete:
-            for key in ("total_s", "loss_steps_s"):
-                ratios = [r[method][key] / r[base][key] for r in complete]
-                entry[f"{key}_ratio"] = {"median": statistics.median(ratios),
-                                         "interval_95": stats.bootstrap_median(ratios), "values": ratios}
-            # the generation alone: vLLM's ``generate``, or TRL's one-turn generation with transformers
-            generated = [(common.part_seconds(r[method], "generation_s"), common.part_seconds(r[base], "generation_s"))
-                         for r in complete]
-            if all(a > 0 and b > 0 for a, b in generated):  # the same work in both
-                ratios = [a / b for a, b in generated]
-                entry["generation_s_ratio"] = {"median": statistics.median(ratios),
-                                               "interval_95": stats.bootstrap_median(ratios), "values": ratios}
-        out[method] = entry
-    return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=list(SHAPES), default="qwen3-1.7b")
-    p.add_argument("--model-dir", help="where the random-init model is (built there if absent); "
-                                       "default /root/models/random-<shape> or a temp dir on CPU")
-    p.add_argument("--tokenizer", default=None, help="default: the GPU kit's SmolLM2, else the embedded one")
-    p.add_argument("--lora", action="store_true", help="the recipe's LoRA (r 32 on every linear layer)")
-    p.add_argument("--methods", nargs="+", default=["trl", "dfpo_off", "min_replace"])
-    p.add_argument("--rounds", type=int, default=100, help="at most this many rounds (--budget-s ends them first)")
-    p.add_argument("--budget-s", type=float, default=480.0, help="start no round that would end after this")
-    p.add_argument("--rollouts", type=int, default=1, help="rollouts per run (2 optimizer steps each)")
-    p.add_argument("--completion-length", type=int, default=768)
-    p.add_argument("--max-model-length", type=int, default=2048)
-    p.add_argument("--vllm-memory", type=float, default=None,
-                   help="vllm_gpu_memory_utilization (default: --vllm-gib of the card's memory, at most 0.45)")
-    p.add_argument("--vllm-gib", type=float, default=32.0)
-    p.add_argument("--no-vllm", dest="vllm", action="store_false")
-    p.add_argument("--cap-gib", type=float, default=None,
-                   help="cap PyTorch's allocator at this many GiB (a smaller card on a larger GPU)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    if args.methods == ["all"]:
-        args.methods = list(METHODS)
-    bad = [m for m in args.methods if m not in METHODS]
-    if bad:
-        p.error(f"unknown methods {bad}; choose from {list(METHODS)} or 'all'")
-    for method in list(args.methods):
-        if METHODS[method][2] not in args.methods:
-            args.methods.insert(0, METHODS[method][2])
-    common.quiet()
-    started = time.perf_counter()
-    if args.vllm_memory is None and torch.cuda.is_available():
-        total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-        args.vllm_memory = round(min(0.45, args.vllm_gib / total_gib), 3)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.cap_gib and device == "cuda":
-        total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib / total_gib), 0)
-    tokenizer = args.tokenizer or trainers.default_tokenizer_path()
-    model_dir = pathlib.Path(args.model_dir or (f"/root/models/random-{args.shape}" if device == "cuda"
-                                                else tempfile.mkdtemp(prefix="users-size-model-")))
-    result: dict[str, Any] = {"card": common.device_name(device), "versions": common.versions(),
-                              **provenance.checkout_state(ROOT),
-                              "command": "python -m dfpo_bench.cost.users_size " + " ".join(argv or sys.argv[1:]),
-                              "shape": args.shape, "lora": args.lora, "methods": args.methods,
-                              "cap_gib": args.cap_gib, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-                              "config": None, "rounds": []}
-    model = None
-    if not (model_dir / "config.json").exists():
-        model, result["model"] = build_model(args.shape, tokenizer, model_dir, device, args.seed)
-    else:
-        result["model"] = {"shape": args.shape, "path": str(model_dir), "built": "earlier"}
-    runner = Runner(args, str(model_dir), model)
-    del model
-    result["model"]["parameters"] = sum(p.numel() for p in runner.model.parameters())
-    result["config"] = {k: v for k, v in recipe_config(args).items() if k != "output_dir"}
-    if args.vllm:
-        runner.share_engine()
-    rng = random.Random(args.seed)
-    out = pathlib.Path(args.out)
-    warm = runner.run(args.methods[0])
-    result["warm_up"] = warm
-    result["engine"] = {k: v for k, v in runner.engine.items() if k != "llm"}
-    common.write_json(out, result)
-    round_s = warm["run_s"] * len(args.methods) * 1.15
-    for index in range(args.rounds):
-        if time.perf_counter() - started + round_s > args.budget_s:
-            break
-        order = list(args.methods)
-        rng.shuffle(order)
-        begun = time.perf_counter()
-        runs: dict[str, Any] = {}
-        for method in order:
-            runs[method] = runner.run(method)
-            result["rounds"] = [*result["rounds"][:index], {"order": order, "runs": runs}]
-            common.write_json(out, result)
-        round_s = max(round_s, time.perf_counter() - begun)
-        print(f"round {index}: " + ", ".join(f"{m} {runs[m]['total_s']:.2f}s" for m in order), flush=True)
-    result["summary"] = summarise([r["runs"] for r in result["rounds"]], args.methods)
-    result["wall_s"] = time.perf_counter() - started
-    common.write_json(out, result)
-    print(json.dumps({m: {k: v for k, v in s.items() if not isinstance(v, dict)} | {
-        k: [round(v["median"], 4), [round(x, 4) for x in v["interval_95"]]] for k, v in s.items()
-        if isinstance(v, dict)} for m, s in result["summary"].items()}, indent=1))
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()

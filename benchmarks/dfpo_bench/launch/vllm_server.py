@@ -20,7 +20,7 @@ device, so the server and the trainer need a GPU each. The script:
    ``/health``;
 3. runs the recipe with ``dfpo_trl``'s own ``run`` on GPU 0, counting and timing TRL's weight syncs; then the same
    recipe with DFPO off and with TRL's ``GRPOTrainer`` (per-step rewards and losses side by side);
-4. checks the weight transfer: each run ends with one more weight push (``final_sync.py``: TRL pushes at the start
+4. checks the weight transfer: each run ends with one more weight push (``vllm_tools.install``: TRL pushes at the start
    of each rollout, so the server otherwise holds the weights of the last rollout's start, not the final ones);
    then the server's log-probabilities of a fixed completion (``/v1/completions`` with ``echo``) equal the trained
    model's, computed by transformers on GPU 0 (within bf16 rounding), and differ from the initial model's; the

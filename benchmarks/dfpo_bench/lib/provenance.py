@@ -1,9 +1,9 @@
 """What code a benchmark run ran: the checkout's commit, whether it had uncommitted changes, and a hash of the
 package's and the benchmarks' sources, read when the run starts from the directory the run starts in.
 
-Study v2's stage files recorded ``git rev-parse HEAD`` once per launch, from a checkout that held uncommitted
-changes, so its records name a commit older than the code that ran (RESULTS §11). A record that carries this
-state names its code, or says that it cannot (dirty, or no git).
+A record that names only ``git rev-parse HEAD`` can name a commit older than the code that ran (a checkout with
+uncommitted changes, as an archived study's were); one that carries this state names its code, or says that it
+cannot (dirty, or no git).
 """
 
 from __future__ import annotations

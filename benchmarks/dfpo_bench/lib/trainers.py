@@ -84,13 +84,6 @@ METHODS: dict[str, Method] = {
     ]
 }
 
-# The cancellation study (docs/source/concepts/cancellation.md): the gradient-target variants against GSPO, Min-Replace
-# on the weights and the score form.
-CANCELLATION_METHODS = [
-    "gspo", "min_replace", "min_replace_grad", "positive_orth_proj_grad", "min_replace_grad_zero", "none_score",
-]
-
-
 def label(method: str) -> str:
     """A method's name in tables and figures (its own name when it is not in the table)."""
     return METHODS[method].label if method in METHODS else method
@@ -99,11 +92,6 @@ def label(method: str) -> str:
 def delta_available() -> bool:
     """DelTA is benchmarked only when this dfpo_trl has the ``token_weighting`` config field."""
     return "token_weighting" in DFPOConfig.__dataclass_fields__
-
-
-def gradient_target_available() -> bool:
-    """The gradient-target methods run only when this dfpo_trl has ``DFPOConfig.cancellation_target``."""
-    return "cancellation_target" in DFPOConfig.__dataclass_fields__
 
 
 def missing_config_fields(name: str) -> list[str]:
@@ -119,14 +107,6 @@ def _with_delta(names: list[str]) -> list[str]:
 OVERHEAD_METHODS = _with_delta(
     ["gspo", "grpo", "min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance", "grpo_fix", "delta"]
 )
-LEARNING_METHODS = _with_delta(
-    [
-        "grpo", "gspo", "min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance", "grpo_fix",
-        "delta", "min_replace_score", "none_score",
-    ]
-)
-
-
 def check_methods(names: list[str], allow_missing: bool = False) -> list[str]:
     """Refuse unknown names, and methods whose config fields this dfpo_trl lacks (DelTA, the gradient-exact
     cancellation's ``cancellation_*``), with the fix. ``allow_missing``: run the latter without those fields (smoke

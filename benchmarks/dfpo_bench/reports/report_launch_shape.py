@@ -1,6 +1,6 @@
-"""RESULTS.md section for the launch-shape runs (``benchmarks/dfpo_bench/launch/launch_shape.sh``): FSDP2 parity,
-server mode, the TP 2 + ZeRO-3 shape and the whole-loop cost with vLLM. Called by ``dfpo_bench.reports.report``;
-every number is read from the JSON files."""
+"""RESULTS.md section for the launch runs: FSDP2 parity (``launch/fsdp2_parity.py``), server mode
+(``launch/vllm_server.py``) and the whole-loop cost with colocated vLLM (``cost/loop_cost.py``). Called by
+``dfpo_bench.reports.report``; every number is read from the JSON files."""
 
 from __future__ import annotations
 
@@ -68,13 +68,12 @@ def plot_loop_cost(loop: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Pat
 
 
 def launch_shape_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
-    parity, shape = load_json(results / "fsdp2_parity.json"), load_json(results / "paper_shape.json")
+    parity, cli = load_json(results / "fsdp2_parity.json"), load_json(results / "fsdp2_cli_summary.json")
     server, three = load_json(results / "vllm_server.json"), load_json(results / "vllm_server_three_runs.json")
-    loop, first = load_json(results / "loop_cost.json"), load_json(results / "paper_shape_first_run.json")
-    cli = load_json(results / "fsdp2_cli_summary.json")
-    if not any((parity, shape, server, loop)):
+    loop = load_json(results / "loop_cost.json")
+    if not any((parity, server, loop)):
         return []
-    lines = [f"## {number}. The launch shape on 4 GPUs (`benchmarks/dfpo_bench/launch/launch_shape.sh`)", ""]
+    lines = [f"## {number}. FSDP2, vLLM server mode and the whole loop with vLLM", ""]
     if parity:
         lines += [
             f"**FSDP2 against one process** (`fsdp2_parity.py`, {parity['card']}, {parity['processes']} processes, "
@@ -109,7 +108,7 @@ def launch_shape_section(results: pathlib.Path, fig_dir: pathlib.Path, out: path
         lines += [
             f"**Server mode, 2 GPUs** (`vllm_server.py --runs dfpo --enforce-eager`, {server['cards'][0]}; server on "
             f"GPU 1, trainer on GPU 0): {run['steps']} steps of {run['method']}, {run['weight_syncs']} weight pushes "
-            f"({run['final_syncs']} of them after the last step, `final_sync.py`), held-out "
+            f"({run['final_syncs']} of them after the last step), held-out "
             f"{run['heldout']['before']} → {run['heldout']['after']}. Weight-sync check "
             f"**{str(server['weight_sync_check']).lower()}**: over {w['tokens']} tokens the server differs from the "
             f"trained model by at most {w['max_abs_diff_server_vs_trained']:.3f} nats (mean "
@@ -145,31 +144,6 @@ def launch_shape_section(results: pathlib.Path, fig_dir: pathlib.Path, out: path
             "initial model), replaced by the bound above.",
             "",
         ]
-    if shape:
-        w = shape.get("weight_sync_numbers") or {}
-        lines += [
-            f"**The paper's shape in miniature** (`paper_shape.py`, 4 × {shape['cards'][0]}): a random-init "
-            f"{shape['model']['architecture']} ({shape['model']['parameters'] / 1e6:.1f}M parameters, "
-            f"{shape['model']['heads']} heads, {shape['model']['kv_heads']} key-value heads) served with tensor "
-            f"parallelism 2 on GPUs 2 and 3 (start-up {shape['server_startup_s']} s, eager), trained under ZeRO-3 on "
-            f"GPUs 0 and 1 by `accelerate launch` ({shape.get('steps')} steps of {shape.get('method')}, "
-            f"{shape['train_wall_s']} s); {shape['weight_updates_logged_by_server']} weight updates reached the "
-            f"server. Weight-sync check after ZeRO-3's gather: **{str(shape.get('weight_sync_check')).lower()}** "
-            f"(server vs trained {w.get('max_abs_diff_server_vs_trained', float('nan')):.4f} nats at most, vs initial "
-            f"{w.get('max_abs_diff_server_vs_initial', float('nan')):.3f}; bound {w.get('bound', float('nan')):.3f}). "
-            f"Commands: `{shape['commands']['server']}` and `{shape['commands']['trainer']}`.",
-            "",
-        ]
-        if first:
-            row = (first.get("per_step") or [{}])[0]
-            lines += [
-                f"Its first run trained nothing (`grad_norm` {row.get('grad_norm')} at every step): with the "
-                "paper recipe's top-k 20 and top-p 0.95, vLLM's processed log-probabilities of a random model's "
-                "near-uniform distribution are log(vocab/20) nats above the trainer's, so TRL's importance-sampling "
-                "correction masked every completion; the rerun lifts top-k/top-p (a trained model's peaked "
-                "distribution is not affected this way).",
-                "",
-            ]
     if loop and loop.get("summary"):
         s = loop["summary"]
         figure = plot_loop_cost(loop, fig_dir, out)
