@@ -1,6 +1,6 @@
-"""The structure figures the README states: how much of the repository is the product, and how
-deep one Min-Replace micro-step runs from TRL's ``compute_loss``. Measured, not estimated, so that the README's
-sentences can be re-checked with one command::
+"""The repository's figures the docs state (docs/source/concepts/architecture.md): how much of it is the product, how
+many bytes git tracks, and how long the README is. Measured, not estimated, so that the sentences can be re-checked
+with one command::
 
     python -m dfpo_bench.structure_figures [--root DIR] [--out PATH]
 
@@ -25,29 +25,19 @@ It prints one JSON object (and writes it to ``--out``). CPU only, a few seconds.
 - *Figures*: the product's share of all hand-written lines, and, for ``.py`` files only, the lines of ``tests/`` and
   ``benchmarks/`` together divided by the lines of ``dfpo_trl/``.
 
-**2. The hops of one Min-Replace micro-step.** A tiny trainer (``dfpo_trl.testing.tiny_trainer``, the GSPO setting
-of the benchmarks' Min-Replace method, ``steps_per_generation=2`` so that the weights are off-policy and the transform
-acts) trains one step under ``sys.setprofile``. The first time a function whose code is named ``min_replace`` and
-whose file lies under the ``dfpo_trl`` package folder (found from ``dfpo_trl.__file__``: no internal module is
-imported) is called below a frame of a function named ``compute_loss``, the Python stack from the nearest such frame
-down to it is the path. Its hops are its call edges (``compute_loss -> a`` is one hop, ``... -> min_replace`` the
-last); the report lists the (module, function) of every frame and the distinct modules entered, those of the
-package and the others (TRL, ...). It fails loudly when ``min_replace`` is never reached.
+**2. The tracked size.** The bytes of every tracked file present in the work tree (what ``git ls-files -z | xargs -0
+du -cb`` sums; a symbolic link counts its own size), and **3. the README's length**: the physical lines of
+``README.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import subprocess
-import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from types import FrameType
 from typing import Any
 
 #: Suffixes of the hand-written text kinds (notebooks and extensionless ``#!`` scripts count too, see above).
@@ -66,19 +56,6 @@ DEFINITION = (
     + " ".join(sorted(TEXT_SUFFIXES))
     + ", extensionless '#!' scripts, and .ipynb counted by its cells' source lines only); every physical line counts"
 )
-
-# The setting of the traced step: the benchmarks' Min-Replace method (GSPO, eps 3e-4/4e-4) on the tiny trainer, off
-# policy (two optimizer steps per generation) so that the transform is not the identity, one optimizer step.
-MIN_REPLACE_SETTING: dict[str, Any] = dict(
-    importance_sampling_level="sequence",
-    loss_type="grpo",
-    epsilon=3e-4,
-    epsilon_high=4e-4,
-    group_transform="min_replace",
-    steps_per_generation=2,
-    max_steps=1,
-)
-
 
 # ------------------------------------------------------------------------------------------ hand-written lines
 class NotAGitCheckout(RuntimeError):
@@ -256,145 +233,31 @@ def _head(top: Path) -> str:
         return ""
 
 
-# ------------------------------------------------------------------------------------ the Min-Replace call path
-class TargetNotReached(RuntimeError):
-    """The traced run never called the target function of the package below the start function."""
-
-
-@dataclass(frozen=True)
-class Frame:
-    """One frame of the path: its module (the frame's ``__name__``), function and whether it is the package's."""
-
-    module: str
-    function: str
-    in_package: bool
-
-
-@dataclass
-class CallPath:
-    """The frames from the nearest ``start`` function down to the target, in call order."""
-
-    frames: list[Frame]
-    package_dir: str
-
-    @property
-    def hops(self) -> int:
-        """Call edges from the start frame to the target: one fewer than the frames."""
-        return len(self.frames) - 1
-
-    @property
-    def package_modules(self) -> list[str]:
-        """The distinct modules of the package the path enters, in order of first entry."""
-        return list(dict.fromkeys(f.module for f in self.frames if f.in_package))
-
-    @property
-    def other_modules(self) -> list[str]:
-        """The distinct modules outside the package on the path (TRL's, ...), in order of first entry."""
-        return list(dict.fromkeys(f.module for f in self.frames if not f.in_package))
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "hops": self.hops,
-            "path": [[f.module, f.function] for f in self.frames],
-            "package_dir": self.package_dir,
-            "package_modules": self.package_modules,
-            "other_modules": self.other_modules,
-            "other_packages": list(dict.fromkeys(m.split(".")[0] for m in self.other_modules)),
-        }
-
-
-def _under(filename: str, package_dir: Path, cache: dict[str, bool]) -> bool:
-    """Whether a code object's file lies in the package folder (cached: the profiler sees many calls)."""
-    if filename not in cache:
-        try:
-            cache[filename] = Path(filename).resolve().is_relative_to(package_dir)
-        except (OSError, ValueError):  # "<string>" and the like
-            cache[filename] = False
-    return cache[filename]
-
-
-def _path_from(frame: FrameType, start: str, package_dir: Path, cache: dict[str, bool]) -> list[Frame] | None:
-    """The frames from the nearest enclosing ``start`` function down to ``frame``, or None when none encloses it."""
-    stack: list[Frame] = []
-    current: FrameType | None = frame
-    while current is not None:
-        code = current.f_code
-        module = str(current.f_globals.get("__name__", "?"))
-        stack.append(Frame(module, code.co_name, _under(code.co_filename, package_dir, cache)))
-        if code.co_name == start and current is not frame:
-            return stack[::-1]
-        current = current.f_back
-    return None
-
-
-def trace_call_path(
-    run: Callable[[], Any], package_dir: Path | str, target: str = "min_replace", start: str = "compute_loss"
-) -> CallPath:
-    """Run ``run()`` under ``sys.setprofile`` (this thread) and return the path of the first call of a function
-    named ``target`` defined under ``package_dir`` that a ``start`` function encloses. The target is found by code
-    name and file, so that nothing internal to the package needs importing. Raises :class:`TargetNotReached` when
-    no such call happens (saying whether the target ran outside any ``start``)."""
-    package = Path(package_dir).resolve()
-    cache: dict[str, bool] = {}
-    found: list[list[Frame]] = []
-    outside = [0]  # target calls with no start frame above them
-
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call" or found or frame.f_code.co_name != target:
-            return
-        if not _under(frame.f_code.co_filename, package, cache):
-            return
-        path = _path_from(frame, start, package, cache)
-        if path is None:
-            outside[0] += 1
-        else:
-            found.append(path)
-
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
-        run()
-    finally:
-        sys.setprofile(previous)
-    if not found:
-        where = f"; it ran {outside[0]} time(s), never below a {start!r} frame" if outside[0] else ""
-        raise TargetNotReached(f"no function {target!r} defined under {package} was called{where}")
-    return CallPath(found[0], str(package))
-
-
-def min_replace_path(setting: dict[str, Any] | None = None) -> CallPath:
-    """The path of one Min-Replace micro-step from ``compute_loss`` to ``min_replace``: one optimizer step of the
-    tiny trainer in :data:`MIN_REPLACE_SETTING` (or ``setting``), on the CPU. Only public names are imported; the
-    package folder comes from ``dfpo_trl.__file__``. The trainer's printed logs are kept off stdout, which carries
-    the JSON."""
-    import dfpo_trl
-    from dfpo_trl.testing import tiny_trainer
-
-    package_dir = Path(dfpo_trl.__file__).resolve().parent
-    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
-        trainer = tiny_trainer(output_dir=out, **(MIN_REPLACE_SETTING if setting is None else setting))
-        return trace_call_path(trainer.train, package_dir)
+def tracked_bytes(root: Path) -> int:
+    """The bytes of the tracked files present in the work tree (``git ls-files -z | xargs -0 du -cb``)."""
+    top = repository_root(root)
+    paths = [top / p for p in _git(top, "ls-files", "-z").split("\0") if p]
+    return sum(p.lstat().st_size for p in paths if p.is_symlink() or p.exists())
 
 
 # ------------------------------------------------------------------------------------------------------- main
-def summary(lines: LineCount, path: CallPath) -> list[str]:
-    """The figures as the README would state them."""
+def summary(lines: LineCount, size: int, readme_lines: int | None) -> list[str]:
+    """The figures as the docs state them."""
     product, total = lines.parts[PRODUCT].lines, lines.total.lines
     return [
         f"dfpo_trl/ is {product / 1000:.1f}k of {total / 1000:.1f}k hand-written lines ({lines.product_share:.0%}); "
         f"the .py lines of tests/ and benchmarks/ are {lines.checking_over_product:.1f}x dfpo_trl/'s",
-        f"one Min-Replace micro-step runs {path.hops} hops from compute_loss to min_replace, through "
-        f"{len(path.package_modules)} dfpo_trl modules ({', '.join(path.package_modules)}) and "
-        f"{', '.join(path.other_modules) or 'no other module'}",
+        f"git tracks {size / 2**20:.1f} MiB ({size} bytes)",
+        f"README.md has {readme_lines} lines" if readme_lines is not None else "no README.md",
     ]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Measure both figures, print them as JSON (and write them to ``--out``); returns them."""
+    """Measure the figures, print them as JSON (and write them to ``--out``); returns them."""
     parser = argparse.ArgumentParser(
         prog="python -m dfpo_bench.structure_figures",
-        description="The README's structure figures: the product's share of the hand-written lines, and the hops "
-        "of one Min-Replace micro-step from compute_loss to min_replace (definitions: this module's docstring).",
+        description="The repository's figures: the product's share of the hand-written lines, the tracked size and "
+        "the README's length (definitions: this module's docstring).",
     )
     parser.add_argument(
         "--root",
@@ -408,8 +271,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         lines = count_hand_written_lines(args.root if args.root is not None else Path.cwd())
     except NotAGitCheckout as err:
         parser.error(str(err))
-    path = min_replace_path()
-    figures = {"summary": summary(lines, path), "lines": lines.as_dict(), "min_replace_path": path.as_dict()}
+    size = tracked_bytes(Path(lines.root))
+    readme = Path(lines.root) / "README.md"
+    readme_lines = line_counts(readme.read_text())[0] if readme.is_file() else None
+    figures = {"summary": summary(lines, size, readme_lines), "lines": lines.as_dict(), "tracked_bytes": size,
+               "readme_lines": readme_lines}
     text = json.dumps(figures, indent=2)
     print(text)
     if args.out is not None:

@@ -1,24 +1,15 @@
-"""dfpo_bench.structure_figures: the line count against a small git repository whose lines are known, the call-path
-tracer against a synthetic chain whose hops are known, and one real Min-Replace step of the tiny trainer."""
+"""dfpo_bench.structure_figures: the line count, the tracked size and the README's length against a small git
+repository whose files are known."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from dfpo_bench.structure_figures import (
-    NotAGitCheckout,
-    TargetNotReached,
-    count_hand_written_lines,
-    main,
-    trace_call_path,
-)
+from dfpo_bench.structure_figures import NotAGitCheckout, count_hand_written_lines, main
 
 NOTEBOOK = {
     "cells": [
@@ -107,76 +98,12 @@ def test_a_folder_outside_git_is_refused(tmp_path: Path, monkeypatch: pytest.Mon
     assert exit_info.value.code == 2
 
 
-CHAIN = """
-def min_replace():
-    return 1
-
-def b():
-    return min_replace()
-
-def a():
-    return b()
-
-def compute_loss():
-    return a()
-
-def loose():
-    return min_replace()
-"""
-
-OUTSIDE = """
-def min_replace():  # the same name, outside the package: not the target
-    return 0
-
-def compute_loss(inner):  # an enclosing compute_loss outside the package (as TRL's encloses DFPO's)
-    return min_replace() + inner()
-"""
-
-
-def _module(name: str, file: Path, text: str) -> ModuleType:
-    file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(text)
-    spec = importlib.util.spec_from_file_location(name, file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_tracer_counts_the_hops_of_a_known_chain(tmp_path: Path) -> None:
-    package = tmp_path / "fakepkg"
-    chain = _module("fakepkg.chain", package / "chain.py", CHAIN)
-    outside = _module("elsewhere", tmp_path / "elsewhere.py", OUTSIDE)
-
-    path = trace_call_path(lambda: outside.compute_loss(chain.compute_loss), package)
-    assert path.hops == 3
-    assert [(f.module, f.function) for f in path.frames] == [
-        ("fakepkg.chain", "compute_loss"),  # the nearest compute_loss, not the outer one
-        ("fakepkg.chain", "a"),
-        ("fakepkg.chain", "b"),
-        ("fakepkg.chain", "min_replace"),
-    ]
-    assert path.package_modules == ["fakepkg.chain"] and path.other_modules == []
-    assert sys.getprofile() is None  # the profiler is taken off again
-
-    with pytest.raises(TargetNotReached, match="never below a 'compute_loss' frame"):
-        trace_call_path(chain.loose, package)
-    with pytest.raises(TargetNotReached, match="was called$"):
-        trace_call_path(lambda: outside.compute_loss(lambda: 0), package)
-
-
-def test_a_real_min_replace_step(small_repo: Path, tmp_path: Path) -> None:
-    """The whole program (the tiny trainer's one step, traced; the line count of the small repository)."""
-    import dfpo_trl
-
+def test_the_command_writes_every_figure(small_repo: Path, tmp_path: Path) -> None:
     out = tmp_path / "figures" / "structure.json"
     figures = main(["--root", str(small_repo), "--out", str(out)])
     assert json.loads(out.read_text()) == figures
-    assert figures["lines"]["total"]["lines"] == 24
-    path = figures["min_replace_path"]
-    assert path["hops"] >= 1 and path["hops"] == len(path["path"]) - 1
-    assert path["path"][0][1] == "compute_loss" and path["path"][-1][1] == "min_replace"
-    assert path["package_dir"] == str(Path(dfpo_trl.__file__).resolve().parent)
-    assert path["package_modules"] and all(m.startswith("dfpo_trl.") for m in path["package_modules"])
-    assert path["path"][-1][0] in path["package_modules"]
-    assert not any(m.startswith("dfpo_trl") for m in path["other_modules"])
+    assert figures["lines"]["total"]["lines"] == 24 and figures["readme_lines"] == 1
+    tracked = subprocess.run(["git", "-C", str(small_repo), "ls-files"], capture_output=True, text=True, check=True)
+    sizes = [(small_repo / p).lstat().st_size for p in tracked.stdout.split()]  # the link counts its own size
+    assert figures["tracked_bytes"] == sum(sizes) and len(sizes) == len(FILES) + 1
+    assert figures["summary"][1] == f"git tracks 0.0 MiB ({sum(sizes)} bytes)"

@@ -134,7 +134,6 @@ def overhead_sentences(e: dict[str, Any]) -> list[str]:
     ratios, intervals, no_rollout = judged(e)
     device = e["device"]
     groups: dict[str, list[str]] = {}
-    regressions = []
     for m, ratio in ratios.items():
         goal = goal_for(m)
         if goal is None or ratio is None:
@@ -149,13 +148,6 @@ def overhead_sentences(e: dict[str, Any]) -> list[str]:
             key = "above, interval includes" if ci and ci[0] <= goal else (
                 "above, interval above" if ci else "above, no interval")
         groups.setdefault(key, []).append(text)
-        if goal == OVERHEAD_GOAL and ratio > REGRESSION:
-            regressions.append(
-                f"{label(m)} {ratio:.3f}×" + (
-                    "" if not ci else " (its interval includes 1.02×, so not resolved)" if ci[0] <= REGRESSION
-                    else " (its interval lies above 1.02×)"
-                )
-            )
     if no_rollout:
         n = sorted({v for v in (e.get("train_only_steps_per_method") or {}).values() if v is not None})
         basis = (f"the median of the optimizer steps that contain no rollout ({'–'.join(map(str, n))} per method: "
@@ -181,9 +173,6 @@ def overhead_sentences(e: dict[str, Any]) -> list[str]:
             lines.append(f"{phrase}: {'; '.join(groups[key])}.")
     if not any(k.startswith("above") for k in groups):
         lines.append("No method's point estimate is above its goal.")
-    if regressions:
-        lines.append(f"**Regressions by the goals' definition** (point estimate > {REGRESSION:.2f}× GSPO): "
-                     f"{'; '.join(regressions)}.")
     faster = [f"{label(m)} {ratios[m]:.3f}× (95% CI {ci[0]:.3f}–{ci[1]:.3f})"
               for m, ci in intervals.items() if ci and m != "gspo" and ratios.get(m) is not None and ci[1] < 1]
     if faster:
@@ -192,18 +181,6 @@ def overhead_sentences(e: dict[str, Any]) -> list[str]:
             "work per step than GSPO (same model, same tensor shapes; the DFPO options add work), so read this as a "
             "difference between phases (each phase is its own trainer on its own model copy) that the bootstrap, "
             "which resamples steps, does not capture, not as a speed-up."
-        )
-    # Methods whose reference is not GSPO (token-level ones against GRPO): the same medians, ratio to that reference.
-    key = "median_train_only_step_s" if no_rollout else "median_step_s"
-    medians = e.get(key) or {}
-    own = []
-    for m, ref in (e.get("reference") or {}).items():
-        if ref and ref != "gspo" and medians.get(m) and medians.get(ref):
-            own.append(f"{label(m)} {medians[m] / medians[ref]:.3f}× {label(ref)}")
-    if own:
-        lines.append(
-            f"Against their own reference (same gradient form), {'no-rollout' if no_rollout else 'step'} medians, "
-            f"no interval: {'; '.join(own)}."
         )
     spread = [(m, r) for m in e["median_step_s"] if (r := round_medians(e, m))]
     if spread:
@@ -216,21 +193,6 @@ def overhead_sentences(e: dict[str, Any]) -> list[str]:
             + (f", while the methods' {'no-rollout' if no_rollout else 'step'} medians differ from GSPO's by at "
                f"most {apart:.0%}" if apart is not None else "")
             + "; the intervals above resample steps, not phases, so they leave this variation out."
-        )
-    gen = [v for v in (e.get("median_generation_s") or {}).values() if v]
-    step = e["median_step_s"].get("gspo")
-    if gen and step:
-        g, spg = statistics.median(gen), e["settings"].get("steps_per_generation", 1)
-        lines.append(
-            f"A generation call takes {g:.3f} s against a GSPO training step of {step:.4f} s, so sampling is about "
-            f"{g / (g + spg * step):.0%} of the wall time of a rollout cycle ({spg} steps) here."
-        )
-    pop = e.get("positive_orth_proj_alone")
-    if pop:
-        verdict = "under" if pop["median_ms"] < POP_GOAL_MS else "over"
-        lines.append(
-            f"Positive Orth-Proj alone on {pop['groups']} groups × G = {pop['G']}: {pop['median_ms']:.3f} ms median "
-            f"on {device}, {verdict} the 1 ms goal."
         )
     return lines
 
