@@ -21,8 +21,9 @@ LEADING_FIELDS = (
 # What dfpo-train adds to a leading field's own help.
 LEADING_NOTES = {
     "model_name_or_path": "Unset: the embedded SmolLM2-135M-Instruct, offline (converted once on first use).",
-    "output_dir": "Recipes set it (e.g. outputs/smollm2_cpu); an earlier run's results there move to previous_run/.",
-    "max_steps": "dfpo-train refuses 0; -1 trains num_train_epochs epochs.",
+    "output_dir": "Recipes set it (e.g. outputs/smollm2_cpu); an earlier run's results there move to previous_run/ "
+    "(then previous_run.1/, ...; never deleted) once the new run's first optimizer step has ended.",
+    "max_steps": "dfpo-train refuses 0 and values below -1; -1 trains num_train_epochs epochs.",
 }
 # TRL / transformers fields a DFPO recipe sets most often, named in the short help (their help: --help-all).
 COMMON_TRL_FIELDS = (

@@ -29,7 +29,7 @@ from .oom import RunOutOfMemory
 from .peers import PeerLost
 from .plugins import import_plugins, requested_plugins
 from .precheck import precheck, read_recipe, stored_field_table
-from .signals import exit_code, signal_name, sigterm_interrupts
+from .signals import exit_code, quiet_exit_on_interrupt, signal_name, sigterm_interrupts
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -88,6 +88,14 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[TrainerCallback]
     """Console entry point of ``dfpo-train`` and ``python -m dfpo_trl``. From Python (``dfpo_train``),
     ``callbacks`` are transformers ``TrainerCallback`` objects the run's trainer gets after its own, so that a
     program running ``dfpo-train`` can observe it (a checkpoint saved, a step logged) without wrapping its code."""
+    try:
+        return _main(argv, callbacks)
+    finally:
+        if argv is None:  # the console program (not a caller's Python): Ctrl-C from here on just ends it
+            quiet_exit_on_interrupt()
+
+
+def _main(argv: Sequence[str] | None, callbacks: Sequence[TrainerCallback]) -> int:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("dfpo_trl").setLevel(logging.INFO)
     args = sys.argv[1:] if argv is None else list(argv)

@@ -1,7 +1,8 @@
 """What a run writes to ``output_dir``: the summary (JSON and printed), the figure and the saved model
 (docs/source/guides/cli.md).
 
-An earlier run's results are first set aside in ``previous_run/`` (:mod:`.files`).
+An earlier run's results are set aside in ``previous_run/``, ``previous_run.1/``, ... once the run's first
+optimizer step has ended, never deleted (:mod:`.files`).
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ def write_outputs(
     saved: Sequence[str] = (),
     drift_cb: Any = None,
     stop_signal: str | None = None,
+    earlier_run: str | None = None,
 ) -> dict[str, Any]:
     """Write the summary (and the figure) to ``output_dir``; print the summary unless the run was interrupted (by
-    ``stop_signal``)."""
+    ``stop_signal``). ``earlier_run``: the aside folder the earlier run's results in ``output_dir`` went to."""
     out = Path(training_args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot_path = None
@@ -148,11 +150,15 @@ def write_outputs(
         "finished_utc": _utc(finished),
         "plot": plot_path,
         "output_dir": str(out),
-        # every file this run wrote to output_dir: what the next run moves to previous_run/ (docs/source/guides/cli.md)
+        "earlier_run": earlier_run,  # where this run moved the earlier run's results (previous_run*/), or None
+        # every file this run wrote to output_dir: what the next run moves aside (previous_run*/, guides/cli.md)
         "files": sorted({SUMMARY_FILE, *([PLOT_FILE] if plot_path else []), *saved}),
         "log_history": trainer.state.log_history,  # every logged step, as TRL's trainer_state.json keeps it
     }
-    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    # whole or not at all: a second Ctrl-C may end the process here (signals.further_interrupts_wait)
+    partial = out / f".{SUMMARY_FILE}.tmp-{os.getpid()}"
+    partial.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(partial, out / SUMMARY_FILE)
     if not interrupted:
         print(format_summary(summary), flush=True)
     return summary
@@ -250,6 +256,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary.get("plot"):
         lines.append(f"metrics plot               {summary['plot']}")
     lines.append(f"summary                    {Path(summary['output_dir']) / SUMMARY_FILE}")
+    if summary.get("earlier_run"):
+        lines.append(f"earlier run moved to       {summary['earlier_run']}/")
     lines.append("=" * 72)
     return "\n".join(lines)
 

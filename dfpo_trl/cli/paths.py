@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from .args import RecipeError
+from .files import CHECKPOINT_DIR
 
 __all__ = [
     "CHECKPOINT_WEIGHTS", "PROCESS_FILES", "check_output_dir", "latest_checkpoint", "latest_whole_checkpoint",
@@ -30,7 +31,6 @@ TRAINER_STATE = "trainer_state.json"
 # transformers' RNG state (indexed only when there are several processes) and DFPOTrainer's rollout state
 # (dfpo_trl/trl_hooks/resume.py's ROLLOUT_STATE_FILE). A process killed during the save leaves its files out.
 PROCESS_FILES = (re.compile(r"^rng_state_(\d+)\.pth$"), re.compile(r"^dfpo_rollout_state_(\d+)\.pt$"))
-CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR + "-" + step
 CHECKPOINT_HELP = (
     f"a checkpoint is a checkpoint-N/ folder a run wrote to its output_dir (save_strategy 'steps' or 'epoch'), "
     f"holding {TRAINER_STATE} and the model's weights ({CHECKPOINT_WEIGHTS[0]}, or {CHECKPOINT_WEIGHTS[4]} with "

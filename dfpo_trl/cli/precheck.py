@@ -167,12 +167,13 @@ def field_origin(name: str, flags: Sequence[str], args: Sequence[str], recipe: s
 
 
 def check_max_steps(value: int, origin: str) -> None:
-    """Refuse ``max_steps: 0``. transformers reads any ``max_steps <= 0`` as "train ``num_train_epochs`` epochs"
-    (its default is -1), so 0 trained a whole run whose summary looked like any other; a user writing 0 meant
-    something else (no training, or "as many as the data has"), and says which with -1 or a positive count."""
-    if value == 0:
+    """Refuse ``max_steps`` 0 and below -1. transformers reads any ``max_steps <= 0`` as "train ``num_train_epochs``
+    epochs" (its default is -1), so 0 trained a whole run whose summary looked like any other, and -5 started a
+    3000-step run of 3 epochs with nothing said; a user writing them meant something else (no training, or "as many
+    as the data has"), and says which with -1 or a positive count."""
+    if value == 0 or value < -1:
         raise RecipeError(
-            f"{origin}: max_steps 0 would not stop at 0 steps: transformers reads max_steps <= 0 as 'train "
+            f"{origin}: max_steps {value} would not stop at {value} steps: transformers reads max_steps <= 0 as 'train "
             "num_train_epochs epochs'. Set max_steps to the optimizer steps to train (>= 1), or -1 to train "
             "num_train_epochs epochs over the training prompts."
         )

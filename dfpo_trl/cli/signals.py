@@ -7,13 +7,19 @@ default action kills the process with nothing written. While ``dfpo-train`` runs
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-__all__ = ["Terminated", "exit_code", "signal_name", "sigterm_interrupts"]
+__all__ = [
+    "Terminated", "exit_code", "further_interrupts_wait", "quiet_exit_on_interrupt", "signal_name",
+    "sigterm_interrupts",
+]
 
 
 class Terminated(KeyboardInterrupt):
@@ -46,3 +52,41 @@ def signal_name(exc: KeyboardInterrupt) -> str:
 def exit_code(name: str) -> int:
     """128 + the signal's number, the shell's convention: 130 for SIGINT, 143 for SIGTERM."""
     return 128 + int(signal.Signals[name])
+
+
+@contextmanager
+def further_interrupts_wait() -> Iterator[None]:
+    """After a Ctrl-C, while ``dfpo-train`` writes the partial results and ends (seconds): a second Ctrl-C (people
+    press it twice) says so in one line instead of breaking off the writing with a traceback, and a third quits at
+    once, writing nothing more (a summary is written whole or not at all: outputs.py). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    presses = 0
+
+    def _pressed(signum: int, frame: FrameType | None) -> None:
+        nonlocal presses
+        presses += 1
+        if presses > 1:
+            _exit_now(signum, frame)
+        print("dfpo-train: stopping (a few seconds); Ctrl-C again to quit at once", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, _pressed)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def quiet_exit_on_interrupt() -> None:
+    """Once the console program's work is done: a Ctrl-C while the interpreter shuts down ends it at once with the
+    shell's 130 (what it has printed flushed first), instead of a traceback from a library's clean-up."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _exit_now)
+
+
+def _exit_now(signum: int, frame: FrameType | None) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(exit_code(signal.Signals(signum).name))

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -34,14 +35,22 @@ from .data import (
     filter_long_prompts,
 )
 from .evaluation import HeldoutAccuracyCallback
+from .files import (
+    CHECKPOINT_DIR,
+    SetAside,
+    aside_folders,
+    earlier_results,
+    names_said,
+    set_aside_previous_outputs,
+)
 from .model import model_init_kwargs, resolve_model
 from .oom import out_of_memory_as_one_line, watch_phases
-from .outputs import PREVIOUS_RUN_DIR, save_model, set_aside_previous_outputs, write_outputs
+from .outputs import save_model, write_outputs
 from .parser import parse_args
 from .peers import lost_peer_as_one_line
 from .precheck import field_origin, recipe_argv
 from .progress import close_progress_bar, use_dfpo_progress_bar
-from .signals import signal_name
+from .signals import further_interrupts_wait, signal_name
 from .vllm_eval import avg_at_k_callback, check_eval_batch
 
 __all__ = ["default_process_group", "parse_and_run", "run"]
@@ -79,9 +88,9 @@ def run(
     avg_at_k = heldout is not None and training_args.use_vllm  # held-out avg@k through TRL's eval path (vLLM)
     if avg_at_k:
         check_eval_batch(training_args)
-    # An earlier run's results move to previous_run/ once this run has trained a step (or is about to write its
-    # own): a failure before that (the user's reward on the first rollout) leaves output_dir as it was.
-    earlier = EarlierResults(training_args.output_dir)
+    # An earlier run's results move aside (previous_run/, previous_run.1/, ...) once this run's first optimizer step
+    # has ended: a run that ends before that (a failure, Ctrl-C, a kill) leaves output_dir as it was.
+    earlier = EarlierResults(training_args.output_dir, training_args.resume_from_checkpoint)
 
     curves = CurveMetricsCallback(threshold=script_args.reward_threshold)
     callbacks: list[Any] = [curves, earlier]
@@ -99,6 +108,7 @@ def run(
             every=script_args.eval_every,
         )
         callbacks.insert(0, heldout_cb)
+    callbacks.insert(0, StartLine(len(train), heldout_cb))
     trainer = DFPOTrainer(  # logs the group layout it chose, why, and what it costs
         model=model_path,
         reward_funcs=reward_funcs,
@@ -130,6 +140,7 @@ def run(
     setup_seconds = train_start - start - model_seconds
     interrupted = False
     stop_signal = None
+    wrap_up = contextlib.ExitStack()  # after Ctrl-C: what a second Ctrl-C does while the partial results are written
     try:
         # an out-of-memory error, or a collective failing on a lost or hung peer: one line, nothing removed or
         # written (oom.py, peers.py)
@@ -137,64 +148,147 @@ def run(
             trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except RewardError as exc:  # the user's reward failed: one line, with the training row it was scoring
         close_progress_bar(trainer)
+        earlier.say_kept()
         raise UserCodeError(exc.said(training_row(train, exc.prompt))) from exc
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: keep what was learned about the run, not a traceback
+        wrap_up.enter_context(further_interrupts_wait())
         interrupted = True
         stop_signal = signal_name(exc)
         close_progress_bar(trainer)
         curves.on_train_end(training_args, trainer.state, trainer.control)  # the curve up to the last logged step
+    except BaseException:
+        earlier.say_kept()
+        raise
     train_seconds = time.monotonic() - train_start
-    earlier.set_aside()  # interrupted before the first step ended: this run writes its partial results now
-    saved = save_model(trainer, training_args.output_dir) if script_args.save_model and not interrupted else []
 
-    summary: dict[str, Any] = {"interrupted": interrupted, "signal": stop_signal}
-    if trainer.accelerator.is_main_process:
-        times = {"model": model_seconds, "setup": setup_seconds, "train_call": train_seconds}
-        summary = write_outputs(
-            trainer, script_args, training_args, model_label, heldout_cb, curves, times, start, interrupted, saved,
-            drift_cb, stop_signal,
-        )
-        if interrupted:
-            how = "interrupted" if stop_signal == "SIGINT" else f"stopped by {stop_signal}"
-            print(
-                f"dfpo-train: {how} at step {summary['steps']} of {summary['max_steps']}; partial results in "
-                f"{training_args.output_dir}",
-                file=sys.stderr,
-                flush=True,
-            )
-    # Ending a multi-process launch: the trainer's DDP reducer must not be the last holder of the process group.
-    # `trainer.end()` (Transformers) destroys the group; if the reducer then drops the last reference, torch joins
-    # gloo's worker threads while holding the GIL, and a worker that needs the GIL to release a finished
-    # all-gather's tensors deadlocks the rank (seen in our two-process tests; pytorch/pytorch#56297). Holding the
-    # group's Python handle until the trainer is gone makes the handle the last reference, and torch's Python
-    # binding releases the GIL while it joins.
-    group_handle = default_process_group()
-    if hasattr(trainer, "end"):
-        trainer.end()
-    elif group_handle is not None:
-        torch.distributed.destroy_process_group()
-    del trainer
-    gc.collect()
-    del group_handle
+    with wrap_up:
+        summary: dict[str, Any] = {"interrupted": interrupted, "signal": stop_signal}
+        how = "interrupted" if stop_signal == "SIGINT" else f"stopped by {stop_signal}"
+        if earlier.steps_done(trainer.state) == 0:  # stopped before this run's first optimizer step ended
+            if trainer.accelerator.is_main_process:
+                said = (f"at step {trainer.state.global_step} of {trainer.state.max_steps}, before this run's first "
+                        f"optimizer step ended: nothing written to {training_args.output_dir}{earlier.kept_clause()}")
+                print(f"dfpo-train: {how} {said}", file=sys.stderr, flush=True)
+        else:
+            earlier.set_aside()  # a step ended, though the interrupt came before the callback that moves them
+            saved = save_model(trainer, training_args.output_dir) if script_args.save_model and not interrupted else []
+            if trainer.accelerator.is_main_process:
+                times = {"model": model_seconds, "setup": setup_seconds, "train_call": train_seconds}
+                summary = write_outputs(
+                    trainer, script_args, training_args, model_label, heldout_cb, curves, times, start, interrupted,
+                    saved, drift_cb, stop_signal, earlier.moved_to(),
+                )
+                if interrupted:
+                    moved = f" (the earlier run's moved to {earlier.moved_to()}/)" if earlier.moved_to() else ""
+                    said = (f"at step {summary['steps']} of {summary['max_steps']}; partial results in "
+                            f"{training_args.output_dir}{moved}")
+                    print(f"dfpo-train: {how} {said}", file=sys.stderr, flush=True)
+        # Ending a multi-process launch: the trainer's DDP reducer must not be the last holder of the process group.
+        # `trainer.end()` (Transformers) destroys the group; if the reducer then drops the last reference, torch joins
+        # gloo's worker threads while holding the GIL, and a worker that needs the GIL to release a finished
+        # all-gather's tensors deadlocks the rank (seen in our two-process tests; pytorch/pytorch#56297). Holding the
+        # group's Python handle until the trainer is gone makes the handle the last reference, and torch's Python
+        # binding releases the GIL while it joins.
+        group_handle = default_process_group()
+        if hasattr(trainer, "end"):
+            trainer.end()
+        elif group_handle is not None:
+            torch.distributed.destroy_process_group()
+        del trainer
+        gc.collect()
+        del group_handle
     return summary
 
 
 class EarlierResults(TrainerCallback):
-    """Moves an earlier run's results to previous_run/ when the first optimizer step has ended (before a checkpoint
-    of that step is saved), or before this run writes its own, whichever comes first; never when the run fails
-    before that, so a failure in the user's reward, task or data leaves their files byte for byte as they were."""
+    """Moves the earlier run's results in ``output_dir`` aside when this run's first optimizer step has ended (before
+    a checkpoint of that step is saved), never before: a run that fails, is interrupted or is killed before that
+    leaves them byte for byte where they were, and :meth:`say_kept` says so. Nothing is ever deleted: they go to the
+    first free ``previous_run/``, ``previous_run.1/``, ... (files.py). A run resuming from ``checkpoint-K/`` of
+    ``output_dir`` keeps ``checkpoint-N/`` for N <= K there (its own history); every other checkpoint moves with
+    the rest."""
 
-    def __init__(self, output_dir: str) -> None:
+    def __init__(self, output_dir: str, resume_from: str | None = None) -> None:
         self.output_dir = output_dir
-        self.done = False
+        self.keep_checkpoints_to = resumed_step_in(output_dir, resume_from)
+        self.outcome: SetAside | None = None
+        self.start_step: int | None = None  # the global step train() began at (the resume step, or 0)
+
+    def steps_done(self, state: Any) -> int:
+        """The optimizer steps this run's train() has ended (0 before its on_train_begin)."""
+        return 0 if self.start_step is None else state.global_step - self.start_step
 
     def set_aside(self) -> None:
-        if not self.done:
-            self.done = True
-            set_aside_earlier_results(self.output_dir)
+        if self.outcome is None:
+            self.outcome = set_aside_earlier_results(self.output_dir, self.keep_checkpoints_to)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.start_step = state.global_step
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.set_aside()
+        if self.outcome is None:
+            self.set_aside()
+            if args.world_size > 1:  # no process writes this step's checkpoint before process 0 has moved an old one
+                from accelerate import PartialState
+
+                PartialState().wait_for_everyone()
+
+    def moved_to(self) -> str | None:
+        """The aside folder this run moved the earlier run's results to, or None."""
+        target = self.outcome.target if self.outcome is not None else None
+        return str(target) if target is not None else None
+
+    def kept_clause(self) -> str:
+        """``; the earlier run's results there (...) are kept in place`` when output_dir holds any, else ""."""
+        if self.outcome is not None or int(os.environ.get("RANK", "0")) != 0:
+            return ""
+        present = earlier_results(self.output_dir, self.keep_checkpoints_to)
+        runs = [f"{p.name}/" for p in aside_folders(self.output_dir)]
+        if not present and not runs:
+            return ""
+        parts = [f"the earlier run's results there ({names_said(present)})"] if present else []
+        parts += [f"the earlier runs in {', '.join(runs)}"] if runs else []
+        return f"; {' and '.join(parts)} are kept in place"
+
+    def say_kept(self) -> None:
+        """Log that the earlier runs' results stay where they are, for a run that fails before its first step."""
+        clause = self.kept_clause()
+        if clause:
+            logger.info("%s: this run ended before its first optimizer step%s", self.output_dir, clause)
+
+
+class StartLine(TrainerCallback):
+    """The line that opens training: how many optimizer steps it makes (what ``max_steps -1`` means in steps: the
+    epochs over the training prompts), from where when resumed, and what comes first (the held-out evaluation)."""
+
+    def __init__(self, prompts: int, heldout_cb: Any = None) -> None:
+        self.prompts = prompts
+        self.heldout_cb = heldout_cb
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        if args.max_steps > 0:
+            steps = f"{state.max_steps} optimizer steps (max_steps {args.max_steps})"
+        else:
+            steps = (f"{state.max_steps} optimizer steps (max_steps {args.max_steps}: num_train_epochs "
+                     f"{args.num_train_epochs:g} over {self.prompts} training prompts)")
+        where = f", resuming at step {state.global_step}" if state.global_step else ""
+        first = ""
+        if self.heldout_cb is not None and not state.global_step:
+            held = self.heldout_cb
+            first = f"; first the held-out {held.label} before training on {held.results['n']} problems"
+        logger.info("training %s%s%s", steps, where, first)
+
+
+def resumed_step_in(output_dir: str, resume_from: str | None) -> int | None:
+    """K when ``resume_from`` is ``output_dir/checkpoint-K/``, else None (a fresh run, or a checkpoint elsewhere)."""
+    if not resume_from:
+        return None
+    folder = Path(resume_from)
+    match = CHECKPOINT_DIR.match(folder.name)
+    same = Path(output_dir).exists() and folder.parent.exists() and folder.parent.samefile(output_dir)
+    return int(match.group(1)) if match and same else None
 
 
 def training_row(train: Any, prompt: Any) -> int | None:
@@ -208,18 +302,17 @@ def training_row(train: Any, prompt: Any) -> int | None:
         return None
 
 
-def set_aside_earlier_results(output_dir: str) -> None:
-    """Move an earlier run's results to previous_run/ (rank 0 only), so no older result passes for this run's."""
+def set_aside_earlier_results(output_dir: str, keep_checkpoints_to: int | None = None) -> SetAside | None:
+    """Move an earlier run's results aside (rank 0 only), so no older result passes for this run's, and say where
+    to, and which earlier runs stay where they are. None on the other ranks."""
     if int(os.environ.get("RANK", "0")) != 0:
-        return
-    moved = set_aside_previous_outputs(output_dir)
-    if moved:
-        logger.info(
-            "%s held an earlier run's results (%s): moved to %s/",
-            output_dir,
-            ", ".join(moved),
-            Path(output_dir) / PREVIOUS_RUN_DIR,
-        )
+        return None
+    outcome = set_aside_previous_outputs(output_dir, keep_checkpoints_to)
+    if outcome.target is not None:
+        kept = f"; earlier runs kept in place: {', '.join(f'{p.name}/' for p in outcome.kept)}" if outcome.kept else ""
+        logger.info("%s held an earlier run's results (%s): moved to %s/%s", output_dir, names_said(outcome.moved),
+                    outcome.target, kept)
+    return outcome
 
 
 def default_process_group() -> Any:

@@ -509,8 +509,8 @@ def test_task_factory_that_gives_no_task_names_what_it_gave(
 def test_max_steps_0_is_refused_with_what_to_set(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """transformers reads max_steps <= 0 as "train num_train_epochs epochs": 0 trained a whole run. It is refused;
-    -1 (transformers' default) still means epochs."""
+    """transformers reads max_steps <= 0 as "train num_train_epochs epochs": 0 trained a whole run, and -5 started a
+    3000-step run of 3 epochs. Both are refused; -1 (transformers' default) still means epochs."""
     _no_model(monkeypatch)
     recipe = write_recipe(tmp_path, f"use_cpu: true\noutput_dir: {tmp_path / 'out'}\nmax_steps: 0\n")
     assert main([recipe]) == 2
@@ -519,8 +519,32 @@ def test_max_steps_0_is_refused_with_what_to_set(
     assert "Set max_steps to the optimizer steps to train (>= 1), or -1 to train num_train_epochs epochs" in line
     assert main([recipe, "--max_steps", "0"]) == 2
     assert "--max_steps on the command line: max_steps 0" in _one_error_line(capsys.readouterr().err)
+    for value in ("-5", "-2"):
+        assert main([recipe, "--max_steps", value]) == 2
+        assert _one_error_line(capsys.readouterr().err) == (
+            f"dfpo-train: error: --max_steps on the command line: max_steps {value} would not stop at {value} steps: "
+            "transformers reads max_steps <= 0 as 'train num_train_epochs epochs'. Set max_steps to the optimizer "
+            "steps to train (>= 1), or -1 to train num_train_epochs epochs over the training prompts."
+        )
     _, args, _ = parse_args([recipe, "--max_steps", "-1", "--num_train_epochs", "2"])
     assert (args.max_steps, args.num_train_epochs) == (-1, 2)
+
+
+def test_start_line_says_how_many_steps_the_epochs_make(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """max_steps -1 trains num_train_epochs epochs: the line that opens training says how many optimizer steps that
+    is (4 prompts x G = 4 are 16 rows, 4 per optimizer step: 4 steps per epoch, 2 epochs), then what comes first."""
+    import logging
+
+    argv = [*write_tiny_recipe(tmp_path, tiny_model_dir, tmp_path / "out", plot=False, train_size=4, eval_size=2),
+            "--max_steps", "-1", "--num_train_epochs", "2"]
+    with caplog.at_level(logging.INFO, logger="dfpo_trl"):
+        assert main(argv) == 0
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training ")]
+    assert said == ["training 8 optimizer steps (max_steps -1: num_train_epochs 2 over 4 training prompts); first "
+                    "the held-out greedy accuracy before training on 2 problems"]
+    assert json.loads((tmp_path / "out" / "dfpo_summary.json").read_text())["steps"] == 8
 
 
 def test_command_line_beats_recipe(tmp_path: Path) -> None:
@@ -731,7 +755,7 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     """A completed run saves its model; the next run is interrupted (KeyboardInterrupt, as Ctrl-C raises it) when
     its third step begins. It exits 130 with one line, its summary says interrupted after 2 of 4 steps with the
     reward curve so far and a fresh figure, and the earlier run's summary and model are in previous_run/, not
-    beside it."""
+    beside it. With real signals at other points, and reruns: tests/cli/test_cli_reruns.py."""
     pytest.importorskip("matplotlib")
     import dfpo_trl.cli.train as app_train
     from dfpo_trl.cli.callbacks import CurveMetricsCallback
@@ -755,7 +779,8 @@ def test_ctrl_c_stops_with_one_line_a_partial_summary_and_no_stale_results(
     assert code == 130
     assert "Traceback" not in captured.err and "DFPO run summary" not in captured.out
     lines = [line for line in captured.err.splitlines() if line.strip()]
-    assert lines[-1] == f"dfpo-train: interrupted at step 2 of 4; partial results in {out}"
+    assert lines[-1] == (f"dfpo-train: interrupted at step 2 of 4; partial results in {out} (the earlier run's moved "
+                         f"to {out / 'previous_run'}/)")
     summary = json.loads((out / "dfpo_summary.json").read_text())
     assert summary["interrupted"] is True and (summary["steps"], summary["max_steps"]) == (2, 4)
     assert summary["signal"] == "SIGINT"
@@ -815,27 +840,6 @@ def test_sigterm_outside_training_exits_143(tmp_path: Path, capsys: pytest.Captu
     assert capsys.readouterr().err.strip() == "dfpo-train: stopped by SIGTERM"
 
 
-def test_previous_outputs_are_set_aside_and_only_those(tmp_path: Path) -> None:
-    """The files a summary lists (or, for a summary older than that list, what save_model writes) move to
-    previous_run/, which replaces the one before; checkpoints and other files stay."""
-    from dfpo_trl.cli.outputs import set_aside_previous_outputs
-
-    out = tmp_path / "out"
-    (out / "checkpoint-2").mkdir(parents=True)
-    for name in ("model.safetensors", "config.json", "notes.txt", "dfpo_metrics.png", "checkpoint-2/model.safetensors"):
-        (out / name).write_text(name)
-    (out / "dfpo_summary.json").write_text(json.dumps({"steps": 3}))  # no "files": an older summary
-    assert set_aside_previous_outputs(str(out)) == [
-        "config.json", "dfpo_metrics.png", "dfpo_summary.json", "model.safetensors"
-    ]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "notes.txt", "previous_run"]
-    (out / "dfpo_summary.json").write_text(json.dumps({"files": ["dfpo_summary.json", "../notes.txt", "x.bin"]}))
-    (out / "x.bin").write_text("x")
-    assert set_aside_previous_outputs(str(out)) == ["dfpo_summary.json", "x.bin"]
-    assert sorted(p.name for p in (out / "previous_run").iterdir()) == ["dfpo_summary.json", "x.bin"]
-    assert (out / "notes.txt").is_file() and set_aside_previous_outputs(str(out)) == []
-
-
 def _tree(root: Path) -> dict[str, bytes | None]:
     """Every file (its bytes) and folder (None) under ``root``, by relative path."""
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
@@ -858,8 +862,8 @@ def test_a_refusal_leaves_output_dir_as_it_was(
     refusal: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An earlier run's results (and the run before it, in previous_run/) stay where they are, byte for byte, when
-    the next command is refused: it was moved to previous_run/ before the task was checked, and the rotation after
-    that deleted it."""
+    the next command is refused (they once moved to previous_run/ before the task was checked). Runs that start and
+    then end before their first step: tests/cli/test_cli_reruns.py."""
     out = tmp_path / "out"
     (out / "previous_run").mkdir(parents=True)
     (out / "previous_run" / "dfpo_summary.json").write_text(json.dumps({"steps": 1, "files": ["dfpo_summary.json"]}))

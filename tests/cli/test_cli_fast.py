@@ -78,6 +78,7 @@ def _cases(tmp_path: Path) -> dict[str, list[str]]:
         "not a checkpoint": [str(recipe), "--resume_from_checkpoint", str(tmp_path / "nope")],
         "no checkpoint to resume": [str(recipe), "--resume_from_checkpoint", "true"],
         "max_steps 0": [str(recipe), "--max_steps", "0"],
+        "max_steps below -1": [str(recipe), "--max_steps", "-5"],
     }
 
 
