@@ -302,11 +302,11 @@ def training_row(train: Any, prompt: Any) -> int | None:
         return None
 
 
-def set_aside_earlier_results(output_dir: str, keep_checkpoints_to: int | None = None) -> SetAside | None:
+def set_aside_earlier_results(output_dir: str, keep_checkpoints_to: int | None = None) -> SetAside:
     """Move an earlier run's results aside (rank 0 only), so no older result passes for this run's, and say where
-    to, and which earlier runs stay where they are. None on the other ranks."""
+    to, and which earlier runs stay where they are. On the other ranks nothing moves (an empty SetAside)."""
     if int(os.environ.get("RANK", "0")) != 0:
-        return None
+        return SetAside()
     outcome = set_aside_previous_outputs(output_dir, keep_checkpoints_to)
     if outcome.target is not None:
         kept = f"; earlier runs kept in place: {', '.join(f'{p.name}/' for p in outcome.kept)}" if outcome.kept else ""

@@ -213,7 +213,7 @@ def test_help_lists_dfpo_fields(capsys: pytest.CaptureFixture[str]) -> None:
     for name in ("model_name_or_path", "task", "output_dir", "max_steps", "learning_rate"):
         assert f"  --{name}" in first_screen and out.index(f"  --{name}") < out.index("--group_transform"), name
     assert "--learning_rate (default: 1e-06)\n      The initial learning rate for AdamW." in out
-    assert "dfpo-train refuses 0; -1 trains num_train_epochs epochs." in text
+    assert "dfpo-train refuses 0 and values below -1; -1 trains num_train_epochs epochs." in text
     assert "Unset: the embedded SmolLM2-135M-Instruct" in text
 
 
