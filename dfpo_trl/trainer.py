@@ -48,6 +48,7 @@ from .trl_hooks.compat import (
     check_trainer_attributes,
     disable_gradient_checkpointing,
     diverted_metrics,
+    eval_forward_chunks,
     generate_every,
     off_policy_step,
     on_policy_identity_warning,
@@ -237,8 +238,10 @@ class DFPOTrainer(RolloutResume, GRPOTrainer):
             return loss
 
     def _get_per_token_logps_and_entropies(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
-        """TRL's helper; the first policy forward inside a DFPO override also runs what that override left."""
+        """TRL's helper; the first policy forward inside a DFPO override also runs what that override left. In
+        evaluation, in chunks of the training's batch (trl_hooks/compat.py, eval_forward_chunks)."""
         with profiled("dfpo/get_per_token_logps_and_entropies"):
+            kwargs = eval_forward_chunks(self, args, kwargs)
             forward = partial(super()._get_per_token_logps_and_entropies, model, *args, **kwargs)
             call = self._pending
             if call is None or call.on_forward is None or (call.model is not None and model is not call.model):

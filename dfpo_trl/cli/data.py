@@ -158,21 +158,22 @@ def check_reward_model_templates(rewards: list[Any], train: Any, revision: str |
             )
 
 
+def prompt_tokens(prompt: Any, tokenizer: Any, chat_template_kwargs: dict | None) -> int:
+    """The number of tokens of ``prompt`` as the trainer sends it (a conversation with the chat template applied
+    and the generation prompt added, or a plain string)."""
+    if isinstance(prompt, str):
+        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(
+        prompt, tokenize=True, add_generation_prompt=True, **(chat_template_kwargs or {})
+    )
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return len(ids)
+
+
 def filter_long_prompts(dataset: Any, tokenizer: Any, max_tokens: int, chat_template_kwargs: dict | None) -> Any:
     """Rows whose prompt (chat template applied) is at most ``max_tokens`` tokens."""
-
-    def length(row: dict[str, Any]) -> int:
-        prompt = row["prompt"]
-        if isinstance(prompt, str):
-            return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        ids = tokenizer.apply_chat_template(
-            prompt, tokenize=True, add_generation_prompt=True, **(chat_template_kwargs or {})
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return len(ids)
-
-    kept = dataset.filter(lambda row: length(row) <= max_tokens)
+    kept = dataset.filter(lambda row: prompt_tokens(row["prompt"], tokenizer, chat_template_kwargs) <= max_tokens)
     dropped = len(dataset) - len(kept)
     if dropped:
         logger.warning("max_prompt_length=%d: dropped %d of %d training prompts", max_tokens, dropped, len(dataset))

@@ -23,7 +23,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._usercode import UserCodeError
+from .allocator import default_allocator
 from .args import ModelUnavailableError, RecipeError
+from .engine import EngineStartFailed
 from .help import short_help
 from .oom import RunOutOfMemory
 from .peers import PeerLost
@@ -111,11 +113,13 @@ def _main(argv: Sequence[str] | None, callbacks: Sequence[TrainerCallback]) -> i
     try:
         with sigterm_interrupts():  # a scheduler's SIGTERM ends the run as Ctrl-C does (docs/source/guides/cli.md)
             precheck(args)  # recipe, field names, paths: before torch, transformers and TRL are imported
+            default_allocator(args)  # expandable segments unless the user chose (allocator.py): before CUDA starts
             summary = importlib.import_module(".train", __package__).parse_and_run(args, callbacks)
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2
-    except (UserCodeError, RunOutOfMemory) as exc:  # the user's code failed (their frame), or out of memory (oom.py)
+    except (UserCodeError, RunOutOfMemory, EngineStartFailed) as exc:  # the user's code failed (their frame), out
+        # of memory (oom.py), or vLLM refused to start (engine.py)
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 1
     except PeerLost as exc:  # another process of the run died or hangs (peers.py)

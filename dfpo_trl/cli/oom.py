@@ -11,6 +11,7 @@ This module imports torch only inside its functions, so :mod:`.main` can name :c
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -80,7 +81,9 @@ def _gpu_capacity() -> str | None:
 
 def _fixes(phase: str, args: Any, script_args: Any) -> list[str]:
     """The two or three settings that lower the memory of ``phase``, with their current values."""
-    expandable = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fragmentation)"
+    # dfpo-train sets expandable segments unless the user chose another setting (allocator.py): named then only
+    expandable = [] if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower() else [
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fragmentation)"]
     shorter = f"--max_completion_length (now {args.max_completion_length})"
     if phase.startswith("held-out evaluation"):
         if args.use_vllm:
@@ -91,18 +94,18 @@ def _fixes(phase: str, args: Any, script_args: Any) -> list[str]:
                 f"--eval_max_new_tokens (now {script_args.eval_max_new_tokens})", "--skip_eval true"]
     if phase.startswith("generation (vLLM"):
         return [f"--vllm_gpu_memory_utilization (now {args.vllm_gpu_memory_utilization}; the engine's share of the "
-                "GPU)", shorter, expandable]
+                "GPU)", shorter, *expandable]
     if phase.startswith("generation"):
         per_device = args.per_device_train_batch_size * args.steps_per_generation
         return [f"--steps_per_generation (now {args.steps_per_generation}: {per_device} completions per generate "
-                "call)", shorter, expandable]
+                "call)", shorter, *expandable]
     if phase.startswith("DFPO pre-pass"):
         return [f"--prepass_batch_size (now {args.prepass_batch_size or 4 * args.per_device_train_batch_size} rows "
-                "per no-grad chunk)", shorter, expandable]
+                "per no-grad chunk)", shorter, *expandable]
     checkpointing = "" if args.gradient_checkpointing else "--gradient_checkpointing true, "
     return [f"--per_device_train_batch_size {max(1, args.per_device_train_batch_size // 2)} with --group_layout "
             f"pre_pass (groups split over micro-steps; now {args.per_device_train_batch_size})",
-            f"{checkpointing}{shorter}", expandable]
+            f"{checkpointing}{shorter}", *expandable]
 
 
 def oom_message(phase: str, args: Any, script_args: Any, step: int | None) -> str:

@@ -20,6 +20,7 @@ from trl import ModelConfig, get_peft_config
 
 from .._usercode import UserCodeError
 from ..config import DFPOConfig
+from ..config.trl_field_rules import launched_processes
 from ..metrics.drift_meter import DriftMeterCallback
 from ..rewards import RewardError
 from ..trainer import DFPOTrainer
@@ -33,7 +34,9 @@ from .data import (
     build_task,
     check_reward_model_templates,
     filter_long_prompts,
+    prompt_tokens,
 )
+from .engine import engine_length, engine_start_as_one_line, quiet_vllm_environment
 from .evaluation import HeldoutAccuracyCallback
 from .files import (
     CHECKPOINT_DIR,
@@ -51,7 +54,7 @@ from .peers import lost_peer_as_one_line
 from .precheck import field_origin, recipe_argv
 from .progress import close_progress_bar, use_dfpo_progress_bar
 from .signals import further_interrupts_wait, signal_name
-from .vllm_eval import avg_at_k_callback, check_eval_batch
+from .vllm_eval import avg_at_k_callback, check_eval_batch, default_eval_batch
 
 __all__ = ["default_process_group", "parse_and_run", "run"]
 
@@ -79,6 +82,7 @@ def run(
     model_start = time.monotonic()
     model_path, model_label = resolve_model(model_args)
     model_seconds = time.monotonic() - model_start  # the embedded model's one-time conversion, or a quick check
+    tokenizer = None
     if script_args.max_prompt_length is not None:
         from transformers import AutoTokenizer
 
@@ -87,7 +91,12 @@ def run(
     training_args.model_init_kwargs = model_init_kwargs(training_args, model_args)
     avg_at_k = heldout is not None and training_args.use_vllm  # held-out avg@k through TRL's eval path (vLLM)
     if avg_at_k:
+        if origin is not None and origin("per_device_eval_batch_size").endswith("(its default)"):
+            default_eval_batch(training_args, len(heldout), launched_processes() or 1)
         check_eval_batch(training_args)
+    length_source = size_engine(training_args, script_args, heldout if avg_at_k else None, tokenizer)
+    if training_args.use_vllm:
+        quiet_vllm_environment()
     # An earlier run's results move aside (previous_run/, previous_run.1/, ...) once this run's first optimizer step
     # has ended: a run that ends before that (a failure, Ctrl-C, a kill) leaves output_dir as it was.
     earlier = EarlierResults(training_args.output_dir, training_args.resume_from_checkpoint)
@@ -109,15 +118,16 @@ def run(
         )
         callbacks.insert(0, heldout_cb)
     callbacks.insert(0, StartLine(len(train), heldout_cb))
-    trainer = DFPOTrainer(  # logs the group layout it chose, why, and what it costs
-        model=model_path,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train,
-        peft_config=get_peft_config(model_args),
-        callbacks=[*callbacks, *user_callbacks],
-        eval_dataset=heldout if avg_at_k else None,
-    )
+    with engine_start_as_one_line(training_args, length_source):  # vLLM's refusal to start: one line (engine.py)
+        trainer = DFPOTrainer(  # logs the group layout it chose, why, and what it costs
+            model=model_path,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train,
+            peft_config=get_peft_config(model_args),
+            callbacks=[*callbacks, *user_callbacks],
+            eval_dataset=heldout if avg_at_k else None,
+        )
     if heldout_cb is not None:
         heldout_cb.metrics = trainer.dfpo_metrics
     if avg_at_k:
@@ -289,6 +299,28 @@ def resumed_step_in(output_dir: str, resume_from: str | None) -> int | None:
     match = CHECKPOINT_DIR.match(folder.name)
     same = Path(output_dir).exists() and folder.parent.exists() and folder.parent.samefile(output_dir)
     return int(match.group(1)) if match and same else None
+
+
+def size_engine(training_args: DFPOConfig, script_args: DFPOScriptArguments, heldout: Any, tokenizer: Any) -> str:
+    """Give the colocated engine the context the run needs when ``vllm_max_model_length`` is unset
+    (:func:`.engine.engine_length`: the longest prompt it is sent plus ``max_completion_length``); returns where the
+    engine's length comes from: ``"set"`` (the user's), ``"run"`` (filled here) or ``"model"`` (vLLM's default)."""
+    if training_args.vllm_max_model_length is not None:
+        return "set"
+    if not (training_args.use_vllm and training_args.vllm_mode == "colocate"):
+        return "model"  # the server sizes its own engine (`vllm serve --max-model-len`)
+    longest = None
+    if heldout is not None and tokenizer is not None:  # avg@k's prompts are not filtered by max_prompt_length
+        longest = max(prompt_tokens(p, tokenizer, training_args.chat_template_kwargs) for p in heldout["prompt"])
+    length = engine_length(script_args.max_prompt_length, training_args.max_completion_length, longest)
+    if length is None:
+        return "model"
+    training_args.vllm_max_model_length = length
+    heldout_said = f", a held-out prompt of {longest}" if longest and longest > script_args.max_prompt_length else ""
+    logger.info("vllm_max_model_length unset: the colocated vLLM engine holds %d tokens (max_prompt_length %d%s + "
+                "max_completion_length %d)", length, script_args.max_prompt_length, heldout_said,
+                training_args.max_completion_length)
+    return "run"
 
 
 def training_row(train: Any, prompt: Any) -> int | None:

@@ -12,18 +12,31 @@ where they carry the greedy accuracy without vLLM (docs/source/concepts/decision
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 from .args import RecipeError
 from .evaluation import HeldoutAccuracyCallback
 
-__all__ = ["EvalRewardRecorder", "VLLMAvgAtKCallback", "check_eval_batch", "eval_k"]
+__all__ = ["EvalRewardRecorder", "VLLMAvgAtKCallback", "check_eval_batch", "default_eval_batch", "eval_k"]
 
 
 def eval_k(training_args: Any) -> int:
     """k of avg@k: TRL's ``num_generations_eval``, which TRL itself defaults to ``num_generations``."""
     return int(training_args.num_generations_eval or training_args.num_generations)
+
+
+def default_eval_batch(training_args: Any, problems: int, processes: int) -> int:
+    """Set TRL's ``per_device_eval_batch_size``, which the user left at transformers' 8, so that each process sends
+    its share of the held-out problems to vLLM in one call: k x ceil(problems / processes) rows. At the default 8
+    with k = 8 each call carried one problem, and an evaluation of 100 problems made 100 calls (docs/source/concepts/
+    decisions.md, "Held-out avg@k through vLLM"). The evaluation's policy forwards still run in chunks of
+    ``per_device_train_batch_size`` rows (DFPOTrainer), so the batch sets the calls, not the forward's memory.
+    Returns the batch."""
+    k = eval_k(training_args)
+    training_args.per_device_eval_batch_size = k * max(1, math.ceil(problems / max(1, processes)))
+    return training_args.per_device_eval_batch_size
 
 
 def check_eval_batch(training_args: Any) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "check_trainer_attributes",
     "disable_gradient_checkpointing",
     "diverted_metrics",
+    "eval_forward_chunks",
     "generate_every",
     "get_config_model_id",
     "split_tensor_dict",
@@ -292,6 +293,20 @@ def trl_runs_old_logps_forward(trainer: Any) -> bool:
     return trainer.args.gradient_accumulation_steps % generate_every(trainer) != 0 or bool(
         trainer.use_vllm and trainer.vllm_importance_sampling_correction
     )
+
+
+def eval_forward_chunks(trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a call to TRL's log-prob helper (``args`` after the model: input_ids,
+    attention_mask, logits_to_keep, batch_size), with ``batch_size`` at most ``per_device_train_batch_size`` in
+    evaluation. TRL runs the evaluation's forwards (old log-probs, eval loss) over the whole eval batch at once; in
+    chunks of the training's size, ``per_device_eval_batch_size`` sets the prompts per vLLM call, not the forward's
+    memory (docs/source/concepts/decisions.md, "Held-out avg@k through vLLM"). Rows are independent: the values
+    are the unchunked call's."""
+    if trainer.model.training or len(args) >= 4:  # training, or batch_size given by position (never by TRL 1.16)
+        return kwargs
+    rows = (kwargs["input_ids"] if "input_ids" in kwargs else args[0]).size(0)
+    chunk = trainer.args.per_device_train_batch_size
+    return {**kwargs, "batch_size": chunk} if (kwargs.get("batch_size") or rows) > chunk else kwargs
 
 
 def on_policy_identity_warning(trainer: Any, transform: str) -> str | None:

@@ -73,11 +73,21 @@ def run_until_oom(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture
 
 def test_transformers_generation(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str],
                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # restored after: dfpo-train sets it in-process
     monkeypatch.setattr(LlamaForCausalLM, "generate", out_of_memory)
     line = run_until_oom(tmp_path, model_dir, capsys, skip_eval=True)
     assert "out of memory in the generation (transformers generate) at step 0 " in line
     assert "--steps_per_generation (now 2: 8 completions per generate call)" in line
-    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in line
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in line  # dfpo-train set expandable segments itself (allocator.py)
+
+
+def test_expandable_segments_are_suggested_when_the_user_turned_them_off(
+        tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    monkeypatch.setattr(LlamaForCausalLM, "generate", out_of_memory)
+    line = run_until_oom(tmp_path, model_dir, capsys, skip_eval=True)
+    assert line.endswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fragmentation). Nothing in "
+                         f"{tmp_path / 'out'} was removed; its checkpoints stay")
 
 
 def test_loss_micro_step(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str],
@@ -121,4 +131,5 @@ def test_held_out_avg_at_k_through_vllm(tmp_path: Path, model_dir: Path, capsys:
     monkeypatch.setattr(test_vllm_colocate.StandInEngine, "generate", out_of_memory)
     line = run_until_oom(tmp_path, model_dir, capsys, use_vllm=True, vllm_mode="colocate")
     assert "out of memory in the held-out evaluation (generation (vLLM)) at step 0 " in line
-    assert "--per_device_eval_batch_size (now 8); --num_generations_eval (k of avg@k, now 4)" in line
+    # the recipe leaves per_device_eval_batch_size unset: k = 4 x the 4 held-out problems, in one vLLM call
+    assert "--per_device_eval_batch_size (now 16); --num_generations_eval (k of avg@k, now 4)" in line

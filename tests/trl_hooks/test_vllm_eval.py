@@ -106,3 +106,73 @@ def test_dfpo_train_with_use_vllm_reports_avg_at_k(stand_in_vllm: Any, tmp_path:
     assert "held-out avg@2 before training" in text and "held-out avg@2 at step 1" in text
     assert "held-out avg@2            " in text  # the summary's line
 
+
+
+def test_the_default_eval_batch_sends_each_evaluation_in_one_call_with_the_same_avg_at_k(
+        stand_in_vllm: Any, tmp_path: Path) -> None:  # noqa: F811
+    """dfpo-train with per_device_eval_batch_size unset sends all 4 held-out problems x k = 2 in one vLLM call per
+    evaluation; set to 2 (one problem per call, as TRL's default 8 does at k = 8) it makes 4 calls. Same engine
+    draws in the same order: the same avg@k, before and after training, and the same training."""
+    import json
+
+    from tiny import save_tiny_chat_model, write_tiny_recipe
+    from transformers import AutoModelForCausalLM
+
+    from dfpo_trl.cli.main import main
+
+    model_dir = save_tiny_chat_model(tmp_path / "model")
+    calls: dict[str, list[int]] = {}
+    summaries = {}
+    for name, extra in {"one_problem_per_call": {"per_device_eval_batch_size": 2}, "default": {}}.items():
+        stand_in_vllm(AutoModelForCausalLM.from_pretrained(model_dir))
+        calls[name] = []
+        generate = StandInEngine.generate
+
+        def counting(self: Any, prompts: list, *args: Any, _name: str = name, _generate: Any = generate,
+                     **kwargs: Any) -> list:
+            calls[_name].append(len(prompts))
+            return _generate(self, prompts, *args, **kwargs)
+
+        StandInEngine.generate = counting  # restored below
+        try:
+            out = tmp_path / name
+            assert main(write_tiny_recipe(tmp_path, model_dir, out, use_vllm=True, vllm_mode="colocate",
+                                          num_generations_eval=2, plot=False, **extra)) == 0
+        finally:
+            StandInEngine.generate = generate
+        summaries[name] = json.loads((out / "dfpo_summary.json").read_text())
+    rollout = 4 * 2  # per_device_train_batch_size x steps_per_generation: the training's one call per rollout
+    assert calls["one_problem_per_call"] == [2] * 4 + [rollout] + [2] * 4  # before, one rollout, after
+    assert calls["default"] == [8, rollout, 8]
+    slow, fast = summaries["one_problem_per_call"]["heldout"], summaries["default"]["heldout"]
+    assert fast["metric"] == slow["metric"] == "avg@2"
+    assert (fast["before"], fast["after"]) == (slow["before"], slow["after"])
+    train = [[row.get("reward") for row in s["log_history"] if "reward" in row] for s in summaries.values()]
+    assert train[0] == train[1] and train[0]
+
+
+def test_the_evaluations_forwards_run_in_chunks_of_the_training_batch() -> None:
+    """In evaluation TRL's log-prob helper gets the whole eval batch; DFPOTrainer's runs it in chunks of
+    per_device_train_batch_size rows, with the log-probs and entropies TRL's unchunked call gives."""
+    import torch
+    from trl import GRPOTrainer
+
+    from dfpo_trl.testing import tiny_trainer
+
+    trainer = tiny_trainer(per_device_train_batch_size=4, per_device_eval_batch_size=12)
+    model = trainer.model
+    rows: list[int] = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].size(0)),
+                                           with_kwargs=True)
+    ids = torch.randint(0, model.config.vocab_size, (12, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    model.eval()
+    with torch.no_grad():
+        ours = trainer._get_per_token_logps_and_entropies(model, ids, mask, 5, compute_entropy=True)
+        chunks, rows[:] = list(rows), []
+        theirs = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, 5, compute_entropy=True)
+    hook.remove()
+    assert chunks == [4, 4, 4] and rows == [12]
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-6)
+    model.train()
