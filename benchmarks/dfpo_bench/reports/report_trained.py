@@ -110,20 +110,32 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
         "untruncated row is used above).",
         "",
     ]
+    as_run = load_json(folder / "cards_8b_as_run.json")
+    if as_run:  # the rows as a user runs them (trained/cards_8b.py), before the first version's uncapped table
+        from dfpo_bench.trained import cards_8b
+
+        lines += [cards_8b.report(as_run), ""]
     cards = load_json(folder / "cards_8b.json")
     if cards:
         lines += cards_lines(cards)
+    eval_calls = load_json(folder / "eval_calls.json")
+    if eval_calls:
+        from dfpo_bench.trained import eval_calls as eval_calls_bench
+
+        lines += [eval_calls_bench.report(eval_calls), ""]
     return lines
 
 
 # ------------------------------------------------------------------------------------------------- the 8B cards
 def cards_lines(record: dict[str, Any]) -> list[str]:
-    """The 8B LoRA recipe's cards table (``trained/cards_8b.py --table``): a row per configuration, a cell per card."""
+    """The first version's 8B cards table (its ``--table``): a row per configuration, a cell per card."""
     rows = record["rows"]
     cards = record["cards_gib"]
     sample = next((r for r in rows if not r["crash"]), None)
     lines = [
-        "**The 8B LoRA recipe's cards** (`dfpo_bench.trained.cards_8b`; records in `results/trained/cards_8b/`). "
+        "**The 8B LoRA recipe's cards, uncapped** (the first version of `dfpo_bench.trained.cards_8b`, through "
+        "`dfpo_bench.cost.users_size`'s runner, not `dfpo-train`, its vLLM runs with a 2048-token engine context; "
+        "records in `results/trained/cards_8b/`). "
         "One NVIDIA H200 (141 GB); Qwen3-8B's architecture with random weights, `recipes/qwen3_8b_lora.yaml`'s LoRA, "
         "batch, 768-token completions and Min-Replace; one rollout and its two optimizer steps per process. The need "
         "is PyTorch's peak reserved memory plus what the process holds outside PyTorch (the CUDA context and "

@@ -1,30 +1,42 @@
-"""The 8B LoRA recipe's cards, measured: what fits on a card of 24, 32, 40, 48 and 80 GB, and with which settings.
+"""The 8B LoRA recipe's card table, run as a user runs it: ``dfpo-train recipes/qwen3_8b_lora.yaml`` plus exactly
+the row's flags, on a simulated card, one process per row.
 
-    # on the GPU machine after the kit (benchmarks/README.md, "The GPU kit"); about 15 minutes on one GPU
-    python -m dfpo_bench.trained.cards_8b --out $OUT/cards_8b.json --work /tmp/cards
-    # CPU smoke test of the plan and the table (no GPU: a tiny random Qwen3, transformers generation only)
-    python -m dfpo_bench.trained.cards_8b --smoke --out /tmp/cards.json --work /tmp/cards
+    # on the GPU machine after the kit (benchmarks/README.md, "The GPU kit"); about 8 minutes on one H200
+    python -m dfpo_bench.trained.cards_8b --out $OUT/cards_8b_as_run.json
+    # the exact commands, without a GPU (the CPU test reads them)
+    python -m dfpo_bench.trained.cards_8b --out /tmp/cards.json --dry-run
+    # the RESULTS section from an earlier --out
+    python -m dfpo_bench.trained.cards_8b --report benchmarks/results/trained/cards_8b_as_run.json
 
-Each configuration is one process running one rollout and its two optimizer steps of ``recipes/qwen3_8b_lora.yaml``
-(Qwen3-8B's architecture with random weights built on the GPU, the recipe's LoRA, batch, 768-token completions,
-Min-Replace; dfpo_bench.cost.users_size's runner): generation through transformers or a colocated vLLM engine
-(with and without TRL's ``vllm_enable_sleep_mode``), ``per_device_train_batch_size`` 8 or 4 (4 < G = 8: the pre-pass
-layout). A random model answers nothing, so the reward is users_size's ``id_parity`` (groups have both signs and the
-pre-pass runs); it also samples until the length cap, the worst case for memory.
+A row (:data:`ROWS`) is a card size and the flags the table tells a user to add (and, for the row without expandable
+segments, the environment variable a user sets). Each runs ``python -m dfpo_trl`` (the ``dfpo-train`` program) on
+the recipe file with the row's flags and the four the GPU machine cannot do without (:data:`MACHINE_FLAGS`):
 
-A card is simulated on the larger GPU by capping PyTorch's allocator (``torch.cuda.set_per_process_memory_fraction``)
-at the card's size less what the process holds outside PyTorch's allocator (the CUDA context, cuBLAS and NCCL
-buffers: ``nvidia-smi``'s figure for the process less ``torch.cuda.memory_reserved``, measured in every run). A card
-of "N GB" is taken as N GiB in all (A100 40 GB and 80 GB have 40 and 80 GiB; an L40S has 45 GiB, less than its
-name). The colocated engine gets the same ``--engine-gib`` on every card, i.e. ``vllm_gpu_memory_utilization`` =
-engine GiB ÷ card GiB, which is the setting the table gives.
+* ``--model_name_or_path``: Qwen3-8B's architecture (its published ``config.json``: 36 layers, hidden 4096, 32
+  heads, 8 KV heads, ``max_position_embeddings`` 40960) with random bf16 weights, built once on the GPU and saved to
+  ``/tmp`` (the machine has no network, so no Qwen3-8B), with Qwen2.5's tokenizer (Qwen3's vocabulary, padded to the
+  head's 151,936 ids). A random model never ends a completion: every rollout runs to the 768-token cap, the worst
+  case for memory.
+* ``--dataset``: an offline stand-in for GSM8K saved to disk (GSM8K-shaped word problems, ``question`` and ``answer``
+  columns, 2,000 training and 16 held-out problems), since ``openai/gsm8k`` cannot be downloaded there. A user's run
+  holds 100 held-out problems: the same batch memory, more batches.
+* ``--reward_funcs dfpo_bench.trained.cards_8b:coin_reward``: a seeded coin per completion (a random model answers
+  nothing, so math-verify would score every completion 0 and no group would have signal): the reward a user could
+  write in a plugin module.
+* ``--max_steps 2``: one rollout and its two optimizer steps, the second off-policy.
 
-Stage 1 runs every configuration uncapped and measures its peak allocated and reserved memory. A card is then
-decided without a run where it can be: a card below the peak allocated plus the overhead cannot hold the run
-(PyTorch never holds less than it allocates), a card at or above the peak reserved plus the overhead holds it
-(the capped allocator behaves as the uncapped one until it reaches the cap). Stage 2 runs, capped, only the cards
-in between: there the allocator's freeing and retrying under the cap decides. The table marks each cell
-``measured`` (a capped run) or ``deduced`` (from stage 1 and the rule above).
+A card of N GB is simulated on the H200 by the process's own view of the GPU, set up by a ``sitecustomize`` module this
+benchmark writes and puts first on the row's ``PYTHONPATH`` (not a recipe flag): PyTorch's allocator is capped at
+the card less :data:`CONTEXT_GIB` for the CUDA context (``torch.cuda.set_per_process_memory_fraction``, of the
+H200's memory), and ``torch.cuda.mem_get_info`` reports the card (total N GiB, free N GiB less what this process
+holds, from ``nvidia-smi``), so vLLM reads the row's ``vllm_gpu_memory_utilization`` as a share of the card, as it
+would on one, and its start-up checks see the card's free memory. At exit the module writes the process's peaks:
+PyTorch's allocated and reserved memory, and what the process held beyond PyTorch's allocator (``nvidia-smi`` less
+reserved). A row passes when ``dfpo-train`` exits 0 and the peak reserved plus that overhead fits the card. A card of
+N GB is taken as N GiB (A100 40 GB and 80 GB have 40 and 80 GiB; an L40S has 45 GiB, more than its name).
+
+The rows run in two lanes at once (transformers generation, and colocated vLLM) on the one GPU: each process sees
+only its own card, so they do not interfere in memory, only in time (the times are indicative).
 """
 
 from __future__ import annotations
@@ -33,104 +45,63 @@ import argparse
 import json
 import os
 import pathlib
-import re
+import shlex
 import subprocess
 import sys
 import time
+import zlib
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-CARDS_GIB = (24, 32, 40, 48, 80)
-EXPANDABLE = "expandable_segments:True"
-# name -> (generation through vLLM, sleep mode, per-device batch, PyTorch allocator setting)
-CONFIGS: dict[str, dict[str, Any]] = {
-    "transformers_b8": {"vllm": False, "sleep": False, "batch": 8, "alloc": EXPANDABLE},
-    "transformers_b4": {"vllm": False, "sleep": False, "batch": 4, "alloc": EXPANDABLE},
-    "transformers_b8_default_allocator": {"vllm": False, "sleep": False, "batch": 8, "alloc": ""},
-    "vllm_b8": {"vllm": True, "sleep": False, "batch": 8, "alloc": EXPANDABLE},
-    "vllm_b4": {"vllm": True, "sleep": False, "batch": 4, "alloc": EXPANDABLE},
-    "vllm_b8_sleep": {"vllm": True, "sleep": True, "batch": 8, "alloc": EXPANDABLE},
-}
-TABLE_CONFIGS = ("transformers_b8", "transformers_b4", "vllm_b8", "vllm_b4", "vllm_b8_sleep")  # with stage 2
+RECIPE = ROOT / "recipes" / "qwen3_8b_lora.yaml"
+CONTEXT_GIB = 1.0  # the CUDA context and libraries, outside PyTorch's allocator (0.7-0.9 GiB measured on the H200)
+MODEL_DIR = "/tmp/random-qwen3-8b"
+TOKENIZER = "/root/models/qwen2.5-coder-0.5b-instruct"  # the GPU kit's Qwen2.5: Qwen3's vocabulary
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)  # Qwen/Qwen3-8B's config.json
+VLLM = ["--use_vllm", "true", "--vllm_mode", "colocate"]
+EXPANDABLE_OFF = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+# The table's rows: the card, the generation, the flags on top of the recipe, and the environment a user sets.
+ROWS: list[dict[str, Any]] = [
+    {"name": "24GB", "card_gib": 24, "generation": "transformers", "flags": ["--per_device_train_batch_size", "4"],
+     "env": {}},
+    {"name": "32GB", "card_gib": 32, "generation": "transformers", "flags": [], "env": {}},
+    {"name": "32GB_default_allocator", "card_gib": 32, "generation": "transformers", "flags": [],
+     "env": EXPANDABLE_OFF},
+    {"name": "40GB", "card_gib": 40, "generation": "colocated vLLM",
+     "flags": [*VLLM, "--per_device_train_batch_size", "4", "--vllm_gpu_memory_utilization", "0.5"], "env": {}},
+    {"name": "48GB", "card_gib": 48, "generation": "colocated vLLM",
+     "flags": [*VLLM, "--per_device_train_batch_size", "4", "--vllm_gpu_memory_utilization", "0.58"], "env": {}},
+    {"name": "80GB", "card_gib": 80, "generation": "colocated vLLM",
+     "flags": [*VLLM, "--vllm_gpu_memory_utilization", "0.35"], "env": {}},
+]
+REWARD = "dfpo_bench.trained.cards_8b:coin_reward"
 
 
-def method_of(config: dict[str, Any]) -> str:
-    """users_size's method: the recipe's Min-Replace at its batch 8, or at batch 4 (the pre-pass layout)."""
-    return "min_replace_b4" if config["batch"] == 4 else "min_replace"
+def machine_flags(model_dir: str, dataset_dir: str) -> list[str]:
+    """The flags the GPU machine cannot do without (module docstring), after the row's."""
+    return ["--model_name_or_path", model_dir, "--dataset", dataset_dir, "--reward_funcs", REWARD, "--max_steps", "2"]
 
 
-def decide(card_gib: float, record: dict[str, Any]) -> str | None:
-    """``"fits"`` / ``"does not fit"`` where the uncapped run decides the card (module docstring), None where only a
-    capped run can."""
-    if record.get("crash") or record.get("peak_allocated_gib") is None or record.get("overhead_gib") is None:
-        return None  # a crash, or a CPU run (no allocator to read)
-    overhead = record["overhead_gib"]
-    if record["peak_allocated_gib"] + overhead > card_gib:
-        return "does not fit"
-    if record["peak_reserved_gib"] + overhead <= card_gib:
-        return "fits"
-    return None
+def coin_reward(completions: list[Any], **_: Any) -> list[float]:
+    """0 or 1 per completion, a seeded coin of its text (CRC-32 parity): reproducible, and about half of each
+    group rewarded, so that every group has signal (a random model's completions are never correct)."""
+    texts = [c if isinstance(c, str) else " ".join(str(m.get("content", "")) for m in c) for c in completions]
+    return [float(zlib.crc32(text.encode()) % 2) for text in texts]
 
 
-def row(stem: str, run: dict[str, Any], records: dict[str, dict[str, Any]], cards: tuple[float, ...],
-        default_engine_gib: float, borrowed_overhead: float | None) -> dict[str, Any]:
-    """One configuration's row: its uncapped run's peaks and times, and a cell per card (fits or not, and how that
-    is known: ``measured`` by a capped run ``<name>@<card>``, ``deduced`` by :func:`decide`, or ``not run``)."""
-    name, tag = stem.split("@", 1)
-    config = CONFIGS[name]
-    suffix = tag.removeprefix("uncapped")
-    asked = re.search(r"_engine(\d+)", suffix)
-    engine = run.get("engine_gib_requested") or (float(asked.group(1)) if asked else default_engine_gib)
-    overhead, overhead_note = run.get("overhead_gib"), "measured"
-    if config["vllm"] and config["sleep"] and borrowed_overhead is not None:
-        # vLLM's sleep mode unmaps the engine's memory and PyTorch still counts it as reserved, so nvidia-smi's
-        # figure at the end is below PyTorch's: take the largest overhead the other vLLM runs measured
-        overhead, overhead_note = borrowed_overhead, "from the other vLLM runs (sleep mode)"
-    steps = run.get("steps") or []
-    total = sum(step["total_s"] for step in steps)
-    pre_pass = sum(step.get("pre_pass_s", 0.0) for step in steps)
-    out: dict[str, Any] = {
-        "variant": name + suffix, "config": name, "batch": config["batch"], "allocator": config["alloc"] or "default",
-        "generation": "vLLM colocate" if config["vllm"] else "transformers", "sleep_mode": config["sleep"],
-        "engine_gib_requested": engine if config["vllm"] else None, "crash": run.get("crash"),
-        "peak_allocated_gib": run.get("peak_allocated_gib"), "peak_reserved_gib": run.get("peak_reserved_gib"),
-        "overhead_gib": overhead, "overhead": overhead_note,
-        "needs_gib": None if run.get("crash") or overhead is None or run.get("peak_reserved_gib") is None
-        else run["peak_reserved_gib"] + overhead,  # None on the CPU (no allocator to read)
-        "rollout_s": steps[0].get("rollout_s") if steps else None,
-        "generation_s": steps[0].get("generation_s") if steps else None,
-        "whole_s": total or None, "pre_pass_s": pre_pass, "pre_pass_share": pre_pass / total if total else None,
-        "cards": [],
-    }
-    judged = {**run, "overhead_gib": overhead}
-    for card in cards:
-        entry: dict[str, Any] = {"card_gib": card}
-        if config["vllm"]:
-            entry["vllm_gpu_memory_utilization"] = round(engine / card, 3)
-        capped = records.get(f"{name}@{card}") if not suffix else None
-        if capped is not None:
-            entry.update(fits=capped.get("crash") is None, how="measured", crash=capped.get("crash"))
-        else:
-            verdict = decide(card, judged)
-            entry.update(fits=None if verdict is None else verdict == "fits",
-                         how="deduced" if verdict is not None else ("crashed" if run.get("crash") else "not run"))
-        out["cards"].append(entry)
-    return out
+# ----------------------------------------------------------------------------------------- the simulated card
+SITECUSTOMIZE = '''"""Written by dfpo_bench.trained.cards_8b: this process sees a card of DFPO_BENCH_CARD_GIB GiB."""
+import atexit, importlib.abc, importlib.machinery, json, os, subprocess, sys
+
+GIB = 2**30
+CARD = float(os.environ["DFPO_BENCH_CARD_GIB"]) * GIB
+CONTEXT = float(os.environ.get("DFPO_BENCH_CONTEXT_GIB", "1.0")) * GIB
 
 
-def tabulate(work: pathlib.Path, cards: tuple[float, ...], default_engine_gib: float) -> list[dict[str, Any]]:
-    """A row per uncapped run recorded in ``work`` (``<config>@uncapped[_variant].json``; a variant such as
-    ``_engine20`` names what differs), with capped runs (``<config>@<card>.json``) as the cells they measured."""
-    records = {path.stem: json.loads(path.read_text()) for path in sorted(work.glob("*@*.json"))}
-    uncapped = {stem: r for stem, r in records.items() if stem.split("@", 1)[1].startswith("uncapped")}
-    measured = [r["overhead_gib"] for stem, r in uncapped.items() if CONFIGS[stem.split("@")[0]]["vllm"]
-                and not CONFIGS[stem.split("@")[0]]["sleep"] and not r.get("crash") and r.get("overhead_gib")]
-    borrowed = max(measured) if measured else None
-    return [row(stem, run, records, cards, default_engine_gib, borrowed) for stem, run in uncapped.items()]
-
-
-def process_gib() -> float | None:
-    """What ``nvidia-smi`` reports for this process (its CUDA context included), in GiB."""
+def process_bytes():
+    """What nvidia-smi says this process holds on the GPU (its CUDA context included), or None."""
     try:
         lines = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                                capture_output=True, text=True, timeout=30).stdout.splitlines()
@@ -139,189 +110,340 @@ def process_gib() -> float | None:
     for line in lines:
         parts = [p.strip() for p in line.split(",")]
         if len(parts) == 2 and parts[0] == str(os.getpid()):
-            return float(parts[1]) / 1024
+            return float(parts[1]) * 2**20
     return None
 
 
-def run_one(args: argparse.Namespace) -> dict[str, Any]:
-    """One configuration in this process (the allocator setting came with the environment), capped or not."""
+def install(torch):
+    real = torch.cuda.mem_get_info
+
+    def card_view(device=None):
+        real(device)  # the real call's checks and initialisation
+        held = process_bytes()
+        if held is None:
+            held = torch.cuda.memory_reserved(device) + CONTEXT
+        return max(0, int(CARD - held)), int(CARD)
+
+    torch.cuda.mem_get_info = card_view
+    torch.cuda.memory.mem_get_info = card_view
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "get_memory_info"):
+        accelerator.get_memory_info = card_view
+
+    def cap():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (CARD - CONTEXT) / total), 0)
+
+    torch.cuda._lazy_call(cap)
+
+    def peaks():
+        if not torch.cuda.is_initialized():
+            return
+        held = process_bytes()
+        reserved = torch.cuda.memory_reserved()
+        record = {"card_gib": CARD / GIB, "cap_gib": (CARD - CONTEXT) / GIB,
+                  "device_total_gib": torch.cuda.get_device_properties(0).total_memory / GIB,
+                  "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+                  "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+                  "process_gib_at_exit": None if held is None else held / GIB,
+                  "overhead_gib": None if held is None else max(0.0, held - reserved) / GIB,
+                  "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+        with open(os.environ["DFPO_BENCH_PEAKS"], "w") as handle:
+            json.dump(record, handle)
+
+    atexit.register(peaks)
+
+
+class AfterTorch(importlib.abc.MetaPathFinder):
+    """Installs the card once torch is imported, whoever imports it (nothing here imports torch earlier)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            install(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+# Only the row's own process: the processes it starts (compile workers) inherit the environment and leave it be.
+if os.environ.setdefault("DFPO_BENCH_OWNER", str(os.getpid())) == str(os.getpid()):
+    sys.meta_path.insert(0, AfterTorch())
+'''
+
+
+def write_site(work: pathlib.Path) -> pathlib.Path:
+    """The folder holding the card's ``sitecustomize.py`` (put first on a row's PYTHONPATH)."""
+    site = work / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return site
+
+
+# -------------------------------------------------------------------------------------------- model and data
+def build_model(model_dir: pathlib.Path, tokenizer_path: str, seed: int) -> dict[str, Any]:
+    """Qwen3-8B's architecture with random bf16 weights, on the GPU, saved with Qwen2.5's tokenizer padded to the
+    head's vocabulary (every id the random head samples decodes)."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3Config
 
-    from dfpo_bench.cost import users_size
-
-    config = CONFIGS[args.one]
-    on_gpu = torch.cuda.is_available()
-    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if on_gpu else 0.0
-    if on_gpu:
-        torch.cuda.init()
-        if args.cap_gib:
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib / total_gib), 0)
-    runner_args = argparse.Namespace(
-        lora=True, vllm=config["vllm"], vllm_memory=args.engine_gib / total_gib if config["vllm"] else None,
-        max_model_length=args.max_model_length, completion_length=args.completion_length, rollouts=1,
-        seed=args.seed, config_extra={"vllm_enable_sleep_mode": True} if config["sleep"] else {})
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    missing = QWEN3_8B["vocab_size"] - len(tokenizer)
+    if missing > 0:
+        tokenizer.add_tokens([f"<|unused{i}|>" for i in range(missing)], special_tokens=True)
+    config = Qwen3Config(**QWEN3_8B, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     started = time.perf_counter()
-    record: dict[str, Any] = {"config": args.one, "cap_gib": args.cap_gib, "allocator": config["alloc"] or "default",
-                              "device_total_gib": total_gib,
-                              "engine_gib_requested": args.engine_gib if config["vllm"] else None}
-    try:
-        runner = users_size.Runner(runner_args, args.model_dir)
-        if config["vllm"]:
-            runner.share_engine()
-        result = runner.run(method_of(config))
-    except Exception as error:  # loading the model or building the engine under the cap: a crash, recorded
-        import traceback
+    torch.manual_seed(seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(model_dir, max_shard_size="5GB")
+    tokenizer.save_pretrained(model_dir)
+    return {"parameters": sum(p.numel() for p in model.parameters()), "build_and_save_s": time.perf_counter() - started}
 
-        result = {"crash": f"{type(error).__name__}: {error}"[:2000],
-                  "crash_frames": [f.name for f in traceback.extract_tb(error.__traceback__)[-8:]]}
-        if on_gpu:
-            result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-    else:
-        result["engine_gib"] = runner.engine.get("allocated_gib") if config["vllm"] else None
-        result["engine_start_s"] = runner.engine.get("start_s") if config["vllm"] else None
-    record.update({k: v for k, v in result.items() if k != "steps"})
-    record["steps"] = result.get("steps")
-    record["wall_s"] = time.perf_counter() - started
-    if on_gpu:
-        seen = process_gib()
-        record["process_gib_at_end"] = seen
-        record["overhead_gib"] = None if seen is None else max(0.0, seen - torch.cuda.memory_reserved() / 2**30)
-    else:
-        record["overhead_gib"] = 0.0
-    if config["vllm"] and not record.get("crash"):
-        record["engine_gib"] = record.get("engine_gib") or args.engine_gib
+
+def write_dataset(folder: pathlib.Path, train: int = 2000, test: int = 16, seed: int = 0) -> None:
+    """GSM8K-shaped problems (a few sentences, a "#### N" answer) saved to disk, train and test splits."""
+    import random
+
+    from datasets import Dataset, DatasetDict
+
+    names = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Ken", "Alexis", "Tina", "Randy"]
+    things = ["clips", "apples", "books", "pages", "marbles", "cookies", "stamps", "shells"]
+
+    def problem(rng: random.Random) -> tuple[str, str]:
+        name, thing = rng.choice(names), rng.choice(things)
+        a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 9)
+        text = (f"{name} had {a} {thing} in April. In May {name} got {b} more {thing}, and then gave away a "
+                f"{c}th of all of them to friends at school. A friend later returned 3 {thing}. How many {thing} "
+                f"does {name} have at the end of May, if every {thing} that was given away was counted once?")
+        total = a + b
+        return text, f"{name} had {a} + {b} = {total} {thing}.\n#### {total - total // c + 3}"
+
+    rng = random.Random(seed)
+    splits = {}
+    for split, n in (("train", train), ("test", test)):
+        rows = [problem(rng) for _ in range(n)]
+        splits[split] = Dataset.from_dict({"question": [q for q, _ in rows], "answer": [a for _, a in rows]})
+    DatasetDict(splits).save_to_disk(str(folder))
+
+
+# -------------------------------------------------------------------------------------------------- the rows
+def user_command(row: dict[str, Any]) -> str:
+    """The row as the table tells a user to run it."""
+    env = " ".join(f"{k}={v}" for k, v in row["env"].items())
+    return " ".join(filter(None, [env, "dfpo-train recipes/qwen3_8b_lora.yaml", shlex.join(row["flags"])]))
+
+
+def row_argv(row: dict[str, Any], model_dir: str, dataset_dir: str) -> list[str]:
+    """What a row runs: the program on the recipe, the row's flags, then the machine's (:func:`machine_flags`)."""
+    return [sys.executable, "-m", "dfpo_trl", str(RECIPE), *row["flags"], *machine_flags(model_dir, dataset_dir)]
+
+
+def row_env(row: dict[str, Any], site: pathlib.Path, peaks: pathlib.Path, port: int) -> dict[str, str]:
+    """The row's environment: the user's own (none, or the allocator setting), the simulated card, the import path
+    (the card's sitecustomize first; the repository and the benchmarks for the coin reward), a free MASTER_PORT."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    path = [str(site), str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]
+    env.update(row["env"], PYTHONPATH=os.pathsep.join(p for p in path if p), PYTHONUNBUFFERED="1",
+               DFPO_BENCH_CARD_GIB=str(row["card_gib"]), DFPO_BENCH_CONTEXT_GIB=str(CONTEXT_GIB),
+               DFPO_BENCH_PEAKS=str(peaks), MASTER_PORT=str(port), TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def start_row(row: dict[str, Any], args: argparse.Namespace, site: pathlib.Path, port: int) -> dict[str, Any]:
+    """Start one row's process in its own folder (the recipe's relative output_dir lands there)."""
+    folder = pathlib.Path(args.work) / row["name"]
+    folder.mkdir(parents=True, exist_ok=True)
+    peaks = folder / "peaks.json"
+    peaks.unlink(missing_ok=True)
+    argv = row_argv(row, args.model_dir, str(pathlib.Path(args.work) / "gsm8k_offline"))
+    log = open(folder / "run.log", "w")  # noqa: SIM115 - the child owns it
+    print(f"[{time.strftime('%H:%M:%S')}] start {row['name']}: {user_command(row)}", flush=True)
+    process = subprocess.Popen(argv, cwd=folder, env=row_env(row, site, peaks, port), stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    return {"row": row, "argv": argv, "process": process, "started": time.perf_counter(), "folder": folder}
+
+
+def finish_row(job: dict[str, Any], code: int | None) -> dict[str, Any]:
+    """A finished (or timed-out, ``code`` None) row's record."""
+    row, folder = job["row"], job["folder"]
+    peaks_path = folder / "peaks.json"
+    peaks = json.loads(peaks_path.read_text()) if peaks_path.exists() else {}
+    log = (folder / "run.log").read_text(errors="replace")
+    errors = [line for line in log.splitlines() if line.startswith("dfpo-train: error")]
+    summary_path = next(folder.glob("outputs/*/dfpo_summary.json"), None)
+    summary = json.loads(summary_path.read_text()) if summary_path else {}
+    needs = None
+    if peaks.get("peak_reserved_gib") is not None and peaks.get("overhead_gib") is not None:
+        needs = peaks["peak_reserved_gib"] + peaks["overhead_gib"]
+    fits = needs is not None and needs <= row["card_gib"]
+    engine_lines = [line.strip() for line in log.splitlines()
+                    if any(k in line for k in ("KV cache memory", "gpu_memory_utilization", "vllm_max_model_length"))]
+    record = {
+        "name": row["name"], "card_gib": row["card_gib"], "generation": row["generation"], "flags": row["flags"],
+        "env": row["env"], "user_command": user_command(row), "machine_flags": job["argv"][len(row["flags"]) + 4:],
+        "exit": code, "wall_s": time.perf_counter() - job["started"], **peaks, "needs_gib": needs,
+        "passed": code == 0 and fits, "error": errors[-1] if errors else None,
+        "steps": summary.get("steps"), "times": summary.get("times"),
+        "engine_log": engine_lines[-8:], "log_tail": None if code == 0 else log[-4000:],
+    }
+    (folder / "record.json").write_text(json.dumps(record, indent=1))
+    mark = "pass" if record["passed"] else "FAIL"
+    print(f"[{time.strftime('%H:%M:%S')}] {row['name']}: {mark} (exit {code}, needs {needs} GiB)", flush=True)
     return record
 
 
-def child(args: argparse.Namespace, name: str, cap: float | None, work: pathlib.Path) -> subprocess.Popen:
-    """Start one configuration's process; its record goes to ``work/<name>@<cap>.json``."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    if CONFIGS[name]["alloc"]:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = CONFIGS[name]["alloc"]
-    tag = f"{name}@{cap or 'uncapped'}"
-    command = [sys.executable, "-m", "dfpo_bench.trained.cards_8b", "--one", name, "--model-dir", str(args.model_dir),
-               "--out", str(work / f"{tag}.json"), "--engine-gib", str(args.engine_gib),
-               "--completion-length", str(args.completion_length), "--max-model-length", str(args.max_model_length)]
-    if cap:
-        command += ["--cap-gib", str(cap)]
-    log = open(work / f"{tag}.log", "w")  # noqa: SIM115 - the child owns it
-    print(f"[{time.strftime('%H:%M:%S')}] start {tag}", flush=True)
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def run_lanes(args: argparse.Namespace, jobs: list[tuple[str, float | None]], work: pathlib.Path) -> None:
-    """Run ``jobs`` in two lanes, one after another in each: transformers generation, and vLLM (one engine starting
-    at a time on a GPU: vLLM's start-up profiling fails when another process's memory moves)."""
-    lanes = {True: [j for j in jobs if CONFIGS[j[0]]["vllm"]], False: [j for j in jobs if not CONFIGS[j[0]]["vllm"]]}
-    running: dict[bool, subprocess.Popen | None] = {True: None, False: None}
-    deadline = time.time() + args.budget_s
+def run_lanes(rows: list[dict[str, Any]], args: argparse.Namespace, site: pathlib.Path) -> list[dict[str, Any]]:
+    """The rows in two lanes at once (transformers generation; colocated vLLM), one after another in each; no row
+    starts after ``--deadline-s`` and each is stopped after ``--row-timeout-s``."""
+    lanes = {lane: [r for r in rows if (r["generation"] == "transformers") == (lane == 0)] for lane in (0, 1)}
+    if args.lanes == 1:
+        lanes = {0: list(rows), 1: []}
+    running: dict[int, dict[str, Any] | None] = {0: None, 1: None}
+    records, deadline = [], time.time() + args.deadline_s
     while any(lanes.values()) or any(running.values()):
-        for lane, process in running.items():
-            if process is not None and process.poll() is not None:
-                running[lane] = None
+        for lane, job in running.items():
+            if job is not None:
+                code = job["process"].poll()
+                if code is None and time.perf_counter() - job["started"] > args.row_timeout_s:
+                    os.killpg(job["process"].pid, 9)
+                    job["process"].wait()
+                    records.append(finish_row(job, None))
+                    running[lane] = None
+                elif code is not None:
+                    records.append(finish_row(job, code))
+                    running[lane] = None
             if running[lane] is None and lanes[lane] and time.time() < deadline:
-                name, cap = lanes[lane].pop(0)
-                running[lane] = child(args, name, cap, work)
+                running[lane] = start_row(lanes[lane].pop(0), args, site, 29500 + 17 * lane)
         if time.time() >= deadline and not any(running.values()):
             break
         time.sleep(2.0)
+    return records
 
 
-def read(work: pathlib.Path, tag: str) -> dict[str, Any] | None:
-    path = work / f"{tag}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+def collect(work: pathlib.Path) -> list[dict[str, Any]]:
+    """Every row's latest record in ``work`` (this call's and an earlier call's: ``--rows`` runs the rest), in the
+    table's order; a row without one is marked not run."""
+    records = []
+    for row in ROWS:
+        path = work / row["name"] / "record.json"
+        records.append(json.loads(path.read_text()) if path.exists() else {
+            "name": row["name"], "card_gib": row["card_gib"], "user_command": user_command(row), "exit": None,
+            "passed": False, "error": "not run (the deadline passed, or not asked for): run it with --rows"})
+    return records
 
 
-def stage_two(uncapped: dict[str, dict[str, Any]], cards: tuple[float, ...]) -> list[tuple[str, float]]:
-    """The capped runs the uncapped ones leave undecided (module docstring)."""
-    return [(name, card) for name in TABLE_CONFIGS if name in uncapped and not uncapped[name].get("crash")
-            for card in cards if decide(card, uncapped[name]) is None]
-
-
-def drive(args: argparse.Namespace) -> dict[str, Any]:
-    from dfpo_bench.lib import common, provenance
-
+def prepare(args: argparse.Namespace) -> dict[str, Any]:
+    """The random model (in a child process, so that the driver holds no GPU memory) and the offline dataset."""
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    cards = (0.2, 0.3, 0.5) if args.smoke else CARDS_GIB
-    names = ["transformers_b8", "transformers_b4"] if args.smoke else (args.configs or list(CONFIGS))
+    built: dict[str, Any] = {"model_dir": args.model_dir}
     if not (pathlib.Path(args.model_dir) / "config.json").exists():
-        from dfpo_bench.cost import users_size
-        from dfpo_bench.lib import trainers
-
-        device = "cpu" if args.smoke else "cuda"
-        tokenizer = args.tokenizer or trainers.default_tokenizer_path()
-        model, _ = users_size.build_model("tiny" if args.smoke else "qwen3-8b", tokenizer, pathlib.Path(args.model_dir),
-                                          device, args.seed)
-        del model  # the runs load it from disk, one process each
-        if not args.smoke:
-            import torch
-
-            torch.cuda.empty_cache()
-    result: dict[str, Any] = {"command": "python -m dfpo_bench.trained.cards_8b " + " ".join(sys.argv[1:]),
-                              **provenance.checkout_state(ROOT), "versions": common.versions(),
-                              "card": common.device_name("cpu" if args.smoke else "cuda"),
-                              "engine_gib": args.engine_gib, "completion_length": args.completion_length}
-    run_lanes(args, [(n, None) for n in names], work)
-    # every configuration with a record in ``work``: an earlier driver's too (``--configs`` reruns some)
-    uncapped = {n: r for n in CONFIGS if (r := read(work, f"{n}@uncapped")) is not None}
-    jobs = [] if args.smoke else stage_two(uncapped, cards)  # no allocator cap on the CPU
-    print(f"stage 2: {len(jobs)} capped runs: {jobs}", flush=True)
-    run_lanes(args, jobs, work)
-    result.update(cards_gib=list(cards), rows=tabulate(work, cards, args.engine_gib),
-                  missing=[n for n in names if n not in uncapped] + [f"{n}@{c}" for n, c in jobs
-                                                                       if read(work, f"{n}@{c}") is None])
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-    print_table(result["rows"])
-    return result
+        code = subprocess.run([sys.executable, "-m", "dfpo_bench.trained.cards_8b", "--build", args.model_dir,
+                               "--tokenizer", args.tokenizer, "--out", str(work / "built.json")], cwd=ROOT).returncode
+        if code:
+            raise SystemExit(f"building the random Qwen3-8B failed (exit {code})")
+        built.update(json.loads((work / "built.json").read_text()))
+    if not (work / "gsm8k_offline" / "dataset_dict.json").exists():
+        write_dataset(work / "gsm8k_offline")
+    return built
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    for entry in rows:
-        cells = " ".join(f"{c['card_gib']:g}:{'?' if c['fits'] is None else 'yes' if c['fits'] else 'no'}"
-                         for c in entry["cards"])
-        needs = "?" if entry["needs_gib"] is None else f"{entry['needs_gib']:.2f}"
-        print(f"{entry['variant']:36s} needs {needs:>6s} GiB  {cells}", flush=True)
+def print_table(records: list[dict[str, Any]]) -> None:
+    for r in records:
+        needs = "-" if r.get("needs_gib") is None else f"{r['needs_gib']:.2f}"
+        reserved = "-" if r.get("peak_reserved_gib") is None else f"{r['peak_reserved_gib']:.2f}"
+        print(f"{r['name']:24s} {'pass' if r['passed'] else 'FAIL':4s} reserved {reserved:>6s} needs {needs:>6s} GiB  "
+              f"{r['user_command']}{'  | ' + r['error'] if r.get('error') else ''}", flush=True)
+
+
+def report(result: dict[str, Any]) -> str:
+    """The RESULTS.md section, from the JSON alone."""
+    lines = [f"**The 8B LoRA recipe's cards, as a user runs them** (`dfpo_bench.trained.cards_8b`; {result['card']}, "
+             f"{result['date']}). Each row is `dfpo-train recipes/qwen3_8b_lora.yaml` with the row's flags and "
+             f"environment, plus what the GPU machine cannot do without: `{' '.join(result['machine_flags'])}` "
+             "(Qwen3-8B's architecture with random weights, an offline GSM8K-shaped dataset with 16 held-out "
+             "problems, a seeded coin reward, one rollout and its two optimizer steps). The card is simulated: "
+             f"PyTorch capped at the card less {result['context_gib']:g} GiB, `torch.cuda.mem_get_info` reporting the "
+             "card, so vLLM's `vllm_gpu_memory_utilization` is a share of the card. Needs = peak reserved + what the "
+             "process held outside PyTorch's allocator; a row passes when the run exits 0 and that fits the card.",
+             "", "| card | command | result | peak allocated GiB | peak reserved GiB | outside PyTorch GiB | needs GiB "
+             "| wall s |", "|---|---|---|---|---|---|---|---|"]
+
+    def cell(value: Any) -> str:
+        return "–" if value is None else f"{value:.2f}"
+
+    for r in result["rows"]:
+        result_cell = "passes" if r["passed"] else f"fails: {r.get('error') or 'exit ' + str(r.get('exit'))}"
+        wall = "–" if r.get("wall_s") is None else f"{r['wall_s']:.0f}"
+        lines.append(f"| {r['card_gib']} GB | `{r['user_command']}` | {result_cell} | "
+                     f"{cell(r.get('peak_allocated_gib'))} | {cell(r.get('peak_reserved_gib'))} | "
+                     f"{cell(r.get('overhead_gib'))} | {cell(r.get('needs_gib'))} | {wall} |")
+    by_name = {r["name"]: r for r in result["rows"]}
+    with_, without = by_name.get("32GB"), by_name.get("32GB_default_allocator")
+    if with_ and without and with_.get("peak_reserved_gib") and without.get("peak_reserved_gib"):
+        lines += ["", f"Expandable segments (dfpo-train's default) against PyTorch's default allocator on the 32 GB "
+                      f"row: peak reserved {with_['peak_reserved_gib']:.2f} GiB against "
+                      f"{without['peak_reserved_gib']:.2f} GiB (cap {without.get('cap_gib', 0):.2f}); "
+                      f"{'both pass' if with_['passed'] and without['passed'] else 'see the result column'}."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="the JSON record")
     parser.add_argument("--work", default="/tmp/cards")
-    parser.add_argument("--model-dir", default="/root/models/random-qwen3-8b")
-    parser.add_argument("--tokenizer", default=None, help="default: the GPU kit's SmolLM2 (users_size)")
-    parser.add_argument("--engine-gib", type=float, default=20.0, help="the colocated engine's memory on every card")
-    parser.add_argument("--completion-length", type=int, default=768)
-    parser.add_argument("--max-model-length", type=int, default=2048)
-    parser.add_argument("--budget-s", type=float, default=1200.0, help="start no run after this many seconds")
+    parser.add_argument("--model-dir", default=MODEL_DIR)
+    parser.add_argument("--tokenizer", default=TOKENIZER)
+    parser.add_argument("--rows", nargs="+", choices=[r["name"] for r in ROWS], help="run only these (default all)")
+    parser.add_argument("--lanes", type=int, choices=(1, 2), default=2, help="rows running at once (default 2)")
+    parser.add_argument("--deadline-s", type=float, default=480.0, help="start no row after this many seconds")
+    parser.add_argument("--row-timeout-s", type=float, default=420.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
-                        help="run only these (default: all); the table takes every record in --work")
-    parser.add_argument("--smoke", action="store_true", help="CPU: a tiny model, transformers generation only")
-    parser.add_argument("--table", metavar="WORK", default=None,
-                        help="no runs: the table from the records in WORK (with --out)")
-    parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)
-    parser.add_argument("--cap-gib", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dry-run", action="store_true", help="print each row's command and environment, run none")
+    parser.add_argument("--report", metavar="JSON", help="print the RESULTS section of an earlier --out")
+    parser.add_argument("--build", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.one:
-        from dfpo_bench.lib import common
-
-        common.quiet()
-        record = run_one(args)
+    if args.report:
+        print(report(json.loads(pathlib.Path(args.report).read_text())))
+        return
+    if args.build:
+        record = build_model(pathlib.Path(args.build), args.tokenizer, args.seed)
         pathlib.Path(args.out).write_text(json.dumps(record))
-        print(json.dumps({k: v for k, v in record.items() if k != "steps"})[:3000], flush=True)
         return
-    if args.table:
-        rows = tabulate(pathlib.Path(args.table), CARDS_GIB, args.engine_gib)
-        pathlib.Path(args.out).write_text(json.dumps({"cards_gib": list(CARDS_GIB), "records": args.table,
-                                                      "rows": rows}, indent=1))
-        print_table(rows)
+    rows = [r for r in ROWS if not args.rows or r["name"] in args.rows]
+    if args.dry_run:
+        dataset = str(pathlib.Path(args.work) / "gsm8k_offline")
+        for row in rows:
+            env = row_env(row, pathlib.Path(args.work) / "site", pathlib.Path(args.work) / row["name"] / "peaks.json",
+                          29500)
+            shown = {k: env[k] for k in (*row["env"], "DFPO_BENCH_CARD_GIB", "DFPO_BENCH_CONTEXT_GIB")}
+            print(f"{row['name']}: {user_command(row)}")
+            print(f"  runs: {shlex.join(row_argv(row, args.model_dir, dataset))}")
+            print(f"  env: {' '.join(f'{k}={v}' for k, v in shown.items())}")
         return
-    if args.smoke and args.model_dir == "/root/models/random-qwen3-8b":
-        args.model_dir = str(pathlib.Path(args.work) / "tiny-model")
-    drive(args)
+    if not args.out:
+        parser.error("--out is required")
+    from dfpo_bench.lib import common, provenance
+
+    built = prepare(args)
+    site = write_site(pathlib.Path(args.work))
+    run_lanes(rows, args, site)
+    records = collect(pathlib.Path(args.work))
+    result = {"command": "python -m dfpo_bench.trained.cards_8b " + " ".join(sys.argv[1:]),
+              **provenance.checkout_state(ROOT), "versions": common.versions(), "card": common.device_name("cuda"),
+              "date": time.strftime("%Y-%m-%d"), "context_gib": CONTEXT_GIB, "model": built,
+              "machine_flags": machine_flags(args.model_dir, str(pathlib.Path(args.work) / "gsm8k_offline")),
+              "rows": records}
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    print_table(records)
 
 
 if __name__ == "__main__":

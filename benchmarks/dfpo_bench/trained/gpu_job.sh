@@ -2,13 +2,12 @@
 # The trained-weights jobs on the GPU machine, after the GPU kit (benchmarks/README.md, "The GPU kit": its setup
 # has installed TRL and vLLM and written the checkpoints). From the repo root:
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh is               the IS-ratio measurement, one process per sampling setting
-#   bash benchmarks/dfpo_bench/trained/gpu_job.sh cards GPU         the 8B recipe's cards (cards_8b.py), detached, on one GPU
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh cards GPU         the 8B recipe's card rows as run (cards_8b.py), detached
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh poll S            waits S s, prints progress, packs what exists into $OUT
 # A detached job dies with the machine, which goes back 30 s after a call returns: keep calling `poll`.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 model=/root/models/qwen2.5-coder-0.5b-instruct
-smol=/root/models/smollm2-135m-instruct
 case "$1" in
   is)
     for s in untruncated_t1 recipe_8b_lora recipe_32b; do
@@ -19,14 +18,16 @@ case "$1" in
     tar czf "$OUT/is_logs.tgz" /tmp/is_*.log 2>/dev/null ;;
   cards)
     mkdir -p /tmp/cards
-    CUDA_VISIBLE_DEVICES=$2 setsid nohup python -m dfpo_bench.trained.cards_8b --out /tmp/cards/cards_8b.json \
-      --work /tmp/cards --tokenizer $smol > /tmp/cards/driver.log 2>&1 < /dev/null &
+    CUDA_VISIBLE_DEVICES=$2 setsid nohup python -m dfpo_bench.trained.cards_8b --out /tmp/cards/cards_8b_as_run.json \
+      --work /tmp/cards > /tmp/cards/driver.log 2>&1 < /dev/null &
     echo "cards started on GPU $2" ;;
   poll)
     sleep "${2:-20}"
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
     if [ -d /tmp/cards ]; then
-      tail -3 /tmp/cards/driver.log; ls /tmp/cards/*.json 2>/dev/null | xargs -n1 basename | tr '\n' ' '; echo
-      tar czf "$OUT/cards.tgz" /tmp/cards/*.json /tmp/cards/*.log 2>/dev/null
+      tail -3 /tmp/cards/driver.log; ls /tmp/cards/*/record.json 2>/dev/null | tr '\n' ' '; echo
+      cp /tmp/cards/cards_8b_as_run.json "$OUT/" 2>/dev/null
+      tar czf "$OUT/cards.tgz" /tmp/cards/*.json /tmp/cards/*.log /tmp/cards/*/record.json /tmp/cards/*/run.log \
+        /tmp/cards/*/peaks.json 2>/dev/null
     fi ;;
 esac

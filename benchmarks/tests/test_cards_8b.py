@@ -1,0 +1,143 @@
+"""The 8B LoRA recipe's card rows as a user runs them (dfpo_bench.trained.cards_8b) and the held-out evaluation's
+timing arms (dfpo_bench.trained.eval_calls), on the CPU: every row is the recipe plus the row's flags, which parse,
+resolve and pass every check of dfpo-train; the benchmark adds only what the GPU machine cannot do without; the
+recipe's header lists each row's flags; the simulated card's module installs itself in the row's process alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from dfpo_bench.trained import cards_8b, eval_calls
+
+ROOT = Path(__file__).resolve().parents[2]
+HEADER = [line for line in cards_8b.RECIPE.read_text().splitlines() if line.startswith("#")]
+
+
+def header_rows() -> dict[int, list[str]]:
+    """card GB -> the flags the recipe's header line gives (tests/cli/test_card_rows.py holds them to dfpo-train)."""
+    rows = {}
+    for line in HEADER:
+        if line.startswith("#   ") and " GB: " in line and line[4:].split(" GB: ")[0].isdigit():
+            card, rest = line[4:].split(" GB: ", 1)
+            stated = rest.split("  (")[0].strip()
+            rows[int(card)] = [] if stated == "(none)" else shlex.split(stated)
+    return rows
+
+
+def test_the_rows_are_the_recipe_headers(gpu_recipes_parse_here) -> None:
+    from dfpo_trl.cli import parse_recipe
+
+    stated = header_rows()
+    assert sorted(stated) == sorted({r["card_gib"] for r in cards_8b.ROWS})
+    for row in cards_8b.ROWS:
+        assert row["flags"] == stated[row["card_gib"]], row["name"]
+        parse_recipe([str(cards_8b.RECIPE), *row["flags"], *cards_8b.machine_flags("/tmp/m", "/tmp/d")])
+
+
+def test_the_benchmark_adds_only_what_the_machine_cannot_do_without(tmp_path: Path) -> None:
+    flags = cards_8b.machine_flags("/tmp/m", "/tmp/d")
+    added = [f for f in flags if f.startswith("--")]
+    assert added == ["--model_name_or_path", "--dataset", "--reward_funcs", "--max_steps"]
+    for row in cards_8b.ROWS:
+        assert not set(added) & set(row["flags"])  # a row's own flags never include the machine's
+        argv = cards_8b.row_argv(row, "/tmp/m", "/tmp/d")
+        assert argv == [sys.executable, "-m", "dfpo_trl", str(cards_8b.RECIPE), *row["flags"], *flags]
+        env = cards_8b.row_env(row, tmp_path / "site", tmp_path / "peaks.json", 29500)
+        assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "site")  # the card's module first
+        assert env["DFPO_BENCH_CARD_GIB"] == str(row["card_gib"])
+        assert env.get("PYTORCH_CUDA_ALLOC_CONF") == row["env"].get("PYTORCH_CUDA_ALLOC_CONF")
+    assert {r["card_gib"] for r in cards_8b.ROWS} == {24, 32, 40, 48, 80}
+    assert [r["env"] for r in cards_8b.ROWS if r["env"]] == [{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}]
+    out = subprocess.run([sys.executable, "-m", "dfpo_bench.trained.cards_8b", "--dry-run", "--out", "x"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for row in cards_8b.ROWS:
+        assert f"{row['name']}: {cards_8b.user_command(row)}\n" in out.stdout
+        assert f"  runs: {shlex.join(cards_8b.row_argv(row, cards_8b.MODEL_DIR, '/tmp/cards/gsm8k_offline'))}\n" \
+            in out.stdout
+
+
+def test_the_offline_dataset_and_the_coin_reward(tmp_path: Path) -> None:
+    from dfpo_trl.cli import get_task
+
+    cards_8b.write_dataset(tmp_path / "gsm8k", train=40, test=16)
+    task = get_task("math", dataset=str(tmp_path / "gsm8k"), config="main", problem_column="question",
+                    answer_column="answer")
+    train, heldout = task.build_dataset("train", None, 0), task.build_dataset("test", 100, 0)
+    assert len(train) == 40 and len(heldout) == 16  # eval_size 100 takes the 16 there are
+    assert heldout["answer"][0].split("####")[-1].strip().isdigit()
+    texts = [f"completion {i}" for i in range(64)]
+    rewards = cards_8b.coin_reward(texts)
+    assert rewards == cards_8b.coin_reward(texts) and set(rewards) == {0.0, 1.0}  # seeded, with variance
+    assert cards_8b.coin_reward([[{"role": "assistant", "content": "completion 3"}]]) == [rewards[3]]
+
+
+def test_the_card_module_hooks_torch_in_the_rows_process_only(tmp_path: Path) -> None:
+    """On the CPU: after ``import torch`` the row's process has the card's ``mem_get_info`` (CUDA's own is never
+    called here) and the cap queued for CUDA's start; a process it starts leaves torch alone."""
+    site = cards_8b.write_site(tmp_path)
+    code = ("import subprocess, sys, torch\n"
+            "print('row:', torch.cuda.mem_get_info.__name__)\n"
+            "child = 'import torch; print(\"child:\", torch.cuda.mem_get_info.__name__)'\n"
+            "print(subprocess.run([sys.executable, '-c', child], capture_output=True, text=True).stdout.strip())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+               DFPO_BENCH_CARD_GIB="24", DFPO_BENCH_PEAKS=str(tmp_path / "peaks.json"))
+    env.pop("DFPO_BENCH_OWNER", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "row: card_view" in out.stdout and "child: mem_get_info" in out.stdout
+    assert not (tmp_path / "peaks.json").exists()  # CUDA never started: no peaks to write
+
+
+def test_the_report_reads_the_json_alone() -> None:
+    rows = [{"name": "32GB", "card_gib": 32, "user_command": "dfpo-train recipes/qwen3_8b_lora.yaml", "exit": 0,
+             "passed": True, "peak_allocated_gib": 23.3, "peak_reserved_gib": 25.4, "overhead_gib": 0.8,
+             "needs_gib": 26.2, "wall_s": 120.0, "cap_gib": 31.0},
+            {"name": "32GB_default_allocator", "card_gib": 32, "exit": 0, "passed": True, "cap_gib": 31.0,
+             "user_command": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False dfpo-train recipes/qwen3_8b_lora.yaml",
+             "peak_allocated_gib": 23.4, "peak_reserved_gib": 31.0, "overhead_gib": 0.8, "needs_gib": 31.8},
+            {"name": "40GB", "card_gib": 40, "user_command": "dfpo-train ...", "exit": 1, "passed": False,
+             "error": "dfpo-train: error: vLLM did not start: ..."}]
+    text = cards_8b.report({"card": "NVIDIA H200", "date": "2026-12-02", "context_gib": 1.0,
+                            "machine_flags": ["--max_steps", "2"], "rows": rows})
+    assert "| 32 GB | `dfpo-train recipes/qwen3_8b_lora.yaml` | passes | 23.30 | 25.40 | 0.80 | 26.20 | 120 |" in text
+    assert "| 40 GB | `dfpo-train ...` | fails: dfpo-train: error: vLLM did not start: ... |" in text
+    assert "peak reserved 25.40 GiB against 31.00 GiB (cap 31.00); both pass" in text
+
+
+def test_eval_calls_arms_differ_in_the_eval_batch_alone(tmp_path: Path, gpu_recipes_parse_here) -> None:
+    import argparse
+
+    from dfpo_trl.cli import parse_recipe
+
+    planned = eval_calls.plan(argparse.Namespace(work=str(tmp_path), model="/m", repeats=2))
+    assert [(arm, repeat) for arm, repeat, _ in planned] == [
+        ("one_problem_per_call", 0), ("dfpo_default", 0), ("dfpo_default", 1), ("one_problem_per_call", 1)]
+    old, new = planned[0][2], planned[1][2]
+
+    def without_output_dir(argv: list[str]) -> list[str]:
+        i = argv.index("--output_dir")
+        return argv[:i] + argv[i + 2:]
+
+    assert without_output_dir(old)[:-2] == without_output_dir(new)  # the eval batch is the arms' one difference
+    assert old[-2:] == ["--per_device_eval_batch_size", "8"] and "--per_device_eval_batch_size" not in new
+    for flag, value in (("--eval_size", "100"), ("--num_generations_eval", "8"), ("--max_completion_length", "256")):
+        assert new[new.index(flag) + 1] == value
+    batches = []
+    for argv in (old, new):  # both parse as dfpo-train reads them (from the repository root, where they run)
+        script, args, _ = parse_recipe([str(ROOT / argv[3]), *argv[4:]])
+        assert args.use_vllm and script.eval_size == 100 and args.num_generations_eval == 8
+        batches.append(args.per_device_eval_batch_size)
+    assert batches == [8, 8]  # 8 set in the first; the second's stays transformers' until dfpo-train sets it
+    result = {"card": "NVIDIA H200", "date": "2026-12-02", "records": [{"command": "a"}, {"command": "b"}],
+              "rows": [{"flags": "--per_device_eval_batch_size 8", "evaluations": 2, "eval_s": [70.0, 72.0],
+                        "median_eval_s": 71.0, "avg_at_k": [0.5, 0.6]},
+                       {"flags": "(none)", "evaluations": 2, "eval_s": [14.0, 14.2], "median_eval_s": 14.1,
+                        "avg_at_k": [0.52, 0.61]}]}
+    text = eval_calls.report(json.loads(json.dumps(result)))
+    assert "Median evaluation 71.0 s at one problem per call, 14.1 s in one call: 5.0x faster." in text
