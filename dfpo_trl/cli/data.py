@@ -6,13 +6,13 @@ A mistake in them (an unknown name, a missing column, a filter that drops every 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from typing import Any
 
 from .._usercode import UserCodeError, exception_text, user_frame
 from . import logger
 from .args import DFPOScriptArguments, RecipeError
+from .local_inputs import reward_model_given, reward_model_problem, unread_dataset_problem
 from .tasks import REWARDS, EquivalentFormsTask, Task, get_reward, get_task, safe_reward
 
 Origin = Callable[[str], str]  # where a field was set ("--task on the command line", "task in r.yaml, line 3")
@@ -43,11 +43,8 @@ def build_task(script_args: DFPOScriptArguments, origin: Origin | None = None) -
             "answer_column": script_args.answer_column,
             **({} if script_args.instruction is None else {"instruction": script_args.instruction}),
         }
-    elif script_args.dataset is not None:
-        raise RecipeError(_headed(origin, "dataset", (
-            f"dataset={script_args.dataset!r} is set but task={script_args.task!r} does not read it; set task: math "
-            "to train on a `datasets` dataset."
-        )))
+    elif (problem := unread_dataset_problem(script_args.dataset, script_args.task)) is not None:
+        raise RecipeError(_headed(origin, "dataset", problem))
     try:
         task = get_task(script_args.task, **options)
     except ValueError as exc:  # an unknown name, a bad import path, the task's own checks (no dataset)
@@ -105,35 +102,16 @@ def build_rewards(
     return rewards
 
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def reward_model_given(name: str) -> bool:
-    """Whether a ``reward_funcs`` entry names a reward model (a path or a hub id ``org/name``), not a function."""
-    return os.path.isdir(name) or name.startswith((".", "/", "~")) or HUB_ID.fullmatch(name) is not None
-
-
 def check_reward_model(name: str, revision: str | None) -> None:
     """A reward model TRL can load, refused in one line before any model loads: a local directory needs the
     model's config and its tokenizer (TRL loads both from it); a hub id needs the hub or a cached copy."""
     from .model import check_hub_checkpoint
 
+    problem = reward_model_problem(name)
+    if problem is not None:
+        raise RecipeError(problem)
     if os.path.isdir(name):
-        missing = [what for what, files in (("config.json", ("config.json",)),
-                                            ("tokenizer (tokenizer.json or tokenizer_config.json)",
-                                             ("tokenizer.json", "tokenizer_config.json")))
-                   if not any(os.path.isfile(os.path.join(name, f)) for f in files)]
-        if missing:
-            raise RecipeError(
-                f"reward_funcs: {name!r} has no {' and no '.join(missing)}; a reward model is a directory saved "
-                "with save_pretrained (an AutoModelForSequenceClassification with num_labels=1) and its tokenizer."
-            )
         return
-    if not HUB_ID.fullmatch(name):
-        raise RecipeError(
-            f"reward_funcs: {name!r} is not a directory; give a reward model's directory (saved with "
-            "save_pretrained), a hub id 'org/name', a registered reward or an import path 'package.module:function'."
-        )
     check_hub_checkpoint(
         name, revision, "reward model (reward_funcs)",
         "Give its local copy instead (reward_funcs: /path/to/reward_model, a directory saved with save_pretrained "

@@ -16,10 +16,10 @@ import json
 import sys
 from typing import Any
 
-from .parser import build_field_table, make_parser
-from .precheck import TABLE_FILE
+from .parser import build_field_table, help_all_text, make_parser
+from .precheck import HELP_ALL_FILE, TABLE_FILE
 
-__all__ = ["TABLE_FILE", "build_field_table", "write_table"]
+__all__ = ["HELP_ALL_FILE", "TABLE_FILE", "build_field_table", "write_table"]
 
 
 def table_source(table: dict[str, Any]) -> str:
@@ -28,14 +28,17 @@ def table_source(table: dict[str, Any]) -> str:
 
 
 def write_table(check: bool = False) -> int:
-    """Write ``field_table.json`` from the parser (no plugins); with ``check``, only compare (1: it differs)."""
-    text = table_source(build_field_table(make_parser()))
+    """Write ``field_table.json`` and ``help_all.txt`` (``--help-all``'s text) from the parser (no plugins); with
+    ``check``, only compare (1: one differs)."""
+    parser = make_parser()
+    texts = {TABLE_FILE: table_source(build_field_table(parser)), HELP_ALL_FILE: help_all_text(parser)}
     if check:
-        same = TABLE_FILE.is_file() and TABLE_FILE.read_text() == text
-        if not same:
-            print(f"{TABLE_FILE} is out of date: run python -m dfpo_trl.cli.fields", file=sys.stderr)
-        return 0 if same else 1
-    TABLE_FILE.write_text(text)
+        stale = [path for path, text in texts.items() if not path.is_file() or path.read_text() != text]
+        for path in stale:
+            print(f"{path} is out of date: run python -m dfpo_trl.cli.fields", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in texts.items():
+        path.write_text(text)
     return 0
 
 

@@ -30,7 +30,7 @@ from .help import short_help
 from .oom import RunOutOfMemory
 from .peers import PeerLost
 from .plugins import import_plugins, requested_plugins
-from .precheck import precheck, read_recipe, stored_field_table
+from .precheck import precheck, read_recipe, stored_field_table, stored_help_all
 from .signals import exit_code, quiet_exit_on_interrupt, signal_name, sigterm_interrupts
 
 if TYPE_CHECKING:
@@ -48,9 +48,15 @@ def __getattr__(name: str) -> Any:
 
 def print_help(args: Sequence[str]) -> int:
     """``--help`` (from the stored field table, or from the parser once plugins registered theirs) or
-    ``--help-all`` (argparse's help over every field, from the parser); 2 when a plugin cannot be imported."""
+    ``--help-all`` (argparse's help over every field: stored beside the table, or from the parser with plugins);
+    2 when a plugin cannot be imported."""
     plugins = requested_plugins(args)
     stored = stored_field_table()
+    if "--help-all" in args:
+        stored_all = stored_help_all() if not plugins else None
+        if stored_all is not None:
+            print(stored_all, end="")
+            return 0
     recipe, settings = help_recipe(args)
     if "--help-all" not in args and not plugins and stored is not None:
         print(short_help(stored, recipe=recipe, settings=settings), end="")
@@ -61,10 +67,10 @@ def print_help(args: Sequence[str]) -> int:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2
     from .fields import build_field_table
-    from .parser import make_parser
+    from .parser import help_all_text, make_parser
 
     if "--help-all" in args:
-        make_parser().print_help()
+        print(help_all_text(make_parser()), end="")
     else:
         print(short_help(build_field_table(make_parser()), recipe=recipe, settings=settings), end="")
     return 0

@@ -15,6 +15,7 @@ from ..config import DFPOConfig
 from . import logger
 from .args import ModelUnavailableError
 from .embedded import embedded_model_converted, embedded_model_path, gguf_converted, gguf_model_path
+from .local_inputs import MODEL_FIX, looks_local, model_path_problem
 
 __all__ = [
     "EMBEDDED_LABEL", "ModelUnavailableError", "check_hub_checkpoint", "hub_reachable", "model_init_kwargs",
@@ -63,16 +64,12 @@ def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tupl
         path = embedded_model_path(cache_dir)
         logger.info("embedded model checkpoint: %s", path)
         return str(path), EMBEDDED_LABEL
-    if os.path.isdir(name):
-        return name, name
+    if os.path.isdir(os.path.expanduser(name)):  # ~/models/x too: transformers would take it for a hub id
+        return os.path.expanduser(name), name
     if name.lower().endswith(".gguf") and os.path.isfile(os.path.expanduser(name)):
         return _local_gguf(name, cache_dir), name
-    if os.path.exists(name) or name.startswith((".", "/", "~")):
-        raise ModelUnavailableError(
-            f"model_name_or_path={name!r} is not a directory; give a transformers checkpoint directory, a local .gguf "
-            "file, a hub id, "
-            "or omit it to use the embedded SmolLM2-135M-Instruct default."
-        )
+    if os.path.exists(name) or looks_local(name):  # the command line refuses it before torch (local_inputs.py)
+        raise ModelUnavailableError(model_path_problem(name) or f"model_name_or_path {name!r}: {MODEL_FIX}")
     check_hub_checkpoint(
         name, model_args.model_revision, "model",
         "Use a local path (model_name_or_path: /path/to/checkpoint, a directory saved with save_pretrained), "

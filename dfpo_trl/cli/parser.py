@@ -9,6 +9,7 @@ command-line flags beat the recipe.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from ..config.fields import DFPOConfig, dfpo_fields
 from ..transforms import TRANSFORMS
 from .args import DFPOScriptArguments, RecipeError
 from .help import LEADING_FIELDS
+from .local_inputs import model_path_problem
 from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
 from .precheck import (
@@ -224,6 +226,21 @@ def numeric_fields(parser: DFPOParser) -> dict[str, list[Any]]:
     return numeric
 
 
+HELP_WIDTH = 100  # the columns --help-all is laid out in: fixed, so that the stored text is the same on every terminal
+
+
+def help_all_text(parser: DFPOParser) -> str:
+    """``--help-all``: argparse's help over every field (TRL's GRPOConfig, transformers' TrainingArguments,
+    ModelConfig and the script arguments), laid out in :data:`HELP_WIDTH` columns. Stored as ``help_all.txt`` by
+    :mod:`.fields`, so that ``--help-all`` answers without torch, as ``--help`` does."""
+    formatter_class = parser.formatter_class
+    parser.formatter_class = functools.partial(formatter_class, width=HELP_WIDTH)
+    try:
+        return parser.format_help()
+    finally:
+        parser.formatter_class = formatter_class
+
+
 def build_field_table(parser: DFPOParser) -> dict[str, Any]:
     """Everything the fast path reads, from ``parser`` (with whatever plugins registered when it was built). Here,
     not in ``fields.py`` (which writes it to ``field_table.json``), because the full parse's refusals read it too:
@@ -319,6 +336,9 @@ def parse_args(
         training_args.output_dir,
         field_origin(parser, "resume_from_checkpoint", flags, recipe),
     )
+    problem = model_path_problem(model_args.model_name_or_path)  # the fast checks' words (local_inputs.py)
+    if problem is not None:
+        raise RecipeError(f"{field_origin(parser, 'model_name_or_path', flags, recipe)}: {problem}")
     return script_args, training_args, model_args
 
 

@@ -18,21 +18,28 @@ from pathlib import Path
 from typing import Any
 
 from .args import RecipeError
+from .local_inputs import check_local_inputs
 from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
+from .resume import save_strategy_problem
 from .values import VALUE_FIELDS, check_values
 
 __all__ = [
     "PRECHECKED_FIELDS", "RENAMED_FIELDS", "CommandLine", "check_max_steps", "field_origin", "library_versions",
     "precheck", "read_command_line", "read_field_table", "read_recipe", "recipe_argv", "recipe_line",
-    "stored_field_table", "unknown_message", "yaml_error",
+    "stored_field_table", "stored_help_all", "unknown_message", "yaml_error",
 ]  # fmt: skip
 
 #: The stored field table: package data (pyproject.toml), written by ``python -m dfpo_trl.cli.fields``.
 TABLE_FILE = Path(__file__).with_name("field_table.json")
+#: ``--help-all``'s text (argparse's help over every field), written with the table from the same parser.
+HELP_ALL_FILE = Path(__file__).with_name("help_all.txt")
 
 # The fields whose values precheck reads (their defaults are in the field table).
-PRECHECKED_FIELDS = ("max_steps", "output_dir", "resume_from_checkpoint", *VALUE_FIELDS)
+PRECHECKED_FIELDS = (
+    "max_steps", "output_dir", "resume_from_checkpoint", *VALUE_FIELDS, "model_name_or_path", "eval_size",
+    "skip_eval", "use_vllm", "num_generations_eval", "per_device_eval_batch_size",
+)  # fmt: skip
 
 # Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.
 RENAMED_FIELDS = {
@@ -56,6 +63,14 @@ def library_versions() -> dict[str, str]:
 def read_field_table() -> dict[str, Any]:
     """The stored field table (``field_table.json``, written by ``python -m dfpo_trl.cli.fields``), read once."""
     return json.loads(TABLE_FILE.read_text(encoding="utf-8"))
+
+
+def stored_help_all() -> str | None:
+    """``--help-all``'s stored text when the stored field table is the installed libraries' (both are written
+    together), else None."""
+    if stored_field_table() is None or not HELP_ALL_FILE.is_file():
+        return None
+    return HELP_ALL_FILE.read_text(encoding="utf-8")
 
 
 def stored_field_table() -> dict[str, Any] | None:
@@ -274,6 +289,9 @@ def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> Non
         return
     line = read_command_line(argv, table)
     value, origin = line.value, line.origin
+    steps, strategy = line.flagged("save_steps"), line.flagged("save_strategy")
+    if isinstance(steps, str) and isinstance(strategy, str) and (problem := save_strategy_problem(steps, strategy)):
+        raise RecipeError(problem)
     try:
         max_steps = int(value("max_steps"))
     except (TypeError, ValueError):  # not an integer: the full parse says what the field takes
@@ -289,3 +307,4 @@ def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> Non
         resolve_resume_checkpoint(str(resume), output_dir, origin("resume_from_checkpoint"))
     import_plugins(as_module_list(value("plugins")), origin("plugins"))  # what they register is checked next
     check_values(value, origin, line.given, table)
+    check_local_inputs(value, origin)  # the model's, reward models' and dataset's paths, the avg@k eval batch

@@ -12,7 +12,7 @@ from typing import Any
 from . import logger
 from .args import RecipeError
 
-__all__ = ["imply_save_strategy"]
+__all__ = ["imply_save_strategy", "save_strategy_problem"]
 
 
 def _flag_value(parser: Any, name: str, args: Sequence[str]) -> str | None:
@@ -37,9 +37,16 @@ def imply_save_strategy(parser: Any, args: Sequence[str]) -> list[str]:
         logger.info("--save_steps %s on the command line: a checkpoint every %s steps (save_strategy: steps)",
                     steps, steps)
         return [*args, "--save_strategy", "steps"]
-    if strategy.strip("'\"").lower() == "no":
-        raise RecipeError(
-            f"--save_steps {steps} with --save_strategy {strategy} on the command line saves no checkpoint: drop "
-            "--save_strategy (--save_steps alone saves every that many steps)."
-        )
+    problem = save_strategy_problem(steps, strategy)
+    if problem is not None:
+        raise RecipeError(problem)
     return list(args)
+
+
+def save_strategy_problem(steps: str, strategy: str) -> str | None:
+    """``--save_steps`` and ``--save_strategy no`` both on the command line: it would save nothing (the fast checks
+    before torch say it in these words too)."""
+    if strategy.strip("'\"").lower() != "no":
+        return None
+    return (f"--save_steps {steps} with --save_strategy {strategy} on the command line saves no checkpoint: drop "
+            "--save_strategy (--save_steps alone saves every that many steps).")

@@ -18,6 +18,7 @@ from typing import Any
 
 from .args import RecipeError
 from .evaluation import HeldoutAccuracyCallback
+from .local_inputs import eval_batch_problem
 
 __all__ = ["EvalRewardRecorder", "VLLMAvgAtKCallback", "check_eval_batch", "default_eval_batch", "eval_k"]
 
@@ -41,14 +42,11 @@ def default_eval_batch(training_args: Any, problems: int, processes: int) -> int
 
 def check_eval_batch(training_args: Any) -> None:
     """Refuse an eval batch that would split a problem's k completions across batches or processes: TRL samples
-    the k of a problem next to each other, and avg@k groups them per process batch."""
-    k, batch = eval_k(training_args), training_args.per_device_eval_batch_size
-    if batch % k:
-        raise RecipeError(
-            f"per_device_eval_batch_size ({batch}) must be a multiple of num_generations_eval ({k}, the k of the "
-            f"held-out avg@k through vLLM): set --per_device_eval_batch_size {k * max(1, batch // k)} or "
-            "--num_generations_eval to a divisor of it"
-        )
+    the k of a problem next to each other, and avg@k groups them per process batch (local_inputs.py, which the
+    command line's fast checks share)."""
+    problem = eval_batch_problem(training_args.per_device_eval_batch_size, eval_k(training_args))
+    if problem is not None:
+        raise RecipeError(problem)
 
 
 class EvalRewardRecorder:

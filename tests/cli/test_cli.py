@@ -607,11 +607,21 @@ def test_offline_hub_id_says_use_local_path_or_embedded(tmp_path: Path) -> None:
     assert "local path" in proc.stderr and "omit model_name_or_path" in proc.stderr
 
 
-def test_local_path_that_is_not_a_directory(tmp_path: Path) -> None:
+def test_local_path_that_is_not_a_directory(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model path written as a local path (absolute, ./, ../, ~) that is not there is refused, not taken for a
+    hub id (the command line does it before torch: tests/cli/test_cli_fast.py); ~ is expanded for a folder."""
     from trl import ModelConfig
 
-    with pytest.raises(ModelUnavailableError, match="not a directory"):
+    with pytest.raises(ModelUnavailableError, match="'.*missing' does not exist; give a transformers checkpoint"):
         resolve_model(ModelConfig(model_name_or_path=str(tmp_path / "missing")))
+    (tmp_path / "weights.bin").write_text("x")
+    with pytest.raises(ModelUnavailableError, match="is a file, not a checkpoint directory or a .gguf file"):
+        resolve_model(ModelConfig(model_name_or_path=str(tmp_path / "weights.bin")))
+    monkeypatch.setenv("HOME", str(tiny_model_dir.parent))
+    shown = f"~/{tiny_model_dir.name}"
+    assert resolve_model(ModelConfig(model_name_or_path=shown)) == (str(tiny_model_dir), shown)
 
 
 @pytest.fixture(scope="module")
