@@ -24,6 +24,7 @@ from .options import (
     CANCELLATION_TARGETS,
     ENERGY_FORMS,
     GROUP_LAYOUTS,
+    IMPORTANCE_SAMPLING_SUPPORTS,
     ONE_SIDED_POLICIES,
     TOKEN_WEIGHTINGS,
     TRANSFORM_GRADIENTS,
@@ -83,6 +84,16 @@ FIELD_RULES: tuple[FieldRule, ...] = (
     FieldRule(
         "vllm_sync_timeout", lambda v, _: finite(v) and v >= 0, "must be a number of seconds >= 0",
         "use 0 for no limit, or more seconds than one weight sync takes (default 600)",
+    ),
+    # ---- vLLM: the importance-sampling ratio's support and the generation request's deadline
+    FieldRule(
+        "vllm_importance_sampling_support", one_of(IMPORTANCE_SAMPLING_SUPPORTS), "is not valid",
+        f"use {quoted(IMPORTANCE_SAMPLING_SUPPORTS)} (the ratio against the support vLLM sampled from)",
+    ),
+    FieldRule(
+        "vllm_generation_timeout", optional(lambda v, _: finite(v) and v >= 0), "must be a number of seconds >= 0",
+        "use None (600 s + the request's tokens at 500 a second), 0 for no limit, or more seconds than one "
+        "rollout's generation takes",
     ),
 )
 

@@ -20,7 +20,7 @@ __all__ = ["check_combinations", "check_sequence_options"]
 def check_combinations(config: DFPOConfig) -> None:
     """Each rule between fields in turn; the first one broken raises."""
     for check in (_cancellation, _group_granular, _sequence_rewrite, _symmetric_clip, _old_logps_rewrite,
-                  _off_policy_mask, _delta, _liger_kernel):
+                  _off_policy_mask, _delta, _liger_kernel, _truncated_support):
         check(config)
 
 
@@ -206,4 +206,34 @@ def _liger_kernel(config: DFPOConfig) -> None:
         raise ValueError(
             f"use_liger_kernel=True cannot be combined with {active}: TRL 1.16 deprecates it and its Triton layer "
             "kernels need a GPU, so DFPO's loss has not been tested with them. Set use_liger_kernel=False."
+        )
+
+
+# Sampling parameters that change vLLM's distribution before its truncation, or its temperature: the trainer cannot
+# rebuild the support from logits it never sees (trl_hooks/sampling_support.py keeps the same list).
+SUPPORT_CHANGING_KWARGS = ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                           "logit_bias", "allowed_token_ids", "bad_words", "min_tokens", "logits_processors")
+
+
+def _truncated_support(config: DFPOConfig) -> None:
+    """``vllm_importance_sampling_support="truncated"`` changes TRL's vLLM ratio, and rebuilds vLLM's support from
+    the trainer's logits: TRL must compute that ratio, and vLLM's distribution must be the trainer's before the
+    truncation."""
+    if config.vllm_importance_sampling_support != "truncated":
+        return
+    if not (config.use_vllm and config.vllm_importance_sampling_correction):
+        raise ValueError(
+            "vllm_importance_sampling_support='truncated' changes TRL's vLLM importance-sampling ratio, which this "
+            f"run does not compute (use_vllm={config.use_vllm}, vllm_importance_sampling_correction="
+            f"{config.vllm_importance_sampling_correction}). Set use_vllm=True and "
+            "vllm_importance_sampling_correction=True, or leave vllm_importance_sampling_support='full'."
+        )
+    changed = ["repetition_penalty"] if config.repetition_penalty != 1.0 else []
+    changed += [key for key in SUPPORT_CHANGING_KWARGS if key in (config.generation_kwargs or {})]
+    if changed:
+        raise ValueError(
+            f"vllm_importance_sampling_support='truncated' rebuilds the support vLLM samples from out of the "
+            f"trainer's logits, but {', '.join(changed)} changes vLLM's distribution before its truncation "
+            "(the trainer never sees it). Leave repetition_penalty=1.0 and those keys out of generation_kwargs, or "
+            "set vllm_importance_sampling_support='full'."
         )

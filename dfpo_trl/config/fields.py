@@ -37,6 +37,7 @@ from .options import (
     EnergyForm,
     GammaUpdate,
     GroupLayout,
+    ImportanceSamplingSupport,
     OneSidedPolicy,
     TokenWeighting,
     TransformGradient,
@@ -262,6 +263,23 @@ class DFPOConfig(GRPOConfig):
         "no limit. The default is a wide margin over a measured sync (0.17 s for 538 MB on one host, about 21 s for "
         "Qwen3-32B's weights scaled linearly; docs/source/concepts/decisions.md)",
         "ours; docs/source/guides/cli.md#several-nodes-the-preflight-and-a-stalled-weight-sync",
+    )
+    vllm_generation_timeout: float | None = documented(
+        None,
+        "Seconds one server-mode generation request may take before the run stops with one line and exit code 124 "
+        "instead of hanging on a server that accepted it and stopped answering; `None`: 600 + the request's "
+        "completions × `max_completion_length` / 500 tokens a second (estimated, conservative); 0: no limit",
+        "ours; docs/source/guides/vllm.md#a-server-that-stops-answering",
+    )
+    vllm_importance_sampling_support: ImportanceSamplingSupport = documented(
+        "full",
+        "The distribution TRL's vLLM importance-sampling ratio (`vllm_importance_sampling_correction`, any "
+        "`vllm_importance_sampling_mode`) puts over vLLM's log-probs: `\"full\"` the trainer's untruncated tempered "
+        "one (TRL's ratio, bit for bit); `\"truncated\"` the same renormalised over the support vLLM sampled from "
+        "(its min-p, top-k, top-p rebuilt in vLLM's order from the trainer's logits), so the ratio is 1 when the two "
+        "engines agree, whatever the truncation; costs one log K_t per token in the rollout's forward. The policy "
+        "ratio's old log-probs stay untruncated",
+        "ours; docs/source/guides/vllm.md#which-correction",
     )
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "GROUP_LAYOUT_AUTO",
     "GROUP_LAYOUT_PRE_PASS",
     "GROUP_LAYOUT_REDISTRIBUTED",
+    "IMPORTANCE_SAMPLING_SUPPORTS",
     "LOSS_TYPES",
     "NO_TRANSFORM",
     "ONE_SIDED_POLICIES",
@@ -52,6 +53,7 @@ __all__ = [
     "GammaRule",
     "GammaUpdate",
     "GroupLayout",
+    "ImportanceSamplingSupport",
     "LossType",
     "OneSidedPolicy",
     "TokenWeighting",
@@ -75,6 +77,8 @@ ZeroAdvantageRule = Literal["lambda_min", "one"]
 DeltaScope = Literal["global", "process"]  # "global" is ours (all processes); "process" is the released code's
 Assignment = Literal["soft", "hard"]
 Contrast = Literal["opposite", "within"]
+# what TRL's vLLM importance-sampling ratio divides (dfpo_trl/trl_hooks/sampling_support.py): TRL's, or ours
+ImportanceSamplingSupport = Literal["full", "truncated"]
 
 TRANSFORM_GRADIENTS: tuple[str, ...] = get_args(TransformGradient)
 CANCELLATION_TARGETS: tuple[str, ...] = get_args(CancellationTarget)
@@ -90,6 +94,7 @@ ZERO_ADVANTAGE_RULES: tuple[str, ...] = get_args(ZeroAdvantageRule)
 SCOPES: tuple[str, ...] = get_args(DeltaScope)
 ASSIGNMENTS: tuple[str, ...] = get_args(Assignment)
 CONTRASTS: tuple[str, ...] = get_args(Contrast)
+IMPORTANCE_SAMPLING_SUPPORTS: tuple[str, ...] = get_args(ImportanceSamplingSupport)
 
 NO_TRANSFORM = "none"  # group_transform's default: GSPO's weights, untransformed
 

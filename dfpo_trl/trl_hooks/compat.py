@@ -1,7 +1,8 @@
 """Every point where dfpo_trl touches TRL's ``GRPOTrainer`` internals, declared and checked in one place.
 
 DFPO enters TRL through private methods (it overrides some, calls others) and reads a few private attributes
-and conditions. Private APIs change between releases without notice, and a renamed hook would not fail: TRL
+and conditions: ``GRPOTrainer``'s (:data:`TOUCH_POINTS`) and those of TRL's vLLM backend ``VLLMGeneration``, whose
+set-up, weight sync and generation request run under DFPO's watchdog (:data:`VLLM_TOUCH_POINTS`). Private APIs change between releases without notice, and a renamed hook would not fail: TRL
 would simply stop calling DFPO's override and the run would silently train plain GSPO. So at import this module
 checks that each hooked or called method exists with the parameters DFPO relies on, and raises
 :class:`TRLCompatibilityError` naming the supported TRL range when one does not; at construction
@@ -22,6 +23,7 @@ import trl
 from packaging.version import Version
 from torch import Tensor
 from trl import GRPOTrainer
+from trl.generation.vllm_generation import VLLMGeneration
 
 from .errors import TRLCompatibilityError, UntestedTRLWarning
 
@@ -32,6 +34,7 @@ __all__ = [
     "TRAINER_ATTRIBUTES",
     "TRLCompatibilityError",
     "UntestedTRLWarning",
+    "VLLM_TOUCH_POINTS",
     "bind_call",
     "check_one_value_each",
     "check_rewrite_ran",
@@ -98,12 +101,28 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "transformers' missing-key warning on resume, from which DFPO drops tied weights"),
 )
 
+# TRL's vLLM backend, as trl_hooks/sync_watchdog.py's WatchedVLLMGeneration subclasses it: the three methods it
+# overrides (each runs TRL's own under a deadline in server mode) and the constructor parameters whose attributes it
+# reads (TRL stores each under its own name).
+VLLM_TOUCH_POINTS: tuple[TouchPoint, ...] = (
+    TouchPoint("__init__", ("model", "accelerator", "mode", "server_base_url", "server_host", "server_port",
+                            "group_port", "server_timeout", "max_completion_length"), False,
+               "WatchedVLLMGeneration reads the server's address, TRL's wait for it and the completion length"),
+    TouchPoint("_init_vllm", (), True,
+               "the server connection and NCCL weight-transfer set-up, which DFPO runs under vllm_sync_timeout"),
+    TouchPoint("sync_weights", (), True, "the weight sync, which DFPO runs under vllm_sync_timeout"),
+    TouchPoint("generate", ("prompts", "images", "num_generations", "profiler"), True,
+               "the generation request, which DFPO runs under vllm_generation_timeout"),
+)
+
 # Attributes a constructed GRPOTrainer must have: the buffer and micro-step counter DFPO's layouts read, TRL's
 # metric store, and the loss settings DFPO's rewrite reproduces.
 TRAINER_ATTRIBUTES: tuple[str, ...] = (
     "_buffered_inputs", "_step", "_metrics", "num_generations", "num_generations_eval", "num_iterations",
     "epsilon_low", "epsilon_high", "loss_type", "importance_sampling_level", "temperature", "use_vllm",
     "vllm_importance_sampling_correction", "off_policy_mask_threshold",
+    # the sampling settings TRL hands vLLM, from which vllm_importance_sampling_support rebuilds the support
+    "top_k", "top_p", "min_p", "vllm_importance_sampling_mode",
     "callback_handler", "control",  # transformers' own: DFPOCallback's events go through them (trl_hooks/callback.py)
 )
 
@@ -142,25 +161,12 @@ def _parameters(method: Callable[..., Any]) -> list[str]:
     return names[1:] if names and names[0] == "self" else names
 
 
-def check_touch_points(trainer_cls: type = GRPOTrainer) -> None:
-    """Raise :class:`TRLCompatibilityError` unless every method of :data:`TOUCH_POINTS` exists on
-    ``trainer_cls`` with the parameters DFPO relies on; warn when TRL's version is outside the tested range."""
-    for point in TOUCH_POINTS:
-        method = getattr(trainer_cls, point.name, None)
-        if not callable(method):
-            raise _incompatible(f"GRPOTrainer.{point.name} does not exist ({point.why})")
-        found = _parameters(method)
-        if point.ordered:
-            ok = found[: len(point.parameters)] == list(point.parameters)
-        else:
-            ok = set(point.parameters) <= set(found)
-        if not ok:
-            expected = ", ".join(point.parameters)
-            raise _incompatible(
-                f"GRPOTrainer.{point.name} has parameters ({', '.join(found)}) where DFPO expects "
-                f"({expected}{', ...' if not point.ordered else ''}){' in this order' if point.ordered else ''} "
-                f"({point.why})"
-            )
+def check_touch_points(trainer_cls: type = GRPOTrainer, generation_cls: type = VLLMGeneration) -> None:
+    """Raise :class:`TRLCompatibilityError` unless every method of :data:`TOUCH_POINTS` exists on ``trainer_cls``
+    and every one of :data:`VLLM_TOUCH_POINTS` on ``generation_cls``, with the parameters DFPO relies on; warn when
+    TRL's version is outside the tested range."""
+    _check_methods(trainer_cls, "GRPOTrainer", TOUCH_POINTS)
+    _check_methods(generation_cls, "VLLMGeneration", VLLM_TOUCH_POINTS)
     version = Version(trl.__version__)
     if not SUPPORTED_TRL[0] <= version < SUPPORTED_TRL[1]:
         warnings.warn(
@@ -169,6 +175,25 @@ def check_touch_points(trainer_cls: type = GRPOTrainer) -> None:
             UntestedTRLWarning,
             stacklevel=2,
         )
+
+
+def _check_methods(owner: type, label: str, points: tuple[TouchPoint, ...]) -> None:
+    for point in points:
+        method = getattr(owner, point.name, None)
+        if not callable(method):
+            raise _incompatible(f"{label}.{point.name} does not exist ({point.why})")
+        found = _parameters(method)
+        if point.ordered:
+            ok = found[: len(point.parameters)] == list(point.parameters)
+        else:
+            ok = set(point.parameters) <= set(found)
+        if not ok:
+            expected = ", ".join(point.parameters)
+            raise _incompatible(
+                f"{label}.{point.name} has parameters ({', '.join(found)}) where DFPO expects "
+                f"({expected}{', ...' if not point.ordered else ''}){' in this order' if point.ordered else ''} "
+                f"({point.why})"
+            )
 
 
 def check_trainer_attributes(trainer: Any) -> None:

@@ -100,6 +100,19 @@ class FusedHead(NamedTuple):
     final_logit_softcapping: float | None
 
 
+def head_logits(hidden: Tensor, head: FusedHead, temperature: float) -> Tensor:
+    """The tempered logits TRL's fused head scores ``hidden`` (…, d) with, in float32 (float64 for float64 input):
+    softcap · tanh(logit_scale · (h Wᵀ + b) / softcap) / temperature, no tanh without softcapping."""
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    z = hidden.to(dtype) @ head.weight.detach().to(dtype).T
+    if head.bias is not None:
+        z = z + head.bias.detach().to(dtype)
+    z = z * head.logit_scale
+    if head.final_logit_softcapping is not None:
+        z = torch.tanh(z / head.final_logit_softcapping) * head.final_logit_softcapping
+    return z / temperature
+
+
 def fused_lm_head(model: torch.nn.Module) -> FusedHead:
     """The head and transform of the (unwrapped, possibly PEFT) policy, read as TRL 1.16's ``add_fused_lm_head``
     reads them: the base model's ``get_output_embeddings()`` weight and bias (a LoRA wrapper on the head is

@@ -4,8 +4,10 @@ TRL 1.16 multiplies each row's loss by exp(trainer log-prob − vLLM's sampling 
 in its sequence modes. vLLM returns its log-probs after top-k / top-p / min-p (``processed_logprobs``), renormalised
 over the tokens it kept, while the trainer scores the untruncated tempered distribution, so under truncated sampling
 each token adds log K ≤ 0 (K: the kept tokens' mass) and the sequence ratio falls exponentially with length.
-Measured with trained weights at the recipes' settings: benchmarks/RESULTS.md, "Trained weights"; the choice the
-recipes make is in docs/source/concepts/decisions.md, "vLLM's importance-sampling ratio under truncated sampling".
+Measured with trained weights at the recipes' settings: benchmarks/RESULTS.md, "Trained weights";
+``vllm_importance_sampling_support="truncated"`` takes the ratio against the support vLLM sampled from instead
+(trl_hooks/sampling_support.py), the choice the recipes make (docs/source/concepts/decisions.md, "vLLM's
+importance-sampling ratio under truncated sampling").
 
 :class:`RatioWatch` reads TRL's ratio after each rollout and logs one warning, the first time its mean falls below
 :data:`SHRINK_BELOW`, naming the fields that change it.
@@ -46,11 +48,11 @@ def shrink_message(mean: float, args: Any) -> str | None:
     head = (f"TRL's vLLM importance-sampling ratio averaged {mean:.3g} over this rollout "
             f"(vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r}): it multiplies each row's loss, "
             "and a sequence-level ratio falls exponentially with the completion's length.")
-    if truncates(args):
+    if truncates(args) and getattr(args, "vllm_importance_sampling_support", "full") == "full":
         return (f"{head} Sampling is truncated (top_k={args.top_k}, top_p={args.top_p}, min_p={args.min_p}) and "
                 "vLLM renormalises its log-probs over the kept tokens, so the ratio measures the truncation, not a "
-                "mismatch: set vllm_importance_sampling_correction: false (the recipes do), or sample untruncated "
-                "(top_k: 0, top_p: 1.0, min_p: 0.0).")
+                "mismatch: set vllm_importance_sampling_support: truncated (the recipes do), which takes the ratio "
+                "against the support vLLM sampled from.")
     return (f"{head} Set vllm_importance_sampling_mode: token_truncate (a per-token ratio does not compound over "
             "the length), or vllm_importance_sampling_correction: false.")
 

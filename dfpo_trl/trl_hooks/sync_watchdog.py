@@ -1,4 +1,5 @@
-"""A deadline on TRL's server-mode weight sync: a stalled sync ends the run with one line instead of a hang.
+"""Deadlines on TRL's server-mode weight sync and generation requests: a stalled sync, or a server that accepted a
+generation request and stopped answering, ends the run with one line instead of a hang.
 
 TRL 1.16's ``VLLMGeneration`` talks to a ``vllm serve`` process in server mode through ``VLLMClient``: at
 construction the client waits for ``/health`` and sets up the NCCL weight-transfer group
@@ -19,6 +20,12 @@ code :data:`STALL_EXIT_CODE`. It must end the process rather than raise: the mai
 save (both run on the training loop's thread, and a ZeRO-3 save is collective), so no checkpoint is left
 half-written: the last complete one is where ``--resume_from_checkpoint`` restarts (docs/source/guides/cli.md, "Several
 nodes").
+
+TRL's generation request (``VLLMClient.generate``, one POST for the whole rollout from the main process, the other
+processes waiting in the broadcast of its answer) has no timeout either: a server that accepts and then stops
+answering (a hung engine, a dead GPU behind a live HTTP front) hangs every process. ``generate`` runs under the same
+watchdog, with ``vllm_generation_timeout`` (default :func:`generation_deadline`: a floor plus the rollout's tokens at
+a conservative throughput) and the same exit and line.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import trl.trainer.grpo_trainer as grpo_trainer
@@ -39,9 +46,15 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 __all__ = [
     "CHECK_VARIABLES",
+    "GENERATION_DEADLINE",
+    "GENERATION_FLOOR_S",
+    "GENERATION_TOKENS_PER_S",
     "STALL_EXIT_CODE",
+    "SYNC_DEADLINE",
+    "Deadline",
     "SyncWatchdog",
     "WatchedVLLMGeneration",
+    "generation_deadline",
     "rendezvous_address",
     "streamed_size",
     "watched_vllm_generation",
@@ -54,6 +67,35 @@ logger = logging.getLogger(__name__)
 STALL_EXIT_CODE = 124
 # What a stalled cross-node sync most often comes down to (docs/source/guides/multinode.md, "Networking").
 CHECK_VARIABLES = "VLLM_HOST_IP, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_GID_INDEX (RoCE)"
+# The default generation deadline, estimated (not measured): a floor for the server to take the request up, plus every
+# requested completion at its maximum length produced at GENERATION_TOKENS_PER_S, a throughput below any healthy
+# server's for the models TRL trains (docs/source/guides/vllm.md, "A server that stops answering").
+GENERATION_FLOOR_S = 600.0
+GENERATION_TOKENS_PER_S = 500.0
+
+
+class Deadline(NamedTuple):
+    """The config field a guarded phase's limit comes from, what to check when it expires, and when raising it is
+    the fix: the parts of the one line the watchdog writes."""
+
+    field: str
+    check: str
+    slow: str
+
+
+SYNC_DEADLINE = Deadline("vllm_sync_timeout", f"Check {CHECK_VARIABLES} and that the server node reaches the "
+                         "rendezvous address", "the sync is only slow")
+GENERATION_DEADLINE = Deadline("vllm_generation_timeout", "Check that the server is alive (its log, GET /health) and "
+                               "that its GPUs are not stuck", "generation is only slow")
+
+
+def generation_deadline(sequences: int, max_completion_length: int, configured: float | None) -> float:
+    """The limit of one server-mode generation request of ``sequences`` completions: ``configured``
+    (``vllm_generation_timeout``; 0: none) when set, else GENERATION_FLOOR_S + sequences × max_completion_length /
+    GENERATION_TOKENS_PER_S seconds."""
+    if configured is not None:
+        return float(configured)
+    return GENERATION_FLOOR_S + sequences * max_completion_length / GENERATION_TOKENS_PER_S
 
 
 def rendezvous_address() -> str:
@@ -78,9 +120,11 @@ class SyncWatchdog:
         self._exit = exit
 
     @contextmanager
-    def guard(self, what: str, where: Callable[[], str], timeout: float | None = None) -> Iterator[None]:
+    def guard(self, what: str, where: Callable[[], str], timeout: float | None = None,
+              deadline: Deadline = SYNC_DEADLINE) -> Iterator[None]:
         """Run the block under the deadline (``timeout``, default the watchdog's; 0 or less: no deadline).
-        ``what`` names the phase and ``where`` says the addresses tried; it is called only on expiry."""
+        ``what`` names the phase and ``where`` says the addresses tried; it is called only on expiry. ``deadline``
+        names the field the limit comes from and what to check, for the line."""
         limit = self.timeout if timeout is None else float(timeout)
         if limit <= 0:
             yield
@@ -93,10 +137,9 @@ class SyncWatchdog:
                 return
             waited = time.monotonic() - start
             line = (
-                f"dfpo-train: {what} did not finish within {waited:.0f} s (vllm_sync_timeout) on process "
-                f"{os.environ.get('RANK', '0')}: {where()}. Check {CHECK_VARIABLES} and that the server node "
-                "reaches the rendezvous address; raise --vllm_sync_timeout if the sync is only slow. Stopped; "
-                "the last complete checkpoint is where --resume_from_checkpoint restarts."
+                f"dfpo-train: {what} did not finish within {waited:.0f} s ({deadline.field}) on process "
+                f"{os.environ.get('RANK', '0')}: {where()}. {deadline.check}; raise --{deadline.field} if "
+                f"{deadline.slow}. Stopped; the last complete checkpoint is where --resume_from_checkpoint restarts."
             )
             try:
                 sys.stdout.flush()
@@ -115,11 +158,13 @@ class SyncWatchdog:
 
 
 class WatchedVLLMGeneration(VLLMGeneration):
-    """TRL's ``VLLMGeneration`` whose server-mode set-up and weight sync run under a :class:`SyncWatchdog`;
-    colocate mode (no network between processes of different nodes) runs unchanged."""
+    """TRL's ``VLLMGeneration`` whose server-mode set-up, weight sync and generation requests run under a
+    :class:`SyncWatchdog`; colocate mode (no network between processes of different nodes) runs unchanged."""
 
-    def __init__(self, *args: Any, sync_timeout: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sync_timeout: float, generation_timeout: float | None = None,
+                 **kwargs: Any) -> None:
         self.watchdog = SyncWatchdog(sync_timeout)
+        self.generation_timeout = generation_timeout
         super().__init__(*args, **kwargs)
 
     def _server_url(self) -> str:
@@ -143,6 +188,22 @@ class WatchedVLLMGeneration(VLLMGeneration):
             self.server_timeout + self.watchdog.timeout,
         ):
             super()._init_vllm()
+
+    def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
+        """TRL's generation; in server mode under :func:`generation_deadline` on every process (the main one in the
+        HTTP request, the others in the broadcast of its answer)."""
+        sequences = len(prompts) * self.accelerator.num_processes
+        limit = generation_deadline(sequences, self.max_completion_length, self.generation_timeout)
+        if self.mode != "server" or limit <= 0:
+            return super().generate(prompts, images, num_generations, profiler)
+        with self.watchdog.guard(
+            f"the generation request to the vLLM server ({sequences} completions of up to "
+            f"{self.max_completion_length} tokens)",
+            lambda: f"vLLM server {self._server_url()}",
+            limit,
+            GENERATION_DEADLINE,
+        ):
+            return super().generate(prompts, images, num_generations, profiler)
 
     def sync_weights(self) -> None:
         """TRL's weight sync, then a barrier, under the deadline: a process whose part ended early waits for the
@@ -169,7 +230,7 @@ def streamed_size(metadata: list[tuple[str, str, list[int]]]) -> str:
 
 
 @contextmanager
-def watched_vllm_generation(sync_timeout: float) -> Iterator[None]:
+def watched_vllm_generation(sync_timeout: float, generation_timeout: float | None = None) -> Iterator[None]:
     """While the block runs (``GRPOTrainer.__init__``), TRL's trainer builds :class:`WatchedVLLMGeneration`
     instead of ``VLLMGeneration``: the trainer module's name is swapped and restored, TRL's code is unchanged."""
     original = getattr(grpo_trainer, "VLLMGeneration", None)
@@ -179,7 +240,8 @@ def watched_vllm_generation(sync_timeout: float) -> Iterator[None]:
         raise _incompatible("trl.trainer.grpo_trainer no longer builds VLLMGeneration (the weight-sync watchdog)")
 
     def build(*args: Any, **kwargs: Any) -> WatchedVLLMGeneration:
-        return WatchedVLLMGeneration(*args, sync_timeout=sync_timeout, **kwargs)
+        return WatchedVLLMGeneration(*args, sync_timeout=sync_timeout, generation_timeout=generation_timeout,
+                                     **kwargs)
 
     grpo_trainer.VLLMGeneration = build
     try:
