@@ -57,9 +57,10 @@ from .trl_hooks.compat import (
 )
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
-from .trl_hooks.pending import PendingCall, trainer_config
+from .trl_hooks.pending import PendingCall, chain_forwards, trainer_config
 from .trl_hooks.resume import RolloutResume
 from .trl_hooks.sampling_ratio import RatioWatch
+from .trl_hooks.sampling_support import finish_rollout, rollout_kept_mass
 from .trl_hooks.sync_watchdog import watched_vllm_generation
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class DFPOTrainer(RolloutResume, GRPOTrainer):
         # Before TRL's __init__, which tags the model with _tag_names (a hub push carries the model's tags).
         self._tag_names = card_tags(config.token_weighting)
         # In vLLM server mode TRL's set-up and weight sync run under a deadline (trl_hooks/sync_watchdog.py).
-        with watched_vllm_generation(config.vllm_sync_timeout):
+        with watched_vllm_generation(config.vllm_sync_timeout, config.vllm_generation_timeout):
             super().__init__(**arguments)
         check_trainer_attributes(self)
         for reward in self.reward_funcs:  # a failing reward's message names the completion's group
@@ -142,13 +143,19 @@ class DFPOTrainer(RolloutResume, GRPOTrainer):
     # ------------------------------------------------------------------------------------------- rollout
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's rollout, plus DelTA's λ̄, each row's reward and its explicit group and row ids; the first rollout
-        whose vLLM importance-sampling ratio would shrink the loss gets one line (trl_hooks/sampling_ratio.py)."""
+        whose vLLM importance-sampling ratio would shrink the loss gets one line (trl_hooks/sampling_ratio.py); TRL's
+        ratio against vLLM's truncated support where asked (trl_hooks/sampling_support.py)."""
         training = self.model.training
         weigh = self.delta_weighting is not None and training
         capture = HiddenCapture() if weigh and trl_runs_old_logps_forward(self) else None
-        on_forward = partial(capture_log_prob_forward, capture) if capture is not None else None
+        kept = rollout_kept_mass(self)  # outermost: DelTA's capture reads the untruncated log-probs
+        on_forward = chain_forwards(kept.run if kept else None,
+                                    partial(capture_log_prob_forward, capture) if capture else None)
         with self._expecting(PendingCall(on_forward, self.model)) as call:
             output = super()._generate_and_score_completions(inputs)
+        if kept is not None:
+            finish_rollout(output, kept, loss_mask(output), "train" if training else "eval",
+                           self.vllm_importance_sampling_mode, self.dfpo_metrics)
         if weigh:
             hidden = capture if capture is not None and capture.done else self.capture_hidden_states(output)
             self.delta_weighting.weigh(output, hidden, loss_mask(output), self.state, self.processing_class)

@@ -1,14 +1,14 @@
 """Every point where dfpo_trl touches TRL's ``GRPOTrainer`` internals, declared and checked in one place.
 
-DFPO enters TRL through private methods (it overrides some, calls others) and reads a few private attributes
-and conditions: ``GRPOTrainer``'s (:data:`TOUCH_POINTS`) and those of TRL's vLLM backend ``VLLMGeneration``, whose
-set-up, weight sync and generation request run under DFPO's watchdog (:data:`VLLM_TOUCH_POINTS`). Private APIs change between releases without notice, and a renamed hook would not fail: TRL
-would simply stop calling DFPO's override and the run would silently train plain GSPO. So at import this module
-checks that each hooked or called method exists with the parameters DFPO relies on, and raises
-:class:`TRLCompatibilityError` naming the supported TRL range when one does not; at construction
-:func:`check_trainer_attributes` does the same for the attributes. An installed TRL outside the tested range
-whose checks pass gets a :class:`UntestedTRLWarning`. DFPO reads TRL's call arguments by name
-(:func:`bind_call`), never by position.
+DFPO enters TRL through private methods (it overrides some, calls others) and reads a few private attributes and
+conditions: ``GRPOTrainer``'s (:data:`TOUCH_POINTS`) and those of TRL's vLLM backend ``VLLMGeneration``, whose
+set-up, weight sync and generation request run under DFPO's watchdog (:data:`VLLM_TOUCH_POINTS`). Private APIs change
+between releases without notice, and a renamed hook would not fail: TRL would simply stop calling DFPO's override
+and the run would silently train plain GSPO. So at import this module checks that each hooked or called method
+exists with the parameters DFPO relies on, and raises :class:`TRLCompatibilityError` naming the supported TRL range
+when one does not; at construction :func:`check_trainer_attributes` does the same for the attributes. An installed
+TRL outside the tested range whose checks pass gets a :class:`UntestedTRLWarning`. DFPO reads TRL's call arguments
+by name (:func:`bind_call`), never by position.
 """
 
 from __future__ import annotations

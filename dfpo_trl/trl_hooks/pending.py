@@ -12,7 +12,10 @@ import torch
 from ..config import DFPOConfig
 from .compat import get_config_model_id
 
-__all__ = ["PendingCall", "default_config", "trainer_config"]
+__all__ = ["OnForward", "PendingCall", "chain_forwards", "default_config", "trainer_config"]
+
+#: What runs around one policy forward: (unwrapped model, the call's (args, kwargs), the forward itself) -> its output.
+OnForward = Callable[[torch.nn.Module, Any, Callable[[], Any]], Any]
 
 
 def default_config(model: Any) -> DFPOConfig:
@@ -44,6 +47,16 @@ class PendingCall:
     once (DelTA's h in the rollout; the loss-input rewrite in the loss); ``rewards`` is the rollout's per-completion
     reward, for ``step_reward``."""
 
-    on_forward: Callable[[torch.nn.Module, Any, Callable[[], Any]], Any] | None = None
+    on_forward: OnForward | None = None
     model: torch.nn.Module | None = None
     rewards: torch.Tensor | None = None
+
+
+def chain_forwards(*steps: OnForward | None) -> OnForward | None:
+    """One ``on_forward`` that runs ``steps`` around the same forward, the first outermost (it sees what the later
+    ones return); None steps are left out, and None when none is left."""
+    present = [step for step in steps if step is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    outer, inner = present[0], chain_forwards(*present[1:])
+    return lambda model, arguments, forward: outer(model, arguments, lambda: inner(model, arguments, forward))

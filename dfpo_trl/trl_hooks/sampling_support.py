@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .compat import bind_call
+from .compat import _incompatible, bind_call
 from .lm_head import fused_lm_head, gathered_for_reading, head_logits, lm_head_input_module
 
 __all__ = [
@@ -42,8 +42,11 @@ __all__ = [
     "SamplingSupport",
     "finish_rollout",
     "kept_log_mass",
+    "rollout_kept_mass",
     "sampling_support",
 ]
+
+SEQUENCE_MODES = ("sequence_mask", "sequence_truncate")  # TRL's vLLM modes whose ratio is one per row
 
 # What the truncated support's ratio logs beside TRL's ``sampling/importance_sampling_ratio/*`` (which then holds
 # (S1)): the untruncated ratio exp(ℓ^old − s), as TRL's correction alone computes it, and the mean log K_t per token.
@@ -159,6 +162,18 @@ class KeptMass:
         return (old - self.log_mass, *out[1:])
 
 
+def rollout_kept_mass(trainer: Any) -> KeptMass | None:
+    """A :class:`KeptMass` for the next rollout of ``trainer`` (a DFPOTrainer) when it takes TRL's ratio against the
+    truncated support and vLLM truncates; None otherwise (log K = 0: TRL's ratio is (S1) as it stands)."""
+    if trainer.args.vllm_importance_sampling_support != "truncated" or not (
+        trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    ):
+        return None
+    support = sampling_support(trainer.temperature, trainer.top_k, trainer.top_p, trainer.min_p,
+                               trainer.args.generation_kwargs)
+    return KeptMass(support) if support.truncates else None
+
+
 def full_ratio(old: Tensor, sampling: Tensor, mask: Tensor, sequence_level: bool) -> Tensor:
     """TRL's untruncated ratio before its bounds: exp(Σ_t (ℓ^old − s)) per row (B, 1) in the sequence modes, per token
     (B, T) in the token modes; tokens vLLM could not score (NaN) count 0, as in TRL."""
@@ -166,14 +181,22 @@ def full_ratio(old: Tensor, sampling: Tensor, mask: Tensor, sequence_level: bool
     return torch.exp(diff.sum(-1, keepdim=True) if sequence_level else diff)
 
 
-def finish_rollout(output: dict[str, Any], kept: KeptMass, mask: Tensor, mode: str, sequence_level: bool,
+def finish_rollout(output: dict[str, Any], kept: KeptMass, mask: Tensor, mode: str, trl_mode: str,
                    store: Any) -> None:
     """After TRL's rollout computed its ratio from ℓ^old − log K: TRL's ℓ^old back into ``output`` (bit for bit),
     the sampler's log-probs on the untruncated scale (s + log K), and into ``store`` (a
     :class:`~dfpo_trl.metrics.store.MetricStore`) the untruncated ratio's min / mean / max over what TRL's ratio
-    metrics cover (rows, or loss tokens) and the mean log K_t over loss tokens."""
+    metrics cover (rows in TRL's sequence modes, loss tokens in its token modes, ``trl_mode``) and the mean log K_t
+    over loss tokens."""
     if kept.old is None or kept.log_mass is None:
+        if "importance_sampling_ratio" in output:
+            raise _incompatible(
+                "GRPOTrainer._generate_and_score_completions computed its vLLM importance-sampling ratio without its "
+                "rollout forward through _get_per_token_logps_and_entropies, where "
+                "vllm_importance_sampling_support='truncated' takes log K out of the old log-probs"
+            )
         return
+    sequence_level = trl_mode in SEQUENCE_MODES
     output["old_per_token_logps"] = kept.old
     sampling = output.get("sampling_per_token_logps")
     if sampling is None:

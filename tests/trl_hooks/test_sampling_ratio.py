@@ -52,9 +52,12 @@ def test_truncation_is_any_of_top_k_top_p_min_p():
 def test_the_line_names_the_fields_for_each_cause():
     truncated = shrink_message(0.106, RECIPE_8B)
     assert "0.106" in truncated and "top_k=20" in truncated and "top_p=0.8" in truncated
-    assert "vllm_importance_sampling_correction: false" in truncated and "top_k: 0" in truncated
+    assert "vllm_importance_sampling_support: truncated" in truncated
     other = shrink_message(0.3, UNTRUNCATED)
     assert "token_truncate" in other and "vllm_importance_sampling_correction: false" in other
+    # already against the truncated support: what is left is the engines' mismatch, not the truncation
+    mismatch = shrink_message(0.3, SimpleNamespace(**vars(RECIPE_8B), vllm_importance_sampling_support="truncated"))
+    assert "token_truncate" in mismatch and "vllm_importance_sampling_support" not in mismatch
     assert shrink_message(SHRINK_BELOW, RECIPE_8B) is None
     assert shrink_message(float("nan"), RECIPE_8B) is None
 

@@ -19,9 +19,10 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from standin_vllm import GetOnlyServer, SilentServer
+from standin_vllm import GetOnlyServer, OneRolloutServer, SilentServer
 from tiny import save_tiny_chat_model, write_tiny_recipe
 
 from dfpo_trl.trl_hooks.sync_watchdog import STALL_EXIT_CODE, SyncWatchdog
@@ -203,3 +204,115 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _server_generation(timeout: float | None, client_generate: Any, exits: list[int]) -> Any:
+    """TRL's server-mode VLLMGeneration state (one process, no server) with ``client_generate`` as its client's."""
+    from types import SimpleNamespace
+
+    from dfpo_trl.trl_hooks.sync_watchdog import WatchedVLLMGeneration
+
+    gen = WatchedVLLMGeneration.__new__(WatchedVLLMGeneration)
+    gen.mode, gen.enable_sleep_mode, gen.max_completion_length = "server", False, 8
+    gen.temperature, gen.top_p, gen.top_k, gen.min_p, gen.repetition_penalty = 1.0, 1.0, 0, 0.0, 1.0
+    gen.logprobs, gen.structured_outputs_regex, gen.generation_kwargs = 0, None, {}
+    gen.server_base_url, gen.server_host, gen.server_port = "http://10.0.0.9:8000", None, None
+    gen.accelerator = SimpleNamespace(is_main_process=True, num_processes=1, process_index=0)
+    gen.vllm_client = SimpleNamespace(generate=client_generate)
+    gen.watchdog, gen.generation_timeout = SyncWatchdog(600, exit=exits.append), timeout
+    return gen
+
+
+def test_a_generation_request_past_its_deadline_ends_the_process_with_one_line(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Server mode: the request blocks past vllm_generation_timeout -> the line and exit code 124; in time, nothing."""
+    import threading
+
+    exits: list[int] = []
+    hung = threading.Event()
+
+    def answer(prompts: list[list[int]], n: int, **_: Any) -> dict[str, Any]:
+        hung.wait(5 if len(prompts) == 1 else 0)  # the first call hangs until the watchdog has fired
+        return {"prompt_ids": prompts, "completion_ids": [[3]] * (len(prompts) * n), "logprobs": None}
+
+    gen = _server_generation(0.4, answer, exits)
+    gen.generate([[5, 6]] * 4, None, 4)  # 4 rows of one prompt: one request
+    assert exits == [STALL_EXIT_CODE]
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("dfpo-train: the generation request to the vLLM server (4 completions of up to 8 "
+                               "tokens) did not finish within 0 s (vllm_generation_timeout) on process 0: vLLM server "
+                               "http://10.0.0.9:8000. Check that the server is alive")
+    assert "raise --vllm_generation_timeout if generation is only slow" in lines[0]
+    assert "--resume_from_checkpoint" in lines[0]
+    hung.set()
+    exits.clear()
+    gen.generate([[5, 6], [5, 6], [7, 8], [7, 8]], None, 2)  # answered at once
+    time.sleep(0.6)
+    assert exits == [] and capfd.readouterr().err == ""
+
+
+def test_the_generation_deadline_is_the_field_or_the_stated_default() -> None:
+    from dfpo_trl.trl_hooks.sync_watchdog import GENERATION_FLOOR_S, GENERATION_TOKENS_PER_S, generation_deadline
+
+    assert generation_deadline(4096, 30720, None) == GENERATION_FLOOR_S + 4096 * 30720 / GENERATION_TOKENS_PER_S
+    assert generation_deadline(64, 768, None) == 600.0 + 64 * 768 / 500.0
+    assert generation_deadline(64, 768, 90.0) == 90.0
+    assert generation_deadline(64, 768, 0) == 0.0  # no limit
+    exits: list[int] = []
+    gen = _server_generation(0, lambda prompts, n, **_: {"prompt_ids": prompts, "completion_ids": [[3]] * n,
+                                                         "logprobs": None}, exits)
+    gen.generate([[5]] * 2, None, 2)
+    assert exits == []
+
+
+@pytest.mark.slow
+def test_run_against_a_server_that_goes_silent_after_its_first_rollout_ends_within_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """``dfpo-train`` in server mode: the stand-in answers the first rollout's generation request, the run trains a
+    step and writes checkpoint-1, and the second request is accepted and never answered. The run ends with exit code
+    124 and one line within vllm_generation_timeout of that request; output_dir is as it was when the request went
+    out, and checkpoint-1 is whole (its state, weights and DFPO's rollout state load). The NCCL weight transfer needs
+    a GPU: the child replaces TRL's client's two NCCL calls with no-ops, everything HTTP is TRL's own."""
+    from dfpo_trl.testing import WORDS
+
+    out = tmp_path / "out"
+    snapshot: dict[str, dict[str, str]] = {}
+    server = OneRolloutServer([WORDS.index("7"), WORDS.index("<eos>")], on_stall=lambda: snapshot.update(at=tree(out)))
+    argv = write_tiny_recipe(tmp_path, save_tiny_chat_model(tmp_path / "model"), out, use_vllm=True,
+                             vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=5.0,
+                             vllm_generation_timeout=3.0, max_steps=3, steps_per_generation=1, save_strategy="steps",
+                             save_steps=1, save_model=None, skip_eval=True, train_size=16)
+    script = VLLM_PRESENT + (
+        "vc.VLLMClient.init_communicator = lambda self, device=0: None  # NCCL: a GPU only\n"
+        "vc.VLLMClient.update_named_params = lambda self, metadata, named_params: None\n"
+        "import sys\nfrom dfpo_trl.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
+    try:
+        proc = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
+                              env=child_env(), cwd=tmp_path, timeout=300)
+        ended = time.monotonic()
+    finally:
+        server.close()
+    assert proc.returncode == STALL_EXIT_CODE, proc.stderr[-3000:]
+    assert server.rollouts == 2 and server.stalled_at is not None
+    stalled_for = ended - server.stalled_at
+    print(f"stall to exit: {stalled_for:.2f} s (limit 3 s)")
+    assert 3.0 - 0.5 <= stalled_for <= 3.0 + 5.0  # the deadline, plus the child's exit
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dfpo-train:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "the generation request to the vLLM server (4 completions of up to 4 tokens) did not finish within 3 s " \
+           f"(vllm_generation_timeout) on process 0: vLLM server {server.url}" in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert tree(out) == snapshot["at"]  # nothing written after the request went out
+    checkpoint = out / "checkpoint-1"
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 1
+    assert load_file(checkpoint / "model.safetensors")
+    assert torch.load(checkpoint / "dfpo_rollout_state_0.pt", weights_only=False) is not None

@@ -73,6 +73,20 @@ def test_a_removed_trl_helper_stops_the_import():
     assert_refused(result, "a TRL helper is gone", "split_tensor_dict")
 
 
+@pytest.mark.parametrize("patch, fragment", [
+    ("del VLLMGeneration.sync_weights", "VLLMGeneration.sync_weights does not exist"),
+    ("del VLLMGeneration._init_vllm", "VLLMGeneration._init_vllm does not exist"),
+    ("VLLMGeneration.generate = lambda self, prompt_ids, images, num_generations, profiler=None: None",
+     "VLLMGeneration.generate has parameters (prompt_ids, images, num_generations, profiler)"),
+])
+def test_a_vllm_backend_without_a_watched_method_stops_the_import(patch: str, fragment: str):
+    """The watchdog overrides TRL's VLLMGeneration (trl_hooks/sync_watchdog.py): a TRL whose backend lost one of
+    those methods, or renamed a parameter DFPO passes by position, would bypass the deadline silently."""
+    result = run_python(f"from trl.generation.vllm_generation import VLLMGeneration\n{patch}\n",
+                        "from dfpo_trl import DFPOConfig\n")
+    assert_refused(result, fragment)
+
+
 def test_renamed_parameter_of_the_log_prob_helper_stops_the_import():
     result = run_python(
         """

@@ -45,6 +45,30 @@ COLOCATE = dict(use_vllm=True, vllm_mode="colocate", vllm_importance_sampling_co
 ENGINE_DTYPE = torch.bfloat16
 
 
+def vllm_support(probs: list[float], top_k: int, top_p: float, min_p: float) -> list[int]:
+    """The token ids vLLM samples from, element by element in its order (its min-p processor, then
+    ``apply_top_k_top_p``): min-p keeps p ≥ min_p · max p; top-k the k largest, ties at the k-th kept; top-p, on the
+    distribution renormalised over those, drops tokens from the smallest up while their running mass is ≤ 1 − top_p,
+    the largest always kept. ``probs``: the tempered distribution."""
+    kept = list(range(len(probs)))
+    if min_p > 0:
+        kept = [i for i in kept if probs[i] >= min_p * max(probs)]
+    if 0 < top_k < len(kept):
+        kth = sorted((probs[i] for i in kept), reverse=True)[top_k - 1]
+        kept = [i for i in kept if probs[i] >= kth]
+    if top_p < 1.0:
+        total = sum(probs[i] for i in kept)
+        ascending = sorted(kept, key=lambda i: probs[i])
+        running, dropped = 0.0, set()
+        for i in ascending[:-1]:
+            running += probs[i] / total
+            if running > 1.0 - top_p:
+                break
+            dropped.add(i)
+        kept = [i for i in kept if i not in dropped]
+    return kept
+
+
 class RunnerModel:
     """What TRL's colocated weight sync writes into: ``load_weights([(name, tensor)])``."""
 
@@ -55,7 +79,7 @@ class RunnerModel:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in weights:
-                params[name].copy_(tensor.to(ENGINE_DTYPE))
+                params[name].copy_(tensor.to(StandInEngine.dtype))
                 self.loads.append(name)
 
 
@@ -64,11 +88,12 @@ class StandInEngine:
     trainer trains: the engine builds its own copy of its architecture and compares weights at each generation."""
 
     built: list[StandInEngine] = []
+    dtype = ENGINE_DTYPE  # float32: the engine computes what the trainer does (the engines agree)
 
     def __init__(self, model: str, *, policy: torch.nn.Module, **settings: Any) -> None:
         self.name, self.settings, self.policy = model, settings, policy
         torch.manual_seed(1234)  # its own weights until the first sync: not the policy's
-        self.runner = RunnerModel(LlamaForCausalLM(policy.config).to(ENGINE_DTYPE).eval())
+        self.runner = RunnerModel(LlamaForCausalLM(policy.config).to(StandInEngine.dtype).eval())
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
             driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=self.runner))))
         self.generations: list[dict[str, Any]] = []
@@ -83,7 +108,7 @@ class StandInEngine:
     @torch.no_grad()
     def generate(self, prompts: list[dict[str, list[int]]], sampling_params: Any, use_tqdm: bool = False) -> list:
         engine = self.runner.model
-        synced = all(torch.equal(mine, theirs.detach().to(ENGINE_DTYPE)) for mine, theirs in
+        synced = all(torch.equal(mine, theirs.detach().to(StandInEngine.dtype)) for mine, theirs in
                      zip(engine.parameters(), self.policy.parameters(), strict=True))
         self.generations.append({"synced": synced, "loads": len(self.runner.loads),
                                  "policy": [p.detach().clone() for p in self.policy.parameters()]})
@@ -92,9 +117,10 @@ class StandInEngine:
             ids, tokens, logps = list(prompt["prompt_token_ids"]), [], []
             for _ in range(sampling_params.max_tokens):
                 logits = engine(torch.tensor([ids + tokens])).logits[0, -1].float() / sampling_params.temperature
-                top_k = getattr(sampling_params, "top_k", 0) or 0
-                if top_k > 0:  # vLLM samples from the top k and returns log-probs renormalised over them
-                    logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[-1], float("-inf"))
+                # vLLM samples from its truncated support and returns log-probs renormalised over it
+                support = vllm_support(logits.softmax(-1).tolist(), getattr(sampling_params, "top_k", 0) or 0,
+                                       getattr(sampling_params, "top_p", 1.0), getattr(sampling_params, "min_p", 0.0))
+                logits = torch.full_like(logits, float("-inf")).index_copy(0, torch.tensor(support), logits[support])
                 log_probs = logits.log_softmax(-1)  # "processed_logprobs"
                 token = int(torch.multinomial(log_probs.exp(), 1, generator=self.rng))
                 tokens.append(token)
@@ -196,4 +222,4 @@ def test_truncated_sampling_shrinks_trls_ratio_and_the_trainer_says_so_once(stan
     ratios = torch.cat([record["inputs"]["importance_sampling_ratio"].reshape(-1) for record in trainer.records])
     assert float(ratios.mean()) < 0.5  # top-2 of a random model's vocabulary keeps little mass per token
     assert len(lines) == 1
-    assert "top_k=2" in lines[0] and "vllm_importance_sampling_correction: false" in lines[0]
+    assert "top_k=2" in lines[0] and "vllm_importance_sampling_support: truncated" in lines[0]

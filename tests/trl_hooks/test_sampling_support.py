@@ -1,0 +1,119 @@
+"""The kept mass K_t of vLLM's truncated support (trl_hooks/sampling_support.py) against vLLM's rule written out
+element by element, on hand numbers, random logits, ties and each truncation alone; the same from the LM head's
+input as TRL's fused head projects it; the options that refuse the truncated support."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_vllm_colocate import vllm_support
+from tiny import base_args
+
+from dfpo_trl import DFPOConfig
+from dfpo_trl.trl_hooks.lm_head import FusedHead, head_logits
+from dfpo_trl.trl_hooks.sampling_support import (
+    SamplingSupport,
+    full_ratio,
+    hidden_log_mass,
+    kept_log_mass,
+    sampling_support,
+)
+
+
+def brute_force(logits: torch.Tensor, support: SamplingSupport) -> torch.Tensor:
+    """log Σ_{v∈S} p(v), S from the element-by-element rule the stand-in engine samples with."""
+    out = []
+    for row in logits.double():
+        probs = torch.softmax(row, -1).tolist()
+        kept = vllm_support(probs, support.top_k, support.top_p, support.min_p)
+        out.append(math.log(sum(probs[i] for i in kept)))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_hand_numbers():
+    """p = (0.5, 0.3, 0.15, 0.05): top-p 0.75 drops 0.05 and 0.15 (running 0.05, 0.2 ≤ 0.25), K = 0.8; top-k 3 then
+    top-p 0.9 keeps all three (0.15 / 0.95 > 0.1), K = 0.95; min-p 0.4 keeps p ≥ 0.2, K = 0.8; untruncated 0."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert math.isclose(float(kept_log_mass(logits, SamplingSupport(1.0, 0, 0.75, 0.0)).exp()), 0.8, rel_tol=1e-6)
+    assert math.isclose(float(kept_log_mass(logits, SamplingSupport(1.0, 3, 0.9, 0.0)).exp()), 0.95, rel_tol=1e-6)
+    assert math.isclose(float(kept_log_mass(logits, SamplingSupport(1.0, 0, 1.0, 0.4)).exp()), 0.8, rel_tol=1e-6)
+    assert float(kept_log_mass(logits, SamplingSupport(1.0, 0, 1.0, 0.0))) == 0.0
+
+
+@pytest.mark.parametrize("support", [
+    SamplingSupport(0.7, 20, 0.8, 0.0),   # recipes/qwen3_8b_lora.yaml, qwen3_next_80b_a3b.yaml
+    SamplingSupport(0.6, 20, 0.95, 0.0),  # recipes/qwen3_32b.yaml
+    SamplingSupport(1.0, 0, 0.5, 0.0),    # top-p alone: the whole vocabulary sorted
+    SamplingSupport(1.0, 5, 1.0, 0.0),    # top-k alone
+    SamplingSupport(1.0, 0, 1.0, 0.05),   # min-p alone
+    SamplingSupport(0.9, 8, 0.9, 0.1),    # all three, min-p first
+])
+def test_kept_mass_is_vllms_rule(support: SamplingSupport):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 50, generator=g) * 3 / support.temperature
+    torch.testing.assert_close(kept_log_mass(logits, support).double(), brute_force(logits, support),
+                               rtol=0, atol=2e-6)
+
+
+def test_ties_at_the_kth_logit_are_kept_and_top_p_runs_over_them():
+    """Top-k 2 of (2, 1, 1, 0): both 1s are kept (vLLM masks logits below the k-th only), so top-p runs over three
+    tokens; a candidate list cut at k would miss one."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0]])
+    probs = torch.softmax(logits, -1)[0]
+    assert math.isclose(float(kept_log_mass(logits, SamplingSupport(1.0, 2, 1.0, 0.0)).exp()),
+                        float(probs[:3].sum()), rel_tol=1e-6)
+    support = SamplingSupport(1.0, 2, 0.99, 0.0)
+    torch.testing.assert_close(kept_log_mass(logits, support).double(), brute_force(logits, support), atol=1e-6,
+                               rtol=0)
+
+
+def test_from_the_lm_head_input_as_trls_fused_head_scores_it():
+    """h Wᵀ + b, logit scale, softcapping, temperature; the passes over positions change nothing."""
+    g = torch.Generator().manual_seed(1)
+    hidden, weight, bias = torch.randn(3, 7, 16, generator=g), torch.randn(40, 16, generator=g), torch.randn(40)
+    head = FusedHead(weight, bias, 0.5, 10.0)
+    support = SamplingSupport(0.7, 6, 0.8, 0.0)
+    z = 10.0 * torch.tanh(0.5 * (hidden @ weight.T + bias) / 10.0) / 0.7
+    torch.testing.assert_close(head_logits(hidden, head, 0.7), z)
+    want = kept_log_mass(z.reshape(-1, 40), support).reshape(3, 7)
+    torch.testing.assert_close(hidden_log_mass(hidden, head, support), want)
+    import dfpo_trl.trl_hooks.sampling_support as module
+
+    small = module.POSITIONS_PER_PASS
+    try:
+        module.POSITIONS_PER_PASS = 40 * 4  # four positions a pass
+        torch.testing.assert_close(hidden_log_mass(hidden, head, support), want)
+    finally:
+        module.POSITIONS_PER_PASS = small
+
+
+def test_generation_kwargs_win_as_trl_passes_them_to_vllm():
+    assert sampling_support(0.7, 20, 0.8, None) == SamplingSupport(0.7, 20, 0.8, 0.0)
+    assert sampling_support(0.7, 20, 0.8, 0.0, {"top_k": 5, "min_p": 0.1}) == SamplingSupport(0.7, 5, 0.8, 0.1)
+    assert sampling_support(1.0, -1, None, None) == SamplingSupport(1.0, 0, 1.0, 0.0)  # vLLM's -1: no top-k
+    assert not sampling_support(1.0, 0, 1.0, 0.0).truncates
+
+
+def test_full_ratio_is_trls_untruncated_ratio():
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]])
+    sampling = torch.tensor([[-0.5, float("nan"), -2.0], [-1.5, -1.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    torch.testing.assert_close(full_ratio(old, sampling, mask, True), torch.tensor([[math.exp(-1.5)], [math.exp(0.5)]]))
+    torch.testing.assert_close(full_ratio(old, sampling, mask, False)[0], torch.tensor([math.exp(-0.5), 1.0,
+                                                                                        math.exp(-1.0)]))
+
+
+@pytest.mark.parametrize("fields, names", [
+    ({"use_vllm": False}, "use_vllm=False"),
+    ({"use_vllm": True, "vllm_importance_sampling_correction": False}, "vllm_importance_sampling_correction=False"),
+    ({"use_vllm": True, "repetition_penalty": 1.1}, "repetition_penalty changes"),
+    ({"use_vllm": True, "generation_kwargs": {"presence_penalty": 0.5, "logit_bias": {1: 2.0}}},
+     "presence_penalty, logit_bias changes"),
+])
+def test_the_truncated_support_is_refused_where_it_cannot_hold(fields: dict, names: str):
+    with pytest.raises(ValueError, match="vllm_importance_sampling_support='truncated'") as raised:
+        DFPOConfig(**base_args(vllm_importance_sampling_support="truncated", **fields))
+    assert names in str(raised.value)
+    assert "vllm_importance_sampling_support='full'" in str(raised.value)
