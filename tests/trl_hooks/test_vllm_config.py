@@ -13,7 +13,16 @@ import importlib.util
 
 import pytest
 import torch
-from tiny import base_args, capturing, hand_batch, loss_and_grads, make_trainer, random_batch, with_old_logps
+from tiny import (
+    base_args,
+    capturing,
+    hand_batch,
+    loss_and_grads,
+    make_trainer,
+    random_batch,
+    record_row_weights,
+    with_old_logps,
+)
 from tolerance import assert_close_to_rounding
 
 from dfpo_trl import DFPOConfig, DFPOTrainer
@@ -132,6 +141,48 @@ def test_is_correction_reweights_members_after_the_transform():
     assert c_group[:, :2].abs().max() > 1e-4
     assert_close_to_rounding(shared_group, torch.zeros(2, 2), scale=c_group[:, :2].abs().view(2, 2, 2).sum(1))
     assert shared_member.abs().max() > 1e-4
+
+
+# One ratio per member (TRL's sequence modes) for the shared-prefix batch's 4 rows: TRL's under truncated sampling is
+# the product of each member's kept masses, exp(Σ_t log K_t), and differs between members by an order of magnitude;
+# the ratio against the truncated support keeps only the engines' mismatch, here ±1e-3 per member.
+KEPT_LOG_MASS = torch.tensor([[-0.1], [-1.5], [-0.4], [-2.0]])
+MISMATCH = torch.tensor([[1e-3], [-1e-3], [5e-4], [-5e-4]])
+RATIOS = {"trl_full_support": (KEPT_LOG_MASS + MISMATCH).exp(), "truncated_support": MISMATCH.exp()}
+
+
+@pytest.mark.parametrize("target", ["weights", "gradient"])
+def test_what_the_is_correction_does_to_the_group_balance(target):
+    """Min-Replace with TRL's correction on, per member ratios w_i (RATIOS). The loss's gradient on a token all
+    members of a group share is Σ_i Â_i s̃_i c_i w_i (docs/source/concepts/cancellation.md, C1–C3).
+
+    ``"weights"`` keeps Σ_i Â_i s̃_i = 0 whatever w, so the shared tokens' residual |Σ_i c| / Σ_i |c| is the spread
+    of w in the group, |w_1 − w_2| / (w_1 + w_2) = tanh(|Δ log w| / 2) for two members with Â = ±a, equal lengths and
+    equal s̃: 0.66 with TRL's ratio under truncation, 0.001 against the truncated support. ``"gradient"`` folds w
+    into a_i and cancels the shared tokens exactly with either ratio, at the price of Σ_i Â_i s̃_i ≠ 0 where w differs
+    (the weights absorb it)."""
+    trainer = with_vllm(make_trainer(capturing(DFPOTrainer), DFPOConfig, **SEQ, steps_per_generation=2,
+                                     num_generations=2, group_transform="min_replace", cancellation_target=target))
+    used = record_row_weights(trainer)
+    batch = shared_prefix_batch(trainer)
+    advantages = batch["advantages"].double().view(2, 2)
+    residual, balance = {}, {}
+    for name, ratio in RATIOS.items():
+        c = coefficients(trainer, {**batch, "importance_sampling_ratio": ratio}).double()
+        shared = c[:, :2].view(2, 2, 2)  # (group, member, shared position)
+        assert shared.abs().max() > 1e-4
+        residual[name] = float((shared.sum(1).abs() / shared.abs().sum(1)).max())
+        balance[name] = (advantages * used[-1].s_tilde.double().view(2, 2)).sum(-1).abs().max()
+    if target == "weights":
+        for name in RATIOS:
+            assert_close_to_rounding(balance[name], torch.zeros((), dtype=torch.float64), scale=advantages.abs().sum())
+        for name, ratio in RATIOS.items():
+            spread = float(torch.tanh(ratio.log().view(2, 2).diff(dim=1).abs() / 2).max())
+            assert residual[name] == pytest.approx(spread, rel=1e-3), name
+        assert residual["trl_full_support"] > 0.6 and residual["truncated_support"] < 2e-3
+    else:
+        assert max(residual.values()) < 1e-5  # float32 gradients: the rounding of the sum
+        assert balance["trl_full_support"] > 0.1
 
 
 @pytest.mark.parametrize(("spg", "accumulation"), [(1, 1), (2, 2), (4, 4)])
