@@ -1,7 +1,8 @@
 #!/bin/bash
 # The trained-weights jobs on the GPU machine, after the GPU kit (benchmarks/README.md, "The GPU kit": its setup
 # has installed TRL and vLLM and written the checkpoints). From the repo root:
-#   bash benchmarks/dfpo_bench/trained/gpu_job.sh is               the IS-ratio measurement, one process per sampling setting
+#   bash benchmarks/dfpo_bench/trained/gpu_job.sh is               the IS-ratio measurement (TRL's, the truncated support's,
+#                                                                  off) and its cost, one process, one vLLM engine
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh cards GPU         the 8B recipe's card rows as run (cards_8b.py), detached
 #   bash benchmarks/dfpo_bench/trained/gpu_job.sh poll S            waits S s, prints progress, packs what exists into $OUT
 # A detached job dies with the machine, which goes back 30 s after a call returns: keep calling `poll`.
@@ -10,12 +11,9 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks VLLM_USE_FLASHINFER_SAMPLER=0 P
 model=/root/models/qwen2.5-coder-0.5b-instruct
 case "$1" in
   is)
-    for s in untruncated_t1 recipe_8b_lora recipe_32b; do
-      timeout 200 python -m dfpo_bench.trained.is_ratio --model $model --setting $s --out /tmp/is_$s.json \
-        > /tmp/is_$s.log 2>&1; echo "$s exit $?"; tail -1 /tmp/is_$s.log
-    done
-    python -m dfpo_bench.trained.is_ratio --out "$OUT/is_ratio.json" --merge /tmp/is_*.json > /dev/null
-    tar czf "$OUT/is_logs.tgz" /tmp/is_*.log 2>/dev/null ;;
+    timeout 470 python -m dfpo_bench.trained.is_ratio --model $model --out "$OUT/is_ratio.json" > /tmp/is_ratio.log 2>&1
+    echo "is_ratio exit $?"; grep -E "^ *(untruncated_t1|recipe_|cost)" /tmp/is_ratio.log | tail -8
+    gzip -c /tmp/is_ratio.log > "$OUT/is_ratio.log.gz" ;;
   cards)
     mkdir -p /tmp/cards
     CUDA_VISIBLE_DEVICES=$2 setsid nohup python -m dfpo_bench.trained.cards_8b --out /tmp/cards/cards_8b_as_run.json \

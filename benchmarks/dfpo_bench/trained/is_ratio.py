@@ -1,44 +1,68 @@
-"""TRL's vLLM importance-sampling ratio with trained weights, at the recipes' sampling settings, against length.
+"""TRL's vLLM importance-sampling ratio against the one taken over vLLM's truncated support, with trained weights, at
+the recipes' sampling settings, against length; and what the truncated support costs against the correction off.
 
-One ``DFPOTrainer`` with a colocated vLLM engine (TRL's own path, ``vllm_importance_sampling_correction`` on) runs
-TRL's rollout (``_generate_and_score_completions``) once per sampling setting on the same prompts, so what is
-measured is what TRL computes: its ``sampling_per_token_logps`` (vLLM's, ``logprobs_mode="processed_logprobs"``),
-its ``old_per_token_logps`` (the trainer's forward) and its ratio. An independent meter runs beside it: one more
-forward of the trainer's model with the full logits, where the top-k / top-p support vLLM sampled from is rebuilt
-(vLLM's order: top-k, then top-p on what is left) and its probability mass under the untruncated tempered
-distribution, log K_t, is taken per token. If vLLM renormalises its log-probs over the truncated support, the
-per-token gap trainer − vLLM equals log K_t up to the numerical mismatch between the two engines.
+One command on the GPU machine, from the repository root (about 5 minutes on one H200; one vLLM engine, shared by
+the trainers of every setting)::
 
-Per row it records the length, Σ gap, Σ log K, TRL's ratio and the factor each IS mode would put on the row's loss
-(``sequence_mask`` and ``sequence_truncate`` with TRL's default bounds, ``token_truncate``'s mean over the row's
-tokens, the correction off, and the ratio against the truncated support). Run on the GPU machine from the
-repository root::
+    python -m dfpo_bench.trained.is_ratio --model /root/models/qwen2.5-coder-0.5b-instruct --out $OUT/is_ratio.json
 
-    for s in untruncated_t1 recipe_8b_lora recipe_32b; do
-        python -m dfpo_bench.trained.is_ratio --model /root/models/qwen2.5-coder-0.5b-instruct --setting $s \
-            --out /tmp/is_$s.json; done
-    python -m dfpo_bench.trained.is_ratio --out $OUT/is_ratio.json --merge /tmp/is_*.json
+Per sampling setting (:data:`SETTINGS`: the untruncated control, the 8B and 80B recipes' 0.7 / 0.8 / 20, the 32B
+recipe's 0.6 / 0.95 / 20) one ``DFPOTrainer`` (DFPO off; TRL's correction on with
+``vllm_importance_sampling_support="truncated"``) runs TRL's rollout once on prompts that invite answers from a few
+tokens to a few thousand. Its ratio is the product's: TRL's own code on ℓ^old − log K. Beside it the script keeps
+vLLM's returned log-probs s (a wrapper around TRL's ``VLLMGeneration.generate``), so for every row it has
 
-It prints a short table last.
+* TRL's log ratio, Σ_t (ℓ^old − s) (what ``vllm_importance_sampling_support="full"`` gives: TRL's),
+* ours, Σ_t (ℓ^old − log K − s), from the sampler's log-probs the trainer hands TRL's loss (s + log K),
+* the correction off (0),
+
+and an independent meter: one forward of the trainer's model with the full logits, where the support is rebuilt
+(:func:`rebuild_support`, vLLM's order) and log K taken per token, against the product's log K. From the rows:
+the OLS slope of each log ratio on the length (nats per token, with a bootstrap over prompts), the median ratio by
+length bin, the rows TRL's mask modes drop (``sequence_mask`` with C_max 3 and C_min none or 0.5, ``token_mask``'s
+rows with a dropped token) and each mode's factor's slope. Target for ours: |slope| ≤ 1e-4 nats a token and a median
+within [0.9, 1.1] in every bin.
+
+Then the cost, at the 8B recipe's settings and shorter completions (``--cost-max-completion``): rounds, each running
+the three conditions (correction off, TRL's, ours) in a shuffled order, each one rollout and its loss steps
+(forward and backward of every micro-batch, no optimizer step); the ratio to the correction off is taken within a
+round, for the loss steps and for the whole loop (rollout + loss steps), and its median over rounds is given with a
+bootstrap interval, as the benchmarks resolve ratios. It prints a short table last.
+
+``--dry-run`` runs the same code on the CPU: a tiny random model and a stand-in engine (:class:`DryEngine`) that
+truncates and renormalises as vLLM does, the engines agreeing (float32), so ours is 1 on every row
+(benchmarks/tests/test_trained.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import pathlib
+import random
+import statistics
+import tempfile
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-# name: (temperature, top_p, top_k); the recipes' own settings and the untruncated baseline
+# name: (temperature, top_p, top_k, min_p), the recipes that sample so
 SETTINGS = {
-    "untruncated_t1": (1.0, 1.0, 0),
-    "recipe_8b_lora": (0.7, 0.8, 20),     # recipes/qwen3_8b_lora.yaml
-    "recipe_32b": (0.6, 0.95, 20),        # recipes/qwen3_32b.yaml
+    "untruncated_t1": (1.0, 1.0, 0, 0.0),
+    "recipe_8b_lora": (0.7, 0.8, 20, 0.0),  # recipes/qwen3_8b_lora.yaml and recipes/qwen3_next_80b_a3b.yaml
+    "recipe_32b": (0.6, 0.95, 20, 0.0),  # recipes/qwen3_32b.yaml
 }
+RECIPES = {"untruncated_t1": [], "recipe_8b_lora": ["qwen3_8b_lora.yaml", "qwen3_next_80b_a3b.yaml"],
+           "recipe_32b": ["qwen3_32b.yaml"]}
+KINDS = ("trl", "truncated_support", "off")
+LENGTH_BINS = (1, 100, 300, 1000, 2000)  # lower edges; the last bin is open
+TARGET_SLOPE = 1e-4  # |nats per token| for ours
+TARGET_MEDIAN = (0.9, 1.1)
+CLIP_MAX, CLIP_MINS = 3.0, (None, 0.5)  # TRL's default C_max; C_min none (TRL's default) or 0.5
 # Prompts that invite answers from a few tokens to a few thousand (the length axis of the measurement).
 PROMPTS = [
     "Compute 47 × 38 + 215. Show your work briefly, then give the final answer as: Answer: <number>",
@@ -58,198 +82,450 @@ PROMPTS = [
 ]
 
 
-def rebuild_support_log_mass(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    """log K_t: the untruncated tempered distribution's log mass on the support vLLM samples from.
+# ------------------------------------------------------------------------------------------- the meter
+def rebuild_support(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                    min_p: float = 0.0) -> torch.Tensor:
+    """The support vLLM samples from, as a (…, V) bool mask, from raw ``logits`` (float32), in vLLM's order: the
+    temperature; min-p keeps p ≥ min_p · max p; top-k keeps the logits at or above the k-th largest (ties kept);
+    top-p, on the distribution renormalised over what is left, sorted ascending, drops every token whose running mass
+    is ≤ 1 − top_p, the largest always kept (vLLM's ``apply_top_k_top_p_pytorch`` and its min-p processor)."""
+    scaled = logits / temperature
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if min_p > 0:
+        probs = torch.softmax(scaled, dim=-1)
+        keep &= probs >= probs.amax(dim=-1, keepdim=True) * min_p
+    if 0 < top_k < scaled.size(-1):
+        kth = torch.topk(scaled.masked_fill(~keep, float("-inf")), top_k, dim=-1).values[..., -1:]
+        keep &= scaled >= kth
+    if top_p < 1.0:
+        masked = scaled.masked_fill(~keep, float("-inf"))
+        ascending, order = torch.sort(masked, dim=-1)
+        running = torch.softmax(ascending, dim=-1).cumsum(-1)
+        dropped = running <= 1.0 - torch.tensor(top_p, dtype=running.dtype)
+        dropped[..., -1] = False
+        keep &= ~torch.zeros_like(keep).scatter(-1, order, dropped)
+    return keep
 
-    ``logits`` (T, V) float32. vLLM's sampler scales by the temperature, keeps the top ``top_k`` logits (ties
-    kept), then among those drops the smallest whose cumulative mass, in ascending order, is at most 1 − top_p
-    (always keeping the largest). K_t = Σ_{kept} p_t; its log is 0 when nothing is truncated."""
-    if not (top_k and top_k > 0) and top_p >= 1.0:
+
+def rebuild_support_log_mass(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                             min_p: float = 0.0) -> torch.Tensor:
+    """log K_t: the untruncated tempered distribution's log mass on :func:`rebuild_support`; 0 untruncated."""
+    if not (top_k and top_k > 0) and top_p >= 1.0 and min_p <= 0:
         return torch.zeros(logits.shape[:-1], device=logits.device)
     scaled = logits / temperature
-    total = torch.logsumexp(scaled, dim=-1)
-    if top_k and top_k > 0:
-        values = torch.topk(scaled, min(top_k, scaled.size(-1)), dim=-1).values  # descending
-    else:
-        values = torch.sort(scaled, dim=-1, descending=True).values
-    if top_p < 1.0:
-        ascending = values.flip(-1)
-        cumulative = torch.softmax(ascending, dim=-1).cumsum(-1)
-        dropped = cumulative <= 1.0 - top_p
-        dropped[..., -1] = False
-        ascending = ascending.masked_fill(dropped, float("-inf"))
-        values = ascending
-    return torch.logsumexp(values, dim=-1) - total
-
-
-def row_factors(gap: torch.Tensor, log_mass: torch.Tensor, mask: torch.Tensor) -> dict[str, list[float]]:
-    """Per row, the factor each IS mode puts on the row's loss (TRL 1.16's formulas; C_max 3, C_min none).
-
-    ``gap`` = old − sampling per token (TRL's), ``log_mass`` = log K_t; (B, T), ``mask`` (B, T) 0/1."""
-    m = mask.double()
-    lengths = m.sum(-1).clamp(min=1)
-    seq = (gap.double() * m).sum(-1)
-    ratio = torch.exp(seq)
-    token = torch.exp(gap.double()).clamp(max=3.0)
-    matched = seq - (log_mass.double() * m).sum(-1)
-    return {
-        "sequence_mask": torch.where(ratio > 3.0, torch.zeros_like(ratio), ratio).tolist(),
-        "sequence_truncate": ratio.clamp(max=3.0).tolist(),
-        "token_truncate": ((token * m).sum(-1) / lengths).tolist(),
-        "off": [1.0] * gap.size(0),
-        "against_truncated_support": torch.exp(matched).clamp(max=3.0).tolist(),
-    }
-
-
-def build_trainer(model_path: str, settings: tuple[float, float, int], max_completion: int, num_generations: int,
-                  rows: int, utilization: float):
-    """A DFPOTrainer (DFPO off, TRL's defaults for the IS correction) with a colocated engine sampling at
-    ``settings``; the rollout size is ``rows`` completions. One trainer per setting: TRL builds its log-prob head
-    with the temperature at ``__init__`` (``add_fused_lm_head``), so changing the temperature afterwards would score
-    the rollout at another temperature than vLLM sampled it."""
-    temperature, top_p, top_k = settings
-    from datasets import Dataset
-    from dfpo_trl import DFPOConfig, DFPOTrainer
-
-    def constant_reward(completions: list[Any], **kwargs: Any) -> list[float]:
-        return [0.0] * len(completions)
-
-    config = DFPOConfig(
-        output_dir="/tmp/is_ratio_trainer", report_to="none", bf16=True, use_cpu=False,
-        model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="colocate",
-        vllm_gpu_memory_utilization=utilization, vllm_max_model_length=max_completion + 512,
-        num_generations=num_generations, per_device_train_batch_size=rows // 4, steps_per_generation=4,
-        gradient_accumulation_steps=1, max_completion_length=max_completion, max_steps=1,
-        importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4, beta=0.0,
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0,
-    )
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
-    return DFPOTrainer(model=model_path, args=config, reward_funcs=constant_reward, train_dataset=data)
+    kept = scaled.masked_fill(~rebuild_support(logits, temperature, top_p, top_k, min_p), float("-inf"))
+    return torch.logsumexp(kept, dim=-1) - torch.logsumexp(scaled, dim=-1)
 
 
 @torch.no_grad()
-def support_log_mass(trainer: Any, output: dict[str, Any], settings: tuple[float, float, int]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log K_t and the tempered log-prob of each sampled completion token, from a full-logit forward of the trainer's
-    model (the second is TRL's ``old_per_token_logps`` computed independently)."""
-    temperature, top_p, top_k = settings
+def meter_log_mass(trainer: Any, output: dict[str, Any], setting: tuple[float, float, int, float]) -> torch.Tensor:
+    """log K_t of each completion token from a full-logit forward of the trainer's model (transformers' own head,
+    not TRL's fused one), one row at a time, 1024 positions per rebuild."""
+    temperature, top_p, top_k, min_p = setting
     model = trainer.accelerator.unwrap_model(trainer.model)
     ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
     attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
     width = output["completion_ids"].size(1)
     result = torch.zeros(output["completion_ids"].shape, device=ids.device)
-    logps = torch.zeros(output["completion_ids"].shape, device=ids.device)
     for row in range(ids.size(0)):
         logits = model(input_ids=ids[row:row + 1], attention_mask=attention[row:row + 1],
                        logits_to_keep=width + 1).logits[0, :-1].float()
-        sampled = output["completion_ids"][row]
         for start in range(0, width, 1024):
-            chunk = logits[start:start + 1024]
-            result[row, start:start + 1024] = rebuild_support_log_mass(chunk, temperature, top_p, top_k)
-            logps[row, start:start + 1024] = torch.log_softmax(chunk / temperature, dim=-1).gather(
-                -1, sampled[start:start + 1024, None])[:, 0]
-    return result, logps
+            result[row, start:start + 1024] = rebuild_support_log_mass(logits[start:start + 1024], temperature,
+                                                                       top_p, top_k, min_p)
+    return result * output["completion_mask"]
 
 
-def measure(trainer: Any, name: str, settings: tuple[float, float, int], prompts: list[dict[str, Any]]) -> dict:
-    """One TRL rollout at ``settings`` and the independent meter beside it."""
-    temperature, top_p, top_k = settings
+# ------------------------------------------------------------------------------------------ the engines
+def share_one_engine() -> None:
+    """Every ``vllm.LLM`` TRL builds in this process after the first is the first (same model, same engine
+    settings; each request carries its own sampling settings, and each trainer pushes its weights before its first
+    rollout)."""
+    import trl.generation.vllm_generation as generation
+
+    first: dict[str, Any] = {}
+    build = generation.LLM
+
+    def shared(*args: Any, **kwargs: Any) -> Any:
+        if "engine" not in first:
+            first["engine"] = build(*args, **kwargs)
+        return first["engine"]
+
+    generation.LLM = shared
+
+
+class DryEngine:
+    """``vllm.LLM`` as TRL's colocated path drives it, on the CPU: the checkpoint in float32 (so it agrees with the
+    trainer once synced), sampling from :func:`rebuild_support` and returning log-probs renormalised over it
+    (``processed_logprobs``). For ``--dry-run`` only."""
+
+    def __init__(self, model: str, **settings: Any) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        runner = SimpleNamespace(model=SimpleNamespace(load_weights=self._load))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(
+            model_runner=runner)))
+        self.rng = torch.Generator().manual_seed(0)
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor)
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts: list[dict[str, list[int]]], sampling_params: Any, use_tqdm: bool = False) -> list:
+        p, eos, outputs = sampling_params, self.model.config.eos_token_id, []
+        for prompt in prompts:
+            ids, tokens, logprobs = list(prompt["prompt_token_ids"]), [], []
+            for _ in range(p.max_tokens):
+                logits = self.model(torch.tensor([ids + tokens])).logits[0, -1].float()
+                keep = rebuild_support(logits, p.temperature, p.top_p, p.top_k, p.min_p)
+                log_probs = (logits / p.temperature).masked_fill(~keep, float("-inf")).log_softmax(-1)
+                token = int(torch.multinomial(log_probs.exp(), 1, generator=self.rng))
+                tokens.append(token)
+                logprobs.append({token: SimpleNamespace(logprob=float(log_probs[token]), rank=1)})
+                if token == eos:
+                    break
+            outputs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[SimpleNamespace(
+                token_ids=tokens, logprobs=logprobs)]))
+        return outputs
+
+
+def use_dry_engine() -> None:
+    """TRL's vLLM module told vLLM is there, with :class:`DryEngine` as its engine."""
+    import trl.generation.vllm_generation as generation
+
+    generation.is_vllm_available = lambda *args, **kwargs: True
+    generation.SamplingParams = SimpleNamespace
+    generation.LLM = DryEngine
+
+
+class SampledLogprobs:
+    """Keeps what vLLM returned for the sampled tokens at each call of TRL's ``VLLMGeneration.generate``."""
+
+    def __init__(self, generation: Any) -> None:
+        self.last: list[list[float]] = []
+        original = generation.generate
+
+        def generate(*args: Any, **kwargs: Any) -> tuple:
+            result = original(*args, **kwargs)
+            self.last = [[token[0] for token in row] for row in result[2]]
+            return result
+
+        generation.generate = generate
+
+    def padded(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        out = torch.zeros(shape, device=device)
+        for row, values in enumerate(self.last):
+            out[row, :len(values)] = torch.tensor([math.nan if v is None else v for v in values], device=device)
+        return out
+
+
+def build_trainer(model_path: str, setting: tuple[float, float, int, float], max_completion: int,
+                  num_generations: int, rows: int, utilization: float, dry: bool) -> Any:
+    """A DFPOTrainer (DFPO off; TRL's correction on, ``sequence_mask``, against the truncated support) sampling at
+    ``setting``, its rollout ``rows`` completions. One trainer per temperature: TRL builds its fused log-prob head
+    with the temperature at ``__init__``."""
+    from datasets import Dataset
+    from dfpo_trl import DFPOConfig, DFPOTrainer
+
+    temperature, top_p, top_k, min_p = setting
+
+    def constant_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+        return [0.0] * len(completions)
+
+    device = dict(use_cpu=True, bf16=False) if dry else dict(
+        bf16=True, use_cpu=False, model_init_kwargs={"dtype": "bfloat16"}, vllm_gpu_memory_utilization=utilization)
+    config = DFPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="is_ratio_"), report_to="none", disable_tqdm=True, **device,
+        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=max_completion + 512,
+        num_generations=num_generations, per_device_train_batch_size=max(1, rows // 4), steps_per_generation=4,
+        gradient_accumulation_steps=1, max_completion_length=max_completion, max_steps=1,
+        importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4, beta=0.0,
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
+        vllm_importance_sampling_support="truncated",
+    )
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+    trainer = DFPOTrainer(model=model_path, args=config, reward_funcs=constant_reward, train_dataset=data)
+    trainer.sampled = SampledLogprobs(trainer.vllm_generation)
+    return trainer
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# -------------------------------------------------------------------------------------------- measuring
+def measure(trainer: Any, name: str, setting: tuple[float, float, int, float], prompts: list[dict[str, Any]],
+            num_generations: int) -> dict[str, Any]:
+    """One TRL rollout at ``setting`` with the product's truncated support, vLLM's own log-probs kept, the meter
+    beside it; per row and per token what each kind puts on the loss."""
     trainer.model.train()
+    synchronize()
     started = time.perf_counter()
     output = trainer._generate_and_score_completions(prompts)
+    synchronize()
     rollout_s = time.perf_counter() - started
     mask = output["completion_mask"].float()
-    gap = (output["old_per_token_logps"] - output["sampling_per_token_logps"]) * mask
-    log_mass, own_logps = support_log_mass(trainer, output, settings)
-    log_mass = log_mass * mask
-    # the independent forward against TRL's old log-probs, and the vLLM gap measured from it
-    trainer_check = (own_logps - output["old_per_token_logps"]) * mask
-    own_gap = (own_logps - output["sampling_per_token_logps"]) * mask
-    lengths = mask.sum(-1)
-    factors = row_factors(gap, log_mass, mask)
-    trl_ratio = output["importance_sampling_ratio"].reshape(-1)
-    mismatch = (gap - log_mass) * mask
-    n = mask.sum().clamp(min=1)
+    old = output["old_per_token_logps"].float()
+    raw = trainer.sampled.padded(mask.shape, mask.device)
+    shifted = output["sampling_per_token_logps"].float()
+    trl_token = torch.nan_to_num((old - raw) * mask, nan=0.0)  # TRL's per-token log ratio (support "full")
+    ours_token = torch.nan_to_num((old - shifted) * mask, nan=0.0)  # against the truncated support
+    product_log_mass = torch.nan_to_num((shifted - raw) * mask, nan=0.0)
+    meter = meter_log_mass(trainer, output, setting)
+    applied = output["importance_sampling_ratio"].reshape(-1).double()
+    tokens = mask.bool()
     return {
-        "setting": name, "temperature": temperature, "top_p": top_p, "top_k": top_k, "rollout_s": rollout_s,
+        "setting": name, "temperature": setting[0], "top_p": setting[1], "top_k": setting[2], "min_p": setting[3],
+        "recipes": RECIPES.get(name, []), "rollout_s": rollout_s,
         "rows": {
-            "length": lengths.tolist(),
-            "sum_gap": gap.sum(-1).tolist(),
-            "sum_log_mass": log_mass.sum(-1).tolist(),
-            "trl_ratio": trl_ratio.tolist(),
-            "group": [i // trainer.num_generations for i in range(mask.size(0))],
-            "factors": factors,
+            "length": mask.sum(-1).tolist(),
+            "group": [i // num_generations for i in range(mask.size(0))],
+            "log_ratio": {"trl": trl_token.sum(-1).tolist(), "truncated_support": ours_token.sum(-1).tolist(),
+                          "off": [0.0] * mask.size(0)},
+            "sum_log_mass_product": product_log_mass.sum(-1).tolist(),
+            "sum_log_mass_meter": meter.sum(-1).tolist(),
+            "applied_ratio": applied.tolist(),
+            "token_mask_dropped": {kind: ((values.exp() > CLIP_MAX) & tokens).sum(-1).tolist()
+                                   for kind, values in (("trl", trl_token), ("truncated_support", ours_token))},
         },
         "tokens": {
-            "count": int(n.item()),
-            "mean_gap": float(gap.sum() / n), "mean_abs_gap": float(gap.abs().sum() / n),
-            "mean_log_mass": float(log_mass.sum() / n),
-            "mean_mismatch": float(mismatch.sum() / n), "mean_abs_mismatch": float(mismatch.abs().sum() / n),
-            "mean_own_gap": float(own_gap.sum() / n),
-            "mean_abs_own_minus_trl_old": float(trainer_check.abs().sum() / n),
+            "count": int(tokens.sum()),
+            "mean_log_mass_product": float(product_log_mass.sum() / tokens.sum().clamp(min=1)),
+            "mean_log_mass_meter": float(meter.sum() / tokens.sum().clamp(min=1)),
+            "max_abs_product_minus_meter": float(((product_log_mass - meter) * mask).abs().max()),
+            "mean_trl_log_ratio": float(trl_token.sum() / tokens.sum().clamp(min=1)),
+            "mean_truncated_support_log_ratio": float(ours_token.sum() / tokens.sum().clamp(min=1)),
         },
-        # TRL's ratio recomputed from its own inputs: equal to TRL's (a check of this script's reading of TRL)
-        "trl_ratio_recomputed_max_abs_diff": float((torch.tensor(factors["sequence_mask"], device=trl_ratio.device,
-                                                                 dtype=trl_ratio.dtype) - trl_ratio).abs().max()),
     }
 
 
 def slope_per_token(lengths: list[float], factors: list[float]) -> float | None:
     """OLS slope of log(factor) on length over rows with a positive factor (nats per token)."""
-    pairs = [(x, math.log(f)) for x, f in zip(lengths, factors, strict=True) if f > 0 and x > 0]
-    if len(pairs) < 3:
-        return None
-    mx = sum(x for x, _ in pairs) / len(pairs)
-    my = sum(y for _, y in pairs) / len(pairs)
-    sxx = sum((x - mx) ** 2 for x, _ in pairs)
-    return sum((x - mx) * (y - my) for x, y in pairs) / sxx if sxx > 0 else None
+    from dfpo_bench.lib.stats import ols
+
+    fit = ols([(x, math.log(f)) for x, f in zip(lengths, factors, strict=True) if f > 0 and x > 0])
+    return None if fit is None else fit[0]
 
 
-def summary_line(record: dict[str, Any]) -> str:
-    rows, tokens = record["rows"], record["tokens"]
-    ratio = rows["trl_ratio"]
-    slopes = {mode: slope_per_token(rows["length"], values) for mode, values in rows["factors"].items()}
-    slope_text = ", ".join(f"{mode} {value:+.4f}" if value is not None else f"{mode} n/a"
-                           for mode, value in slopes.items())
-    return (f"{record['setting']:>15}: rows {len(ratio)}, length mean {sum(rows['length']) / len(ratio):.0f} max "
-            f"{max(rows['length']):.0f}; gap/token {tokens['mean_gap']:+.4f} (|gap| {tokens['mean_abs_gap']:.4f}), "
-            f"log K/token {tokens['mean_log_mass']:+.4f}, mismatch/token {tokens['mean_mismatch']:+.4f}, "
-            f"|own − TRL old| {tokens['mean_abs_own_minus_trl_old']:.4f}; "
-            f"TRL ratio mean {sum(ratio) / len(ratio):.3f} min {min(ratio):.3g} max {max(ratio):.3g}; "
-            f"slope of log factor per token: {slope_text}")
+def row_factors(log_ratio: list[float], lengths: list[float], token_means: list[float] | None = None
+                ) -> dict[str, list[float]]:
+    """Per row the factor each of TRL's modes puts on the row's loss for a sequence log ratio (TRL 1.16's formulas,
+    C_max 3, C_min none); ``token_truncate``'s is the row's mean of its clipped per-token ratios (``token_means``)."""
+    ratio = [math.exp(min(v, 700.0)) for v in log_ratio]
+    out = {"sequence_mask": [0.0 if r > CLIP_MAX else r for r in ratio],
+           "sequence_truncate": [min(r, CLIP_MAX) for r in ratio]}
+    if token_means is not None:
+        out["token_truncate"] = token_means
+    return out
 
 
-def main() -> None:
+def length_bins(lengths: list[float], ratios: list[float]) -> list[dict[str, Any]]:
+    """The median ratio of the rows in each length bin (:data:`LENGTH_BINS`), with its row count."""
+    out = []
+    for i, low in enumerate(LENGTH_BINS):
+        high = LENGTH_BINS[i + 1] if i + 1 < len(LENGTH_BINS) else math.inf
+        values = [r for x, r in zip(lengths, ratios, strict=True) if low <= x < high]
+        out.append({"from": low, "to": None if math.isinf(high) else high, "rows": len(values),
+                    "median": statistics.median(values) if values else None})
+    return out
+
+
+def analyse(record: dict[str, Any]) -> dict[str, Any]:
+    """A setting's summary: each kind's slope (with a bootstrap over prompts), medians by bin, dropped rows, the
+    targets for ours."""
+    from dfpo_bench.lib.stats import cluster_bootstrap_ols
+
+    rows = record["rows"]
+    lengths, groups = rows["length"], rows["group"]
+    slopes, intervals, bins, dropped = {}, {}, {}, {}
+    for kind in KINDS:
+        values = rows["log_ratio"][kind]
+        clusters: dict[int, list[tuple[float, float]]] = {}
+        for x, y, g in zip(lengths, values, groups, strict=True):
+            if x > 0:
+                clusters.setdefault(g, []).append((x, y))
+        slope, _ = cluster_bootstrap_ols(clusters)
+        slopes[kind] = None if slope is None else slope["value"]
+        intervals[kind] = None if slope is None else [slope["low"], slope["high"]]
+        ratios = [math.exp(min(v, 700.0)) for v in values]
+        bins[kind] = length_bins(lengths, ratios)
+        if kind != "off":
+            dropped[kind] = {
+                f"sequence_mask_clip_min_{c_min}": statistics.fmean(
+                    float(r > CLIP_MAX or (c_min is not None and r < c_min)) for r in ratios) for c_min in CLIP_MINS}
+            dropped[kind]["token_mask_rows_with_a_dropped_token"] = statistics.fmean(
+                float(n > 0) for n in rows["token_mask_dropped"][kind])
+    mode_slopes = {kind: {mode: slope_per_token(lengths, factors)
+                          for mode, factors in row_factors(rows["log_ratio"][kind], lengths).items()}
+                   for kind in ("trl", "truncated_support")}
+    ours = slopes["truncated_support"]
+    medians = [b["median"] for b in bins["truncated_support"] if b["median"] is not None]
+    return {
+        "slope_per_token": slopes, "slope_interval_95": intervals, "median_ratio_by_length": bins,
+        "dropped_rows": dropped, "mode_factor_slope_per_token": mode_slopes,
+        "longest": max(lengths), "rows": len(lengths),
+        "targets": {"slope_abs_max": TARGET_SLOPE, "median_within": list(TARGET_MEDIAN),
+                    "slope_met": ours is not None and abs(ours) <= TARGET_SLOPE,
+                    "median_met": bool(medians) and all(TARGET_MEDIAN[0] <= m <= TARGET_MEDIAN[1] for m in medians)},
+    }
+
+
+# ------------------------------------------------------------------------------------------------ cost
+CONDITIONS = {"off": (False, "full"), "trl": (True, "full"), "truncated_support": (True, "truncated")}
+
+
+def set_condition(trainer: Any, name: str) -> None:
+    """TRL reads its correction switch from the trainer at each rollout and loss; DFPO reads the support from args."""
+    correction, support = CONDITIONS[name]
+    trainer.vllm_importance_sampling_correction = correction
+    trainer.args.vllm_importance_sampling_support = support
+
+
+def one_round_part(trainer: Any, prompts: list[dict[str, Any]]) -> dict[str, float]:
+    """One rollout and its loss steps (forward and backward of each micro-batch, gradients dropped): seconds each."""
+    from trl.trainer.utils import split_tensor_dict
+
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by train()
+    synchronize()
+    start = time.perf_counter()
+    output = trainer._generate_and_score_completions(prompts)
+    synchronize()
+    rollout = time.perf_counter() - start
+    start = time.perf_counter()
+    for micro in split_tensor_dict(output, trainer.args.steps_per_generation):
+        loss = trainer.compute_loss(trainer.model, micro)
+        loss.backward()
+        trainer.model.zero_grad(set_to_none=True)
+    synchronize()
+    loss_steps = time.perf_counter() - start
+    return {"rollout_s": rollout, "loss_steps_s": loss_steps, "loop_s": rollout + loss_steps}
+
+
+def cost(trainer: Any, prompts: list[dict[str, Any]], rounds: int, budget_s: float, seed: int = 0) -> dict[str, Any]:
+    """Interleaved rounds of the three conditions (shuffled order); each condition's ratio to the correction off
+    within a round, its median over rounds and a bootstrap interval. A warm-up round is run first and not kept;
+    rounds stop when ``budget_s`` is spent."""
+    from dfpo_bench.lib.stats import bootstrap_median
+
+    rng = random.Random(seed)
+    for name in CONDITIONS:  # warm-up: compiled kernels, allocator
+        set_condition(trainer, name)
+        one_round_part(trainer, prompts)
+    kept, started = [], time.monotonic()
+    for _ in range(rounds):
+        if kept and time.monotonic() - started > budget_s:
+            break
+        order = list(CONDITIONS)
+        rng.shuffle(order)
+        parts = {}
+        for name in order:
+            set_condition(trainer, name)
+            parts[name] = one_round_part(trainer, prompts)
+        kept.append({"order": order, "parts": parts})
+        print("cost round: " + ", ".join(f"{n} loop {p['loop_s']:.2f}s loss {p['loss_steps_s']:.2f}s"
+                                         for n, p in parts.items()), flush=True)
+    set_condition(trainer, "truncated_support")
+    summary: dict[str, Any] = {"rounds": len(kept), "per_round": kept}
+    for name in ("trl", "truncated_support"):
+        summary[name] = {}
+        for part in ("loss_steps_s", "loop_s", "rollout_s"):
+            ratios = [r["parts"][name][part] / r["parts"]["off"][part] for r in kept]
+            summary[name][part.removesuffix("_s")] = {
+                "median_ratio_to_off": statistics.median(ratios),
+                "interval_95": bootstrap_median(ratios) if len(ratios) > 1 else None, "ratios": ratios}
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------- main
+def summary_line(name: str, summary: dict[str, Any], record: dict[str, Any]) -> str:
+    slopes = ", ".join(f"{k} {v:+.5f}" if v is not None else f"{k} n/a" for k, v in summary["slope_per_token"].items())
+    bins = " ".join(f"{b['median']:.3g}" if b["median"] is not None else "-"
+                    for b in summary["median_ratio_by_length"]["truncated_support"])
+    tokens = record["tokens"]
+    return (f"{name:>15}: rows {summary['rows']}, longest {summary['longest']:.0f}; slope/token {slopes}; ours' "
+            f"median by bin {bins}; log K/token {tokens['mean_log_mass_product']:+.4f} (meter "
+            f"{tokens['mean_log_mass_meter']:+.4f}, max |diff| {tokens['max_abs_product_minus_meter']:.1e}); "
+            f"targets met: slope {summary['targets']['slope_met']}, median {summary['targets']['median_met']}")
+
+
+def dry_model(folder: pathlib.Path) -> str:
+    """The tiny chat model of dfpo_trl.testing, saved as a checkpoint, for ``--dry-run``."""
+    from dfpo_trl.testing import save_tiny_chat_model
+
+    return str(save_tiny_chat_model(folder))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model")
+    parser.add_argument("--model", default="/root/models/qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--setting", choices=list(SETTINGS), help="one per process (see build_trainer)")
-    parser.add_argument("--merge", nargs="+", metavar="JSON", help="join one-setting results into --out")
-    parser.add_argument("--max-completion", type=int, default=4096)
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--max-completion", type=int, default=2560)
     parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--utilization", type=float, default=0.4)
-    args = parser.parse_args()
-    if args.merge:
-        parts = [json.loads(pathlib.Path(path).read_text()) for path in args.merge]
-        merged = {**parts[0], "settings": [record for part in parts for record in part["settings"]]}
-        pathlib.Path(args.out).write_text(json.dumps(merged))
-        for record in merged["settings"]:
-            print(summary_line(record))
-        return
+    parser.add_argument("--utilization", type=float, default=0.3)
+    parser.add_argument("--cost-setting", default="recipe_8b_lora", choices=list(SETTINGS))
+    parser.add_argument("--cost-rounds", type=int, default=6)
+    parser.add_argument("--cost-max-completion", type=int, default=384)
+    parser.add_argument("--cost-budget-s", type=float, default=120.0, help="no cost round starts after this")
+    parser.add_argument("--dry-run", action="store_true", help="CPU: a tiny model and a stand-in engine")
+    args = parser.parse_args(argv)
     from dfpo_bench.lib.common import card, versions
     from dfpo_bench.lib.provenance import checkout_state
 
+    started = time.monotonic()
+    model = args.model
+    if args.dry_run:
+        use_dry_engine()
+        model = dry_model(pathlib.Path(tempfile.mkdtemp(prefix="is_ratio_model_")))
+    share_one_engine()
     rows = len(PROMPTS) * args.num_generations
     prompts = [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS for _ in range(args.num_generations)]
-    trainer = build_trainer(args.model, SETTINGS[args.setting], args.max_completion, args.num_generations, rows,
-                            args.utilization)
-    torch.manual_seed(0)
-    record = measure(trainer, args.setting, SETTINGS[args.setting], prompts)
-    result = {"card": card(), "versions": versions(), "checkout": checkout_state(pathlib.Path.cwd()),
-              "model": args.model, "max_completion": args.max_completion, "num_generations": args.num_generations,
-              "prompts": PROMPTS, "settings": [record]}
+    result: dict[str, Any] = {
+        "card": card(), "versions": versions(), "checkout": checkout_state(pathlib.Path.cwd()), "model": model,
+        "dry_run": args.dry_run, "max_completion": args.max_completion, "num_generations": args.num_generations,
+        "prompts": PROMPTS, "settings": {}, "slope_per_token": {},
+    }
+    lines, cost_trainer = [], None
+    for name in args.settings:
+        trainer = build_trainer(model, SETTINGS[name], args.max_completion, args.num_generations, rows,
+                                args.utilization, args.dry_run)
+        torch.manual_seed(0)
+        record = measure(trainer, name, SETTINGS[name], prompts, args.num_generations)
+        summary = analyse(record)
+        result["settings"][name] = {**summary, "record": record}
+        result["slope_per_token"][name] = summary["slope_per_token"]
+        lines.append(summary_line(name, summary, record))
+        print(lines[-1], flush=True)
+        if name == args.cost_setting:
+            cost_trainer = trainer
+        else:
+            del trainer
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+    if cost_trainer is not None and args.cost_rounds > 0:
+        cost_trainer.vllm_generation.max_completion_length = args.cost_max_completion
+        result["cost"] = {"setting": args.cost_setting, "max_completion": args.cost_max_completion,
+                          **cost(cost_trainer, prompts, args.cost_rounds, args.cost_budget_s)}
+        for kind in ("trl", "truncated_support"):
+            parts = result["cost"][kind]
+            lines.append(f"cost {kind:>17} / off: loss steps {parts['loss_steps']['median_ratio_to_off']:.3f} "
+                         f"{parts['loss_steps']['interval_95']}, whole loop {parts['loop']['median_ratio_to_off']:.3f} "
+                         f"{parts['loop']['interval_95']} ({result['cost']['rounds']} rounds)")
+    result["wall_s"] = time.monotonic() - started
     pathlib.Path(args.out).write_text(json.dumps(result))
-    print(summary_line(record))
+    for line in lines:
+        print(line)
+    return result
 
 
 if __name__ == "__main__":
