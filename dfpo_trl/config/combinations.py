@@ -217,16 +217,15 @@ SUPPORT_CHANGING_KWARGS = ("temperature", "repetition_penalty", "presence_penalt
 
 def _truncated_support(config: DFPOConfig) -> None:
     """``vllm_importance_sampling_support="truncated"`` changes TRL's vLLM ratio, and rebuilds vLLM's support from
-    the trainer's logits: TRL must compute that ratio, and vLLM's distribution must be the trainer's before the
-    truncation."""
-    if config.vllm_importance_sampling_support != "truncated":
+    the trainer's logits: with vLLM on, TRL must compute that ratio, and vLLM's distribution must be the trainer's
+    before the truncation. Without vLLM the field waits for it (a recipe that generates either way keeps it)."""
+    if config.vllm_importance_sampling_support != "truncated" or not config.use_vllm:
         return
-    if not (config.use_vllm and config.vllm_importance_sampling_correction):
+    if not config.vllm_importance_sampling_correction:
         raise ValueError(
-            "vllm_importance_sampling_support='truncated' changes TRL's vLLM importance-sampling ratio, which this "
-            f"run does not compute (use_vllm={config.use_vllm}, vllm_importance_sampling_correction="
-            f"{config.vllm_importance_sampling_correction}). Set use_vllm=True and "
-            "vllm_importance_sampling_correction=True, or leave vllm_importance_sampling_support='full'."
+            "vllm_importance_sampling_support='truncated' changes TRL's vLLM importance-sampling ratio, which "
+            "vllm_importance_sampling_correction=False turns off. Set vllm_importance_sampling_correction=True, or "
+            "leave vllm_importance_sampling_support='full'."
         )
     changed = ["repetition_penalty"] if config.repetition_penalty != 1.0 else []
     changed += [key for key in SUPPORT_CHANGING_KWARGS if key in (config.generation_kwargs or {})]

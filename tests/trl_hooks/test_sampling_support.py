@@ -106,7 +106,6 @@ def test_full_ratio_is_trls_untruncated_ratio():
 
 
 @pytest.mark.parametrize("fields, names", [
-    ({"use_vllm": False}, "use_vllm=False"),
     ({"use_vllm": True, "vllm_importance_sampling_correction": False}, "vllm_importance_sampling_correction=False"),
     ({"use_vllm": True, "repetition_penalty": 1.1}, "repetition_penalty changes"),
     ({"use_vllm": True, "generation_kwargs": {"presence_penalty": 0.5, "logit_bias": {1: 2.0}}},
@@ -117,3 +116,10 @@ def test_the_truncated_support_is_refused_where_it_cannot_hold(fields: dict, nam
         DFPOConfig(**base_args(vllm_importance_sampling_support="truncated", **fields))
     assert names in str(raised.value)
     assert "vllm_importance_sampling_support='full'" in str(raised.value)
+
+
+def test_without_vllm_the_truncated_support_waits_for_it():
+    """A recipe that generates with transformers by default and with vLLM on a flag keeps the field (the 8B one)."""
+    config = DFPOConfig(**base_args(vllm_importance_sampling_support="truncated", use_vllm=False,
+                                    repetition_penalty=1.1))
+    assert config.vllm_importance_sampling_support == "truncated"

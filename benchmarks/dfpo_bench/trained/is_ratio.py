@@ -296,6 +296,10 @@ def measure(trainer: Any, name: str, setting: tuple[float, float, int, float], p
             "applied_ratio": applied.tolist(),
             "token_mask_dropped": {kind: ((values.exp() > CLIP_MAX) & tokens).sum(-1).tolist()
                                    for kind, values in (("trl", trl_token), ("truncated_support", ours_token))},
+            # token_truncate's factor: the row's mean of its per-token ratios capped at C_max
+            "token_truncate_factor": {
+                kind: ((values.exp().clamp(max=CLIP_MAX) * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
+                for kind, values in (("trl", trl_token), ("truncated_support", ours_token))},
         },
         "tokens": {
             "count": int(tokens.sum()),
@@ -364,9 +368,10 @@ def analyse(record: dict[str, Any]) -> dict[str, Any]:
                     float(r > CLIP_MAX or (c_min is not None and r < c_min)) for r in ratios) for c_min in CLIP_MINS}
             dropped[kind]["token_mask_rows_with_a_dropped_token"] = statistics.fmean(
                 float(n > 0) for n in rows["token_mask_dropped"][kind])
-    mode_slopes = {kind: {mode: slope_per_token(lengths, factors)
-                          for mode, factors in row_factors(rows["log_ratio"][kind], lengths).items()}
-                   for kind in ("trl", "truncated_support")}
+    mode_slopes = {}
+    for kind in ("trl", "truncated_support"):
+        factors = row_factors(rows["log_ratio"][kind], lengths, rows.get("token_truncate_factor", {}).get(kind))
+        mode_slopes[kind] = {mode: slope_per_token(lengths, values) for mode, values in factors.items()}
     ours = slopes["truncated_support"]
     medians = [b["median"] for b in bins["truncated_support"] if b["median"] is not None]
     return {
