@@ -266,19 +266,16 @@ class DFPOConfig(GRPOConfig):
     )
     vllm_generation_timeout: float | None = documented(
         None,
-        "Seconds one server-mode generation request may take before the run stops with one line and exit code 124 "
-        "instead of hanging on a server that accepted it and stopped answering; `None`: 600 + the request's "
-        "completions × `max_completion_length` / 500 tokens a second (estimated, conservative); 0: no limit",
+        "Seconds a server-mode generation request may take before the run stops with one line and exit code 124 "
+        "instead of hanging; `None`: 600 + its completions × `max_completion_length` / 500 tokens/s (estimated); "
+        "0: no limit",
         "ours; docs/source/guides/vllm.md#a-server-that-stops-answering",
     )
     vllm_importance_sampling_support: ImportanceSamplingSupport = documented(
         "full",
-        "The distribution TRL's vLLM importance-sampling ratio (`vllm_importance_sampling_correction`, any "
-        "`vllm_importance_sampling_mode`) puts over vLLM's log-probs: `\"full\"` the trainer's untruncated tempered "
-        "one (TRL's ratio, bit for bit); `\"truncated\"` the same renormalised over the support vLLM sampled from "
-        "(its min-p, top-k, top-p rebuilt in vLLM's order from the trainer's logits), so the ratio is 1 when the two "
-        "engines agree, whatever the truncation; costs one log K_t per token in the rollout's forward. The policy "
-        "ratio's old log-probs stay untruncated",
+        "TRL's vLLM importance-sampling ratio over the trainer's untruncated distribution (`\"full\"`, TRL's) or "
+        "renormalised over the support vLLM sampled from (`\"truncated\"`: 1 when the engines agree, whatever the "
+        "top-k / top-p / min-p; one log K_t per token). Any `vllm_importance_sampling_mode`",
         "ours; docs/source/guides/vllm.md#which-correction",
     )
 
