@@ -312,12 +312,32 @@ def measure(trainer: Any, name: str, setting: tuple[float, float, int, float], p
     }
 
 
+def ols_slope(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of y on x; None below 2 points or when x does not vary."""
+    if len(points) < 2:
+        return None
+    mx, my = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return None if sxx == 0 else sum((x - mx) * (y - my) for x, y in points) / sxx
+
+
+def cluster_bootstrap_slope(clusters: dict[int, list[tuple[float, float]]], draws: int = 2000, seed: int = 0
+                            ) -> tuple[float | None, list[float] | None]:
+    """:func:`ols_slope` over every point, and a 95% percentile interval from ``draws`` resamplings of whole
+    clusters (the completions of one prompt are not independent); no interval below 2 clusters."""
+    keys = sorted(clusters)
+    point = ols_slope([p for k in keys for p in clusters[k]])
+    if point is None or len(keys) < 2:
+        return point, None
+    rng = random.Random(seed)
+    boot = sorted(v for _ in range(draws)
+                  if (v := ols_slope([p for k in rng.choices(keys, k=len(keys)) for p in clusters[k]])) is not None)
+    return point, [boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]] if boot else None
+
+
 def slope_per_token(lengths: list[float], factors: list[float]) -> float | None:
     """OLS slope of log(factor) on length over rows with a positive factor (nats per token)."""
-    from dfpo_bench.lib.stats import ols
-
-    fit = ols([(x, math.log(f)) for x, f in zip(lengths, factors, strict=True) if f > 0 and x > 0])
-    return None if fit is None else fit[0]
+    return ols_slope([(x, math.log(f)) for x, f in zip(lengths, factors, strict=True) if f > 0 and x > 0])
 
 
 def row_factors(log_ratio: list[float], lengths: list[float], token_means: list[float] | None = None
@@ -346,8 +366,6 @@ def length_bins(lengths: list[float], ratios: list[float]) -> list[dict[str, Any
 def analyse(record: dict[str, Any]) -> dict[str, Any]:
     """A setting's summary: each kind's slope (with a bootstrap over prompts), medians by bin, dropped rows, the
     targets for ours."""
-    from dfpo_bench.lib.stats import cluster_bootstrap_ols
-
     rows = record["rows"]
     lengths, groups = rows["length"], rows["group"]
     slopes, intervals, bins, dropped = {}, {}, {}, {}
@@ -357,9 +375,7 @@ def analyse(record: dict[str, Any]) -> dict[str, Any]:
         for x, y, g in zip(lengths, values, groups, strict=True):
             if x > 0:
                 clusters.setdefault(g, []).append((x, y))
-        slope, _ = cluster_bootstrap_ols(clusters)
-        slopes[kind] = None if slope is None else slope["value"]
-        intervals[kind] = None if slope is None else [slope["low"], slope["high"]]
+        slopes[kind], intervals[kind] = cluster_bootstrap_slope(clusters)
         ratios = [math.exp(min(v, 700.0)) for v in values]
         bins[kind] = length_bins(lengths, ratios)
         if kind != "off":
