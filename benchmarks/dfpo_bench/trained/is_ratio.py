@@ -527,6 +527,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["slope_per_token"][name] = summary["slope_per_token"]
         lines.append(summary_line(name, summary, record))
         print(lines[-1], flush=True)
+        pathlib.Path(args.out).write_text(json.dumps(result))  # what is done so far survives a time limit
         if name == args.cost_setting:
             cost_trainer = trainer
         else:
