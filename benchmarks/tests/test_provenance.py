@@ -1,5 +1,5 @@
 """dfpo_bench.lib.provenance: a run's record names the code that ran (commit, dirty flag, source hash), read from the
-checkout the run starts in (sync_fault.py and the trained-weights jobs record it)."""
+checkout the run starts in (the trained-weights jobs record it)."""
 
 from __future__ import annotations
 

@@ -69,8 +69,8 @@ from dfpo_bench.lib.vllm_tools import (  # noqa: E402
 def benchmark_server_command(
     args: argparse.Namespace, python: str | None = None, scale_out: bool = False
 ) -> list[str]:
-    """This run's server: one GPU, local only, ``--gpu-memory-utilization`` of the card (half by default; sync_fault.py
-    asks less, the GPUs may be shared), a 1k context (the 135M model needs no more)."""
+    """This run's server: one GPU, local only, ``--gpu-memory-utilization`` of the card (half by default), a 1k
+    context (the 135M model needs no more)."""
     return server_command(args.model, host="127.0.0.1", port=args.port,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           max_model_len=1024, enforce_eager=args.enforce_eager, scale_out=scale_out, python=python)

@@ -34,19 +34,6 @@ def source_sha256(root: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
-def file_sha256(path: pathlib.Path) -> str:
-    """SHA-256 of the file's whole content (bytes, no parsing: whitespace and key order count)."""
-    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
-
-
-def tree_hashes(path: pathlib.Path) -> dict[str, str]:
-    """Every file under ``path`` (relative POSIX path -> SHA-256 of its bytes), {} without the folder: what a folder
-    "untouched" or "changed" is checked against."""
-    if not path.is_dir():
-        return {}
-    return {p.relative_to(path).as_posix(): file_sha256(p) for p in sorted(path.rglob("*")) if p.is_file()}
-
-
 def checkout_state(root: pathlib.Path) -> dict[str, Any]:
     """{commit, dirty, diff_sha256, source_sha256} of the checkout at ``root`` now. ``dirty``: tracked files differ
     from the commit or untracked, unignored files exist; ``diff_sha256`` hashes ``git diff HEAD`` (equal for equal

@@ -5,8 +5,8 @@
 
 Reads ``overhead.json`` (one model's result, or several keyed by model; ``overhead_*.json`` when it is absent),
 ``transforms_timing.json``, ``loss_step_*.json``, ``zero3.json``, ``NOTES.md``, ``layouts.json`` (the layouts
-section's figure; the section itself is ``layouts/section.md``), the launch runs' files (``fsdp2_parity.json``,
-``vllm_server*.json``, ``loop_cost.json``) and ``trained/`` (the importance-sampling ratio, the 8B cards); any of them
+section's figure; the section itself is ``layouts/section.md``), the launch runs' files (``vllm_server*.json``,
+``loop_cost.json``) and ``trained/`` (the importance-sampling ratio, the 8B cards); any of them
 may be missing, and a section whose files are missing is left out. Every number and every sentence is computed from
 those files. Overhead goals are judged on the median of the optimizer steps with no rollout in them, with its
 bootstrap interval, where the file has it (``median_train_only_step_s``), else on the median step.

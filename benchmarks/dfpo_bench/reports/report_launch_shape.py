@@ -1,6 +1,6 @@
-"""RESULTS.md section for the launch runs: FSDP2 parity (``launch/fsdp2_parity.py``), server mode
-(``launch/vllm_server.py``) and the whole-loop cost with colocated vLLM (``cost/loop_cost.py``). Called by
-``dfpo_bench.reports.report``; every number is read from the JSON files."""
+"""RESULTS.md section for the launch runs: server mode (``launch/vllm_server.py``) and the whole-loop cost with
+colocated vLLM (``cost/loop_cost.py``). Called by ``dfpo_bench.reports.report``; every number is read from the JSON
+files."""
 
 from __future__ import annotations
 
@@ -68,40 +68,11 @@ def plot_loop_cost(loop: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Pat
 
 
 def launch_shape_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
-    parity, cli = load_json(results / "fsdp2_parity.json"), load_json(results / "fsdp2_cli_summary.json")
     server, three = load_json(results / "vllm_server.json"), load_json(results / "vllm_server_three_runs.json")
     loop = load_json(results / "loop_cost.json")
-    if not any((parity, server, loop)):
+    if not any((server, loop)):
         return []
-    lines = [f"## {number}. FSDP2, vLLM server mode and the whole loop with vLLM", ""]
-    if parity:
-        lines += [
-            f"**FSDP2 against one process** (`fsdp2_parity.py`, {parity['card']}, {parity['processes']} processes, "
-            f"{parity['model_class']}, {parity['dtype']}): one optimizer step "
-            f"(plain SGD, lr {parity['learning_rate']}) "
-            f"on a fixed batch of {parity['rows']} rows in groups cut across processes and micro-steps (layout "
-            f"{', '.join(parity['layout'])}; the transform changed {parity['weights_changed_by_transform']} weights), "
-            "through `trainer.train()` and TRL's fused LM head (its Triton kernel on CUDA, the head gathered from its "
-            "shards). Largest differences, relative to the largest value compared: s̄ and s̃ "
-            f"{sci(parity['max_rel_diff_coefficients'])}, gradients {sci(parity['max_rel_diff_grad'])} (at "
-            f"`{parity['worst_grad_parameter']}`), the LM head's gradient (`{parity['lm_head_parameter']}`, tied "
-            f"embeddings) {sci(parity['max_rel_diff_lm_head_grad'])} (norm ratio "
-            f"{parity['lm_head_grad_norm_ratio']:.7f}), the update {sci(parity['max_rel_diff_update'])} "
-            f"({parity['update_diff_over_rounding_bound']:.2f} of float32's rounding bound). Parity: "
-            f"**{str(parity['parity']).lower()}** (tolerance {parity['tolerance']}). TRL's fused head bypasses the "
-            'head module\'s forward, so FSDP2 warns that `lm_head` "did not run forward before backward"; the '
-            "gradient it receives through the DTensor gather is the single process's.",
-            "",
-        ]
-    if cli:
-        held = cli.get("heldout") or {}
-        lines += [
-            f"**The CLI under FSDP2** (`accelerate launch --config_file recipes/accelerate/fsdp2_2gpu.yaml -m "
-            f"dfpo_trl recipes/smollm2_cpu.yaml ... --bf16 true --max_steps 8`, 2 × H100): {cli['steps']} steps of "
-            f"{cli['method']}, held-out {held.get('before')} → {held.get('after')} ({held.get('n')} problems), "
-            "the held-out evaluation before training included (it used to stop the first training forward).",
-            "",
-        ]
+    lines = [f"## {number}. vLLM server mode and the whole loop with vLLM", ""]
     if server:
         w = server["weight_sync_numbers"]
         run = server["runs"]["dfpo"]

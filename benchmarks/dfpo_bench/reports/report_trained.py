@@ -134,8 +134,8 @@ def cards_lines(record: dict[str, Any]) -> list[str]:
     sample = next((r for r in rows if not r["crash"]), None)
     lines = [
         "**The 8B LoRA recipe's cards, uncapped** (the first version of `dfpo_bench.trained.cards_8b`, through "
-        "`dfpo_bench.cost.users_size`'s runner, not `dfpo-train`, its vLLM runs with a 2048-token engine context; "
-        "records in `results/trained/cards_8b/`). "
+        "`dfpo_bench.cost.users_size`'s runner (archived: docs/source/research.md), not `dfpo-train`, its vLLM runs "
+        "with a 2048-token engine context; records in `results/trained/cards_8b/`). "
         "One NVIDIA H200 (141 GB); Qwen3-8B's architecture with random weights, `recipes/qwen3_8b_lora.yaml`'s LoRA, "
         "batch, 768-token completions and Min-Replace; one rollout and its two optimizer steps per process. The need "
         "is PyTorch's peak reserved memory plus what the process holds outside PyTorch (the CUDA context and "
