@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dfpo_bench.trained import cards_8b, eval_calls
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,14 +31,16 @@ def header_rows() -> dict[int, list[str]]:
     return rows
 
 
-def test_the_rows_are_the_recipe_headers(gpu_recipes_parse_here) -> None:
+def test_the_rows_are_the_recipe_headers(tmp_path: Path, gpu_recipes_parse_here) -> None:
     from dfpo_trl.cli import parse_recipe
+    from dfpo_trl.testing import save_tiny_chat_model
 
+    model = str(save_tiny_chat_model(tmp_path / "model"))
     stated = header_rows()
     assert sorted(stated) == sorted({r["card_gib"] for r in cards_8b.ROWS})
     for row in cards_8b.ROWS:
         assert row["flags"] == stated[row["card_gib"]], row["name"]
-        parse_recipe([str(cards_8b.RECIPE), *row["flags"], *cards_8b.machine_flags("/tmp/m", "/tmp/d")])
+        parse_recipe([str(cards_8b.RECIPE), *row["flags"], *cards_8b.machine_flags(model, "/tmp/d")])
 
 
 def test_the_benchmark_adds_only_what_the_machine_cannot_do_without(tmp_path: Path) -> None:
@@ -114,8 +118,10 @@ def test_eval_calls_arms_differ_in_the_eval_batch_alone(tmp_path: Path, gpu_reci
     import argparse
 
     from dfpo_trl.cli import parse_recipe
+    from dfpo_trl.testing import save_tiny_chat_model
 
-    planned = eval_calls.plan(argparse.Namespace(work=str(tmp_path), model="/m", repeats=2))
+    model = str(save_tiny_chat_model(tmp_path / "model"))
+    planned = eval_calls.plan(argparse.Namespace(work=str(tmp_path), model=model, repeats=2))
     assert [(arm, repeat) for arm, repeat, _ in planned] == [
         ("one_problem_per_call", 0), ("dfpo_default", 0), ("dfpo_default", 1), ("one_problem_per_call", 1)]
     old, new = planned[0][2], planned[1][2]
@@ -141,3 +147,34 @@ def test_eval_calls_arms_differ_in_the_eval_batch_alone(tmp_path: Path, gpu_reci
                         "avg_at_k": [0.52, 0.61]}]}
     text = eval_calls.report(json.loads(json.dumps(result)))
     assert "Median evaluation 71.0 s at one problem per call, 14.1 s in one call: 5.0x faster." in text
+
+
+def test_the_driver_records_each_row_and_writes_after_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lanes, records and JSON on the CPU, each row's program replaced by a stand-in that writes the peaks the
+    card module would (a 24 GB row that fits, a 32 GB row whose needs exceed its card, a 40 GB row refused), and a
+    row left out, marked not run."""
+    import argparse
+    import time
+
+    stub = tmp_path / "stub.py"
+    stub.write_text(
+        "import json, os, sys\n"
+        "card = float(os.environ['DFPO_BENCH_CARD_GIB'])\n"
+        "reserved = {24: 20.0, 32: 31.5, 40: 30.0}[int(card)]\n"
+        "json.dump({'peak_allocated_gib': reserved - 1, 'peak_reserved_gib': reserved, 'overhead_gib': 0.8,\n"
+        "           'cap_gib': card - 1}, open(os.environ['DFPO_BENCH_PEAKS'], 'w'))\n"
+        "if card == 40:\n"
+        "    print('dfpo-train: error: vLLM did not start: ...'); sys.exit(1)\n"
+    )
+    monkeypatch.setattr(cards_8b, "row_argv", lambda row, model, data: [sys.executable, str(stub)])
+    rows = [r for r in cards_8b.ROWS if r["name"] in ("24GB", "32GB", "40GB")]
+    args = argparse.Namespace(work=str(tmp_path / "work"), model_dir="/m", lanes=2, deadline_s=60, budget_s=120,
+                              row_timeout_s=60, started=time.time())
+    written: list[int] = []
+    records = cards_8b.run_lanes(rows, args, tmp_path, lambda: written.append(1))
+    assert sorted(r["name"] for r in records) == ["24GB", "32GB", "40GB"] and len(written) == 3
+    table = {r["name"]: r for r in cards_8b.collect(tmp_path / "work")}
+    assert table["24GB"]["passed"] and table["24GB"]["needs_gib"] == pytest.approx(20.8)
+    assert not table["32GB"]["passed"] and table["32GB"]["exit"] == 0  # 31.5 + 0.8 > 32: does not fit the card
+    assert not table["40GB"]["passed"] and table["40GB"]["error"] == "dfpo-train: error: vLLM did not start: ..."
+    assert table["48GB"]["error"].startswith("not run")

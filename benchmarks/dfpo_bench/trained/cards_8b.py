@@ -57,6 +57,7 @@ RECIPE = ROOT / "recipes" / "qwen3_8b_lora.yaml"
 CONTEXT_GIB = 1.0  # the CUDA context and libraries, outside PyTorch's allocator (0.7-0.9 GiB measured on the H200)
 MODEL_DIR = "/tmp/random-qwen3-8b"
 TOKENIZER = "/root/models/qwen2.5-coder-0.5b-instruct"  # the GPU kit's Qwen2.5: Qwen3's vocabulary
+FALLBACK_TOKENIZER = "/root/models/smollm2-135m-instruct"  # the kit's first checkpoint, when Qwen2.5 is not laid
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)  # Qwen/Qwen3-8B's config.json
@@ -300,26 +301,30 @@ def finish_row(job: dict[str, Any], code: int | None) -> dict[str, Any]:
     return record
 
 
-def run_lanes(rows: list[dict[str, Any]], args: argparse.Namespace, site: pathlib.Path) -> list[dict[str, Any]]:
-    """The rows in two lanes at once (transformers generation; colocated vLLM), one after another in each; no row
-    starts after ``--deadline-s`` and each is stopped after ``--row-timeout-s``."""
+def run_lanes(rows: list[dict[str, Any]], args: argparse.Namespace, site: pathlib.Path,
+              written: Any = None) -> list[dict[str, Any]]:
+    """The rows in two lanes at once (transformers generation; colocated vLLM), one after another in each. No row
+    starts after ``--deadline-s``; a row still running after ``--row-timeout-s``, or when ``--budget-s`` (from the
+    driver's start) is spent, is stopped and recorded so. ``written`` is called after each row's record."""
     lanes = {lane: [r for r in rows if (r["generation"] == "transformers") == (lane == 0)] for lane in (0, 1)}
     if args.lanes == 1:
         lanes = {0: list(rows), 1: []}
     running: dict[int, dict[str, Any] | None] = {0: None, 1: None}
-    records, deadline = [], time.time() + args.deadline_s
+    records = []
+    deadline, budget = args.started + args.deadline_s, args.started + args.budget_s
     while any(lanes.values()) or any(running.values()):
         for lane, job in running.items():
             if job is not None:
                 code = job["process"].poll()
-                if code is None and time.perf_counter() - job["started"] > args.row_timeout_s:
+                late = time.perf_counter() - job["started"] > args.row_timeout_s or time.time() > budget
+                if code is None and late:
                     os.killpg(job["process"].pid, 9)
                     job["process"].wait()
-                    records.append(finish_row(job, None))
-                    running[lane] = None
-                elif code is not None:
+                if code is not None or late:
                     records.append(finish_row(job, code))
                     running[lane] = None
+                    if written is not None:
+                        written()
             if running[lane] is None and lanes[lane] and time.time() < deadline:
                 running[lane] = start_row(lanes[lane].pop(0), args, site, 29500 + 17 * lane)
         if time.time() >= deadline and not any(running.values()):
@@ -346,8 +351,15 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     built: dict[str, Any] = {"model_dir": args.model_dir}
     if not (pathlib.Path(args.model_dir) / "config.json").exists():
+        if args.tokenizer == TOKENIZER and not pathlib.Path(TOKENIZER).exists():
+            print(f"{TOKENIZER} is not there: SmolLM2's tokenizer, padded to Qwen3's vocabulary", flush=True)
+            args.tokenizer = FALLBACK_TOKENIZER
+        built["tokenizer"] = args.tokenizer
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"),
+                                                          os.environ.get("PYTHONPATH", "")]))
         code = subprocess.run([sys.executable, "-m", "dfpo_bench.trained.cards_8b", "--build", args.model_dir,
-                               "--tokenizer", args.tokenizer, "--out", str(work / "built.json")], cwd=ROOT).returncode
+                               "--tokenizer", args.tokenizer, "--out", str(work / "built.json")], cwd=ROOT,
+                              env=env).returncode
         if code:
             raise SystemExit(f"building the random Qwen3-8B failed (exit {code})")
         built.update(json.loads((work / "built.json").read_text()))
@@ -404,7 +416,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", default=TOKENIZER)
     parser.add_argument("--rows", nargs="+", choices=[r["name"] for r in ROWS], help="run only these (default all)")
     parser.add_argument("--lanes", type=int, choices=(1, 2), default=2, help="rows running at once (default 2)")
-    parser.add_argument("--deadline-s", type=float, default=480.0, help="start no row after this many seconds")
+    parser.add_argument("--deadline-s", type=float, default=420.0,
+                        help="start no row after this many seconds from the driver's start (default 420)")
+    parser.add_argument("--budget-s", type=float, default=565.0,
+                        help="stop every row still running this many seconds after the driver's start (default 565: "
+                             "the JSON is written before a 600 s call ends)")
     parser.add_argument("--row-timeout-s", type=float, default=420.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dry-run", action="store_true", help="print each row's command and environment, run none")
@@ -433,17 +449,21 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--out is required")
     from dfpo_bench.lib import common, provenance
 
+    args.started = time.time()
     built = prepare(args)
     site = write_site(pathlib.Path(args.work))
-    run_lanes(rows, args, site)
-    records = collect(pathlib.Path(args.work))
-    result = {"command": "python -m dfpo_bench.trained.cards_8b " + " ".join(sys.argv[1:]),
-              **provenance.checkout_state(ROOT), "versions": common.versions(), "card": common.device_name("cuda"),
-              "date": time.strftime("%Y-%m-%d"), "context_gib": CONTEXT_GIB, "model": built,
-              "machine_flags": machine_flags(args.model_dir, str(pathlib.Path(args.work) / "gsm8k_offline")),
-              "rows": records}
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-    print_table(records)
+    head = {"command": "python -m dfpo_bench.trained.cards_8b " + " ".join(sys.argv[1:]),
+            **provenance.checkout_state(ROOT), "versions": common.versions(), "card": common.device_name("cuda"),
+            "date": time.strftime("%Y-%m-%d"), "context_gib": CONTEXT_GIB, "model": built,
+            "machine_flags": machine_flags(args.model_dir, str(pathlib.Path(args.work) / "gsm8k_offline"))}
+
+    def write() -> list[dict[str, Any]]:  # after every row: what a cut call leaves is the rows done so far
+        records = collect(pathlib.Path(args.work))
+        pathlib.Path(args.out).write_text(json.dumps({**head, "rows": records}, indent=1))
+        return records
+
+    run_lanes(rows, args, site, write)
+    print_table(write())
 
 
 if __name__ == "__main__":
