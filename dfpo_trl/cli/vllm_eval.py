@@ -20,7 +20,8 @@ from .args import RecipeError
 from .evaluation import HeldoutAccuracyCallback
 from .local_inputs import eval_batch_problem
 
-__all__ = ["EvalRewardRecorder", "VLLMAvgAtKCallback", "check_eval_batch", "default_eval_batch", "eval_k"]
+__all__ = ["EvalRewardRecorder", "VLLMAvgAtKCallback", "check_eval_batch", "default_eval_batch", "eval_k",
+           "rollout_rows"]
 
 
 def eval_k(training_args: Any) -> int:
@@ -28,15 +29,26 @@ def eval_k(training_args: Any) -> int:
     return int(training_args.num_generations_eval or training_args.num_generations)
 
 
+def rollout_rows(training_args: Any) -> int:
+    """The rows one process sends to vLLM per training rollout: TRL's generation batch per process,
+    ``per_device_train_batch_size`` x ``steps_per_generation``."""
+    steps = getattr(training_args, "steps_per_generation", None) or training_args.gradient_accumulation_steps
+    return int(training_args.per_device_train_batch_size) * int(steps)
+
+
 def default_eval_batch(training_args: Any, problems: int, processes: int) -> int:
-    """Set TRL's ``per_device_eval_batch_size``, which the user left at transformers' 8, so that each process sends
-    its share of the held-out problems to vLLM in one call: k x ceil(problems / processes) rows. At the default 8
-    with k = 8 each call carried one problem, and an evaluation of 100 problems made 100 calls (docs/source/concepts/
-    decisions.md, "Held-out avg@k through vLLM"). The evaluation's policy forwards still run in chunks of
-    ``per_device_train_batch_size`` rows (DFPOTrainer), so the batch sets the calls, not the forward's memory.
-    Returns the batch."""
+    """Set TRL's ``per_device_eval_batch_size``, which the user left at transformers' 8, so that each vLLM call
+    carries many problems: each process's share of the held-out problems (k x ceil(problems / processes) rows), but
+    no more rows than a training rollout sends (:func:`rollout_rows`, rounded down to a multiple of k and at least k).
+    At the default 8 with k = 8 each call carried one problem, and 100 problems made 100 calls; the rollout's size is
+    the bound because TRL runs the evaluation's generation, scoring and loss over the whole eval batch, and a batch the
+    run already generates and scores in training is one the card holds: on the 8B recipe's 40 and 48 GB rows (a
+    simulated card on an H200, 2026-12-02) one call for all 16 problems x 8 ran out of memory in the evaluation after
+    both training steps had run (docs/source/concepts/decisions.md, "Held-out avg@k through vLLM"). Returns the
+    batch."""
     k = eval_k(training_args)
-    training_args.per_device_eval_batch_size = k * max(1, math.ceil(problems / max(1, processes)))
+    whole_share = k * max(1, math.ceil(problems / max(1, processes)))
+    training_args.per_device_eval_batch_size = min(whole_share, k * max(1, rollout_rows(training_args) // k))
     return training_args.per_device_eval_batch_size
 
 

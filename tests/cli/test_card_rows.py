@@ -54,6 +54,12 @@ def test_every_row_is_the_recipe_plus_its_flags_and_passes_every_check(card: int
         assert args.vllm_mode == "colocate" and 0 < args.vllm_gpu_memory_utilization < 1
         default_eval_batch(args, script.eval_size, 1)
         check_eval_batch(args)
-        assert args.per_device_eval_batch_size == args.num_generations * script.eval_size  # one call
+        # many problems per call, but no more rows than a training rollout sends (the 40 and 48 GB rows ran out of
+        # memory in an evaluation of all 16 problems in one call)
+        from dfpo_trl.cli.vllm_eval import rollout_rows
+
+        k = args.num_generations_eval or args.num_generations
+        assert args.per_device_eval_batch_size == min(k * script.eval_size, k * (rollout_rows(args) // k))
+        assert k < args.per_device_eval_batch_size <= rollout_rows(args)
         assert size_engine(args, script, None, None) == "set"  # the recipe states the engine's context:
         assert args.vllm_max_model_length == script.max_prompt_length + args.max_completion_length

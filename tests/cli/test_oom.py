@@ -131,5 +131,6 @@ def test_held_out_avg_at_k_through_vllm(tmp_path: Path, model_dir: Path, capsys:
     monkeypatch.setattr(test_vllm_colocate.StandInEngine, "generate", out_of_memory)
     line = run_until_oom(tmp_path, model_dir, capsys, use_vllm=True, vllm_mode="colocate")
     assert "out of memory in the held-out evaluation (generation (vLLM)) at step 0 " in line
-    # the recipe leaves per_device_eval_batch_size unset: k = 4 x the 4 held-out problems, in one vLLM call
-    assert "--per_device_eval_batch_size (now 16); --num_generations_eval (k of avg@k, now 4)" in line
+    # the recipe leaves per_device_eval_batch_size unset: k = 4 x the 4 held-out problems = 16 rows, capped at the
+    # training rollout's 8 (dfpo_trl.testing's tiny recipe: per_device_train_batch_size 4 x steps_per_generation 2)
+    assert "--per_device_eval_batch_size (now 8); --num_generations_eval (k of avg@k, now 4)" in line
