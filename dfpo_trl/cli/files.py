@@ -8,14 +8,18 @@ checks read these names before torch is imported.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
     "CHECKPOINT_DIR", "PLOT_FILE", "PREVIOUS_RUN_DIR", "SAVED_MODEL_PATTERNS", "SUMMARY_FILE", "SetAside",
-    "aside_folders", "earlier_results", "names_said", "next_aside_folder", "set_aside_previous_outputs",
+    "aside_folders", "earlier_results", "names_said", "next_aside_folder", "removed_if_left_empty",
+    "set_aside_previous_outputs",
 ]  # fmt: skip
 
 SUMMARY_FILE = "dfpo_summary.json"
@@ -124,3 +128,27 @@ def set_aside_previous_outputs(output_dir: str | Path, keep_checkpoints_to: int 
     for name in present:
         (out / name).rename(target / name)
     return SetAside(moved=present, target=target, kept=kept)
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(path: str | Path | None) -> Iterator[None]:
+    """On the way out of the block, remove the folders of ``path`` that did not exist when it began (``path`` and
+    the parents created with it) if they are still empty: a run that wrote nothing (refused after the fast checks,
+    failed or stopped before writing, ``--preflight``) leaves no empty ``output_dir`` behind. A folder that was
+    there before, or that holds anything, stays. Process 0 only: the others never remove what process 0 writes."""
+    if path is None or int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    missing = []
+    folder = Path(path).expanduser().absolute()
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
+        missing.append(folder)  # the deepest first
+        folder = folder.parent
+    try:
+        yield
+    finally:
+        for created in missing:
+            try:
+                created.rmdir()  # only an empty folder; one that holds anything raises, and so do its parents
+            except OSError:
+                break

@@ -26,6 +26,7 @@ from .._usercode import UserCodeError
 from .allocator import default_allocator
 from .args import ModelUnavailableError, RecipeError
 from .engine import EngineStartFailed
+from .files import removed_if_left_empty
 from .help import short_help
 from .oom import RunOutOfMemory
 from .peers import PeerLost
@@ -118,9 +119,10 @@ def _main(argv: Sequence[str] | None, callbacks: Sequence[TrainerCallback]) -> i
         raise SystemExit(0)
     try:
         with sigterm_interrupts():  # a scheduler's SIGTERM ends the run as Ctrl-C does (docs/source/guides/cli.md)
-            precheck(args)  # recipe, field names, paths: before torch, transformers and TRL are imported
+            line = precheck(args)  # recipe, field names, paths: before torch, transformers and TRL are imported
             default_allocator(args)  # expandable segments unless the user chose (allocator.py): before CUDA starts
-            summary = importlib.import_module(".train", __package__).parse_and_run(args, callbacks)
+            with removed_if_left_empty(line.value("output_dir") if line is not None else None):
+                summary = importlib.import_module(".train", __package__).parse_and_run(args, callbacks)
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2

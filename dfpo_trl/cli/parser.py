@@ -21,6 +21,7 @@ from trl import ModelConfig, TrlParser
 from ..config.fields import DFPOConfig, dfpo_fields
 from ..transforms import TRANSFORMS
 from .args import DFPOScriptArguments, RecipeError
+from .choices import TRL_STRING_OPTIONS, canonical
 from .help import LEADING_FIELDS
 from .local_inputs import model_path_problem
 from .paths import check_output_dir, resolve_resume_checkpoint
@@ -28,11 +29,14 @@ from .plugins import as_module_list, flag_plugins, import_plugins
 from .precheck import (
     PRECHECKED_FIELDS,
     check_max_steps,
+    closed_options,
     library_versions,
+    normalise_choices,
     precheck,
     read_command_line,
     read_recipe,
     recipe_argv,
+    stored_field_table,
     unknown_message,
     yaml_error,
 )
@@ -110,6 +114,7 @@ class DFPOParser(TrlParser):
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = self.NEGATIVE_NUMBER  # no flag of ours looks like a number
         self.recipe: str | None = None  # the recipe being parsed (parse_args sets it), for its unknown fields' lines
+        self.closed: dict[str, list[str]] = {}  # the closed options a recipe's values are read against (parse_args)
         self._align_negated_flags()
         # The dataclasses' defaults, before a recipe replaces them (set_defaults_with_config): for error messages.
         self.field_defaults = {a.dest: a.default for a in self._actions if self.primary_action(a.dest) is a}
@@ -169,6 +174,8 @@ class DFPOParser(TrlParser):
             action = self.primary_action(name)
             if isinstance(value, (bool, int, float)) and action.type is not None and action.nargs != "+":
                 kwargs[name] = str(value)
+            if name in self.closed and isinstance(value, str):  # MIN_REPLACE: min_replace (precheck refused the rest)
+                kwargs[name] = canonical(value, self.closed[name]) or value
         return super().set_defaults_with_config(**kwargs)
 
 
@@ -262,7 +269,18 @@ def build_field_table(parser: DFPOParser) -> dict[str, Any]:
         "dfpo_fields": dfpo,
         "script_fields": script,
         "entries": {name: _entry(parser, name) for name in shown},
+        "choices": closed_choices(parser),
     }
+
+
+def closed_choices(parser: DFPOParser) -> dict[str, list[str]]:
+    """Each field with a closed list of values (argparse's choices: DFPO's Literal fields, transformers' Enum ones;
+    and TRL's documented string options, choices.py) and that list, for the command line to read them without case
+    and refuse a misspelt one with the nearest value."""
+    found = {name: [str(c) for c in parser.primary_action(name).choices] for name in sorted(parser.field_defaults)
+             if parser.primary_action(name).choices and parser.primary_action(name).nargs in (None, "?")}
+    found.update({name: list(values) for name, values in TRL_STRING_OPTIONS.items() if name in parser.field_defaults})
+    return dict(sorted(found.items()))
 
 
 def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence[str], recipe: str | None) -> str:
@@ -298,6 +316,18 @@ def _said_with_origins(args: Sequence[str], message: str) -> str:
     return with_origins(message, table["options"], line.given, line.origin)
 
 
+def read_choices(parser: DFPOParser, args: list[str]) -> list[str]:
+    """``args`` with each closed option the user set read as the value it names (``MIN_REPLACE``: ``min_replace``),
+    the recipe's through the parser, and a value that names none refused with the nearest one, in the fast
+    checks' words (precheck.normalise_choices); the plugins are imported first (what they register is known)."""
+    table = stored_field_table() or build_field_table(parser)
+    line = read_command_line(args, table)
+    import_plugins(as_module_list(line.value("plugins")))
+    normalise_choices(line)
+    parser.closed = closed_options(table)
+    return line.argv()
+
+
 def parse_args(
     argv: Sequence[str] | None = None, parser: DFPOParser | None = None
 ) -> tuple[DFPOScriptArguments, DFPOConfig, ModelConfig]:
@@ -309,6 +339,7 @@ def parse_args(
 
     parser = parser or make_parser()
     args = imply_save_strategy(parser, recipe_argv(sys.argv[1:] if argv is None else argv))
+    args = read_choices(parser, args)
     recipe = args[args.index("--config") + 1] if "--config" in args else None
     flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
     if recipe is not None:

@@ -18,16 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from .args import RecipeError
+from .choices import canonical, choice_problem, set_flag_value
 from .local_inputs import check_local_inputs
 from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
 from .resume import save_strategy_problem
-from .values import VALUE_FIELDS, check_values
+from .values import VALUE_FIELDS, check_values, registered_names
 
 __all__ = [
-    "PRECHECKED_FIELDS", "RENAMED_FIELDS", "CommandLine", "check_max_steps", "field_origin", "library_versions",
-    "precheck", "read_command_line", "read_field_table", "read_recipe", "recipe_argv", "recipe_line",
-    "stored_field_table", "stored_help_all", "unknown_message", "yaml_error",
+    "PRECHECKED_FIELDS", "RENAMED_FIELDS", "CommandLine", "check_max_steps", "closed_options", "field_origin",
+    "library_versions", "normalise_choices", "precheck", "read_command_line", "read_field_table", "read_recipe",
+    "recipe_argv", "recipe_line", "stored_field_table", "stored_help_all", "unknown_message", "yaml_error",
 ]  # fmt: skip
 
 #: The stored field table: package data (pyproject.toml), written by ``python -m dfpo_trl.cli.fields``.
@@ -162,11 +163,11 @@ def unknown_message(keys: Sequence[str], names: Sequence[str], where: str, recip
         hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "no similar field"
         lines.append(f"{head}: {hint}")
     where = f"recipe {recipe!r}" if recipe is not None else where
+    listed = "; ".join(lines)
+    end = " " if listed.endswith("?") else ". "  # "did you mean 'x'?" ends its own sentence
     return (
-        f"{where} sets {len(keys)} unknown field(s): "
-        + "; ".join(lines)
-        + ". Fields come from DFPOScriptArguments, DFPOConfig (GRPOConfig + DFPO) and TRL's ModelConfig; "
-        "`dfpo-train --help` lists them."
+        f"{where} sets {len(keys)} unknown field(s): {listed}{end}Fields come from DFPOScriptArguments, DFPOConfig "
+        "(GRPOConfig + DFPO) and TRL's ModelConfig; `dfpo-train --help` lists them."
     )
 
 
@@ -257,6 +258,42 @@ class CommandLine:
     def given(self, name: str) -> bool:
         return name in self.settings or self.flagged(name) is not None
 
+    def set(self, name: str, value: str) -> None:
+        """Give ``name`` the value ``value`` where the user set it (the flag, else the recipe's setting)."""
+        if self.flagged(name) is not None:
+            set_flag_value(self.flags, self.options[name], value)
+        else:
+            self.settings[name] = value
+
+    def argv(self) -> list[str]:
+        """The command line as read (``--config RECIPE`` first), with the values :meth:`set` gave."""
+        return [*(["--config", self.recipe] if self.recipe is not None else []), *self.flags]
+
+
+def closed_options(table: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Each field with a closed list of values and that list (the table's, and the transforms registered now)."""
+    options = {name: list(values) for name, values in table.get("choices", {}).items()}
+    options["group_transform"] = registered_names("dfpo_trl.transforms", "TRANSFORMS", table["transforms"])
+    return options
+
+
+def normalise_choices(line: CommandLine) -> None:
+    """Read each closed option the user set (flag or recipe) as the one value it names without regard to case, ``-``
+    or ``_`` (``MIN_REPLACE``: ``min_replace``), in place; one that names none is refused with the nearest value
+    (``group_transform`` by the value checks, which also say how to register a transform)."""
+    for name, options in closed_options(line.table).items():
+        if name not in line.options or not line.given(name):
+            continue
+        value = line.flagged(name)
+        value = line.settings.get(name) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            continue  # a bare flag, a list, YAML's true/false: the full parse says what the field takes
+        match = canonical(value, options)
+        if match is None and name != "group_transform":
+            raise RecipeError(f"{line.origin(name)}: {choice_problem(name, value, options)}")
+        if match is not None and match != str(value):
+            line.set(name, match)
+
 
 def read_command_line(argv: Sequence[str], table: Mapping[str, Any]) -> CommandLine:
     """``argv`` read against ``table``: the recipe (it exists, it is a YAML mapping) and every field name in it and
@@ -279,14 +316,15 @@ def read_command_line(argv: Sequence[str], table: Mapping[str, Any]) -> CommandL
     return line
 
 
-def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> None:
+def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> CommandLine | None:
     """Check the recipe, the field names, the paths and the values of ``argv`` against ``table`` (default: the
     stored field table; without one for the installed libraries, only what needs no field list), importing the
-    plugins first; a problem is a one-line :class:`RecipeError`, as the full parse would give it."""
+    plugins first; a problem is a one-line :class:`RecipeError`, as the full parse would give it. Returns the
+    command line as read (None without a table)."""
     table = table if table is not None else stored_field_table()
     if table is None:
         recipe_argv(argv)
-        return
+        return None
     line = read_command_line(argv, table)
     value, origin = line.value, line.origin
     steps, strategy = line.flagged("save_steps"), line.flagged("save_strategy")
@@ -306,5 +344,7 @@ def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> Non
         # (`true` without an output_dir reads transformers' default folder: left to the full parse)
         resolve_resume_checkpoint(str(resume), output_dir, origin("resume_from_checkpoint"))
     import_plugins(as_module_list(value("plugins")), origin("plugins"))  # what they register is checked next
+    normalise_choices(line)
     check_values(value, origin, line.given, table)
     check_local_inputs(value, origin)  # the model's, reward models' and dataset's paths, the avg@k eval batch
+    return line

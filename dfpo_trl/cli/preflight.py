@@ -30,6 +30,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 
+from .files import removed_if_left_empty
 from .preflight_cluster import check_across_nodes
 from .preflight_local import check_gpus, check_interfaces, check_writable, interface_addresses, nccl_interfaces
 from .preflight_server import check_server
@@ -61,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = read_settings(args)
         node = str(settings.machine_rank)
-        run_checks(settings, report)
+        with removed_if_left_empty(settings.output_dir):  # the checks create it; a preflight leaves no empty one
+            run_checks(settings, report)
     except PreflightFailure as exc:
         print(f"preflight: FAIL node {node}: {exc}", file=sys.stderr, flush=True)
         return 1

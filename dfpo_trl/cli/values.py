@@ -26,8 +26,12 @@ from ..config.combinations import check_sequence_options
 from ..config.rules import missing_column, transform_fix, unknown_name
 from ..config.trl_field_rules import TRL_FIELD_RULES, launched_processes, whole_groups_problem
 from .args import RecipeError
+from .choices import did_you_mean
 
-__all__ = ["VALUE_FIELDS", "check_values", "coerce", "launched_processes", "whole_groups_problem", "with_origins"]
+__all__ = [
+    "VALUE_FIELDS", "check_values", "coerce", "launched_processes", "registered_names", "whole_groups_problem",
+    "with_origins",
+]  # fmt: skip
 
 # The fields whose defaults the value checks read (kept in the field table; see .fields).
 SEQUENCE_FIELDS = (
@@ -109,7 +113,7 @@ def with_origins(message: str, names: Iterable[str], given: Given, origin: Origi
     return f"{' and '.join(origin(n) for n in chosen)}: {message}" if chosen else message
 
 
-def _known(module: str, registry: str, stored: list[str]) -> list[str]:
+def registered_names(module: str, registry: str, stored: list[str]) -> list[str]:
     """The registered names, in the registry's order: the live registry when a plugin already imported it, else the
     stored table's."""
     if module in sys.modules:
@@ -233,11 +237,11 @@ def check_values(value: Value, origin: Origin, given: Given, table: Mapping[str,
         batch = {name: typed(name) for name in BATCH_FIELDS}
     except (TypeError, ValueError):  # a value of the wrong type: the full parse says what the field takes
         return
-    transforms = _known("dfpo_trl.transforms", "TRANSFORMS", table["transforms"])
+    transforms = registered_names("dfpo_trl.transforms", "TRANSFORMS", table["transforms"])
     if isinstance(options.group_transform, str) and options.group_transform not in transforms:
         raise RecipeError(
             f"invalid value(s): {origin('group_transform')}: group_transform={options.group_transform!r} is not a "
-            f"DFPO transform; {transform_fix(transforms)}."
+            f"DFPO transform; {transform_fix(transforms)}.{did_you_mean(options.group_transform, transforms)}"
         )
     if options.group_transform in transforms:
         try:
@@ -249,7 +253,7 @@ def check_values(value: Value, origin: Origin, given: Given, table: Mapping[str,
     if problem is not None:
         raise RecipeError(f"{_blamed(problem, BATCH_FIELDS, given, origin)}: {problem}.")
     task = value("task")
-    tasks = _known("dfpo_trl.cli.tasks", "TASKS", table["tasks"])
+    tasks = registered_names("dfpo_trl.cli.tasks", "TASKS", table["tasks"])
     if isinstance(task, str) and task not in tasks and ":" not in task and "." not in task:
         raise RecipeError(f"{origin('task')}: " + unknown_name(f"unknown task {task!r}; known tasks", task, tasks,
                                                                "module:factory"))

@@ -49,8 +49,9 @@ def test_not_with_vllms_sleep_mode(tmp_path: Path) -> None:
 
 def test_dfpo_train_sets_it_before_torch_is_imported(tmp_path: Path) -> None:
     """The variable is in the environment when the program first imports torch (torch reads it when CUDA starts,
-    which the recipe's parse already does through the bf16 check): a run that stops after the parse, on a model
-    that does not exist, shows what the environment held at that import."""
+    which the recipe's parse already does through the bf16 check): a run that stops after the parse, on a hub model
+    that cannot be reached offline (a local path that is not there is refused before torch), shows what the
+    environment held at that import."""
     code = (
         "import os, sys\n"
         "seen = {}\n"
@@ -62,10 +63,11 @@ def test_dfpo_train_sets_it_before_torch_is_imported(tmp_path: Path) -> None:
         "sys.meta_path.insert(0, Watch())\n"
         "from dfpo_trl.cli.main import main\n"
         "assert 'torch' not in sys.modules\n"
-        f"code = main([{recipe(tmp_path, model_name_or_path=str(tmp_path / 'no-model'))!r}])\n"
+        f"code = main([{recipe(tmp_path, model_name_or_path='no-such-org/no-such-model-dfpo')!r}])\n"
         "print('exit', code, 'at torch import:', seen.get('at_torch'))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]

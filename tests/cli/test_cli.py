@@ -940,7 +940,8 @@ def test_failing_reward_names_function_and_completion(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """One line (exit 1): the user's frame, the exception, the completion, its group and the training row, and that
-    row is one the function fails on (an even first operand)."""
+    row is one the function fails on (an even first operand). The output_dir the run created (nested two deep) is
+    not left behind empty; its parent, which was there, stays."""
     from dfpo_trl.cli.tasks import get_task
 
     (tmp_path / "my_rewards.py").write_text(
@@ -948,10 +949,11 @@ def test_failing_reward_names_function_and_completion(
         "    return [1.0 / (x % 2) for x in a]  # fails on completions of prompts with an even first operand\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    code = main(write_tiny_recipe(tmp_path, tiny_model_dir, tmp_path / "out", reward_funcs=["my_rewards:boom"],
+    code = main(write_tiny_recipe(tmp_path, tiny_model_dir, tmp_path / "out" / "run", reward_funcs=["my_rewards:boom"],
                                   skip_eval=True, plot=False))
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and tmp_path.is_dir()
     said = re.fullmatch(
         r"dfpo-train: error: reward function 'boom' at .*my_rewards\.py:2: raised ZeroDivisionError: float division by "
         r"zero on completion (\d+) of the rollout's 8 \(group (\d+), its completion (\d+) of 4; training row (\d+)\); "

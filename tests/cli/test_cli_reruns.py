@@ -31,6 +31,7 @@ from dfpo_trl.cli.files import (
     earlier_results,
     names_said,
     next_aside_folder,
+    removed_if_left_empty,
     set_aside_previous_outputs,
 )
 
@@ -121,6 +122,27 @@ def test_what_moves_the_summarys_files_and_checkpoints_not_the_rest(tmp_path: Pa
     assert names_said(["a", "b"]) == "a, b"
     assert names_said(["a.json", "b", "checkpoint-2", "dfpo_summary.json", "model.safetensors"]) == \
         "dfpo_summary.json, model.safetensors, checkpoint-2 and 2 more"
+
+
+def test_a_run_that_writes_nothing_leaves_no_empty_output_dir(tmp_path: Path) -> None:
+    """The folders of output_dir that did not exist before the run are removed after it when still empty (the run
+    created them and wrote nothing); a folder that holds anything, or that was there before, stays."""
+    target = tmp_path / "a" / "b" / "out"
+    with removed_if_left_empty(target):
+        target.mkdir(parents=True)
+    assert not (tmp_path / "a").exists() and tmp_path.is_dir()
+    with removed_if_left_empty(target):
+        target.mkdir(parents=True)
+        (tmp_path / "a" / "notes.txt").write_text("mine")
+    assert not (tmp_path / "a" / "b").exists() and (tmp_path / "a" / "notes.txt").is_file()
+    with removed_if_left_empty(target):
+        target.mkdir(parents=True)
+        (target / "dfpo_summary.json").write_text("{}")
+    assert (target / "dfpo_summary.json").is_file()
+    (target / "dfpo_summary.json").unlink()
+    with removed_if_left_empty(target):  # there before: stays, empty or not
+        pass
+    assert target.is_dir()
 
 
 # ------------------------------------------------------------------------------------------------ real interrupts

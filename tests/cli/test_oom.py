@@ -1,6 +1,6 @@
 """An out-of-memory error in each phase of a ``dfpo-train`` run ends in one line naming the phase, the sizes and the
 settings that lower it, with no traceback, and leaves the output directory's files byte for byte as they were
-(a checkpoint and a user's file). The errors are raised by monkeypatching the phase's model call (tests only)."""
+(a checkpoint and a user's file; an error after the first step finds the earlier run's checkpoint moved aside). The errors are raised by monkeypatching the phase's model call (tests only)."""
 
 from __future__ import annotations
 
@@ -48,12 +48,18 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def run_until_oom(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str], **changes: Any) -> str:
+def run_until_oom(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str], after_first_step: bool = False,
+                  **changes: Any) -> str:
+    """The run ends out of memory; an earlier run's checkpoint is where it was, or, when the error came after this
+    (fresh) run's first step, in previous_run/ (moved, as every earlier run's results then are: cli.md)."""
     out = tmp_path / "out"
     (out / "checkpoint-1").mkdir(parents=True)
     (out / "checkpoint-1" / "model.safetensors").write_bytes(b"\x00weights\xff")
     (out / "notes.txt").write_text("mine\n")
     before = snapshot(out)
+    if after_first_step:
+        before = {("previous_run/" if name.startswith("checkpoint-") else "") + name: data
+                  for name, data in before.items()}
     argv = write_tiny_recipe(tmp_path, model_dir, out, **changes)
     capsys.readouterr()
     assert main(argv) == 1
@@ -102,7 +108,7 @@ def test_loss_micro_step(tmp_path: Path, model_dir: Path, capsys: pytest.Capture
 def test_dfpo_pre_pass(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str],
                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(PrePass, "forward", out_of_memory)
-    line = run_until_oom(tmp_path, model_dir, capsys, skip_eval=True, group_layout="pre_pass",
+    line = run_until_oom(tmp_path, model_dir, capsys, True, skip_eval=True, group_layout="pre_pass",
                          per_device_train_batch_size=2)  # groups of 4 split over micro-steps: the pre-pass runs
     assert "out of memory in the DFPO pre-pass at step 1 " in line  # the first off-policy step
     assert "--prepass_batch_size (now 8 rows per no-grad chunk)" in line

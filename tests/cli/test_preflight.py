@@ -194,6 +194,7 @@ def test_two_nodes_sharing_output_dir_pass(tmp_path: Path) -> None:
         assert f"output_dir {shared} is the same directory on every node" in out
         assert "same versions on every node: torch " in out and f"node {rank} (" in out.splitlines()[-1]
     assert not list(shared.glob(".dfpo_preflight_*"))  # the marker is removed
+    assert not shared.exists()  # and the folder the preflight created for its checks, empty, too
 
 
 @pytest.mark.distributed
