@@ -36,7 +36,7 @@ from .objectives.plan import ObjectivePlan
 from .objectives.step import TRLLoss, WholeGroups, micro_step_objective
 from .objectives.weights import loss_mask
 from .profiling import profiled
-from .rewards import RewardError, SafeReward, defined_at
+from .rewards import SafeReward
 from .trl_hooks.callback import DFPOCallback
 from .trl_hooks.compat import (
     MULTIMODAL_KEYS,
@@ -57,6 +57,7 @@ from .trl_hooks.compat import (
 )
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
 from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
+from .trl_hooks.no_reward import held_no_reward_warning, one_line_no_reward_warning
 from .trl_hooks.pending import PendingCall, chain_forwards, trainer_config
 from .trl_hooks.resume import RolloutResume
 from .trl_hooks.sampling_ratio import RatioWatch
@@ -166,17 +167,13 @@ class DFPOTrainer(RolloutResume, GRPOTrainer):
         return output
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> torch.Tensor:
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if rewards_per_func.numel() and bool(torch.isnan(rewards_per_func).all()):
-            # TRL only warns: every reward None (TRL's NaN) sums to 0 for every completion, and nothing is learned.
-            names = list(self.reward_func_names)
-            raise RewardError(
-                " and ".join(names), defined_at(getattr(self.reward_funcs[0], "func", self.reward_funcs[0])),
-                "returned None (does not apply) for every completion" if len(names) == 1 else
-                "each returned None (does not apply) for every completion", None, rewards_per_func.shape[0],
-                fix="no completion has a reward, so nothing can be learned: return a float for each completion it "
-                "can score",
-            )
+        """TRL's rewards; TRL's warning for completions no reward scores comes as one line with their count, and the
+        run trains on as TRL's does (trl_hooks/no_reward.py): a rollout no reward applies to teaches nothing."""
+        with held_no_reward_warning() as held:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if held:
+            unscored = int(torch.isnan(rewards_per_func).all(dim=1).sum())
+            one_line_no_reward_warning(held[0], unscored, rewards_per_func.shape[0])
         if self._pending is not None:
             self._pending.rewards = row_rewards(rewards_per_func, self.reward_weights)
         return rewards_per_func

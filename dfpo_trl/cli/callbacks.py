@@ -91,7 +91,11 @@ class CurveMetricsCallback(TrainerCallback):
         key = next((k for k in self.keys if any(k in row for row in state.log_history)), None)
         if key is None:
             return
-        rows = [row for row in state.log_history if key in row]
+        # a step whose rollout no reward scored logs None (TRL's NaN mean): no point of the curve
+        rows = [row for row in state.log_history if isinstance(row.get(key), (int, float)) and row[key] == row[key]]
+        if not rows:
+            self.results["reward_curve"] = key
+            return
         curve = [float(row[key]) for row in rows]
         smooth = curves.ema(curve, alpha=self.alpha)
         self.results.update(

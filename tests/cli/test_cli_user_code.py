@@ -101,9 +101,6 @@ def test_a_reward_that_raises_is_one_line_naming_frame_completion_group_and_row(
     ("nan", r"reward function 'nan' at usermod\.py:9: returned nan, not a finite number, on completion 0 of the "
             r"rollout's 8 \(group 0, its completion 0 of 4; training row \d+\); return one float per completion, in "
             r"order \(None where the reward does not apply\)"),
-    ("none", r"reward function 'none' at usermod\.py:13: returned None \(does not apply\) for every completion on "
-             r"the rollout's batch of 8 completions; no completion has a reward, so nothing can be learned: return a "
-             r"float for each completion it can score"),
 ])
 def test_a_reward_that_returns_the_wrong_thing_is_one_line(
     setup: tuple[list[str], Path, dict], capsys: pytest.CaptureFixture[str], name: str, said: str
@@ -113,6 +110,20 @@ def test_a_reward_that_returns_the_wrong_thing_is_one_line(
     line = _one_line(capsys)
     assert re.fullmatch(f"dfpo-train: error: {said}", line), line
     _untouched(out, before)
+
+
+def test_a_reward_that_never_applies_warns_in_one_line_and_the_run_trains_on(
+    setup: tuple[list[str], Path, dict], caplog: pytest.LogCaptureFixture
+) -> None:
+    """None for every completion (TRL's "does not apply"): TRL warns and trains on, and so does dfpo-train (it
+    refused such a run, and a multi-task run died at the first rollout no reward applied to). One line per rollout."""
+    argv, out, _ = setup
+    assert main([*argv, "--reward_funcs", "usermod:none"]) == 0
+    warned = [r.getMessage() for r in caplog.records if "All reward functions returned None" in r.getMessage()]
+    assert len(warned) == 1 and "\n" not in warned[0], caplog.text[-3000:]  # 2 steps of one rollout
+    assert "(none of the rollout's 8 completions has a reward: their advantages are 0 and nothing is learned from " \
+           "this rollout; training goes on, as in TRL)" in warned[0]
+    assert json.loads((out / "dfpo_summary.json").read_text())["steps"] == 2
 
 
 def test_a_task_or_its_data_that_raises_is_one_line(
