@@ -85,6 +85,28 @@ def test_dfpo_off_is_the_same_run_as_grpo_trainer(layout):
     assert all(torch.equal(mine[k], reference[k]) for k in mine)
 
 
+def test_unset_pin_memory_on_a_machine_without_an_accelerator_is_the_same_run_quietly():
+    """Without use_cpu on a machine without an accelerator, GRPOConfig pins the data loader's memory (transformers'
+    default) and torch warns that it cannot; DFPOConfig leaves it off there. Only data loading differs: the same run
+    bit for bit as GRPOTrainer's, and DFPO's without the warning (GRPO's shows the test would see it)."""
+    import warnings
+
+    if torch.accelerator.is_available():
+        pytest.skip("the machine has an accelerator: unset pin memory is on, as in transformers")
+    runs, warned = [], []
+    for trainer_cls, config_cls in ((DFPOTrainer, DFPOConfig), (GRPOTrainer, GRPOConfig)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs.append(train_side_by_side(trainer_cls, config_cls, use_cpu=False, **LAYOUTS["whole_groups"]))
+        warned.append(any("pin_memory" in str(w.message) for w in caught))
+    ours, theirs = runs
+    assert (ours.args.dataloader_pin_memory, theirs.args.dataloader_pin_memory) == (False, True)
+    assert warned == [False, True]
+    mine, reference = ours.model.state_dict(), theirs.model.state_dict()
+    assert all(torch.equal(mine[k], reference[k]) for k in mine)
+    assert [h.get("loss") for h in ours.state.log_history] == [h.get("loss") for h in theirs.state.log_history]
+
+
 def rollout_stub(rows: int, group_size: int) -> dict[str, Any]:
     """A generation batch as DFPOTrainer's rollout returns it (with group and row ids), 3 completion tokens."""
     g = torch.Generator().manual_seed(0)

@@ -271,6 +271,9 @@ def test_readme_python_runs_as_written(index: int, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=1500,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pin_memory" not in proc.stderr, proc.stderr[-3000:]  # DFPOConfig leaves it off without an accelerator
+    if index == 0:  # the example saves nothing (save_strategy "no", no save_model): out/ is left empty
+        assert not any((tmp_path / "out").iterdir()), sorted(p.name for p in (tmp_path / "out").iterdir())
 
 
 def test_the_readme_has_python_to_run() -> None:

@@ -113,11 +113,24 @@ class DFPOParser(TrlParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = self.NEGATIVE_NUMBER  # no flag of ours looks like a number
+        self._keep_negated_flags()
         self.recipe: str | None = None  # the recipe being parsed (parse_args sets it), for its unknown fields' lines
         self.closed: dict[str, list[str]] = {}  # the closed options a recipe's values are read against (parse_args)
         self._align_negated_flags()
         # The dataclasses' defaults, before a recipe replaces them (set_defaults_with_config): for error messages.
         self.field_defaults = {a.dest: a.default for a in self._actions if self.primary_action(a.dest) is a}
+
+    # Fields whose True default DFPOConfig makes None (unset: resolved in DFPOConfig.__post_init__), which takes away
+    # the --no_X flag HfArgumentParser adds only for a True default: given back, as the command lines before had it.
+    UNSET_BOOLS = ("dataloader_pin_memory",)
+
+    def _keep_negated_flags(self) -> None:
+        flags = {o for a in self._actions for o in a.option_strings}
+        for name in self.UNSET_BOOLS:
+            negated = [f"--no_{name}", f"--no-{name.replace('_', '-')}"]
+            if any(a.dest == name for a in self._actions) and negated[0] not in flags:
+                self.add_argument(*negated, action="store_false", dest=name, default=None,
+                                  help=f"Set {name} to False (same as --{name} false).")
 
     def _align_negated_flags(self) -> None:
         """``HfArgumentParser`` adds ``--no_X`` (store False) for every bool field X whose default is True, with

@@ -132,6 +132,19 @@ class DFPOConfig(GRPOConfig):
         default=None if HAS_ACTIVATION_CHECKPOINTING else True,
         metadata=gradient_checkpointing_metadata(HAS_ACTIVATION_CHECKPOINTING),
     )
+    # transformers' default is on; unset here is on where torch has an accelerator and off where it has none, where
+    # torch cannot pin and warned "'pin_memory' argument is set as true but no accelerator is found" (data loading
+    # only: what is trained and computed does not change). An explicit value stands.
+    dataloader_pin_memory: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Whether or not to pin memory for DataLoader. Unset: on where torch has an accelerator "
+            "(transformers' default), off on a machine without one, where torch cannot pin (and warned that it "
+            "could not).",
+            "nargs": "?",
+            "const": True,
+        },
+    )
     group_transform: str = documented(
         "none",
         f"In-group transform of the post-clip sequence weights s̄ (stop-gradient): {builtin_transforms_help()}, "
@@ -286,6 +299,7 @@ class DFPOConfig(GRPOConfig):
         check_combinations(self)  # then the rules between fields, the first one broken
         self._check_whole_groups()
         self._resolve_precision()
+        self._resolve_pin_memory()
         self._cpu_group_with_ddp_timeout()
         super().__post_init__()
 
@@ -314,6 +328,16 @@ class DFPOConfig(GRPOConfig):
         problem = None if processes is None else whole_groups_problem({n: getattr(self, n) for n in names}, processes)
         if problem is not None:
             raise ValueError(f"{problem}.")
+
+    def _resolve_pin_memory(self) -> None:
+        """Unset ``dataloader_pin_memory``: on where torch has an accelerator (transformers' default, so no GPU run
+        changes), off on a machine without one. transformers' on made every CPU run (the README's Python example)
+        print torch's "'pin_memory' argument is set as true but no accelerator is found"; pinning needs an
+        accelerator, so off changes nothing but the warning (transformers itself turns it off with ``use_cpu``)."""
+        if self.dataloader_pin_memory is None:
+            import torch
+
+            self.dataloader_pin_memory = bool(torch.accelerator.is_available())
 
     def _resolve_precision(self) -> None:
         """TRL turns ``bf16`` on when it is unset, and transformers then refuses a machine without a bfloat16 GPU

@@ -349,6 +349,19 @@ def test_unset_bf16_is_float32_on_a_machine_without_a_bfloat16_gpu():
     )
 
 
+def test_unset_pin_memory_follows_the_accelerator_and_a_set_one_stands(monkeypatch):
+    """Unset, dataloader_pin_memory is on where torch has an accelerator (transformers' default) and off where it has
+    none (torch warned it could not pin); True or False given stand; transformers' use_cpu still turns it off."""
+    import torch
+
+    for available in (False, True):
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda available=available: available)
+        assert DFPOConfig(output_dir="out").dataloader_pin_memory is available
+        assert DFPOConfig(output_dir="out", dataloader_pin_memory=True).dataloader_pin_memory is True
+        assert DFPOConfig(output_dir="out", dataloader_pin_memory=False).dataloader_pin_memory is False
+        assert DFPOConfig(output_dir="out", use_cpu=True).dataloader_pin_memory is False
+
+
 def test_ddp_timeout_reaches_the_cpu_process_group(monkeypatch):
     """transformers 5.24 hands ddp_timeout to accelerate only off the CPU: a multi-process CPU run's gloo group got
     1800 s whatever ddp_timeout said. Under a CPU launch of several processes DFPOConfig creates the group itself

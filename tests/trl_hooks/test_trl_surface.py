@@ -18,10 +18,12 @@ from dfpo_trl import DFPOConfig
 from dfpo_trl.config.fields import HAS_ACTIVATION_CHECKPOINTING
 
 ROOT = Path(__file__).resolve().parents[2]
-# The one inherited field DFPOConfig redeclares (docs/source/concepts/decisions.md, "TRL features on top"), on every
-# transformers: its help names both spellings; on transformers >= 5.24 its default None means "on", TRL's default,
-# without transformers' deprecation warning, and on older releases its default is TRL's True.
-REDECLARED = {"gradient_checkpointing"}
+# The inherited fields DFPOConfig redeclares (docs/source/concepts/decisions.md, "TRL features on top"), on every
+# transformers. gradient_checkpointing: its help names both spellings; on transformers >= 5.24 its default None means
+# "on", TRL's default, without transformers' deprecation warning, and on older releases its default is TRL's True.
+# dataloader_pin_memory: None means on where torch has an accelerator (transformers' True) and off where it has none
+# (data loading only: tests/test_dropin.py trains the same run as GRPOTrainer).
+REDECLARED = {"gradient_checkpointing", "dataloader_pin_memory"}
 
 
 def _default(spec: dataclasses.Field) -> Any:
@@ -33,8 +35,8 @@ def _default(spec: dataclasses.Field) -> Any:
 
 
 def test_no_dfpo_field_shadows_a_grpo_config_field() -> None:
-    """DFPO's own fields are new names; every inherited field keeps TRL's type, default and help, except the one
-    redeclared on purpose, whose resolved value is TRL's."""
+    """DFPO's own fields are new names; every inherited field keeps TRL's type, default and help, except the two
+    redeclared on purpose, whose resolved values are TRL's where the machine has an accelerator."""
     trl_fields = {spec.name: spec for spec in dataclasses.fields(GRPOConfig)}
     ours = {spec.name: spec for spec in dataclasses.fields(DFPOConfig)}
     assert set(trl_fields) <= set(ours)
