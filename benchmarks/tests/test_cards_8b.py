@@ -114,6 +114,18 @@ def test_the_report_reads_the_json_alone() -> None:
     assert "peak reserved 25.40 GiB against 31.00 GiB (cap 31.00); both pass" in text
 
 
+def test_the_report_says_a_row_without_a_result_is_none() -> None:
+    rows = [{"name": "32GB", "card_gib": 32, "user_command": "dfpo-train a", "exit": None, "passed": False,
+             "error": None, "wall_s": 224.0},
+            {"name": "80GB", "card_gib": 80, "user_command": "dfpo-train b", "exit": None, "passed": False,
+             "error": "not run (the deadline passed, or not asked for): run it with --rows"}]
+    text = cards_8b.report({"card": "NVIDIA H200", "date": "2026-12-02", "context_gib": 1.0,
+                            "machine_flags": ["--max_steps", "2"], "rows": rows})
+    assert "| 32 GB | `dfpo-train a` | no record: the run was stopped before it exited (not a result) |" in text
+    assert "| 80 GB | `dfpo-train b` | not run (no record:" in text
+    assert "fails" not in text
+
+
 def test_eval_calls_arms_differ_in_the_eval_batch_alone(tmp_path: Path, gpu_recipes_parse_here) -> None:
     import argparse
 

@@ -54,6 +54,102 @@ def binned_rows(setting: dict[str, Any]) -> list[str]:
     return cells
 
 
+SUPPORT_RUN_COMMIT = "ca7651e"  # main's commit the GPU ran; the JSON's checkout names the device's stale .git copy
+
+
+def support_lines(record: dict[str, Any]) -> list[str]:
+    """``is_ratio.py``'s run with ``vllm_importance_sampling_support``: TRL's / ours / off per setting, the targets,
+    the product's log K against the meter, TRL's mask modes, and the cost against the correction off."""
+    versions, settings = record["versions"], record["settings"]
+    checkout = record.get("checkout", {})
+
+    def num(value: float | None, spec: str = ".2g") -> str:
+        return "–" if value is None else format(value, spec)
+
+    lines = [
+        f"**`vllm_importance_sampling_support: truncated` against TRL's ratio and the correction off** "
+        f"(`trained/is_ratio.py`, `gpu_job.sh is`; {record['card']}, 2026-12-02, main at {SUPPORT_RUN_COMMIT}: the "
+        f"JSON's checkout says {checkout.get('commit', '?')[:7]} with a diff because the machine's .git copy was "
+        f"stale; torch {versions['torch']}, transformers {versions['transformers']}, TRL {versions['trl']}, vLLM "
+        f"colocated; {record['model'].rsplit('/', 1)[-1]}, trained weights; the eight prompts above, "
+        f"{record['num_generations']} completions each, up to {record['max_completion']} tokens; "
+        "`results/trained/is_ratio_truncated_support.json`). One trainer per setting, TRL's correction on "
+        "(`sequence_mask`, C_max 3), the product's support truncated; TRL's ratio and the correction off are read "
+        "from the same rows. Slope: OLS of the row's log ratio on its length, nats per token, with a 95% bootstrap "
+        "interval over prompts. Target for ours: |slope| ≤ "
+        f"{settings['recipe_8b_lora']['targets']['slope_abs_max']:g} and a median in "
+        f"[{settings['recipe_8b_lora']['targets']['median_within'][0]:g}, "
+        f"{settings['recipe_8b_lora']['targets']['median_within'][1]:g}] in every length bin.",
+        "",
+        "| sampling | rows | slope TRL's | slope ours | slope off | ours' median ratio by length bin (rows) "
+        "| TRL's median by bin | targets met (slope, medians) | log K per token: product / meter (max row |diff|) |",
+        "|---" * 9 + "|",
+    ]
+    for name, s in settings.items():
+        slope, interval = s["slope_per_token"], s["slope_interval_95"]
+        bins = s["median_ratio_by_length"]
+
+        def by_bin(kind: str, with_rows: bool, bins: dict[str, Any] = bins) -> str:
+            return " · ".join(f"{b['from']}–{b['to'] - 1 if b['to'] else '…'}: {num(b['median'])}"
+                              + (f" ({b['rows']})" if with_rows else "") for b in bins[kind])
+
+        tokens, targets = s["record"]["tokens"], s["targets"]
+        lines.append(
+            f"| {LABELS.get(name, name)} | {s['rows']} | {num(slope['trl'], '.3g')} "
+            f"[{num(interval['trl'][0], '.2g')}, {num(interval['trl'][1], '.2g')}] | "
+            f"{num(slope['truncated_support'], '.3g')} [{num(interval['truncated_support'][0], '.2g')}, "
+            f"{num(interval['truncated_support'][1], '.2g')}] | {num(slope['off'], '.3g')} | "
+            f"{by_bin('truncated_support', True)} | {by_bin('trl', False)} | "
+            f"{'yes' if targets['slope_met'] else 'no'}, {'yes' if targets['median_met'] else 'no'} | "
+            f"{tokens['mean_log_mass_product']:+.4f} / {tokens['mean_log_mass_meter']:+.4f} "
+            f"({tokens['max_abs_product_minus_meter']:.2g}) |")
+    lines += ["", "The factor each of TRL's modes puts on a row, from the same rows (slope of its log on the length, "
+              "nats per token), and the share of rows `sequence_mask` drops (C_max 3, with C_min none or 0.5) or "
+              "in which `token_mask` drops a token:", "",
+              "| sampling | ratio | `sequence_mask` | `sequence_truncate` | `token_truncate` | dropped by "
+              "`sequence_mask` (C_min none) | (C_min 0.5) | rows with a token dropped by `token_mask` |",
+              "|---" * 8 + "|"]
+    for name, s in settings.items():
+        for kind, label in (("trl", "TRL's"), ("truncated_support", "ours")):
+            modes, dropped = s["mode_factor_slope_per_token"][kind], s["dropped_rows"][kind]
+            lines.append(f"| {LABELS.get(name, name)} | {label} | {num(modes['sequence_mask'], '.3g')} | "
+                         f"{num(modes['sequence_truncate'], '.3g')} | {num(modes['token_truncate'], '.3g')} | "
+                         f"{dropped['sequence_mask_clip_min_None']:.1%} | {dropped['sequence_mask_clip_min_0.5']:.1%} "
+                         f"| {dropped['token_mask_rows_with_a_dropped_token']:.1%} |")
+    cost = record["cost"]
+
+    def ratio(kind: str, part: str) -> str:
+        c = cost[kind][part]
+        return f"{c['median_ratio_to_off']:.3f} [{c['interval_95'][0]:.3f}, {c['interval_95'][1]:.3f}]"
+
+    lora, big, flat = settings["recipe_8b_lora"], settings["recipe_32b"], settings["untruncated_t1"]
+    ours_modes = lora["mode_factor_slope_per_token"]["truncated_support"]
+    lines += [
+        "",
+        f"Cost against the correction off ({cost['rounds']} rounds, each the three conditions in a shuffled order, "
+        f"at the {LABELS.get(cost['setting'], cost['setting'])} setting with {cost['max_completion']}-token "
+        "completions; the median over rounds of the within-round ratio, 95% bootstrap interval): ours "
+        f"{ratio('truncated_support', 'loss_steps')} in the loss steps and {ratio('truncated_support', 'loop')} in "
+        f"the whole loop (rollout + loss steps); TRL's {ratio('trl', 'loss_steps')} and {ratio('trl', 'loop')}.",
+        "",
+        "What it shows. The truncated support removes most of TRL's length-driven fall at the truncating settings "
+        f"(slope {lora['slope_per_token']['trl']:.3g} → {lora['slope_per_token']['truncated_support']:.2g} per token "
+        f"at the 8B recipe's, {big['slope_per_token']['trl']:.3g} → {big['slope_per_token']['truncated_support']:.2g}"
+        " at the 32B recipe's), and the product's log K agrees with the independent meter on average; but ours "
+        "meets neither target in any setting. The untruncated control (nothing truncated, so the ratio is the "
+        f"engines' mismatch alone, ours equal to TRL's) has a slope of {flat['slope_per_token']['trl']:.2g} per token "
+        "and medians by bin of "
+        + " ".join(num(b["median"], ".3g") for b in flat["median_ratio_by_length"]["truncated_support"])
+        + ": a residual mismatch that grows with length at this model and engine, which no choice of support "
+        "removes. `token_truncate`'s factor (a row's mean of its per-token ratios capped at 3) has a slope of "
+        f"{num(ours_modes['token_truncate'], '.1g')} per token with "
+        f"ours at the 8B setting (sequence modes {num(ours_modes['sequence_mask'], '.2g')}), "
+        "and `token_mask` dropped a token in no row.",
+        "",
+    ]
+    return lines
+
+
 def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
     folder = results / "trained"
     record = load_json(folder / "is_ratio_qwen05.json")
@@ -64,6 +160,9 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
     lines = [
         f"## {number}. Trained weights: the importance-sampling ratio at the recipes' settings "
         "(`benchmarks/dfpo_bench/trained/`)",
+        "",
+        "The first runs (the correction as TRL takes it; cited by docs/source/concepts/decisions.md, \"vLLM's "
+        "importance-sampling ratio under truncated sampling\"), then the product's truncated support.",
         "",
         f"{record['card']}; torch {versions['torch']}, transformers {versions['transformers']}, TRL {versions['trl']}, "
         "vLLM 0.26.0 colocated. Model: Qwen2.5-Coder-0.5B-Instruct, trained weights (the GPU kit's bf16 checkpoint). "
@@ -101,20 +200,34 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
         "TRL's sequence ratio is exp(Σ gap): it falls exponentially with length, so at the 8B recipe's settings a "
         f"completion of 300–999 tokens gets a median factor of {statistics.median(mid) if mid else float('nan'):.1g} "
         "and carries no gradient. The "
-        "decision this led to (the recipes turn the correction off when they truncate, and the trainer prints one "
-        "line when a rollout's ratio falls below 0.5) is in docs/source/concepts/decisions.md, "
-        "\"vLLM's importance-sampling ratio "
+        "decision this first led to (the recipes turned the correction off when they truncated) was replaced by "
+        "`vllm_importance_sampling_support: truncated`, measured below; both are in "
+        "docs/source/concepts/decisions.md, \"vLLM's importance-sampling ratio "
         "under truncated sampling\". The first run of the script changed the sampling settings after building "
         "the trainer, and TRL had built its log-prob head at temperature 1.0: its recipe-setting rows were "
         "scored at the wrong temperature (kept in `is_ratio_qwen05_first_run_wrong_temperature.json`; only its "
         "untruncated row is used above).",
         "",
     ]
+    support = load_json(folder / "is_ratio_truncated_support.json")
+    if support:
+        lines += support_lines(support)
     as_run = load_json(folder / "cards_8b_as_run.json")
     if as_run:  # the rows as a user runs them (trained/cards_8b.py), before the first version's uncapped table
         from dfpo_bench.trained import cards_8b
 
         lines += [cards_8b.report(as_run), ""]
+        stopped = [r for r in as_run["rows"] if r.get("exit") is None and not r.get("error")
+                   and "2/2 [" in (r.get("log_tail") or "")]
+        lines += [f"Run at main's {SUPPORT_RUN_COMMIT} (the JSON's checkout names the machine's stale .git copy). "
+                  + "".join(f"The {r['card_gib']:g} GB row trained both optimizer steps (its log's last line), then "
+                            "was in the held-out evaluation when we stopped the driver: a stop of ours, not a "
+                            "result. " for r in stopped)
+                  + "The rows not run were left by the driver's deadline. The 40 and 48 GB failures are the "
+                  "held-out evaluation at that commit's default `per_device_eval_batch_size` (all 16 held-out "
+                  "problems × k 8 = 128 in one call); the default has since become at most a training rollout's "
+                  "rows (`dfpo_trl/cli/vllm_eval.py`, `default_eval_batch`: 32 for this recipe), not re-run on a GPU. "
+                  "Per-row records and logs: `results/trained/cards_8b_as_run_logs.tgz`.", ""]
     cards = load_json(folder / "cards_8b.json")
     if cards:
         lines += cards_lines(cards)

@@ -376,6 +376,19 @@ def print_table(records: list[dict[str, Any]]) -> None:
               f"{r['user_command']}{'  | ' + r['error'] if r.get('error') else ''}", flush=True)
 
 
+def row_result(r: dict[str, Any]) -> str:
+    """A row's result cell: only a run that exited says pass or fail; a row never started, or stopped before it
+    exited (no exit code, no peaks), is no result, and says which."""
+    if r["passed"]:
+        return "passes"
+    error = r.get("error") or ""
+    if error.startswith("not run"):
+        return "not run (no record: the driver's deadline passed, or the row was not asked for)"
+    if r.get("exit") is None:
+        return "no record: the run was stopped before it exited (not a result)"
+    return f"fails: {error or 'exit ' + str(r['exit'])}"
+
+
 def report(result: dict[str, Any]) -> str:
     """The RESULTS.md section, from the JSON alone."""
     lines = [f"**The 8B LoRA recipe's cards, as a user runs them** (`dfpo_bench.trained.cards_8b`; {result['card']}, "
@@ -393,9 +406,9 @@ def report(result: dict[str, Any]) -> str:
         return "–" if value is None else f"{value:.2f}"
 
     for r in result["rows"]:
-        result_cell = "passes" if r["passed"] else f"fails: {r.get('error') or 'exit ' + str(r.get('exit'))}"
+        result_cell = row_result(r)
         wall = "–" if r.get("wall_s") is None else f"{r['wall_s']:.0f}"
-        lines.append(f"| {r['card_gib']} GB | `{r['user_command']}` | {result_cell} | "
+        lines.append(f"| {r['card_gib']:g} GB | `{r['user_command']}` | {result_cell} | "
                      f"{cell(r.get('peak_allocated_gib'))} | {cell(r.get('peak_reserved_gib'))} | "
                      f"{cell(r.get('overhead_gib'))} | {cell(r.get('needs_gib'))} | {wall} |")
     by_name = {r["name"]: r for r in result["rows"]}
@@ -405,6 +418,21 @@ def report(result: dict[str, Any]) -> str:
                       f"row: peak reserved {with_['peak_reserved_gib']:.2f} GiB against "
                       f"{without['peak_reserved_gib']:.2f} GiB (cap {without.get('cap_gib', 0):.2f}); "
                       f"{'both pass' if with_['passed'] and without['passed'] else 'see the result column'}."]
+    tokenizer = result.get("model", {}).get("tokenizer")
+    if tokenizer:
+        lines += ["", f"Tokenizer: `{tokenizer}` (padded to Qwen3's 151,936 ids when it is not Qwen's)."]
+    vllm_rows = [r for r in result["rows"] if r.get("generation") == "colocated vLLM"]
+    if vllm_rows and not any(r.get("engine_log") for r in vllm_rows):
+        lines += ["", "The vLLM rows' logs hold no engine-size line (`engine_log` empty): the engine's size on the "
+                      "simulated card is not confirmed from the log."]
+    real = {round(r["device_total_gib"], 1) for r in result["rows"] if r.get("device_total_gib")}
+    named = [r for r in result["rows"] if r.get("error") and any(f"GPU {g} GiB" in r["error"] for g in real)]
+    if named:
+        cards = ", ".join(format(r["card_gib"], "g") + " GB" for r in named)
+        lines += ["", f"A known limit of the simulation: the out-of-memory message of the {cards} row(s) names "
+                      "the real GPU's memory "
+                      f"({', '.join(f'{g} GiB' for g in sorted(real))}), not the simulated card's: the cap is "
+                      "PyTorch's per-process fraction, and the message reads the device's total."]
     return "\n".join(lines)
 
 
