@@ -10,14 +10,17 @@ one.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
 from ..metrics import curves
+from .resume import RUN_RECORD
 
-__all__ = ["CurveMetricsCallback", "FormShareReward"]
+__all__ = ["CheckpointRecord", "CurveMetricsCallback", "FormShareReward"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,4 +110,27 @@ class CurveMetricsCallback(TrainerCallback):
         )
         index = curves.steps_to_threshold(curve, self.threshold, alpha=self.alpha)
         self.results["steps_to_threshold"] = None if index is None else int(rows[index].get("step", index + 1))
+
+
+class CheckpointRecord(TrainerCallback):
+    """Writes into each checkpoint what a resumed ``dfpo-train`` run needs to continue and report like the run it
+    continues (``dfpo_run.json`` beside ``trainer_state.json``, process 0): the save settings, which the resumed run
+    takes unless its command line gives them again (resume.py), and the held-out points measured so far."""
+
+    def __init__(self, heldout_cb: Any = None) -> None:
+        self.heldout_cb = heldout_cb
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if not state.is_world_process_zero or not folder.is_dir():
+            return
+        strategy = args.save_strategy
+        record = {
+            "save_strategy": str(getattr(strategy, "value", strategy)),
+            "save_steps": args.save_steps,
+            "heldout": self.heldout_cb.checkpoint_record(state.global_step) if self.heldout_cb is not None else None,
+        }
+        partial = folder / f".{RUN_RECORD}.tmp"
+        partial.write_text(json.dumps(record, indent=1) + "\n")
+        partial.replace(folder / RUN_RECORD)
 

@@ -133,6 +133,8 @@ class HeldoutAccuracyCallback(TrainerCallback):
         self.every = every
         self.metrics = metrics
         self.label = "greedy accuracy"  # what the messages call the measure (vllm_eval: avg@k)
+        # what the checkpoint a run resumes from recorded of this measure (checkpoint_record), set by the run
+        self.resumed_record: dict[str, Any] | None = None
         self.results: dict[str, Any] = {
             "n": len(problems), "before": None, "after": None, "curve": [], "resumed_at": None,
         }
@@ -177,11 +179,29 @@ class HeldoutAccuracyCallback(TrainerCallback):
         self._measure("before", state, kwargs["model"], kwargs.get("processing_class"))
         state.log_history.append({BEFORE_KEY: self.results["before"], PROBLEMS_KEY: len(self.problems), "step": 0})
 
+    def checkpoint_record(self, step: int) -> dict[str, Any]:
+        """What a checkpoint of step ``step`` keeps of this measure (dfpo_run.json, cli/callbacks.py): the problems'
+        count, the measure, the accuracy before training and every point of the curve up to that step. The log
+        history alone lost points: a periodic value is logged with a later step's row, after that step's save."""
+        curve = [[int(s), float(a)] for s, a in self.results["curve"] if s <= step]
+        return {"n": len(self.problems), "metric": self.label, "before": self.results["before"], "curve": curve}
+
     def _resume(self, state: Any, model: Any, processing_class: Any) -> None:
-        """The accuracy before training and the periodic values up to the resume step, from the checkpoint's log
-        history; measured at the resume step, and said to be that, when the checkpoint does not have it."""
+        """The accuracy before training and the periodic values up to the resume step, from the checkpoint's record
+        of them (else its log history); measured at the resume step, and said to be that, when the checkpoint does
+        not have them."""
         step, n = state.global_step, len(self.problems)
         self.results["resumed_at"] = step
+        record = self.resumed_record
+        if record and record.get("n") == n and record.get("metric") == self.label and record.get("before") is not None:
+            self.results.update(before=record["before"], before_seconds=0.0)
+            for point, accuracy in record.get("curve", []):
+                if point <= step:
+                    self._record(int(point), float(accuracy))
+            if state.is_world_process_zero:
+                tqdm.write(f"held-out {self.label} before training: {record['before']:.3f} ({n} problems; from the "
+                           f"checkpoint, resumed at step {step})")
+            return
         row = next((r for r in state.log_history if BEFORE_KEY in r and r.get(PROBLEMS_KEY) == n), None)
         if row is not None:
             self.results.update(before=row[BEFORE_KEY], before_seconds=0.0)

@@ -20,6 +20,7 @@ from trl import ModelConfig, TrlParser
 
 from ..config.fields import DFPOConfig, dfpo_fields
 from ..transforms import TRANSFORMS
+from . import logger
 from .args import DFPOScriptArguments, RecipeError
 from .choices import TRL_STRING_OPTIONS, canonical
 from .help import LEADING_FIELDS
@@ -41,7 +42,7 @@ from .precheck import (
     yaml_error,
 )
 from .precheck import field_origin as precheck_field_origin
-from .resume import imply_save_strategy
+from .resume import imply_save_strategy, resumed_settings
 from .tasks import TASKS
 from .values import with_origins
 
@@ -380,10 +381,33 @@ def parse_args(
         training_args.output_dir,
         field_origin(parser, "resume_from_checkpoint", flags, recipe),
     )
+    if training_args.resume_from_checkpoint:
+        resume_like_the_checkpoint(parser, training_args, flags)
     problem = model_path_problem(model_args.model_name_or_path)  # the fast checks' words (local_inputs.py)
     if problem is not None:
         raise RecipeError(f"{field_origin(parser, 'model_name_or_path', flags, recipe)}: {problem}")
     return script_args, training_args, model_args
+
+
+def resume_like_the_checkpoint(parser: DFPOParser, training_args: DFPOConfig, flags: Sequence[str]) -> None:
+    """A resumed run saves (and logs, evaluates) every as many steps as the run it continues, unless the command
+    line says otherwise (resume.py): the same command resumed saved no checkpoint, and transformers warned
+    ``save_steps: 500 (from args) != 2 (from trainer_state.json)``. What is taken, or changed, is said in one line."""
+    from transformers.trainer_utils import SaveStrategy
+
+    def given(name: str) -> bool:
+        options = {o for a in parser._actions if a.dest == name for o in a.option_strings}
+        return any(flag.split("=", 1)[0] in options for flag in flags)
+
+    taken, changed = resumed_settings(training_args, training_args.resume_from_checkpoint, given)
+    for name, value in taken.items():
+        setattr(training_args, name, SaveStrategy(value) if name == "save_strategy" else value)
+    if taken:
+        said = " and ".join(f"{name} {value!r}" for name, value in taken.items())
+        logger.info("resuming with %s from the checkpoint, as the run it continues (give them on the command line "
+                    "to change them)", said)
+    if changed:
+        logger.info("resuming with %s, as the command line says", "; ".join(changed))
 
 
 def parse_recipe(argv: Sequence[str]) -> tuple[DFPOScriptArguments, DFPOConfig, ModelConfig]:

@@ -1,18 +1,29 @@
 """What ``dfpo-train`` does for checkpoints and resuming beyond the trainer (docs/source/guides/cli.md, "Resume").
 
 ``--save_steps N`` on the command line means "save every N steps": with a recipe whose ``save_strategy`` is
-``"no"`` (the CPU recipe's) it used to write nothing, silently.
+``"no"`` (the CPU recipe's) it used to write nothing, silently. A resumed run takes the save settings (and
+``logging_steps``, ``eval_steps``) of the run it continues, from the checkpoint, unless its command line gives them
+again: the same command resumed from a checkpoint saved nothing more, and transformers warned in raw lines that
+its values did not match the checkpoint's. Standard library only (the fast checks read it before torch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from . import logger
 from .args import RecipeError
 
-__all__ = ["imply_save_strategy", "save_strategy_problem"]
+__all__ = ["RUN_RECORD", "checkpoint_settings", "imply_save_strategy", "read_run_record", "save_strategy_problem"]
+
+#: What dfpo-train writes into each checkpoint beside trainer_state.json (cli/callbacks.py's CheckpointRecord).
+RUN_RECORD = "dfpo_run.json"
+# The fields transformers compares with the checkpoint's trainer_state.json on resume (trainer_utils'
+# compare_trainer_and_checkpoint_args), which a resumed run takes from there unless its command line gives them.
+CHECKPOINT_STEPS = ("save_steps", "logging_steps", "eval_steps")
 
 
 def _flag_value(parser: Any, name: str, args: Sequence[str]) -> str | None:
@@ -50,3 +61,45 @@ def save_strategy_problem(steps: str, strategy: str) -> str | None:
         return None
     return (f"--save_steps {steps} with --save_strategy {strategy} on the command line saves no checkpoint: drop "
             "--save_strategy (--save_steps alone saves every that many steps).")
+
+
+def read_run_record(checkpoint: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``dfpo_run.json`` ({} for a checkpoint without one, written by another trainer)."""
+    try:
+        record = json.loads((Path(checkpoint) / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def checkpoint_settings(checkpoint: str | Path) -> dict[str, Any]:
+    """The settings a resumed run takes from ``checkpoint`` unless its command line gives them: ``save_steps``,
+    ``logging_steps`` and ``eval_steps`` as its ``trainer_state.json`` holds them (what transformers compares), and
+    the save strategy from dfpo-train's record ("steps" for a checkpoint without one: it was saved, so the run saved;
+    by steps, as nearly every run does)."""
+    try:
+        state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        state = {}
+    found: dict[str, Any] = {"save_strategy": read_run_record(checkpoint).get("save_strategy", "steps")}
+    found.update({name: state[name] for name in CHECKPOINT_STEPS if isinstance(state.get(name), (int, float))})
+    return found
+
+
+def resumed_settings(args: Any, checkpoint: str, given: Callable[[str], bool]) -> tuple[dict[str, Any], list[str]]:
+    """The checkpoint's save strategy and steps (:func:`checkpoint_settings`) that ``args`` should take, where the
+    command line does not give them and they differ, and the ones the command line changes (``--name value (the
+    checkpoint's run: v)``), each said in one line by the caller. A recipe's value does not count as given: the CPU
+    recipe's ``save_strategy: "no"`` would save nothing more."""
+    taken, changed = {}, []
+    for name, value in checkpoint_settings(checkpoint).items():
+        current = getattr(args, name, None)
+        current = getattr(current, "value", current)
+        if current is None or str(current) == str(value):
+            continue
+        if given(name):
+            changed.append(f"--{name} {current} (the checkpoint's run: {value})")
+        else:
+            taken[name] = value
+    return taken, changed
+

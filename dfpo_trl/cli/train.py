@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ from ..rewards import RewardError
 from ..trainer import DFPOTrainer
 from . import logger
 from .args import DFPOScriptArguments
-from .callbacks import CurveMetricsCallback, FormShareReward
+from .callbacks import CheckpointRecord, CurveMetricsCallback, FormShareReward
 from .data import (
     build_datasets,
     build_drift_problems,
@@ -53,6 +54,7 @@ from .parser import parse_args
 from .peers import lost_peer_as_one_line
 from .precheck import field_origin, recipe_argv
 from .progress import close_progress_bar, use_dfpo_progress_bar
+from .resume import read_run_record
 from .signals import further_interrupts_wait, signal_name
 from .vllm_eval import avg_at_k_callback, check_eval_batch, default_eval_batch
 
@@ -118,6 +120,9 @@ def run(
         )
         callbacks.insert(0, heldout_cb)
     callbacks.insert(0, StartLine(len(train), heldout_cb))
+    callbacks.append(CheckpointRecord(heldout_cb))  # what a resumed run reads back (resume.py)
+    if heldout_cb is not None and training_args.resume_from_checkpoint:
+        heldout_cb.resumed_record = read_run_record(training_args.resume_from_checkpoint).get("heldout")
     with engine_start_as_one_line(training_args, length_source):  # vLLM's refusal to start: one line (engine.py)
         trainer = DFPOTrainer(  # logs the group layout it chose, why, and what it costs
             model=model_path,
@@ -154,7 +159,8 @@ def run(
     try:
         # an out-of-memory error, or a collective failing on a lost or hung peer: one line, nothing removed or
         # written (oom.py, peers.py)
-        with out_of_memory_as_one_line(trainer, script_args), lost_peer_as_one_line(trainer):
+        with out_of_memory_as_one_line(trainer, script_args), lost_peer_as_one_line(trainer), \
+                checkpoint_mismatch_said():
             trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except RewardError as exc:  # the user's reward failed: one line, with the training row it was scoring
         close_progress_bar(trainer)
@@ -289,6 +295,27 @@ class StartLine(TrainerCallback):
             held = self.heldout_cb
             first = f"; first the held-out {held.label} before training on {held.results['n']} problems"
         logger.info("training %s%s%s", steps, where, first)
+
+
+class _SaidMismatch(logging.Filter):
+    """transformers' raw lines saying a resumed run's steps differ from the checkpoint's ("Warning: The following
+    arguments do not match ... save_steps: 500 (from args) != 2 (from trainer_state.json)"): the parse already took
+    the checkpoint's values, or said in one line the ones the command line changes (parser.resume_like_the_checkpoint),
+    so they are not printed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "do not match the ones in the `trainer_state.json`" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def checkpoint_mismatch_said() -> Any:
+    said = _SaidMismatch()
+    transformers_logger = logging.getLogger("transformers.trainer_utils")
+    transformers_logger.addFilter(said)
+    try:
+        yield
+    finally:
+        transformers_logger.removeFilter(said)
 
 
 def resumed_step_in(output_dir: str, resume_from: str | None) -> int | None:

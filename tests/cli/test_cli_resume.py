@@ -4,6 +4,7 @@ held-out accuracy as what it is (docs/source/guides/cli.md, "Resume")."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,8 @@ def test_resumed_run_continues_and_reports_the_runs_own_before(
     the same output_dir. The resumed run saves the very model the first saved (byte for byte), does not warn that
     the tied lm_head.weight is missing, and reports the first run's accuracy before training (from the checkpoint),
     not the resumed model's. From a checkpoint without it (written by another trainer) it measures at the resume
-    step and says so: "at resume (step 2)", the gain "since step 2", the curve starting at step 2."""
+    step and says so: "at resume (step 2)", the gain "since step 2", the curve starting at step 2 (and saves by
+    steps, at the checkpoint's save_steps: it was saved, so its run saved)."""
     out = tmp_path / "out"
     argv = write_tiny_recipe(tmp_path, tied_model_dir, out, **CHANGES)
     assert main([*argv, "--save_steps", "2"]) == 0
@@ -84,6 +86,7 @@ def test_resumed_run_continues_and_reports_the_runs_own_before(
     state = json.loads(state_file.read_text())
     state["log_history"] = [row for row in state["log_history"] if BEFORE_KEY not in row]
     state_file.write_text(json.dumps(state))
+    (out / "checkpoint-2" / "dfpo_run.json").unlink()  # as another trainer's checkpoint: no record of dfpo-train's
     capfd.readouterr()
     assert main(resume) == 0
     printed = capfd.readouterr()
@@ -92,3 +95,32 @@ def test_resumed_run_continues_and_reports_the_runs_own_before(
     assert f"held-out greedy accuracy at resume (step 2): {held['at_resume']:.3f} (4 problems" in printed.out
     assert "since step 2, 4 fixed problems; measured at the resume, the checkpoint holds no accuracy before " \
            "training" in printed.out
+
+
+def test_resumed_run_keeps_the_curve_and_the_checkpoint_settings(
+    tmp_path: Path, tied_model_dir: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run measuring the held-out accuracy every 2 steps, saving every 2 (--save_steps 2), resumed from checkpoint-2
+    with the same command without --save_steps: the resumed curve carries step 2's point from the checkpoint
+    (dropped before), the run saves checkpoint-4 as the first did (it saved nothing), and transformers' raw
+    "save_steps: 500 (from args) != 2 (from trainer_state.json)" warning is gone. --save_steps given again wins."""
+    out = tmp_path / "out"
+    argv = write_tiny_recipe(tmp_path, tied_model_dir, out, **CHANGES, eval_every=2)
+    assert main([*argv, "--save_steps", "2"]) == 0
+    first = summary(out)["heldout"]
+    assert [step for step, _ in first["curve"]] == [0, 2, 4]
+    assert json.loads((out / "checkpoint-2" / "dfpo_run.json").read_text())["heldout"]["curve"] == first["curve"][:2]
+    capfd.readouterr()
+
+    with caplog.at_level(logging.INFO, logger="dfpo_trl"):
+        assert main([*argv, "--resume_from_checkpoint", str(out / "checkpoint-2")]) == 0
+    printed = capfd.readouterr()
+    resumed = summary(out)["heldout"]
+    assert resumed["curve"][:2] == first["curve"][:2] and [s for s, _ in resumed["curve"]] == [0, 2, 4]
+    assert (out / "checkpoint-4" / "trainer_state.json").is_file()  # saved, as the checkpoint's run did
+    said = printed.out + printed.err + caplog.text
+    assert "do not match" not in said and "(from trainer_state.json)" not in said
+    assert "resuming with save_strategy 'steps' and save_steps 2 from the checkpoint" in caplog.text
+
+    _, args, _ = parse_args([*argv, "--resume_from_checkpoint", str(out / "checkpoint-2"), "--save_steps", "3"])
+    assert (str(getattr(args.save_strategy, "value", args.save_strategy)), args.save_steps) == ("steps", 3)

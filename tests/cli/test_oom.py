@@ -1,6 +1,7 @@
 """An out-of-memory error in each phase of a ``dfpo-train`` run ends in one line naming the phase, the sizes and the
 settings that lower it, with no traceback, and leaves the output directory's files byte for byte as they were
-(a checkpoint and a user's file; an error after the first step finds the earlier run's checkpoint moved aside). The errors are raised by monkeypatching the phase's model call (tests only)."""
+(a checkpoint and a user's file; an error after the first step finds the earlier run's checkpoint moved aside).
+The errors are raised by monkeypatching the phase's model call (tests only)."""
 
 from __future__ import annotations
 
