@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -56,7 +55,7 @@ from .trl_hooks.compat import (
     trl_runs_old_logps_forward,
 )
 from .trl_hooks.lm_head import HiddenCapture, capture_log_prob_forward
-from .trl_hooks.model_card import DELTA_TAG, DFPO_NAME, DFPO_PAPER, DFPO_TAGS, add_delta_to_card, card_tags
+from .trl_hooks.model_card import DFPOModelCard, card_tags
 from .trl_hooks.no_reward import held_no_reward_warning, one_line_no_reward_warning
 from .trl_hooks.pending import PendingCall, chain_forwards, trainer_config
 from .trl_hooks.resume import RolloutResume
@@ -67,14 +66,9 @@ from .trl_hooks.sync_watchdog import watched_vllm_generation
 logger = logging.getLogger(__name__)
 
 
-class DFPOTrainer(RolloutResume, GRPOTrainer):
+class DFPOTrainer(RolloutResume, DFPOModelCard, GRPOTrainer):
     """`trl.GRPOTrainer` with DFPO objectives. Takes the same arguments; `args` must be a [`DFPOConfig`] (built
     from the model's name, every DFPO option off, when not given, as `GRPOTrainer` builds its default)."""
-
-    # TRL's model card reads these (trl_hooks/model_card.py): without them every card would describe a GRPO run.
-    _name = DFPO_NAME
-    _tag_names = list(DFPO_TAGS)
-    _paper = DFPO_PAPER
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         arguments = bind_call("__init__", *args, **kwargs)
@@ -113,13 +107,6 @@ class DFPOTrainer(RolloutResume, GRPOTrainer):
     # help(), inspect.signature and IDEs show GRPOTrainer's own parameters, read from the installed TRL, not copied:
     # __init__ takes *args/**kwargs only to bind them against that same signature (bind_call).
     __init__.__signature__ = inspect.signature(GRPOTrainer.__init__)  # type: ignore[attr-defined]
-
-    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
-        """TRL's card (DFPO's name, tags and citation from the class attributes above), plus DelTA's sentence and
-        citation when DelTA weights the tokens: TRL's card has room for one paper."""
-        super().create_model_card(*args, **kwargs)
-        if DELTA_TAG in self._tag_names and self.is_world_process_zero():
-            add_delta_to_card(os.path.join(self.args.output_dir, "README.md"))
 
     @property
     def group_layout(self) -> str:

@@ -10,10 +10,13 @@ card TRL wrote.
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
+from typing import Any
 
-__all__ = ["DELTA_PAPER", "DELTA_TAG", "DFPO_NAME", "DFPO_PAPER", "DFPO_TAGS", "add_delta_to_card", "card_tags"]
+__all__ = ["DELTA_PAPER", "DELTA_TAG", "DFPO_NAME", "DFPO_PAPER", "DFPO_TAGS", "DFPOModelCard", "add_delta_to_card",
+           "card_tags"]
 
 DFPO_NAME = "DFPO"
 DFPO_TAGS: tuple[str, ...] = ("trl", "dfpo")
@@ -77,3 +80,18 @@ def add_delta_to_card(path: str | Path) -> None:
     else:
         lines += ["", *([] if trained is not None else [sentence, ""]), *citation]
     card.write_text("\n".join(lines), encoding="utf-8")
+
+
+class DFPOModelCard:
+    """The model-card half of ``DFPOTrainer`` (a mixin before ``trl.GRPOTrainer`` in its bases): DFPO's name, tags
+    and citation as the class attributes TRL's card reads, and DelTA's sentence and citation added to the card TRL
+    wrote when DelTA weights the tokens (TRL's card has room for one paper)."""
+
+    _name = DFPO_NAME
+    _tag_names = list(DFPO_TAGS)
+    _paper = DFPO_PAPER
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        super().create_model_card(*args, **kwargs)  # type: ignore[misc]
+        if DELTA_TAG in self._tag_names and self.is_world_process_zero():  # type: ignore[attr-defined]
+            add_delta_to_card(os.path.join(self.args.output_dir, "README.md"))  # type: ignore[attr-defined]
