@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from datasets import Dataset
 from tqdm.auto import tqdm
-from transformers import TrainerCallback
+from transformers import LogitsProcessorList, TrainerCallback
 
+from .progress import GenerationProgress
 from .tasks import RewardFunc, Task
 
 __all__ = ["BEFORE_KEY", "HeldoutAccuracyCallback", "greedy_accuracy"]
@@ -28,6 +29,7 @@ def greedy_accuracy(
     max_new_tokens: int = 32,
     batch_size: int = 32,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    progress: Callable[[int, int, int, int], None] | None = None,
 ) -> float:
     """Mean reward of greedy completions on ``problems`` (rows from ``task.build_dataset``).
 
@@ -38,7 +40,8 @@ def greedy_accuracy(
     once (a held-out set larger than the 100 arithmetic problems repeats them). Model mode and
     tokenizer padding side are restored afterwards, so it can run between training steps.
     ``chat_template_kwargs`` go to ``apply_chat_template`` (e.g. ``{"enable_thinking": False}`` for Qwen3), as
-    TRL passes its ``chat_template_kwargs`` during training.
+    TRL passes its ``chat_template_kwargs`` during training. ``progress(batch, batches, token, max_new_tokens)`` is
+    called at every token generated (the 0-based batch, the batches, the 1-based token), for a progress line.
     """
     reward = task.reward_funcs[0] if hasattr(task, "reward_funcs") else task
     rows = [dict(r) for r in problems]
@@ -62,11 +65,19 @@ def greedy_accuracy(
     model.eval()
     tokenizer.padding_side = "left"
     generated: dict[str, str] = {}
+    batches = -(-len(unique) // batch_size)
     try:
         for start in range(0, len(unique), batch_size):
             chunk = unique[start : start + batch_size]
             enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = enc.to(model.device)
+            extra: dict[str, Any] = {}
+            if progress is not None:
+                def report(done: int, total: int, token: int, most: int, batch: int = start // batch_size) -> None:
+                    progress(batch, batches, token, most)
+
+                counter = GenerationProgress(report, enc["input_ids"].shape[1], max_new_tokens, [])
+                extra["logits_processor"] = LogitsProcessorList([counter])
             # no_grad, not inference_mode: under FSDP2 the parameters gathered here stay gathered for the next
             # forward, and inference tensors cannot be saved for backward (tests/test_fsdp2.py).
             with torch.no_grad():
@@ -78,6 +89,7 @@ def greedy_accuracy(
                     top_k=None,
                     max_new_tokens=max_new_tokens,
                     pad_token_id=pad_id,
+                    **extra,
                 )
             decoded = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             generated.update(zip(chunk, decoded, strict=True))
@@ -139,19 +151,40 @@ class HeldoutAccuracyCallback(TrainerCallback):
             "n": len(problems), "before": None, "after": None, "curve": [], "resumed_at": None,
         }
 
-    def _accuracy(self, model: Any, processing_class: Any) -> tuple[float, float]:
+    def _accuracy(self, model: Any, processing_class: Any, shown: str | None = None) -> tuple[float, float]:
+        """The accuracy and the seconds it took; ``shown``: the progress line's label (the evaluations before and
+        after training, when no training bar is open to show it), None for none."""
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         start = time.monotonic()
-        accuracy = greedy_accuracy(
-            model,
-            tokenizer,
-            self.problems,
-            self.task,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=self.batch_size,
-            chat_template_kwargs=self.chat_template_kwargs,
-        )
+        form = "{desc} ({percentage:.0f}%, {elapsed} so far, {remaining} left)"
+        bar = None if shown is None else tqdm(total=1, desc=shown, dynamic_ncols=True, leave=False, bar_format=form)
+
+        def report(batch: int, batches: int, token: int, most: int) -> None:
+            bar.total, bar.n = batches * most, batch * most + token
+            bar.set_description_str(f"{shown}: batch {batch + 1}/{batches}, token {token}/{most}", refresh=True)
+
+        try:
+            accuracy = greedy_accuracy(
+                model,
+                tokenizer,
+                self.problems,
+                self.task,
+                max_new_tokens=self.max_new_tokens,
+                batch_size=self.batch_size,
+                chat_template_kwargs=self.chat_template_kwargs,
+                progress=report if bar is not None else None,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
         return accuracy, time.monotonic() - start
+
+    def _shown(self, args: Any, state: Any, when: str) -> str | None:
+        """The progress line's label for an evaluation outside the training bar (before or after training, at the
+        resume step), on the first process with the bars on; else None."""
+        if getattr(args, "disable_tqdm", True) or not state.is_world_process_zero:
+            return None
+        return f"held-out {self.label} {when} ({len(self.problems)} problems)"
 
     def _record(self, step: int, accuracy: float) -> None:
         curve = self.results["curve"]
@@ -160,8 +193,8 @@ class HeldoutAccuracyCallback(TrainerCallback):
         else:
             curve.append([step, accuracy])
 
-    def _measure(self, when: str, state: Any, model: Any, processing_class: Any) -> None:
-        accuracy, seconds = self._accuracy(model, processing_class)
+    def _measure(self, when: str, state: Any, model: Any, processing_class: Any, args: Any = None) -> None:
+        accuracy, seconds = self._accuracy(model, processing_class, self._shown(args, state, f"{when} training"))
         self.results[when] = accuracy
         self.results[f"{when}_seconds"] = round(seconds, 1)
         self._record(state.global_step if when == "after" else 0, accuracy)
@@ -174,9 +207,9 @@ class HeldoutAccuracyCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step > 0:  # resumed from a checkpoint
-            self._resume(state, kwargs["model"], kwargs.get("processing_class"))
+            self._resume(state, kwargs["model"], kwargs.get("processing_class"), args)
             return
-        self._measure("before", state, kwargs["model"], kwargs.get("processing_class"))
+        self._measure("before", state, kwargs["model"], kwargs.get("processing_class"), args)
         state.log_history.append({BEFORE_KEY: self.results["before"], PROBLEMS_KEY: len(self.problems), "step": 0})
 
     def checkpoint_record(self, step: int) -> dict[str, Any]:
@@ -186,7 +219,7 @@ class HeldoutAccuracyCallback(TrainerCallback):
         curve = [[int(s), float(a)] for s, a in self.results["curve"] if s <= step]
         return {"n": len(self.problems), "metric": self.label, "before": self.results["before"], "curve": curve}
 
-    def _resume(self, state: Any, model: Any, processing_class: Any) -> None:
+    def _resume(self, state: Any, model: Any, processing_class: Any, args: Any = None) -> None:
         """The accuracy before training and the periodic values up to the resume step, from the checkpoint's record
         of them (else its log history); measured at the resume step, and said to be that, when the checkpoint does
         not have them."""
@@ -211,7 +244,8 @@ class HeldoutAccuracyCallback(TrainerCallback):
             if "heldout/accuracy" in earlier and earlier.get("step", step + 1) <= step:
                 self._record(earlier["step"], earlier["heldout/accuracy"])
         if row is None:
-            accuracy, seconds = self._accuracy(model, processing_class)
+            shown = self._shown(args, state, f"at resume (step {step})")
+            accuracy, seconds = self._accuracy(model, processing_class, shown)
             self.results.update(at_resume=accuracy, before_seconds=round(seconds, 1))
             self._record(step, accuracy)
             said = (f"at resume (step {step}): {accuracy:.3f} ({n} problems, {seconds:.0f} s; the checkpoint holds no "
@@ -231,4 +265,4 @@ class HeldoutAccuracyCallback(TrainerCallback):
             self.metrics.add_mean("train", "heldout/accuracy", torch.tensor(float(accuracy), dtype=torch.float64), 1.0)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._measure("after", state, kwargs["model"], kwargs.get("processing_class"))
+        self._measure("after", state, kwargs["model"], kwargs.get("processing_class"), args)

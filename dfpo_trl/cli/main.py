@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._usercode import UserCodeError
+from . import logger
 from .allocator import default_allocator
 from .args import ModelUnavailableError, RecipeError
 from .engine import EngineStartFailed
 from .files import removed_if_left_empty
+from .first_screen import next_steps
 from .help import short_help
 from .oom import RunOutOfMemory
 from .peers import PeerLost
@@ -120,6 +123,8 @@ def _main(argv: Sequence[str] | None, callbacks: Sequence[TrainerCallback]) -> i
     try:
         with sigterm_interrupts():  # a scheduler's SIGTERM ends the run as Ctrl-C does (docs/source/guides/cli.md)
             line = precheck(args)  # recipe, field names, paths: before torch, transformers and TRL are imported
+            if line is not None and int(os.environ.get("RANK", "0")) == 0:
+                logger.info(next_steps(line.value))  # within a second: what runs next, and what it takes
             default_allocator(args)  # expandable segments unless the user chose (allocator.py): before CUDA starts
             with removed_if_left_empty(line.value("output_dir") if line is not None else None):
                 summary = importlib.import_module(".train", __package__).parse_and_run(args, callbacks)

@@ -14,8 +14,15 @@ from trl import ModelConfig
 from ..config import DFPOConfig
 from . import logger
 from .args import ModelUnavailableError
-from .embedded import embedded_model_converted, embedded_model_path, gguf_converted, gguf_model_path
+from .embedded import (
+    CONVERSION_MEASURED,
+    embedded_model_converted,
+    embedded_model_path,
+    gguf_converted,
+    gguf_model_path,
+)
 from .local_inputs import MODEL_FIX, looks_local, model_path_problem
+from .progress import elapsed_line
 
 __all__ = [
     "EMBEDDED_LABEL", "ModelUnavailableError", "check_hub_checkpoint", "hub_reachable", "model_init_kwargs",
@@ -49,25 +56,28 @@ def _is_offline_error(exc: BaseException) -> bool:
     return False
 
 
-def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tuple[str, str]:
+def resolve_model(model_args: ModelConfig, cache_dir: str | None = None, progress: bool = False) -> tuple[str, str]:
     """(path or id to load, label): the embedded default when none is given; a hub id is checked up front so
-    that a machine without network gets a clear error before anything else is loaded."""
+    that a machine without network gets a clear error before anything else is loaded. ``progress``: a line with
+    the time taken while a GGUF converts (the first screen is otherwise silent for it)."""
     name = model_args.model_name_or_path
     if not name:
         if embedded_model_converted(cache_dir):
             logger.info("no model_name_or_path: using the %s", EMBEDDED_LABEL)
+            path = embedded_model_path(cache_dir)
         else:
             logger.info(
-                "no model_name_or_path: using the %s, converting it once to a transformers checkpoint (under a "
-                "minute; later runs reuse it)", EMBEDDED_LABEL,
+                "no model_name_or_path: using the %s, converting it once to a transformers checkpoint (%s; later "
+                "runs reuse it)", EMBEDDED_LABEL, CONVERSION_MEASURED,
             )
-        path = embedded_model_path(cache_dir)
+            with elapsed_line("converting the embedded SmolLM2-135M-Instruct", progress):
+                path = embedded_model_path(cache_dir)
         logger.info("embedded model checkpoint: %s", path)
         return str(path), EMBEDDED_LABEL
     if os.path.isdir(os.path.expanduser(name)):  # ~/models/x too: transformers would take it for a hub id
         return os.path.expanduser(name), name
     if name.lower().endswith(".gguf") and os.path.isfile(os.path.expanduser(name)):
-        return _local_gguf(name, cache_dir), name
+        return _local_gguf(name, cache_dir, progress), name
     if os.path.exists(name) or looks_local(name):  # the command line refuses it before torch (local_inputs.py)
         raise ModelUnavailableError(model_path_problem(name) or f"model_name_or_path {name!r}: {MODEL_FIX}")
     check_hub_checkpoint(
@@ -78,13 +88,16 @@ def resolve_model(model_args: ModelConfig, cache_dir: str | None = None) -> tupl
     return name, name
 
 
-def _local_gguf(name: str, cache_dir: str | None) -> str:
+def _local_gguf(name: str, cache_dir: str | None, progress: bool = False) -> str:
     """A local GGUF file converted once to a transformers checkpoint (embedded.gguf_model_path); a file that
     cannot be converted is refused in one line naming the field."""
-    if not gguf_converted(name, cache_dir):
-        logger.info("model_name_or_path %s: converting the GGUF once to a transformers checkpoint", name)
+    converting = not gguf_converted(name, cache_dir)
+    if converting:
+        logger.info("model_name_or_path %s: converting the GGUF once to a transformers checkpoint (no measured time "
+                    "for this file; later runs reuse it)", name)
     try:
-        path = gguf_model_path(name, cache_dir)
+        with elapsed_line(f"converting {os.path.basename(name)}", progress and converting):
+            path = gguf_model_path(name, cache_dir)
     except Exception as exc:  # noqa: BLE001 - the reader's errors vary with the file; re-raised with the field
         raise ModelUnavailableError(
             f"model_name_or_path={name!r}: this GGUF cannot be converted to a transformers checkpoint "

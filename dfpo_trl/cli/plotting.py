@@ -51,6 +51,12 @@ GUIDE_PARTS: tuple[tuple[tuple[str, ...], str], ...] = (
      "Shared-prefix residual: the learning tax on shared tokens (0 = they cancel; dots: the steps where it was "
      "measured)."),
 )  # fmt: skip
+# What the caption says of a panel that is not there though the run logged the group metrics it comes with.
+ABSENT_PARTS: tuple[tuple[str, str, str], ...] = (
+    ("asym/before", "cancellation/shared_prefix_residual",
+     "No shared-prefix residual panel: it is measured where all of a group's completions begin with the same tokens "
+     "and it has a reward signal; no group here did."),
+)  # fmt: skip
 READING_GUIDE = "How to read:\n" + "\n".join(text for _, text in GUIDE_PARTS)  # every panel drawn
 CAPTION_CHARS_PER_LINE = 160  # at the caption's 7 pt on a 10-inch-wide figure; longer lines wrap
 
@@ -58,6 +64,7 @@ CAPTION_CHARS_PER_LINE = 160  # at the caption's 7 pt on a 10-inch-wide figure; 
 def reading_guide(drawn: set[str]) -> str:
     """The caption for a figure whose panels show the logged keys ``drawn``: only sentences about what is there."""
     parts = [text for keys, text in GUIDE_PARTS if drawn.intersection(keys)]
+    parts += [text for logged, absent, text in ABSENT_PARTS if logged in drawn and absent not in drawn]
     return "How to read:\n" + "\n".join(parts) if parts else ""
 
 

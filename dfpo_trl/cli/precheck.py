@@ -39,7 +39,7 @@ HELP_ALL_FILE = Path(__file__).with_name("help_all.txt")
 # The fields whose values precheck reads (their defaults are in the field table).
 PRECHECKED_FIELDS = (
     "max_steps", "output_dir", "resume_from_checkpoint", *VALUE_FIELDS, "model_name_or_path", "eval_size",
-    "skip_eval", "use_vllm", "num_generations_eval", "per_device_eval_batch_size",
+    "skip_eval", "use_vllm", "num_generations_eval", "per_device_eval_batch_size", "disable_tqdm",
 )  # fmt: skip
 
 # Fields that moved in the libraries we build on: a recipe written for an older release gets the new name.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -12,8 +14,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.trainer_callback import ProgressCallback
 
 __all__ = [
-    "DFPOProgressCallback", "GenerationProgress", "RolloutRateBar", "close_progress_bar", "rollout_period",
-    "rollout_rate", "use_dfpo_progress_bar",
+    "DFPOProgressCallback", "GenerationProgress", "RolloutRateBar", "close_progress_bar", "elapsed_line",
+    "rollout_period", "rollout_rate", "use_dfpo_progress_bar",
 ]  # fmt: skip
 
 # Logged keys shown in the progress bar's postfix, with their short names, when present.
@@ -213,4 +215,30 @@ def close_progress_bar(trainer: Any) -> None:
         if bar is not None:
             bar.close()
             callback.training_bar = None
+
+
+@contextmanager
+def elapsed_line(text: str, enabled: bool = True, every: float = 1.0) -> Iterator[None]:
+    """While the block runs, one line redrawn in place every ``every`` seconds, ``text`` and the time it has taken
+    (``converting ...: 00:12``): for a phase without a progress of its own (the embedded model's conversion, whose
+    library bars are off), so that the first screen never sits silent. Off with ``enabled`` False (``disable_tqdm``,
+    or a process other than the first)."""
+    if not enabled:
+        yield
+        return
+    bar = tqdm(total=None, desc=text, bar_format="{desc}: {elapsed}", dynamic_ncols=True)
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every):
+            bar.refresh()
+
+    thread = threading.Thread(target=tick, name="dfpo-elapsed-line", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        bar.close()
 

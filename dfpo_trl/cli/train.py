@@ -82,7 +82,8 @@ def run(
         # The correctness reward also logs which form each fully correct sampled completion takes.
         reward_funcs[0] = FormShareReward(reward_funcs[0], task)
     model_start = time.monotonic()
-    model_path, model_label = resolve_model(model_args)
+    first = int(os.environ.get("RANK", "0")) == 0
+    model_path, model_label = resolve_model(model_args, progress=first and not training_args.disable_tqdm)
     model_seconds = time.monotonic() - model_start  # the embedded model's one-time conversion, or a quick check
     tokenizer = None
     if script_args.max_prompt_length is not None:

@@ -5,6 +5,7 @@ numbers), from a stored field table that must equal what the installed TRL and t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -194,3 +195,43 @@ def test_help_describes_each_task_whole() -> None:
         """
 
     assert docstring_summary(Quoting) == 'Answers in a sentence such as: "Compute 3 + 5. The sum is 8." Then stops'
+
+
+def test_the_first_line_says_what_runs_next_before_torch_is_imported(tmp_path: Path) -> None:
+    """Within a second, before the imports that take 10 to 40 s on a loaded machine: what runs next, in order (the
+    imports, the model, the held-out evaluation before training, the optimizer steps), with the embedded model's
+    measured conversion time when it converts. Here the model is a hub id that cannot be reached offline, refused
+    after torch: the line came first."""
+    from dfpo_trl.cli.embedded import CONVERSION_MEASURED
+    from dfpo_trl.cli.first_screen import next_steps
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"use_cpu: true\noutput_dir: {tmp_path / 'out'}\nmax_steps: 12\neval_size: 50\n")
+    code = textwrap.dedent(f"""
+        import sys
+        class Watch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch":
+                    print("FIRST TORCH IMPORT", file=sys.stderr, flush=True)
+                    sys.meta_path.remove(self)
+                return None
+        sys.meta_path.insert(0, Watch())
+        from dfpo_trl.cli.main import main
+        sys.exit(main([{str(recipe)!r}, "--model_name_or_path", "no-such-org/no-such-model-dfpo"]))
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env=env)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and "FIRST TORCH IMPORT" in lines, proc.stderr[-3000:]
+    first = next(i for i, line in enumerate(lines) if "next: " in line)
+    assert first < lines.index("FIRST TORCH IMPORT")
+    assert lines[first] == (
+        "INFO dfpo_trl.cli: next: importing torch, transformers and TRL (seconds; a minute on a loaded machine); "
+        "then loading no-such-org/no-such-model-dfpo; then the held-out greedy accuracy on 50 problems before "
+        "training (a bar shows its time left); then 12 optimizer steps"
+    )
+    values = {"model_name_or_path": None, "eval_size": 4, "skip_eval": True, "max_steps": -1, "disable_tqdm": True}
+    said = next_steps(values.get)
+    assert "held-out" not in said and said.endswith("then num_train_epochs epochs of optimizer steps")
+    assert "SmolLM2-135M-Instruct" in said and ("earlier run" in said or CONVERSION_MEASURED in said)

@@ -19,14 +19,26 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_asym_and_phi_have_one_caption_line_each() -> None:
-    lines = reading_guide({"asym/before", "asym/after", "transform/phi_min"}).splitlines()
-    assert lines[0] == "How to read:" and len(lines) == 3
-    asym_line, phi_line = lines[1:]
+    lines = reading_guide({"asym/before", "asym/after", "transform/phi_min",
+                           "cancellation/shared_prefix_residual"}).splitlines()
+    assert lines[0] == "How to read:" and len(lines) == 4
+    asym_line, phi_line = lines[1:3]
     assert asym_line.startswith("Asym (eq. 23): spread of a group's weighted advantages s_i A_i")
     assert "equal at a rollout's first step (all s = 1), 0 where all A = 0" in asym_line
     assert phi_line.startswith("phi = s~ / s_bar: the transform's factor on each sequence weight")
     assert "1 at a rollout's first step" in phi_line
     assert all(len(line) <= CAPTION_CHARS_PER_LINE for line in lines)  # one printed line each
+
+
+def test_the_caption_says_why_the_shared_prefix_residual_is_absent() -> None:
+    """A run that logged the group metrics but no shared-prefix residual (the main job: its groups' short answers
+    never all began with the same tokens) has no such panel; its caption says when the residual appears, instead of
+    leaving the reader to look for it. A run without the group metrics says nothing of it."""
+    lines = reading_guide({"asym/before", "asym/after", "transform/phi_min"}).splitlines()
+    assert lines[-1] == ("No shared-prefix residual panel: it is measured where all of a group's completions begin "
+                         "with the same tokens and it has a reward signal; no group here did.")
+    assert len(lines[-1]) <= CAPTION_CHARS_PER_LINE
+    assert "shared-prefix" not in reading_guide({"entropy"})
 
 
 def test_caption_sits_below_every_panel() -> None:

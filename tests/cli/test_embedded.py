@@ -83,9 +83,12 @@ def test_cache_reuse_stale_tmp_and_rebuild(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_run_says_converting_only_when_it_converts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The first run converts and says so; a later one finds the checkpoint and says nothing of converting."""
+    """The first run converts and says so, with the measured time (machine and date), not a guess ("under a
+    minute" where a newcomer waited 82 s), and a line with the time taken while it converts; a later one finds the
+    checkpoint and says nothing of converting."""
     import logging
 
     from trl import ModelConfig
@@ -99,9 +102,11 @@ def test_run_says_converting_only_when_it_converts(
     for _ in range(2):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="dfpo_trl"):
-            resolve_model(ModelConfig(), cache_dir=str(root))
+            resolve_model(ModelConfig(), cache_dir=str(root), progress=True)
         said.append(next(r.getMessage() for r in caplog.records if "model_name_or_path" in r.getMessage()))
-    assert "converting it once" in said[0], said
+    assert "converting it once" in said[0] and embedded.CONVERSION_MEASURED in said[0], said
+    assert "under a minute" not in said[0] and "2026-" in embedded.CONVERSION_MEASURED
+    assert capsys.readouterr().err.count("converting the embedded SmolLM2-135M-Instruct: 00:0") >= 1
     assert "converting" not in said[1] and "using the embedded" in said[1], said
     gguf.write_bytes(b"GGUF, a newer package")  # a stale checkpoint is converted again, and said so
     assert not embedded.embedded_model_converted(root)

@@ -79,3 +79,36 @@ def test_cli_bar_names_the_heldout_evaluation_along_the_run(
     assert "generating: token 1/4, 0/8 completions done" in captured.err  # the rollout, as before
     assert "held-out greedy accuracy at step 1: " in captured.out
     assert "heldout=" in captured.err
+
+
+def test_cli_evaluations_outside_the_bar_show_their_own_progress(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The held-out evaluation before training (on a loaded machine, minutes before the first step) and the one
+    after it run while no training bar is open: each shows its own line, with the batch, the token and the time
+    left, cleared when it ends (the accuracy then printed on its own line)."""
+    from dfpo_trl.cli.main import main
+
+    argv = write_tiny_recipe(tmp_path, save_tiny_chat_model(tmp_path / "model"), tmp_path / "out", plot=False,
+                             disable_tqdm=False, eval_max_new_tokens=3, max_steps=1)
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    for when in ("before", "after"):
+        assert f"held-out greedy accuracy {when} training (4 problems): batch 1/1, token 1/3 (" in captured.err
+        assert f"held-out greedy accuracy {when} training (4 problems): batch 1/1, token 3/3 (100%" in captured.err
+        assert f"held-out greedy accuracy {when} training: " in captured.out
+    assert " left)" in captured.err
+
+
+def test_elapsed_line_redraws_the_time_taken_and_is_off_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+
+    from dfpo_trl.cli.progress import elapsed_line
+
+    with elapsed_line("converting", every=0.05):
+        time.sleep(0.3)
+    err = capsys.readouterr().err
+    assert err.count("converting: 00:00") >= 3  # drawn at the start, then redrawn as time passes
+    with elapsed_line("converting", enabled=False):
+        time.sleep(0.1)
+    assert capsys.readouterr().err == ""
