@@ -84,6 +84,7 @@ def test_the_tiny_recipe_is_the_command_line_that_runs_it(tmp_path: Any) -> None
 
     recipe = str(tmp_path / "recipe.yaml")
     assert write_tiny_recipe(tmp_path) == [recipe]
+    (tmp_path / "model").mkdir()  # a local model path must exist: dfpo-train refuses a missing one before torch
     argv = write_tiny_recipe(tmp_path, tmp_path / "model", tmp_path / "out", max_steps=3, temperature=None)
     assert argv == [recipe, "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out")]
     script_args, args, model_args = parse_args(argv)
