@@ -103,7 +103,8 @@ class VLLMAvgAtKCallback(HeldoutAccuracyCallback):
         self.label = f"avg@{k}"
         self.results["metric"] = self.label
 
-    def _accuracy(self, model: Any, processing_class: Any) -> tuple[float, float]:
+    def _accuracy(self, model: Any, processing_class: Any, shown: str | None = None) -> tuple[float, float]:
+        # ``shown`` (the greedy evaluation's progress line) is not drawn: TRL's evaluate() runs its own loop
         if self.trainer is None:
             raise RuntimeError("VLLMAvgAtKCallback.trainer is not set: assign the trainer before train()")
         start = time.monotonic()

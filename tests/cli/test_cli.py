@@ -349,7 +349,7 @@ def _no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make loading a model fail the test: the errors under test must come first."""
     import dfpo_trl.cli.train as app_train
 
-    def no_model(*args: object) -> None:
+    def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the input was checked")
 
     monkeypatch.setattr(app_train, "resolve_model", no_model)
@@ -841,7 +841,7 @@ def test_sigterm_outside_training_exits_143(tmp_path: Path, capsys: pytest.Captu
 
     import dfpo_trl.cli.train as app_train
 
-    def loading(*args: object) -> None:
+    def loading(*args: object, **kwargs: object) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("SIGTERM did not interrupt")
 

@@ -71,7 +71,7 @@ def _one_error_line(err: str) -> str:
 
 
 def _no_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_model(*args: object) -> None:
+    def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the policy was looked up before the reward model was checked")
 
     monkeypatch.setattr(app_train, "resolve_model", no_model)

@@ -272,7 +272,7 @@ def test_refusals_only_the_data_shows_name_where_the_field_was_set(
     import dfpo_trl.cli.train as app_train
     from dfpo_trl.cli.main import main
 
-    def no_model(*args: object) -> None:
+    def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the input was checked")
 
     monkeypatch.setattr(app_train, "resolve_model", no_model)
