@@ -204,6 +204,11 @@ def test_the_first_line_says_what_runs_next_before_torch_is_imported(tmp_path: P
     after torch: the line came first."""
     from dfpo_trl.cli.embedded import CONVERSION_MEASURED
     from dfpo_trl.cli.first_screen import next_steps
+    from dfpo_trl.cli.precheck import stored_field_table
+
+    if stored_field_table() is None:  # the stored table is another transformers/TRL's (CI's lower-bounds venv)
+        pytest.skip("the fast path needs the stored field table of the installed libraries; without it the checks "
+                    "run after the imports and the line comes from the full parse")
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"use_cpu: true\noutput_dir: {tmp_path / 'out'}\nmax_steps: 12\neval_size: 50\n")
