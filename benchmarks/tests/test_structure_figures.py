@@ -9,17 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dfpo_bench.structure_figures import NotAGitCheckout, count_hand_written_lines, main
+from dfpo_bench.structure_figures import main
 
-NOTEBOOK = {
-    "cells": [
-        {"cell_type": "code", "source": ["import x\n", "x.run()"], "outputs": [{"text": ["a\n"] * 50}]},
-        {"cell_type": "markdown", "source": "# Title"},
-    ],
-    "metadata": {},
-    "nbformat": 4,
-    "nbformat_minor": 5,
-}
+NOTEBOOK = {"cells": [{"cell_type": "code", "source": ["import x\n", "x.run()"], "outputs": [{"text": ["a\n"] * 50}]},
+                      {"cell_type": "markdown", "source": "# Title"}], "metadata": {}, "nbformat": 4}
 
 # Each file of the small repository and its (physical lines, non-blank lines), None when it must not count.
 FILES: dict[str, tuple[str, tuple[int, int] | None]] = {
@@ -40,8 +33,8 @@ FILES: dict[str, tuple[str, tuple[int, int] | None]] = {
 }
 
 
-def _git(repo: Path, *args: str) -> None:
-    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
 
 
 @pytest.fixture
@@ -51,59 +44,37 @@ def small_repo(tmp_path: Path) -> Path:
     for path, (text, _) in FILES.items():
         (repo / path).parent.mkdir(parents=True, exist_ok=True)
         (repo / path).write_text(text)
-    _git(repo, "init", "-q")
+    git(repo, "init", "-q")
     (repo / "dfpo_trl" / "link.py").symlink_to("core.py")
-    _git(repo, "add", "-A")
-    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "files")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "files")
     (repo / "dfpo_trl" / "untracked.py").write_text("1\n" * 10)
     return repo
 
 
-def _expected(part: str) -> tuple[int, int]:
-    counted = [c for p, (_, c) in FILES.items() if c is not None and (p.split("/")[0] if "/" in p else "") == part]
-    return sum(c[0] for c in counted), sum(c[1] for c in counted)
+def test_the_figures_follow_the_definition(small_repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "figures" / "structure.json"
+    figures = main(["--root", str(small_repo / "docs"), "--out", str(out)])  # any folder reads the whole checkout
+    assert json.loads(out.read_text()) == figures
+    lines = figures["lines"]
+    parts = {name: (p["lines"], p["nonblank"]) for name, p in lines["parts"].items()}
+    for part in ("dfpo_trl", "tests", "benchmarks", "docs", "notebooks"):
+        counted = [c for p, (_, c) in FILES.items() if c and p.split("/")[0] == part]
+        assert parts[part] == (sum(c[0] for c in counted), sum(c[1] for c in counted)), part
+    assert parts["recipes"] == parts["examples"] == (0, 0) and parts["other"] == (3, 3)  # README.md, tools/run
+    assert lines["total"]["lines"] == 5 + 4 + 6 + 3 + 3 + 3 == 24 and lines["product_lines"] == 5
+    assert lines["product_share"] == round(5 / 24, 4) and lines["python"]["tests_and_benchmarks_over_product"] == 1.8
+    assert lines["parts"]["dfpo_trl"]["python_files"] == 2 and lines["parts"]["benchmarks"]["python_lines"] == 5
+    assert lines["excluded_files"] == {"benchmarks results": 2, "not a hand-written kind": 3, "symlink or submodule": 1}
+    assert lines["commit"] == git(small_repo, "rev-parse", "HEAD").strip() and not lines["uncommitted_changes"]
+    sizes = [(small_repo / p).lstat().st_size for p in git(small_repo, "ls-files").split()]  # the link's own size
+    assert figures["tracked_bytes"] == sum(sizes) and len(sizes) == len(FILES) + 1 and figures["readme_lines"] == 1
+    assert figures["summary"][1] == f"git tracks 0.0 MiB ({sum(sizes)} bytes)"
 
 
-def test_line_count_follows_the_definition(small_repo: Path) -> None:
-    count = count_hand_written_lines(small_repo / "docs")  # any folder of the checkout reads the whole checkout
-    parts = {name: (c.lines, c.nonblank) for name, c in count.parts.items()}
-    assert parts == {
-        "dfpo_trl": _expected("dfpo_trl"),
-        "tests": _expected("tests"),
-        "benchmarks": _expected("benchmarks"),
-        "docs": _expected("docs"),
-        "recipes": (0, 0),
-        "examples": (0, 0),
-        "notebooks": _expected("notebooks"),
-        "other": (_expected("")[0] + _expected("tools")[0], _expected("")[1] + _expected("tools")[1]),
-    }
-    assert parts["dfpo_trl"] == (5, 4) and parts["notebooks"] == (3, 3) and parts["other"] == (3, 3)
-    assert count.total.lines == 5 + 4 + 6 + 3 + 3 + 3 == 24
-    assert count.product_share == pytest.approx(5 / 24)
-    assert count.parts["dfpo_trl"].python_files == 2 and count.parts["benchmarks"].python_lines == 5
-    assert count.checking_over_product == pytest.approx((4 + 5) / 5)
-    assert count.excluded == {"benchmarks results": 2, "not a hand-written kind": 3, "symlink or submodule": 1}
-    assert len(count.commit) == 40 and not count.uncommitted_changes
-    figures = count.as_dict()
-    assert figures["product_lines"] == 5 and figures["python"]["tests_and_benchmarks_over_product"] == 1.8
-    assert json.loads(json.dumps(figures)) == figures
-
-
-def test_a_folder_outside_git_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_folder_outside_git_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
-    with pytest.raises(NotAGitCheckout, match="not a git checkout"):
-        count_hand_written_lines(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         main(["--root", str(tmp_path)])
-    assert exit_info.value.code == 2
-
-
-def test_the_command_writes_every_figure(small_repo: Path, tmp_path: Path) -> None:
-    out = tmp_path / "figures" / "structure.json"
-    figures = main(["--root", str(small_repo), "--out", str(out)])
-    assert json.loads(out.read_text()) == figures
-    assert figures["lines"]["total"]["lines"] == 24 and figures["readme_lines"] == 1
-    tracked = subprocess.run(["git", "-C", str(small_repo), "ls-files"], capture_output=True, text=True, check=True)
-    sizes = [(small_repo / p).lstat().st_size for p in tracked.stdout.split()]  # the link counts its own size
-    assert figures["tracked_bytes"] == sum(sizes) and len(sizes) == len(FILES) + 1
-    assert figures["summary"][1] == f"git tracks 0.0 MiB ({sum(sizes)} bytes)"
+    assert exit_info.value.code == 2 and "is not a git checkout" in capsys.readouterr().err
