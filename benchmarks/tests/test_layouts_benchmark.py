@@ -11,9 +11,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from dfpo_bench.launch import layouts, layouts_report, layouts_timing  # noqa: E402
+from dfpo_bench.launch import layouts, layouts_timing
 
 
 def steps_of(seconds_by_round: list[list[float]], per_rollout: int = 4) -> list[dict[str, Any]]:
@@ -29,10 +27,10 @@ def steps_of(seconds_by_round: list[list[float]], per_rollout: int = 4) -> list[
 def test_per_round_keeps_off_policy_steps_apart_from_the_first_of_each_rollout() -> None:
     records = [{"round": -1, "step_in_rollout": 1, "seconds": 99.0}]  # warm-up: never counted
     records += steps_of([[5.0], [1.0], [2.0], [4.0], [7.0], [3.0]])
-    assert layouts_report.per_round(records, off_policy=True) == {1: 1.0, 2: 2.0, 3: 4.0, 5: 3.0}
-    assert layouts_report.per_round(records, off_policy=False) == {0: 5.0, 4: 7.0}
+    assert layouts.per_round(records, off_policy=True) == {1: 1.0, 2: 2.0, 3: 4.0, 5: 3.0}
+    assert layouts.per_round(records, off_policy=False) == {0: 5.0, 4: 7.0}
     # a turn of several steps: the round's median of its off-policy steps
-    assert layouts_report.per_round(steps_of([[9.0, 1.0, 2.0, 6.0]]), off_policy=True) == {0: 2.0}
+    assert layouts.per_round(steps_of([[9.0, 1.0, 2.0, 6.0]]), off_policy=True) == {0: 2.0}
 
 
 def run_report(tmp_path: Path, name: str, rounds: dict[str, list[float]], **overrides: Any) -> str:
@@ -40,18 +38,12 @@ def run_report(tmp_path: Path, name: str, rounds: dict[str, list[float]], **over
     report: dict[str, Any] = {
         "device": "GPU", "gpus": 4, "model": "random-qwen3-1.7b", "per_device_train_batch_size": 1,
         "num_generations": 4, "steps_per_generation": 16, "gradient_accumulation_steps": 4,
-        "completion_length_range": [256, 384], "steps_per_turn": 1, "gc": "between-turns", "rounds": 0,
-        "zero_stage": 3, "dtype": "bfloat16", "layouts": {}, "coefficients_match_reference": None,
-        "coefficient_check": {"layouts": {}, "skipped": "--no-check"},
+        "completion_length_range": [256, 384], "steps_per_turn": 1, "gc": "between-turns", "zero_stage": 3,
+        "rounds": len(rounds["gspo"]), **overrides,
     }
-    report.update(overrides)
     for method, values in rounds.items():
-        ratios = [v / b for v, b in zip(values, rounds["gspo"], strict=True)]
-        report[method] = {"round_median_s": values, "rounds": len(values), "median_step_s": statistics.median(values),
-                          "ratio_to_gspo": statistics.median(ratios), "ratio_interval_95": [0.0, 9.0],
-                          "interval_95": [0.0, 9.0],
-                          "gc_s_in_timed_steps": 0.25, "first_step_median_s": 5.0, "steps": [{"seconds": 1.0}]}
-    report["rounds"] = len(rounds["gspo"])
+        report[method] = {**layouts.method_entry(values, rounds["gspo"]), "gc_s_in_timed_steps": 0.25,
+                          "first_step_median_s": 5.0, "steps": [{"seconds": 1.0}]}
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(report))
     return str(path)
@@ -60,10 +52,10 @@ def run_report(tmp_path: Path, name: str, rounds: dict[str, list[float]], **over
 def test_merge_pools_the_rounds_and_takes_ratios_within_each_round(tmp_path: Path) -> None:
     first = {"gspo": [4.0, 2.0, 5.0], "pre_pass": [5.0, 2.6, 6.0], "redistributed": [4.4, 2.0, 4.5]}
     second = {"gspo": [3.0, 6.0], "pre_pass": [3.3, 7.8], "redistributed": [3.3, 6.0]}
-    args = layouts.parse_args(["--merge", run_report(tmp_path, "a", first), run_report(tmp_path, "b", second),
-                               "--out-dir", str(tmp_path / "out")])
-    merged = layouts_report.merge_reports(args)
-    assert merged["rounds"] == 5
+    layouts.main(["--merge", run_report(tmp_path, "a", first), run_report(tmp_path, "b", second),
+                  "--out-dir", str(tmp_path / "out"), "--plot", str(tmp_path / "ratios.png")])
+    merged = json.loads((tmp_path / "out" / "layouts.json").read_text())
+    assert merged["rounds"] == 5 and (tmp_path / "ratios.png").stat().st_size > 0
     ratios = [1.1, 1.0, 0.9, 1.1, 1.0]  # redistributed / gspo, round by round
     entry = merged["redistributed"]
     assert entry["round_ratio_to_gspo"] == pytest.approx(ratios)
@@ -72,10 +64,9 @@ def test_merge_pools_the_rounds_and_takes_ratios_within_each_round(tmp_path: Pat
     assert entry["ratio_to_gspo"] == pytest.approx(1.0)
     low, high = entry["ratio_interval_95"]
     assert min(ratios) <= low <= 1.0 <= high <= max(ratios)
-    assert [run["rounds"] for run in entry["runs"]] == [3, 2]
+    assert [run["rounds"] for run in entry["runs"]] == [3, 2] and entry["first_step_median_s_per_run"] == [5.0, 5.0]
     assert entry["gc_s_in_timed_steps"] == pytest.approx(0.5)
     assert "steps" not in entry and "first_step_median_s" not in entry  # per run only; the runs' files keep them
-    assert json.loads((tmp_path / "out" / "layouts.json").read_text())["redistributed"]["rounds"] == 5
 
 
 @pytest.mark.parametrize(("field", "value"), [("steps_per_turn", 4), ("gc", "as-is"), ("device", "other GPU"),
@@ -85,7 +76,7 @@ def test_merge_refuses_runs_of_another_design_or_machine(tmp_path: Path, field: 
     args = layouts.parse_args(["--merge", run_report(tmp_path, "a", rounds),
                                run_report(tmp_path, "b", rounds, **{field: value}), "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="differ in device, shape or turn design"):
-        layouts_report.merge_reports(args)
+        layouts.merge_reports(args)
 
 
 def test_gc_clock_counts_the_collections_of_its_process() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
-from dfpo_bench.launch.layouts_report import plot_ratios  # noqa: E402
+from dfpo_bench.launch.layouts import plot_ratios  # noqa: E402
 from dfpo_bench.lib.common import load_json  # noqa: E402
 from dfpo_bench.reports import report_launch_shape, report_trained  # noqa: E402
 from dfpo_bench.reports.report_overhead import (  # noqa: E402
