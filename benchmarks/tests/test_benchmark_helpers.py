@@ -8,9 +8,9 @@ from pathlib import Path
 import yaml
 from dfpo_trl.cli import parse_recipe
 
-ROOT = Path(__file__).resolve().parents[2]
+from dfpo_bench.launch import recipe_smoke
 
-from dfpo_bench.launch import recipe_smoke  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_recipe_keeps_the_objective_batch_and_lora(tmp_path: Path, gpu_recipes_parse_here: None) -> None:

@@ -15,11 +15,11 @@ import struct
 
 import pytest
 
+from dfpo_bench.reports import report
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 FIGURE = re.compile(r"figures/([\w.-]+\.png)")
-
-from dfpo_bench.reports import report  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

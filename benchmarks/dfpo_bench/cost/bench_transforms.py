@@ -15,16 +15,21 @@ import platform
 
 import torch
 import torch.utils.benchmark as benchmark
-
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-
-from dfpo_trl import get_transform, registered_transforms  # noqa: E402
-
-from dfpo_bench.lib.trainers import make_inputs  # noqa: E402
+from dfpo_trl import get_transform, registered_transforms
+from dfpo_trl.testing.measures import sign_aware_post_clip
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+def make_inputs(groups: int, group_size: int, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Realistic inputs: post-clip ratios around 1 and GRPO advantages of 0/1 rewards (many ties)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    s = torch.exp(0.3 * torch.randn(groups, group_size, generator=gen))
+    rewards = (torch.rand(groups, group_size, generator=gen) < 0.4).float()
+    adv = rewards - rewards.mean(dim=-1, keepdim=True)
+    adv = adv / (adv.std(dim=-1, keepdim=True) + 1e-4)
+    s_bar = sign_aware_post_clip(s, adv, 0.2, 0.28)
+    return s_bar.to(device=device, dtype=dtype), adv.to(device=device, dtype=dtype)
 
 
 def main() -> None:
@@ -33,9 +38,7 @@ def main() -> None:
     parser.add_argument("--G", type=int, default=32, dest="group_size")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument(
-        "--min-run-time", type=float, default=0.5, help="seconds of measurement per transform"
-    )
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds of measurement per transform")
     parser.add_argument("--out", default="benchmarks/results/transforms_timing.json")
     args = parser.parse_args()
 

@@ -26,7 +26,9 @@ import subprocess
 import sys
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+from dfpo_bench.lib.common import ROOT
+from dfpo_bench.lib.stats import bootstrap_median
+
 RECIPE = ROOT / "recipes" / "smollm2_gpu_vllm.yaml"
 METHODS = {  # name -> DFPOConfig fields on top of the recipe (None: TRL's GRPOTrainer)
     "trl": None,
@@ -104,12 +106,6 @@ def worker(args: argparse.Namespace) -> None:
         print(f"round {r}: " + ", ".join(f"{m} {runs[m]['mean_step_s']:.3f}s" for m in order), flush=True)
 
 
-def bootstrap_interval(values: list[float], draws: int = 4000, seed: int = 0) -> list[float]:
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
-    return [medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]]
-
-
 def summarise(rounds: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for method in methods:
@@ -117,7 +113,7 @@ def summarise(rounds: list[dict[str, Any]], methods: list[str]) -> dict[str, Any
             continue
         ratios = [r["runs"][method]["mean_step_s"] / r["runs"]["trl"]["mean_step_s"] for r in rounds]
         out[method] = {"rounds": len(ratios), "median_ratio_to_trl": statistics.median(ratios),
-                       "interval_95": bootstrap_interval(ratios), "ratios": ratios}
+                       "interval_95": bootstrap_median(ratios), "ratios": ratios}
     out["trl_median_step_s"] = statistics.median(r["runs"]["trl"]["mean_step_s"] for r in rounds)
     return out
 

@@ -27,9 +27,7 @@ import statistics
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-
-from dfpo_bench.lib import common, stats, trainers  # noqa: E402
+from dfpo_bench.lib import common, stats, trainers
 
 BASELINE = "trl_gspo"
 # TRL's GRPOTrainer itself, then DFPOTrainer with DFPO off, then each objective (weights and gradient targets).
@@ -100,7 +98,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(trainers.DTYPES))
-    parser.add_argument("--methods", nargs="+", default=None, help=f"default: {' '.join(DEFAULT_METHODS)}")
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=[BASELINE, *trainers.METHODS])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt-length", type=int, default=32)
@@ -117,10 +115,7 @@ def main() -> None:
     common.quiet()
     import torch
 
-    methods = args.methods or [m for m in DEFAULT_METHODS if m == BASELINE or m in trainers.METHODS]
-    for name in methods:
-        if name != BASELINE:
-            trainers.check_methods([name])
+    methods = args.methods
     if args.rows % args.group_size:
         raise SystemExit(f"--rows {args.rows} must be a multiple of --group-size {args.group_size}")
     tokenizer = trainers.load_tokenizer(args.tokenizer or args.model or trainers.default_tokenizer_path())

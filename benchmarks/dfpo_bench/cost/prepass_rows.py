@@ -13,28 +13,37 @@ TRL's shuffle makes F random under the per-sample order.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
 import sys
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-
-import torch  # noqa: E402
-from dfpo_trl import DFPOConfig, DFPOTrainer  # noqa: E402
-from dfpo_trl.testing import (  # noqa: E402
+import torch
+from dfpo_trl import DFPOConfig, DFPOTrainer
+from dfpo_trl.testing import (
     addition_dataset,
     last_digit_reward,
     tiny_config_kwargs,
     tiny_model,
     tiny_tokenizer,
 )
-from dfpo_trl.testing.measures import pre_pass_rows  # noqa: E402
+from dfpo_trl.testing.measures import pre_pass_rows
 
-from dfpo_bench.lib import common, trainers  # noqa: E402
+from dfpo_bench.lib import common
 
 CASES = [(2, 4, 2, 8), (1, 4, 2, 8), (3, 6, 1, 4), (2, 8, 2, 8), (3, 4, 4, 8), (2, 3, 3, 6), (3, 4, 1, 4)]
 GSPO = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.2, epsilon_high=0.28)
+
+
+def keep_per_sample_order(trainer: Any) -> None:
+    """In the pre-pass layout, keep TRL's per-sample order of each rollout: the regrouping replaced by the
+    whole-group marking alone (the pre-pass stays exact either way)."""
+    layout = trainer.layout
+
+    def per_sample(buffered: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+        layout._mark_whole_groups(buffered)
+        return buffered
+
+    layout.regroup = per_sample
 
 
 def count(b: int, G: int, A: int, S: int, seed: int, order: str) -> list[int]:
@@ -55,7 +64,7 @@ def count(b: int, G: int, A: int, S: int, seed: int, order: str) -> list[int]:
     trainer = DFPOTrainer(model=model, reward_funcs=last_digit_reward, args=args, train_dataset=addition_dataset(64),
                           processing_class=tiny_tokenizer())
     if order == "per_sample":
-        trainers.keep_per_sample_order(trainer)
+        keep_per_sample_order(trainer)
     counts: list[int] = []
     step = trainer.training_step
 

@@ -56,10 +56,10 @@ import sys
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+from dfpo_bench.lib import common
+from dfpo_bench.lib.common import stop_process_group
 
-from dfpo_bench.lib import common  # noqa: E402
-from dfpo_bench.lib.common import stop_process_group  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 HERE = pathlib.Path(__file__).resolve()
 RECIPE = ROOT / "recipes" / "qwen3_32b.yaml"

@@ -42,10 +42,8 @@ from typing import Any
 
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-
-from dfpo_bench.lib.common import installed_versions as versions  # noqa: E402 - every vLLM result records them
-from dfpo_bench.lib.vllm_tools import (  # noqa: E402
+from dfpo_bench.lib.common import installed_versions as versions  # every vLLM result records them
+from dfpo_bench.lib.vllm_tools import (
     FINAL_SYNCS,
     SAMPLING_KEYS,
     SERVER_ENV,
@@ -64,6 +62,8 @@ from dfpo_bench.lib.vllm_tools import (  # noqa: E402
     wait_for_health,
     weight_sync_check,
 )
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def benchmark_server_command(

@@ -16,20 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
+from dfpo_trl import DFPOConfig, DFPOTrainer
+from dfpo_trl.cli import get_task
 from transformers import AutoModelForCausalLM
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-
-from dfpo_trl import DFPOConfig, DFPOTrainer  # noqa: E402
-from dfpo_trl.cli import get_task  # noqa: E402
-
-from dfpo_bench.lib.exactness import (  # noqa: E402
+from dfpo_bench.lib.exactness import (
     EPS_HIGH,
     EPS_LOW,
     SIZES,
@@ -40,7 +36,7 @@ from dfpo_bench.lib.exactness import (  # noqa: E402
     reference_weights,
     serve_fixed_rows,
 )
-from dfpo_bench.lib.timing import StepClock  # noqa: E402
+from dfpo_bench.lib.timing import StepClock
 
 
 def phase_reference(args: argparse.Namespace) -> None:

@@ -19,12 +19,10 @@ import pathlib
 import re
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-
-from dfpo_bench.launch.layouts import plot_ratios  # noqa: E402
-from dfpo_bench.lib.common import load_json  # noqa: E402
-from dfpo_bench.reports import report_launch_shape, report_trained  # noqa: E402
-from dfpo_bench.reports.report_overhead import (  # noqa: E402
+from dfpo_bench.launch.layouts import plot_ratios
+from dfpo_bench.lib.common import load_json
+from dfpo_bench.reports import report_launch_shape, report_trained
+from dfpo_bench.reports.report_overhead import (
     loss_step_section,
     overhead_entries,
     overhead_section,
