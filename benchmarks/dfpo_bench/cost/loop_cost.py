@@ -26,6 +26,8 @@ import subprocess
 import sys
 from typing import Any
 
+import yaml
+
 from dfpo_bench.lib.common import ROOT
 from dfpo_bench.lib.stats import bootstrap_median
 
@@ -63,10 +65,10 @@ def one_run(method: str, model: str, steps: int, seed: int) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from dfpo_bench.lib.timing import StepClock
-    from dfpo_bench.lib.vllm_tools import grpo_kwargs
 
     extra = METHODS[method]
-    config, values = grpo_kwargs(RECIPE, {})
+    fields = {f for f, spec in GRPOConfig.__dataclass_fields__.items() if spec.init}
+    config = {k: v for k, v in yaml.safe_load(RECIPE.read_text()).items() if k in fields}
     config.update(output_dir=f"/tmp/loop_cost/{method}", max_steps=steps, save_strategy="no", report_to="none",
                   disable_tqdm=True, logging_steps=1, seed=seed, model_init_kwargs={"dtype": "float32"})
     task = get_task("arithmetic")
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if "trl" not in args.methods:
         p.error("--methods must include trl, the baseline of every ratio")
-    from dfpo_bench.lib.common import installed_versions as versions
+    from dfpo_bench.lib.common import versions
 
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,11 +28,16 @@ def device_name(device: str) -> str:
 
 
 def versions() -> dict[str, str]:
-    import torch
-    import transformers
-    import trl
+    """The installed versions of the packages a run's numbers depend on ("absent" when not installed)."""
+    import importlib.metadata as md
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}
+    out = {}
+    for name in ("torch", "transformers", "trl", "vllm", "accelerate"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "absent"
+    return out
 
 
 def load_json(path: pathlib.Path) -> Any:
@@ -103,19 +108,6 @@ def train_in_process(argv: list[str], output_dir: str | os.PathLike[str]) -> dic
     if code != 0:
         raise RuntimeError(f"dfpo-train {' '.join(map(str, argv))} exited with {code}")
     return load_json(pathlib.Path(output_dir) / SUMMARY_FILE)
-
-
-def installed_versions() -> dict[str, str]:
-    """The installed versions of the packages a run's numbers depend on ("absent" when not installed)."""
-    import importlib.metadata as md
-
-    out = {}
-    for name in ("torch", "transformers", "trl", "vllm", "accelerate"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = "absent"
-    return out
 
 
 def card() -> str:

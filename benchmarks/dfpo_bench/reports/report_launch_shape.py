@@ -48,15 +48,8 @@ def plot_loop_cost(loop: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Pat
         s = summary[m]
         ax.scatter([i] * len(s["ratios"]), s["ratios"], s=14, color="0.55", zorder=2)
         lo, hi = s["interval_95"]
-        ax.errorbar(
-            i,
-            s["median_ratio_to_trl"],
-            yerr=[[s["median_ratio_to_trl"] - lo], [hi - s["median_ratio_to_trl"]]],
-            fmt="o",
-            color="C0",
-            capsize=4,
-            zorder=3,
-        )
+        mid = s["median_ratio_to_trl"]
+        ax.errorbar(i, mid, yerr=[[mid - lo], [hi - mid]], fmt="o", color="C0", capsize=4, zorder=3)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(1.01, color="C3", lw=0.8, ls="--", label="goal 1.01×")
     ax.set_xticks(range(len(methods)), [m.replace("_", " ") for m in methods], rotation=20, fontsize=8)
