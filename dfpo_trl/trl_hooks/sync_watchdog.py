@@ -153,7 +153,7 @@ class SyncWatchdog:
             yield
         finally:
             done.set()
-        # what a phase takes is what its deadline should be set from (dfpo_bench.launch.sync_fault reads this)
+        # what a phase takes is what its deadline should be set from (docs/source/guides/cli.md)
         logger.debug("%s finished in %.3f s of its %.0f s limit", what, time.monotonic() - start, limit)
 
 
@@ -222,7 +222,7 @@ class WatchedVLLMGeneration(VLLMGeneration):
 def streamed_size(metadata: list[tuple[str, str, list[int]]]) -> str:
     """What one server-mode weight sync streams, from TRL's metadata of it (name, dtype name, shape per tensor), as
     the DEBUG line says it: ``"the weight sync streamed <n> tensors, <n> parameters, <n> bytes (<dtype>, ...)"``. A
-    deadline is set from a duration and the size behind it (``dfpo_bench.launch.sync_fault`` reads this line)."""
+    deadline is set from a duration and the size behind it (docs/source/guides/cli.md)."""
     tensors = [(math.prod(shape), getattr(torch, dtype).itemsize) for _, dtype, shape in metadata]
     dtypes = ", ".join(sorted({dtype for _, dtype, _ in metadata}))
     return (f"the weight sync streamed {len(tensors)} tensors, {sum(n for n, _ in tensors)} parameters, "

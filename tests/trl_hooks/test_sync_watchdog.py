@@ -85,7 +85,7 @@ def test_guard_writes_one_line_and_exits_124_on_expiry(capfd: pytest.CaptureFixt
 
 def test_a_server_mode_sync_logs_what_it_streamed_at_debug(caplog: pytest.LogCaptureFixture) -> None:
     """Beside each phase's duration, the sync's size from TRL's metadata (name, dtype, shape per tensor), at DEBUG
-    only: what a deadline is set from (dfpo_bench.launch.sync_fault reads the line)."""
+    only: what a deadline is set from (docs/source/guides/cli.md)."""
     from types import SimpleNamespace
 
     from dfpo_trl.trl_hooks.sync_watchdog import WatchedVLLMGeneration, streamed_size
