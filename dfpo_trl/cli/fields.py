@@ -3,8 +3,8 @@
 ``dfpo-train --help`` and the command line's first checks (recipe, field names, paths) must answer before torch,
 transformers and TRL are imported (seconds). What they need from those libraries (every field's flags, a few
 defaults, the help of the fields ``--help`` shows) is kept in ``field_table.json``, written by this module from the
-parser the full path uses (``parser.build_field_table``), with the TRL and transformers versions it was built with:
-under other versions the fast path is skipped (the full parse checks everything anyway)
+parser the full path uses (``field_builder.build_field_table``), with the TRL and transformers versions it was built
+with: under other versions the fast path is skipped (the full parse checks everything anyway)
 and ``--help`` is built from the parser.
 ``python -m dfpo_trl.cli.fields`` rewrites it; ``--check`` exits 1 when it differs from what the installed TRL and
 transformers give (tests/cli/test_cli_fast.py checks the same, so it cannot drift).
@@ -16,7 +16,8 @@ import json
 import sys
 from typing import Any
 
-from .parser import build_field_table, help_all_text, make_parser
+from .field_builder import build_field_table, help_all_text
+from .parser import make_parser
 from .precheck import HELP_ALL_FILE, TABLE_FILE
 
 __all__ = ["HELP_ALL_FILE", "TABLE_FILE", "build_field_table", "write_table"]

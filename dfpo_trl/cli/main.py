@@ -70,8 +70,9 @@ def print_help(args: Sequence[str]) -> int:
     except RecipeError as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)
         return 2
+    from .field_builder import help_all_text
     from .fields import build_field_table
-    from .parser import help_all_text, make_parser
+    from .parser import make_parser
 
     if "--help-all" in args:
         print(help_all_text(make_parser()), end="")

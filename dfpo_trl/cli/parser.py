@@ -9,11 +9,9 @@ command-line flags beat the recipe.
 from __future__ import annotations
 
 import argparse
-import functools
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
 from typing import Any
 
 from trl import ModelConfig, TrlParser
@@ -22,16 +20,14 @@ from ..config.fields import DFPOConfig, dfpo_fields
 from ..transforms import TRANSFORMS
 from . import logger
 from .args import DFPOScriptArguments, RecipeError
-from .choices import TRL_STRING_OPTIONS, canonical
-from .help import LEADING_FIELDS
+from .choices import canonical
+from .field_builder import build_field_table, numeric_kind
 from .local_inputs import model_path_problem
 from .paths import check_output_dir, resolve_resume_checkpoint
 from .plugins import as_module_list, flag_plugins, import_plugins
 from .precheck import (
-    PRECHECKED_FIELDS,
     check_max_steps,
     closed_options,
-    library_versions,
     normalise_choices,
     precheck,
     read_command_line,
@@ -214,87 +210,6 @@ def field_origin(parser: DFPOParser, name: str, args: Sequence[str], recipe: str
     """Where a field's value came from, for an error message: the command line, the recipe's line, or its default."""
     return precheck_field_origin(name, [o for a in parser._actions if a.dest == name for o in a.option_strings],
                                  args, recipe)
-
-
-def numeric_kind(action: argparse.Action) -> str | None:
-    """``"float"`` or ``"int"`` for a field that takes one number (TRL wraps the type of an optional one to accept
-    ``none``, keeping the inner type's name), else None."""
-    name = getattr(action.type, "__name__", None)
-    if name in ("float", "int") and action.nargs is None and not action.choices:
-        return name
-    return None
-
-
-def _entry(parser: DFPOParser, name: str) -> dict[str, Any]:
-    """What ``--help`` shows of a field: its default (as repr, None when it has none), the flag that turns a True
-    default off, and its help text."""
-    action = parser.primary_action(name)
-    default = None if action.default is None else repr(action.default)
-    negated = parser.negated_flag(name) if action.default is True else None
-    return {"default": default, "negated": negated, "help": " ".join((action.help or "").replace("%%", "%").split())}
-
-
-def numeric_fields(parser: DFPOParser) -> dict[str, list[Any]]:
-    """Every field that takes one number: ``[type, default, optional]`` (the type as ``"float"`` or ``"int"``, the
-    default as the full parse's type error shows it, whether ``none`` unsets it), so that the fast path types their
-    values as the parser does."""
-    numeric = {}
-    for name in sorted(parser.field_defaults):
-        action = parser.primary_action(name)
-        kind = numeric_kind(action)
-        if kind is not None:
-            numeric[name] = [kind, parser.field_defaults[name], action.type not in (float, int)]
-    return numeric
-
-
-HELP_WIDTH = 100  # the columns --help-all is laid out in: fixed, so that the stored text is the same on every terminal
-
-
-def help_all_text(parser: DFPOParser) -> str:
-    """``--help-all``: argparse's help over every field (TRL's GRPOConfig, transformers' TrainingArguments,
-    ModelConfig and the script arguments), laid out in :data:`HELP_WIDTH` columns. Stored as ``help_all.txt`` by
-    :mod:`.fields`, so that ``--help-all`` answers without torch, as ``--help`` does."""
-    formatter_class = parser.formatter_class
-    parser.formatter_class = functools.partial(formatter_class, width=HELP_WIDTH)
-    try:
-        return parser.format_help()
-    finally:
-        parser.formatter_class = formatter_class
-
-
-def build_field_table(parser: DFPOParser) -> dict[str, Any]:
-    """Everything the fast path reads, from ``parser`` (with whatever plugins registered when it was built). Here,
-    not in ``fields.py`` (which writes it to ``field_table.json``), because the full parse's refusals read it too:
-    the two modules would import each other."""
-    options: dict[str, list[str]] = {}
-    for action in parser._actions:
-        if action.dest not in ("help", "config"):
-            options.setdefault(action.dest, []).extend(action.option_strings)
-    script = [f.name for f in fields(DFPOScriptArguments)]
-    dfpo = [spec.name for spec in dfpo_fields()]
-    shown = [*LEADING_FIELDS, *dfpo, *(n for n in script if n not in LEADING_FIELDS)]
-    return {
-        "versions": library_versions(),
-        "options": {name: options[name] for name in sorted(options)},
-        "defaults": {name: parser.primary_action(name).default for name in PRECHECKED_FIELDS},
-        "numeric": numeric_fields(parser),
-        "tasks": sorted(TASKS),
-        "transforms": [name for name, entry in TRANSFORMS.items() if entry.builtin],  # registry order
-        "dfpo_fields": dfpo,
-        "script_fields": script,
-        "entries": {name: _entry(parser, name) for name in shown},
-        "choices": closed_choices(parser),
-    }
-
-
-def closed_choices(parser: DFPOParser) -> dict[str, list[str]]:
-    """Each field with a closed list of values (argparse's choices: DFPO's Literal fields, transformers' Enum ones;
-    and TRL's documented string options, choices.py) and that list, for the command line to read them without case
-    and refuse a misspelt one with the nearest value."""
-    found = {name: [str(c) for c in parser.primary_action(name).choices] for name in sorted(parser.field_defaults)
-             if parser.primary_action(name).choices and parser.primary_action(name).nargs in (None, "?")}
-    found.update({name: list(values) for name, values in TRL_STRING_OPTIONS.items() if name in parser.field_defaults})
-    return dict(sorted(found.items()))
 
 
 def _value_error(parser: DFPOParser, exc: argparse.ArgumentError, args: Sequence[str], recipe: str | None) -> str:

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from dfpo_trl.cli.args import RecipeError
+from dfpo_trl.cli.field_builder import help_all_text
 from dfpo_trl.cli.fields import build_field_table, table_source
 from dfpo_trl.cli.help import short_help
-from dfpo_trl.cli.parser import help_all_text, make_parser, parse_args
+from dfpo_trl.cli.parser import make_parser, parse_args
 from dfpo_trl.cli.precheck import (
     TABLE_FILE,
     library_versions,
