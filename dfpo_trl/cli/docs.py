@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..config.generated_page import write_or_check_page
 from .help import COMMON_TRL_FIELDS, LEADING_FIELDS, LEADING_NOTES
 from .precheck import read_field_table
 
@@ -96,13 +97,7 @@ def cli_page(table: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     wanted = cli_page(read_field_table())
-    if "--check" in argv:
-        if not PAGE.is_file() or PAGE.read_text(encoding="utf-8") != wanted:
-            print(f"{PAGE}: differs from dfpo-train's field table; run python -m dfpo_trl.cli.docs")
-            return 1
-        return 0
-    PAGE.write_text(wanted, encoding="utf-8")
-    return 0
+    return write_or_check_page(PAGE, wanted, argv, "dfpo-train's field table", "dfpo_trl.cli.docs")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import get_type_hints
 
 from .fields import DFPOConfig, annotation, dfpo_fields, render_default, split_help
+from .generated_page import write_or_check_page
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "source" / "reference" / "config.md"
@@ -62,14 +63,7 @@ def config_page() -> str:
 
 
 def main(argv: list[str]) -> int:
-    wanted = config_page()
-    if "--check" in argv:
-        if not PAGE.is_file() or PAGE.read_text(encoding="utf-8") != wanted:
-            print(f"{PAGE}: differs from the DFPO fields' help; run python -m dfpo_trl.config.docs")
-            return 1
-        return 0
-    PAGE.write_text(wanted, encoding="utf-8")
-    return 0
+    return write_or_check_page(PAGE, config_page(), argv, "the DFPO fields' help", "dfpo_trl.config.docs")
 
 
 if __name__ == "__main__":
