@@ -34,7 +34,7 @@ from .help import short_help
 from .oom import RunOutOfMemory
 from .peers import PeerLost
 from .plugins import import_plugins, requested_plugins
-from .precheck import precheck, read_recipe, stored_field_table, stored_help_all
+from .precheck import given_output_dir, precheck, read_recipe, stored_field_table, stored_help_all
 from .signals import exit_code, quiet_exit_on_interrupt, signal_name, sigterm_interrupts
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ def _main(argv: Sequence[str] | None, callbacks: Sequence[TrainerCallback]) -> i
             if line is not None and int(os.environ.get("RANK", "0")) == 0:
                 logger.info(next_steps(line.value))  # within a second: what runs next, and what it takes
             default_allocator(args)  # expandable segments unless the user chose (allocator.py): before CUDA starts
-            with removed_if_left_empty(line.value("output_dir") if line is not None else None):
+            with removed_if_left_empty(line.value("output_dir") if line is not None else given_output_dir(args)):
                 summary = importlib.import_module(".train", __package__).parse_and_run(args, callbacks)
     except (RecipeError, ModelUnavailableError) as exc:
         print(f"dfpo-train: error: {exc}", file=sys.stderr)

@@ -27,8 +27,9 @@ from .values import VALUE_FIELDS, check_values, registered_names
 
 __all__ = [
     "PRECHECKED_FIELDS", "RENAMED_FIELDS", "CommandLine", "check_max_steps", "closed_options", "field_origin",
-    "library_versions", "normalise_choices", "precheck", "read_command_line", "read_field_table", "read_recipe",
-    "recipe_argv", "recipe_line", "stored_field_table", "stored_help_all", "unknown_message", "yaml_error",
+    "given_output_dir", "library_versions", "normalise_choices", "precheck", "read_command_line", "read_field_table",
+    "read_recipe", "recipe_argv", "recipe_line", "stored_field_table", "stored_help_all", "unknown_message",
+    "yaml_error",
 ]  # fmt: skip
 
 #: The stored field table: package data (pyproject.toml), written by ``python -m dfpo_trl.cli.fields``.
@@ -314,6 +315,22 @@ def read_command_line(argv: Sequence[str], table: Mapping[str, Any]) -> CommandL
         names = [f[2:].replace("-", "_") for f in unknown]
         raise RecipeError(unknown_message(names, sorted(options), "the command line"))
     return line
+
+
+def given_output_dir(argv: Sequence[str]) -> str | None:
+    """The ``output_dir`` the command line sets (its flag, else the recipe's key), read without a field table: what
+    the folder cleanup of :func:`.files.removed_if_left_empty` needs when the stored table is for other library
+    versions. None when it is not set or the recipe does not read (the full parse then says why)."""
+    try:
+        args = recipe_argv(argv)
+        flagged = _flag_value(args, ("--output_dir", "--output-dir"))
+        if isinstance(flagged, str):
+            return flagged
+        recipe = args[args.index("--config") + 1] if "--config" in args else None
+        value = read_recipe(recipe).get("output_dir") if recipe else None
+    except RecipeError:
+        return None
+    return str(value) if value is not None else None
 
 
 def precheck(argv: Sequence[str], table: Mapping[str, Any] | None = None) -> CommandLine | None:

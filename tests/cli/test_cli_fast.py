@@ -67,6 +67,11 @@ def test_other_library_versions_turn_the_fast_path_off(
     with pytest.raises(SystemExit):
         main(["--help"])
     assert capsys.readouterr().out == short_help(build_field_table(make_parser()))
+    # the output_dir a failed run must not leave behind empty is still read, from the flag over the recipe
+    recipe.write_text(f"output_dir: {tmp_path / 'from_recipe'}\n")
+    assert precheck_module.given_output_dir([str(recipe)]) == str(tmp_path / "from_recipe")
+    assert precheck_module.given_output_dir([str(recipe), "--output-dir=elsewhere"]) == "elsewhere"
+    assert precheck_module.given_output_dir([str(tmp_path / "missing.yaml")]) is None
 
 
 def test_help_from_the_stored_table_is_the_help_from_the_parser(live_table: dict) -> None:
