@@ -41,6 +41,7 @@ __all__ = [
     "KeptMass",
     "SamplingSupport",
     "finish_rollout",
+    "engine_logits",
     "kept_log_mass",
     "rollout_kept_mass",
     "sampling_support",
@@ -80,41 +81,60 @@ def sampling_support(temperature: float, top_k: int | None, top_p: float | None,
                            1.0 if top_p is None else float(top_p), float(min_p or 0.0))
 
 
-def kept_log_mass(logits: Tensor, support: SamplingSupport) -> Tensor:
+def kept_log_mass(logits: Tensor, support: SamplingSupport, support_logits: Tensor | None = None) -> Tensor:
     """log K = log Σ_{v∈S} p(v) for tempered ``logits`` (P, V), S the support vLLM samples from; (P,), 0 untruncated.
 
     vLLM's order: min-p keeps p(v) ≥ min_p · max_v p(v); top-k keeps the logits at or above the k-th largest (ties
     kept); top-p, on the distribution renormalised over what is left, sorts it ascending and drops every token whose
-    running mass is ≤ 1 − top_p, the largest always kept. K is the kept tokens' mass under the untruncated p."""
+    running mass is ≤ 1 − top_p, the largest always kept. S is decided on ``support_logits`` (default ``logits``):
+    the engine's own tempered logits where they differ from the trainer's, as vLLM's head returns them in the model's
+    dtype (:func:`engine_logits`). K is the kept tokens' mass under the untruncated p of ``logits``."""
     z = logits.float() if logits.dtype != torch.float64 else logits
     total = torch.logsumexp(z, dim=-1)
     if not support.truncates:
         return torch.zeros_like(total)
+    decide = z if support_logits is None else support_logits.to(z.dtype)
     if support.min_p > 0.0:
-        probs = torch.softmax(z, dim=-1)
-        z = z.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * support.min_p, float("-inf"))
+        probs = torch.softmax(decide, dim=-1)
+        decide = decide.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * support.min_p, float("-inf"))
     vocabulary = z.size(-1)
     if 0 < support.top_k < vocabulary:
-        kth = torch.topk(z, support.top_k, dim=-1).values[..., -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
-    if support.top_p < 1.0:
-        # the candidates, descending: the finite logits (ties at the k-th kept), as many as the widest row holds
-        width = int((z > float("-inf")).sum(-1).max()) if support.top_k > 0 or support.min_p > 0 else vocabulary
-        ascending = torch.topk(z, max(width, 1), dim=-1).values.flip(-1)
-        running = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
-        dropped = running <= 1.0 - torch.tensor(support.top_p, dtype=running.dtype)
-        dropped[..., -1] = False
-        z = ascending.masked_fill(dropped, float("-inf"))
-    return torch.logsumexp(z, dim=-1) - total
+        kth = torch.topk(decide, support.top_k, dim=-1).values[..., -1:]
+        decide = decide.masked_fill(decide < kth, float("-inf"))
+    if support.top_p >= 1.0:
+        return torch.logsumexp(z.masked_fill(decide == float("-inf"), float("-inf")), dim=-1) - total
+    # the candidates, descending: the finite logits (ties at the k-th kept), as many as the widest row holds
+    width = int((decide > float("-inf")).sum(-1).max()) if support.top_k > 0 or support.min_p > 0 else vocabulary
+    top = torch.topk(decide, max(width, 1), dim=-1)
+    ascending, order = top.values.flip(-1), top.indices.flip(-1)
+    running = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
+    dropped = running <= 1.0 - torch.tensor(support.top_p, dtype=running.dtype)
+    dropped[..., -1] = False
+    kept = z.gather(-1, order).masked_fill(dropped | (ascending == float("-inf")), float("-inf"))
+    return torch.logsumexp(kept, dim=-1) - total
 
 
-def hidden_log_mass(hidden: Tensor, head: Any, support: SamplingSupport) -> Tensor:
+def engine_logits(logits: Tensor, temperature: float, dtype: torch.dtype | None) -> Tensor | None:
+    """The tempered logits vLLM decides its support on, from the trainer's untempered float32 ``logits``: vLLM's
+    head returns them in the model's ``dtype`` and its sampler casts them to float32 before the temperature, so a
+    16-bit model's support is decided on logits rounded to 16 bits (ties at the k-th included). None for a 32- or
+    64-bit ``dtype`` (the trainer's logits are the engine's)."""
+    if dtype is None or torch.finfo(dtype).bits >= 32:
+        return None
+    return logits.to(dtype).to(logits.dtype) / temperature
+
+
+def hidden_log_mass(hidden: Tensor, head: Any, support: SamplingSupport,
+                    engine_dtype: torch.dtype | None = None) -> Tensor:
     """log K_t of each position of ``hidden`` (…, d), through the head TRL's fused head projects with, in passes of
-    :data:`POSITIONS_PER_PASS` logits."""
+    :data:`POSITIONS_PER_PASS` logits; the support decided as vLLM running in ``engine_dtype`` decides it."""
     flat = hidden.reshape(-1, hidden.size(-1))
     step = max(1, POSITIONS_PER_PASS // head.weight.size(0))
-    out = [kept_log_mass(head_logits(flat[i:i + step], head, support.temperature), support)
-           for i in range(0, flat.size(0), step)]
+    out = []
+    for i in range(0, flat.size(0), step):
+        logits = head_logits(flat[i:i + step], head, 1.0)
+        out.append(kept_log_mass(logits / support.temperature, support,
+                                 engine_logits(logits, support.temperature, engine_dtype)))
     return (torch.cat(out) if out else flat.new_zeros(0, dtype=torch.float32)).reshape(hidden.shape[:-1])
 
 
@@ -145,7 +165,8 @@ class KeptMass:
             h = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
             # completion token t is predicted from hidden position S − 1 − T + t (TRL shifts its labels by one)
             with torch.no_grad(), gathered_for_reading(head.weight, head.bias):
-                chunks.append(hidden_log_mass(h[:, -(keep + 1):-1].detach(), head, self.support))
+                # the support as vLLM decides it for a policy of the head's dtype (engine_logits)
+                chunks.append(hidden_log_mass(h[:, -(keep + 1):-1].detach(), head, self.support, head.weight.dtype))
 
         handle = backbone.register_forward_hook(hook)
         try:
