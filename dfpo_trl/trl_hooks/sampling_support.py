@@ -10,18 +10,19 @@ against the same support on both sides,
 
     r_t = [p_t(y) / K_t] / [p^v_t(y) / K^v_t] = exp(ℓ^old_t − log K_t − s_t),                                   (S1)
 
-is 1 when the engines agree, whatever the truncation. Its cost is one log K_t per token, from the forward that
-already computes ℓ^old (TRL's rollout forward): :class:`KeptMass` reads that forward's LM-head input h, forms the
-tempered logits in float32 (the head and transform TRL's fused head uses), rebuilds S_t in vLLM's order
-(:func:`kept_log_mass`) and hands TRL ℓ^old − log K for its ratio, so TRL's own four modes, bounds and metrics apply
-to (S1) unchanged. Afterwards :func:`finish_rollout` puts TRL's untruncated ℓ^old back (the policy ratio's π_old
-stays untruncated) and writes the sampler's log-probs on the same untruncated scale, s + log K (what TRL's
-off-policy mask compares with ℓ(θ)), and logs the untruncated ratio beside TRL's.
+is 1 when the engines agree, whatever the truncation. Its cost is one log K_t per token, from the forward that already
+computes ℓ^old (TRL's rollout forward): :class:`KeptMass` reads that forward's LM-head input h, forms the tempered
+logits in float32 (the head and transform TRL's fused head uses), rebuilds S_t in vLLM's order on those logits rounded
+to the head's dtype, and weighs it with the float32 p (:func:`kept_log_mass`) and hands TRL ℓ^old − log K for its ratio,
+so TRL's own four modes, bounds and metrics apply to (S1) unchanged. Afterwards :func:`finish_rollout` puts TRL's
+untruncated ℓ^old back (the policy ratio's π_old stays untruncated) and writes the sampler's log-probs on the same
+untruncated scale, s + log K (what TRL's off-policy mask compares with ℓ(θ)), and logs the untruncated ratio beside
+TRL's.
 
-The support is rebuilt from the trainer's logits (vLLM's PyTorch reference, ``apply_top_k_top_p_pytorch`` and
-its min-p processor); vLLM ≥ 0.28 can return its own mask (``--return-sampling-mask``), which TRL 1.16 does not
-pass on (docs/source/guides/vllm.md, "Which correction").
-"""
+The support is rebuilt from the trainer's logits (vLLM's PyTorch reference, ``apply_top_k_top_p_pytorch`` and its min-p
+processor), rounded to the LM head's dtype first, as vLLM's head returns them (:func:`engine_logits`); vLLM ≥ 0.28 can
+return its own mask (``--return-sampling-mask``), which TRL 1.16 does not pass on (docs/source/guides/vllm.md, "Which
+correction")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The kept mass K_t of vLLM's truncated support (trl_hooks/sampling_support.py) against vLLM's rule written out
 element by element, on hand numbers, random logits, ties and each truncation alone; the same from the LM head's
-input as TRL's fused head projects it; the options that refuse the truncated support."""
+input as TRL's fused head projects it; the support decided on vLLM's 16-bit logits, the mass on the trainer's float32
+ones; the options that refuse the truncated support."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dfpo_trl import DFPOConfig
 from dfpo_trl.trl_hooks.lm_head import FusedHead, head_logits
 from dfpo_trl.trl_hooks.sampling_support import (
     SamplingSupport,
+    engine_logits,
     full_ratio,
     hidden_log_mass,
     kept_log_mass,
@@ -57,6 +59,36 @@ def test_kept_mass_is_vllms_rule(support: SamplingSupport):
                                rtol=0, atol=2e-6)
 
 
+def test_the_support_is_decided_on_the_engines_logits_and_weighed_with_the_trainers():
+    """8.01 and 8.02 both round to 8.0 in bfloat16 (spacing 1/16 there): vLLM's bf16 head ties them at the 3rd, so
+    its top-3 keeps four tokens where the float32 logits keep three. The mass is the float32 p of the four."""
+    raw = torch.tensor([[10.0, 9.0, 8.01, 8.02, 5.0, 4.0]])
+    support = SamplingSupport(0.7, 3, 1.0, 0.0)
+    rounded = engine_logits(raw, 0.7, torch.bfloat16)
+    assert rounded is not None and engine_logits(raw, 0.7, torch.float32) is None
+    p = torch.softmax(raw.double() / 0.7, -1)[0]
+    # (float32 logits: log K near 0 holds to about 1e-7 absolute)
+    assert math.isclose(float(kept_log_mass(raw / 0.7, support)), math.log(float(p[[0, 1, 3]].sum())), abs_tol=1e-6)
+    assert math.isclose(float(kept_log_mass(raw / 0.7, support, rounded)), math.log(float(p[:4].sum())),
+                        abs_tol=1e-6)
+    # top-p too runs on the engine's logits: the 16-bit running mass decides, the float32 mass is kept (rows whose
+    # rounded logits tie are left out: which of two equal logits top-p drops first is the sort's choice)
+    support = SamplingSupport(0.7, 0, 0.9, 0.0)
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randn(512, 40, generator=g, dtype=torch.float64) * 8
+    rounded = engine_logits(raw, 0.7, torch.bfloat16)
+    rows = [i for i in range(raw.size(0)) if rounded[i].unique().numel() == raw.size(1)]
+    expected = []
+    for i in rows:
+        kept = vllm_support(torch.softmax(rounded[i], -1).tolist(), 0, 0.9, 0.0)
+        expected.append(math.log(float(torch.softmax(raw[i] / 0.7, -1)[kept].sum())))
+    got = kept_log_mass(raw / 0.7, support, rounded)[rows]
+    assert len(rows) > 50
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
+    moved = (got - kept_log_mass(raw / 0.7, support)[rows]).abs() > 1e-9
+    assert moved.any(), "no row where the rounding moves the support: nothing is tested"
+
+
 def test_ties_at_the_kth_logit_are_kept_and_top_p_runs_over_them():
     """Top-k 2 of (2, 1, 1, 0): both 1s are kept (vLLM masks logits below the k-th only), so top-p runs over three
     tokens; a candidate list cut at k would miss one."""
@@ -87,6 +119,10 @@ def test_from_the_lm_head_input_as_trls_fused_head_scores_it():
         torch.testing.assert_close(hidden_log_mass(hidden, head, support), want)
     finally:
         module.POSITIONS_PER_PASS = small
+    # a bf16 engine: the support from the logits rounded to bf16 before the temperature, as vLLM's sampler reads them
+    raw = (10.0 * torch.tanh(0.5 * (hidden @ weight.T + bias) / 10.0)).reshape(-1, 40)
+    rounded = kept_log_mass(raw / 0.7, support, raw.to(torch.bfloat16).float() / 0.7).reshape(3, 7)
+    torch.testing.assert_close(hidden_log_mass(hidden, head, support, torch.bfloat16), rounded)
 
 
 def test_generation_kwargs_win_as_trl_passes_them_to_vllm():

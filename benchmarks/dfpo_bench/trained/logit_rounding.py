@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import time
 from typing import Any
 
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()  # the bf16 weights
-    result: dict[str, Any] = {"command": "python -m dfpo_bench.trained.logit_rounding " + " ".join(argv or []),
+    flags = " ".join(sys.argv[1:] if argv is None else argv)
+    result: dict[str, Any] = {"command": f"python -m dfpo_bench.trained.logit_rounding {flags}",
                               "checkout": checkout_state(ROOT), "model": args.model, "device": "cpu",
                               "rows_per_prompt": args.rows_per_prompt, "max_new": args.max_new, "settings": {}}
     for name in args.settings:
