@@ -13,7 +13,7 @@ against the same support on both sides,
 is 1 when the engines agree, whatever the truncation. Its cost is one log K_t per token, from the forward that already
 computes ℓ^old (TRL's rollout forward): :class:`KeptMass` reads that forward's LM-head input h, forms the tempered
 logits in float32 (the head and transform TRL's fused head uses), rebuilds S_t in vLLM's order on those logits rounded
-to the head's dtype, and weighs it with the float32 p (:func:`kept_log_mass`) and hands TRL ℓ^old − log K for its ratio,
+to the head's dtype, weighs it with the float32 p (:func:`kept_log_mass`), and hands TRL ℓ^old − log K for its ratio,
 so TRL's own four modes, bounds and metrics apply to (S1) unchanged. Afterwards :func:`finish_rollout` puts TRL's
 untruncated ℓ^old back (the policy ratio's π_old stays untruncated) and writes the sampler's log-probs on the same
 untruncated scale, s + log K (what TRL's off-policy mask compares with ℓ(θ)), and logs the untruncated ratio beside
@@ -41,8 +41,8 @@ __all__ = [
     "KEPT_MASS_METRIC",
     "KeptMass",
     "SamplingSupport",
-    "finish_rollout",
     "engine_logits",
+    "finish_rollout",
     "kept_log_mass",
     "rollout_kept_mass",
     "sampling_support",
