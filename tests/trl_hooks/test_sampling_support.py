@@ -67,7 +67,7 @@ def test_the_support_is_decided_on_the_engines_logits_and_weighed_with_the_train
     rounded = engine_logits(raw, 0.7, torch.bfloat16)
     assert rounded is not None and engine_logits(raw, 0.7, torch.float32) is None
     p = torch.softmax(raw.double() / 0.7, -1)[0]
-    # (float32 logits: log K near 0 holds to about 1e-7 absolute)
+    # (float32 logits: log K near 0 holds to a few 1e-7 absolute)
     assert math.isclose(float(kept_log_mass(raw / 0.7, support)), math.log(float(p[[0, 1, 3]].sum())), abs_tol=1e-6)
     assert math.isclose(float(kept_log_mass(raw / 0.7, support, rounded)), math.log(float(p[:4].sum())),
                         abs_tol=1e-6)
