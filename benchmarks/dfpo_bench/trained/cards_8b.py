@@ -52,6 +52,8 @@ import time
 import zlib
 from typing import Any
 
+from dfpo_bench.lib import provenance
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "qwen3_8b_lora.yaml"
 CONTEXT_GIB = 1.0  # the CUDA context and libraries, outside PyTorch's allocator (0.7-0.9 GiB measured on the H200)
@@ -289,6 +291,7 @@ def finish_row(job: dict[str, Any], code: int | None) -> dict[str, Any]:
                     if any(k in line for k in ("KV cache memory", "gpu_memory_utilization", "vllm_max_model_length"))]
     record = {
         "name": row["name"], "card_gib": row["card_gib"], "generation": row["generation"], "flags": row["flags"],
+        "commit": provenance.checkout_state(ROOT)["commit"], "date": time.strftime("%Y-%m-%d"),
         "env": row["env"], "user_command": user_command(row), "machine_flags": job["argv"][len(row["flags"]) + 4:],
         "exit": code, "wall_s": time.perf_counter() - job["started"], **peaks, "needs_gib": needs,
         "passed": code == 0 and fits, "error": errors[-1] if errors else None,
@@ -475,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.out:
         parser.error("--out is required")
-    from dfpo_bench.lib import common, provenance
+    from dfpo_bench.lib import common
 
     args.started = time.time()
     built = prepare(args)
