@@ -217,17 +217,16 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
         from dfpo_bench.trained import cards_8b
 
         lines += [cards_8b.report(as_run), ""]
-        stopped = [r for r in as_run["rows"] if r.get("exit") is None and not r.get("error")
-                   and "2/2 [" in (r.get("log_tail") or "")]
-        lines += [f"Run at main's {SUPPORT_RUN_COMMIT} (the JSON's checkout names the machine's stale .git copy). "
-                  + "".join(f"The {r['card_gib']:g} GB row trained both optimizer steps (its log's last line), then "
-                            "was in the held-out evaluation when we stopped the driver: a stop of ours, not a "
+        trained = [r for r in as_run["rows"] if "2/2 [" in (r.get("log_tail") or "")]
+        in_eval = [r for r in trained if "held-out evaluation" in (r.get("error") or "")]
+        stopped = [r for r in trained if r.get("exit") is None]
+        lines += [f"The code that ran: {as_run.get('code') or as_run['commit']}. "
+                  + "".join(f"The {r['card_gib']:g} GB row trained both optimizer steps (its log), then ran out of "
+                            "memory in the held-out evaluation after them, at the peak its row shows. "
+                            for r in in_eval)
+                  + "".join(f"The {r['card_gib']:g} GB row was stopped by the driver after both steps: not a "
                             "result. " for r in stopped)
-                  + "The rows not run were left by the driver's deadline. The 40 and 48 GB failures are the "
-                  "held-out evaluation at that commit's default `per_device_eval_batch_size` (all 16 held-out "
-                  "problems × k 8 = 128 in one call); the default has since become at most a training rollout's "
-                  "rows (`dfpo_trl/cli/vllm_eval.py`, `default_eval_batch`: 32 for this recipe), not re-run on a GPU. "
-                  "Per-row records and logs: `results/trained/cards_8b_as_run_logs.tgz`.", ""]
+                  + "Per-row records and logs: `results/trained/cards_8b_as_run_logs.tgz`.", ""]
     cards = load_json(folder / "cards_8b.json")
     if cards:
         lines += cards_lines(cards)
