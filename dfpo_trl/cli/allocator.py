@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from .args import RecipeError
-from .precheck import _flag_value, read_recipe, recipe_argv
+from .precheck import _flag_value, read_recipe, recipe_argv, split_recipe
 
 __all__ = ["ALLOCATOR_VARIABLES", "EXPANDABLE_SEGMENTS", "default_allocator"]
 
@@ -42,7 +42,7 @@ def default_allocator(argv: Sequence[str], environ: MutableMapping[str, str] | N
         return False
     try:
         args = recipe_argv(argv)
-        recipe = args[args.index("--config") + 1] if "--config" in args else None
+        recipe = split_recipe(args)[0]
         settings: Mapping[str, Any] = read_recipe(recipe) if recipe else {}
         recipe_env = yaml.safe_load(Path(recipe).read_text()).get("env") if recipe else None
     except (RecipeError, OSError, ValueError, yaml.YAMLError):

@@ -33,6 +33,7 @@ from .precheck import (
     read_command_line,
     read_recipe,
     recipe_argv,
+    split_recipe,
     stored_field_table,
     unknown_message,
     yaml_error,
@@ -269,8 +270,7 @@ def parse_args(
     parser = parser or make_parser()
     args = imply_save_strategy(parser, recipe_argv(sys.argv[1:] if argv is None else argv))
     args = read_choices(parser, args)
-    recipe = args[args.index("--config") + 1] if "--config" in args else None
-    flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
+    recipe, flags = split_recipe(args)
     if recipe is not None:
         read_recipe(recipe)  # empty, or not a mapping: one line naming the file, as the fast path says it
     parser.recipe = recipe

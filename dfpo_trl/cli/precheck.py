@@ -28,8 +28,8 @@ from .values import VALUE_FIELDS, check_values, registered_names
 __all__ = [
     "PRECHECKED_FIELDS", "RENAMED_FIELDS", "CommandLine", "check_max_steps", "closed_options", "field_origin",
     "given_output_dir", "library_versions", "normalise_choices", "precheck", "read_command_line", "read_field_table",
-    "read_recipe", "recipe_argv", "recipe_line", "stored_field_table", "stored_help_all", "unknown_message",
-    "yaml_error",
+    "read_recipe", "recipe_argv", "recipe_line", "split_recipe", "stored_field_table", "stored_help_all",
+    "unknown_message", "yaml_error",
 ]  # fmt: skip
 
 #: The stored field table: package data (pyproject.toml), written by ``python -m dfpo_trl.cli.fields``.
@@ -101,6 +101,14 @@ def recipe_argv(argv: Sequence[str]) -> list[str]:
         if not os.path.isfile(args[i + 1]):
             raise RecipeError(f"recipe {args[i + 1]!r} not found")
     return args
+
+
+def split_recipe(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """(the recipe's path, the flags) of a command line as :func:`recipe_argv` returns it: the path after
+    ``--config`` (None without one), and every item but ``--config`` and that path."""
+    recipe = args[args.index("--config") + 1] if "--config" in args else None
+    flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
+    return recipe, flags
 
 
 def yaml_error(recipe: str, exc: Any) -> RecipeError:
@@ -235,7 +243,7 @@ class CommandLine:
     def __init__(self, args: Sequence[str], recipe: str | None, settings: dict[str, Any], table: Mapping[str, Any]):
         self.recipe, self.settings, self.table = recipe, settings, table
         self.options: Mapping[str, list[str]] = table["options"]
-        self.flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
+        self.flags = split_recipe(args)[1]
 
     def flagged(self, name: str) -> str | bool | None:
         """The command line's value of ``name``; a bare flag of a numeric field is left to the full parse."""
@@ -301,7 +309,7 @@ def read_command_line(argv: Sequence[str], table: Mapping[str, Any]) -> CommandL
     on the command line known, else a one-line :class:`RecipeError`."""
     options: Mapping[str, list[str]] = table["options"]
     args = recipe_argv(argv)
-    recipe = args[args.index("--config") + 1] if "--config" in args else None
+    recipe = split_recipe(args)[0]
     settings: dict[str, Any] = {}
     if recipe is not None:
         settings = read_recipe(recipe)
@@ -326,7 +334,7 @@ def given_output_dir(argv: Sequence[str]) -> str | None:
         flagged = _flag_value(args, ("--output_dir", "--output-dir"))
         if isinstance(flagged, str):
             return flagged
-        recipe = args[args.index("--config") + 1] if "--config" in args else None
+        recipe = split_recipe(args)[0]
         value = read_recipe(recipe).get("output_dir") if recipe else None
     except RecipeError:
         return None

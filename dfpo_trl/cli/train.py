@@ -52,7 +52,7 @@ from .oom import out_of_memory_as_one_line, watch_phases
 from .outputs import save_model, write_outputs
 from .parser import parse_args
 from .peers import lost_peer_as_one_line
-from .precheck import field_origin, recipe_argv
+from .precheck import field_origin, recipe_argv, split_recipe
 from .progress import close_progress_bar, use_dfpo_progress_bar
 from .resume import read_run_record
 from .signals import further_interrupts_wait, signal_name
@@ -392,6 +392,5 @@ def parse_and_run(argv: Sequence[str], callbacks: Sequence[TrainerCallback] = ()
 def command_line_origin(argv: Sequence[str]) -> Callable[[str], str]:
     """Where each field of ``argv`` was set: ``--name`` on the command line, or the recipe's file and line."""
     args = recipe_argv(argv)
-    recipe = args[args.index("--config") + 1] if "--config" in args else None
-    flags = [a for i, a in enumerate(args) if not (a == "--config" or (i > 0 and args[i - 1] == "--config"))]
+    recipe, flags = split_recipe(args)
     return lambda name: field_origin(name, [f"--{name}", f"--{name.replace('_', '-')}"], flags, recipe)

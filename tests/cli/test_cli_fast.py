@@ -246,3 +246,11 @@ def test_the_first_line_says_what_runs_next_before_torch_is_imported(tmp_path: P
     said = next_steps(values.get)
     assert "held-out" not in said and said.endswith("then num_train_epochs epochs of optimizer steps")
     assert "SmolLM2-135M-Instruct" in said and ("earlier run" in said or CONVERSION_MEASURED in said)
+
+
+def test_split_recipe_takes_the_path_after_config_and_keeps_every_other_item() -> None:
+    from dfpo_trl.cli.precheck import split_recipe
+
+    assert split_recipe(["--config", "r.yaml", "--seed", "1"]) == ("r.yaml", ["--seed", "1"])
+    assert split_recipe(["--seed", "1", "--config", "r.yaml", "--bf16"]) == ("r.yaml", ["--seed", "1", "--bf16"])
+    assert split_recipe(["--seed", "1"]) == (None, ["--seed", "1"])
