@@ -86,10 +86,15 @@ def _fixes(phase: str, args: Any, script_args: Any) -> list[str]:
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fragmentation)"]
     shorter = f"--max_completion_length (now {args.max_completion_length})"
     if phase.startswith("held-out evaluation"):
-        if args.use_vllm:
+        if args.use_vllm and "(generation" in phase:
             return [f"--per_device_eval_batch_size (now {args.per_device_eval_batch_size})",
                     f"--num_generations_eval (k of avg@k, now {args.num_generations_eval or args.num_generations})",
                     "--skip_eval true"]
+        if args.use_vllm:  # its forwards and scoring: each forward has the training batch's rows (eval_forward_chunks)
+            return [f"--vllm_gpu_memory_utilization (now {args.vllm_gpu_memory_utilization}; the engine's share of "
+                    "the GPU, the rest is the trainer's)",
+                    f"--per_device_train_batch_size (now {args.per_device_train_batch_size}: the rows of each of the "
+                    "evaluation's forwards)", "--skip_eval true"]
         return [f"--eval_batch_size (now {script_args.eval_batch_size})",
                 f"--eval_max_new_tokens (now {script_args.eval_max_new_tokens})", "--skip_eval true"]
     if phase.startswith("generation (vLLM"):

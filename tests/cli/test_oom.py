@@ -141,3 +141,26 @@ def test_held_out_avg_at_k_through_vllm(tmp_path: Path, model_dir: Path, capsys:
     # the recipe leaves per_device_eval_batch_size unset: k = 4 x the 4 held-out problems = 16 rows, capped at the
     # training rollout's 8 (dfpo_trl.testing's tiny recipe: per_device_train_batch_size 4 x steps_per_generation 2)
     assert "--per_device_eval_batch_size (now 8); --num_generations_eval (k of avg@k, now 4)" in line
+
+
+def test_held_out_avg_at_k_forwards_name_the_engine_share_and_the_training_batch(
+        tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        stand_in_vllm: Any) -> None:
+    """Out of memory in the avg@k evaluation's forwards (after its vLLM generation): the eval batch does not set their
+    memory (each forward has the training batch's rows), so the line names the engine's share and that batch."""
+    from dfpo_trl import DFPOTrainer
+
+    stand_in_vllm(AutoModelForCausalLM.from_pretrained(model_dir))
+    helper = DFPOTrainer._get_per_token_logps_and_entropies
+
+    def patched(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.model.training:  # the evaluation's old log-probs and loss forwards
+            out_of_memory()
+        return helper(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(DFPOTrainer, "_get_per_token_logps_and_entropies", patched)
+    line = run_until_oom(tmp_path, model_dir, capsys, use_vllm=True, vllm_mode="colocate")
+    assert "out of memory in the held-out evaluation at step 0 " in line
+    assert ("lower it with --vllm_gpu_memory_utilization (now 0.3; the engine's share of the GPU, the rest is the "
+            "trainer's); --per_device_train_batch_size (now 4: the rows of each of the evaluation's forwards); "
+            "--skip_eval true.") in line
