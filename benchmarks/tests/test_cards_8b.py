@@ -181,12 +181,13 @@ def test_the_driver_records_each_row_and_writes_after_each(tmp_path: Path, monke
     monkeypatch.setattr(cards_8b, "row_argv", lambda row, model, data: [sys.executable, str(stub)])
     rows = [r for r in cards_8b.ROWS if r["name"] in ("24GB", "32GB", "40GB")]
     args = argparse.Namespace(work=str(tmp_path / "work"), model_dir="/m", lanes=2, deadline_s=60, budget_s=120,
-                              row_timeout_s=60, started=time.time())
+                              row_timeout_s=60, started=time.time(), commit="c0ffee")
     written: list[int] = []
     records = cards_8b.run_lanes(rows, args, tmp_path, lambda: written.append(1))
     assert sorted(r["name"] for r in records) == ["24GB", "32GB", "40GB"] and len(written) == 3
     table = {r["name"]: r for r in cards_8b.collect(tmp_path / "work")}
     assert table["24GB"]["passed"] and table["24GB"]["needs_gib"] == pytest.approx(20.8)
+    assert table["24GB"]["commit"] == "c0ffee"  # the call's commit, named in each row's record
     assert not table["32GB"]["passed"] and table["32GB"]["exit"] == 0  # 31.5 + 0.8 > 32: does not fit the card
     assert not table["40GB"]["passed"] and table["40GB"]["error"] == "dfpo-train: error: vLLM did not start: ..."
     assert table["48GB"]["error"].startswith("not run")

@@ -52,8 +52,6 @@ import time
 import zlib
 from typing import Any
 
-from dfpo_bench.lib import provenance
-
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "qwen3_8b_lora.yaml"
 CONTEXT_GIB = 1.0  # the CUDA context and libraries, outside PyTorch's allocator (0.7-0.9 GiB measured on the H200)
@@ -271,7 +269,8 @@ def start_row(row: dict[str, Any], args: argparse.Namespace, site: pathlib.Path,
     print(f"[{time.strftime('%H:%M:%S')}] start {row['name']}: {user_command(row)}", flush=True)
     process = subprocess.Popen(argv, cwd=folder, env=row_env(row, site, peaks, port), stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
-    return {"row": row, "argv": argv, "process": process, "started": time.perf_counter(), "folder": folder}
+    return {"row": row, "argv": argv, "process": process, "started": time.perf_counter(), "folder": folder,
+            "commit": args.commit}
 
 
 def finish_row(job: dict[str, Any], code: int | None) -> dict[str, Any]:
@@ -291,7 +290,7 @@ def finish_row(job: dict[str, Any], code: int | None) -> dict[str, Any]:
                     if any(k in line for k in ("KV cache memory", "gpu_memory_utilization", "vllm_max_model_length"))]
     record = {
         "name": row["name"], "card_gib": row["card_gib"], "generation": row["generation"], "flags": row["flags"],
-        "commit": provenance.checkout_state(ROOT)["commit"], "date": time.strftime("%Y-%m-%d"),
+        "commit": job["commit"], "date": time.strftime("%Y-%m-%d"),  # this call's (the record's head)
         "env": row["env"], "user_command": user_command(row), "machine_flags": job["argv"][len(row["flags"]) + 4:],
         "exit": code, "wall_s": time.perf_counter() - job["started"], **peaks, "needs_gib": needs,
         "passed": code == 0 and fits, "error": errors[-1] if errors else None,
@@ -478,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.out:
         parser.error("--out is required")
-    from dfpo_bench.lib import common
+    from dfpo_bench.lib import common, provenance
 
     args.started = time.time()
     built = prepare(args)
@@ -487,6 +486,7 @@ def main(argv: list[str] | None = None) -> None:
             **provenance.checkout_state(ROOT), "versions": common.versions(), "card": common.device_name("cuda"),
             "date": time.strftime("%Y-%m-%d"), "context_gib": CONTEXT_GIB, "model": built,
             "machine_flags": machine_flags(args.model_dir, str(pathlib.Path(args.work) / "gsm8k_offline"))}
+    args.commit = head["commit"]  # each row's record names it: rows of earlier calls keep theirs
 
     def write() -> list[dict[str, Any]]:  # after every row: what a cut call leaves is the rows done so far
         records = collect(pathlib.Path(args.work))
