@@ -112,9 +112,12 @@ def rebuild_support_log_mass(logits: torch.Tensor, temperature: float, top_p: fl
     """log K_t: the untruncated tempered distribution's log mass on :func:`rebuild_support`; 0 untruncated."""
     if not (top_k and top_k > 0) and top_p >= 1.0 and min_p <= 0:
         return torch.zeros(logits.shape[:-1], device=logits.device)
-    scaled = logits / temperature
-    kept = scaled.masked_fill(~rebuild_support(logits, temperature, top_p, top_k, min_p), float("-inf"))
-    return torch.logsumexp(kept, dim=-1) - torch.logsumexp(scaled, dim=-1)
+    return log_mass_on(logits / temperature, rebuild_support(logits, temperature, top_p, top_k, min_p))
+
+
+def log_mass_on(scaled: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The log mass of the tempered distribution ``scaled`` (…, V) on the support ``keep`` (a bool mask)."""
+    return torch.logsumexp(scaled.masked_fill(~keep, float("-inf")), dim=-1) - torch.logsumexp(scaled, dim=-1)
 
 
 @torch.no_grad()

@@ -25,13 +25,9 @@ import torch
 
 from dfpo_bench.lib.common import ROOT
 from dfpo_bench.lib.provenance import checkout_state
-from dfpo_bench.trained.is_ratio import PROMPTS, SETTINGS, ols_slope, rebuild_support
+from dfpo_bench.trained.is_ratio import PROMPTS, SETTINGS, log_mass_on, ols_slope, rebuild_support
 
 KINDS = ("trl", "support_float32", "support_rounded")
-
-
-def log_mass(tempered: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(tempered.masked_fill(~keep, float("-inf")), -1) - torch.logsumexp(tempered, -1)
 
 
 @torch.no_grad()
@@ -58,9 +54,10 @@ def sample_rows(model: Any, tokenizer: Any, setting: tuple[float, float, int, fl
             processed = torch.log_softmax((rounded / temperature).masked_fill(~keep16, float("-inf")), -1)
             token = torch.multinomial(processed.exp(), 1)
             s = processed.gather(1, token).squeeze(1)
-            old = torch.log_softmax(raw / temperature, -1).gather(1, token).squeeze(1)
-            values = {"trl": old - s, "support_float32": old - log_mass(raw / temperature, keep32) - s,
-                      "support_rounded": old - log_mass(raw / temperature, keep16) - s,
+            tempered = raw / temperature
+            old = torch.log_softmax(tempered, -1).gather(1, token).squeeze(1)
+            values = {"trl": old - s, "support_float32": old - log_mass_on(tempered, keep32) - s,
+                      "support_rounded": old - log_mass_on(tempered, keep16) - s,
                       "outside_float32": (~keep32.gather(1, token).squeeze(1)).float(),
                       "length": torch.ones(rows_per_prompt)}
             for r in range(rows_per_prompt):
