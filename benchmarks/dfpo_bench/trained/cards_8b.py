@@ -71,9 +71,9 @@ ROWS: list[dict[str, Any]] = [
     {"name": "32GB_default_allocator", "card_gib": 32, "generation": "transformers", "flags": [],
      "env": EXPANDABLE_OFF},
     {"name": "40GB", "card_gib": 40, "generation": "colocated vLLM",
-     "flags": [*VLLM, "--per_device_train_batch_size", "4", "--vllm_gpu_memory_utilization", "0.5"], "env": {}},
+     "flags": [*VLLM, "--per_device_train_batch_size", "4", "--vllm_gpu_memory_utilization", "0.45"], "env": {}},
     {"name": "48GB", "card_gib": 48, "generation": "colocated vLLM",
-     "flags": [*VLLM, "--per_device_train_batch_size", "4", "--vllm_gpu_memory_utilization", "0.58"], "env": {}},
+     "flags": [*VLLM, "--per_device_train_batch_size", "4", "--vllm_gpu_memory_utilization", "0.5"], "env": {}},
     {"name": "80GB", "card_gib": 80, "generation": "colocated vLLM",
      "flags": [*VLLM, "--vllm_gpu_memory_utilization", "0.35"], "env": {}},
 ]
