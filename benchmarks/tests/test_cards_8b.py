@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dfpo_bench.trained import cards_8b, eval_calls
 
@@ -100,24 +101,32 @@ def test_the_card_module_hooks_torch_in_the_rows_process_only(tmp_path: Path) ->
 
 def test_the_report_reads_the_json_alone() -> None:
     rows = [{"name": "32GB", "card_gib": 32, "user_command": "dfpo-train recipes/qwen3_8b_lora.yaml", "exit": 0,
+             "flags": [],
              "passed": True, "peak_allocated_gib": 23.3, "peak_reserved_gib": 25.4, "overhead_gib": 0.8,
              "needs_gib": 26.2, "wall_s": 120.0, "cap_gib": 31.0},
-            {"name": "32GB_default_allocator", "card_gib": 32, "exit": 0, "passed": True, "cap_gib": 31.0,
+            {"name": "32GB_default_allocator", "card_gib": 32, "exit": 0, "passed": True, "cap_gib": 31.0, "flags": [],
              "user_command": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False dfpo-train recipes/qwen3_8b_lora.yaml",
              "peak_allocated_gib": 23.4, "peak_reserved_gib": 31.0, "overhead_gib": 0.8, "needs_gib": 31.8},
             {"name": "40GB", "card_gib": 40, "user_command": "dfpo-train ...", "exit": 1, "passed": False,
-             "error": "dfpo-train: error: vLLM did not start: ..."}]
+             "flags": ["--earlier"], "error": "dfpo-train: error: vLLM did not start: ..."}]
     text = cards_8b.report({"card": "NVIDIA H200", "date": "2026-12-02", "context_gib": 1.0,
                             "machine_flags": ["--max_steps", "2"], "rows": rows})
     assert "| 32 GB | `dfpo-train recipes/qwen3_8b_lora.yaml` | passes | 23.30 | 25.40 | 0.80 | 26.20 | 120 |" in text
-    assert "| 40 GB | `dfpo-train ...` | fails: dfpo-train: error: vLLM did not start: ... |" in text
+    assert ("| 40 GB | `dfpo-train ...` | fails: dfpo-train: error: vLLM did not start: ... (earlier flags: not the "
+            "recipe's row now) |") in text
+    now = {row["name"]: row for row in cards_8b.ROWS}  # rows with no record, or a record of other flags
+    unrun = "; ".join(f"{now[name]['card_gib']} GB (`{' '.join(now[name]['flags'])}`)"
+                      for name in ("24GB", "40GB", "48GB", "80GB"))
+    assert f"Not run with the recipe's flags of now: {unrun}." in text
     assert "peak reserved 25.40 GiB against 31.00 GiB (cap 31.00); both pass" in text
 
 
 def test_the_report_says_a_row_without_a_result_is_none() -> None:
+    now = {row["name"]: row["flags"] for row in cards_8b.ROWS}
     rows = [{"name": "32GB", "card_gib": 32, "user_command": "dfpo-train a", "exit": None, "passed": False,
-             "error": None, "wall_s": 224.0},
+             "error": None, "wall_s": 224.0, "flags": now["32GB"]},
             {"name": "80GB", "card_gib": 80, "user_command": "dfpo-train b", "exit": None, "passed": False,
+             "flags": now["80GB"],
              "error": "not run (the deadline passed, or not asked for): run it with --rows"}]
     text = cards_8b.report({"card": "NVIDIA H200", "date": "2026-12-02", "context_gib": 1.0,
                             "machine_flags": ["--max_steps", "2"], "rows": rows})
@@ -152,13 +161,20 @@ def test_eval_calls_arms_differ_in_the_eval_batch_alone(tmp_path: Path, gpu_reci
         assert args.use_vllm and script.eval_size == 100 and args.num_generations_eval == 8
         batches.append(args.per_device_eval_batch_size)
     assert batches == [8, 8]  # 8 set in the first; the second's stays transformers' until dfpo-train sets it
-    result = {"card": "NVIDIA H200", "date": "2026-12-02", "records": [{"command": "a"}, {"command": "b"}],
+    from dfpo_trl.cli.vllm_eval import default_eval_batch
+
+    recipe = yaml.safe_load((ROOT / argv[3]).read_text())  # the default: one rollout's rows, 100 x 8 being more
+    rollout = recipe["per_device_train_batch_size"] * recipe["steps_per_generation"]
+    assert eval_calls.default_rows() == default_eval_batch(args, 100, processes=1) == rollout == 64  # the program's
+    result = {"card": "NVIDIA H200", "date": "2026-12-02", "model": "m", "dfpo_default_rows": 64,
+              "records": [{"command": "a"}, {"command": "b"}],
               "rows": [{"flags": "--per_device_eval_batch_size 8", "evaluations": 2, "eval_s": [70.0, 72.0],
                         "median_eval_s": 71.0, "avg_at_k": [0.5, 0.6]},
                        {"flags": "(none)", "evaluations": 2, "eval_s": [14.0, 14.2], "median_eval_s": 14.1,
                         "avg_at_k": [0.52, 0.61]}]}
     text = eval_calls.report(json.loads(json.dumps(result)))
-    assert "Median evaluation 71.0 s at one problem per call, 14.1 s in one call: 5.0x faster." in text
+    assert "Median evaluation 71.0 s at one problem per call, 14.1 s at the default: 5.0x faster." in text
+    assert "on `m`" in text and "64 rows, 8 problems per vLLM call" in text
 
 
 def test_the_driver_records_each_row_and_writes_after_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,10 +42,9 @@ def default_eval_batch(training_args: Any, problems: int, processes: int) -> int
     no more rows than a training rollout sends (:func:`rollout_rows`, rounded down to a multiple of k and at least k).
     At the default 8 with k = 8 each call carried one problem, and 100 problems made 100 calls; the rollout's size is
     the bound because TRL runs the evaluation's generation, scoring and loss over the whole eval batch, and a batch the
-    run already generates and scores in training is one the card holds. It does not rescue the 8B recipe's 40 and
-    48 GB rows, which run out of memory in the evaluation after training at 128 rows and at this bound alike (a
-    simulated card on an H200, 2026-12-02; docs/source/concepts/decisions.md, "Held-out avg@k through vLLM"). Returns
-    the batch."""
+    run already generates and scores in training is one the card holds. The 8B recipe on Qwen2.5-Coder-0.5B, 100
+    problems x 8 of up to 256 tokens, took 31 s an evaluation at this default against 116 s at one problem per call
+    (an H200, 2026-12-03; docs/source/concepts/decisions.md, "Held-out avg@k through vLLM"). Returns the batch."""
     k = eval_k(training_args)
     whole_share = k * max(1, math.ceil(problems / max(1, processes)))
     training_args.per_device_eval_batch_size = min(whole_share, k * max(1, rollout_rows(training_args) // k))

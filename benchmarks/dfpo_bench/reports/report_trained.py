@@ -221,7 +221,8 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
         in_eval = [r for r in trained if "held-out evaluation" in (r.get("error") or "")]
         stopped = [r for r in trained if r.get("exit") is None]
         lines += [f"The code that ran: {as_run.get('code') or as_run['commit']}. "
-                  + "".join(f"The {r['card_gib']:g} GB row trained both optimizer steps (its log), then ran out of "
+                  + "".join(f"The {r['card_gib']:g} GB row with `{' '.join(r['flags'])}` trained both optimizer "
+                            "steps (its log), then ran out of "
                             "memory in the held-out evaluation after them, at the peak its row shows. "
                             for r in in_eval)
                   + "".join(f"The {r['card_gib']:g} GB row was stopped by the driver after both steps: not a "

@@ -407,22 +407,31 @@ def report(result: dict[str, Any]) -> str:
     def cell(value: Any) -> str:
         return "–" if value is None else f"{value:.2f}"
 
+    current = {row["name"]: row["flags"] for row in ROWS}
     for r in result["rows"]:
         result_cell = row_result(r)
+        if current.get(r["name"]) != r["flags"]:
+            result_cell += " (earlier flags: not the recipe's row now)"
         wall = "–" if r.get("wall_s") is None else f"{r['wall_s']:.0f}"
         lines.append(f"| {r['card_gib']:g} GB | `{r['user_command']}` | {result_cell} | "
                      f"{cell(r.get('peak_allocated_gib'))} | {cell(r.get('peak_reserved_gib'))} | "
                      f"{cell(r.get('overhead_gib'))} | {cell(r.get('needs_gib'))} | {wall} |")
     by_name = {r["name"]: r for r in result["rows"]}
+    unrun = [row for row in ROWS if by_name.get(row["name"], {}).get("flags") != row["flags"]]
+    if unrun:
+        lines += ["", "Not run with the recipe's flags of now: " + "; ".join(
+            f"{row['card_gib']:g} GB (`{' '.join(row['flags'])}`)" for row in unrun) + "."]
     with_, without = by_name.get("32GB"), by_name.get("32GB_default_allocator")
     if with_ and without and with_.get("peak_reserved_gib") and without.get("peak_reserved_gib"):
         lines += ["", f"Expandable segments (dfpo-train's default) against PyTorch's default allocator on the 32 GB "
                       f"row: peak reserved {with_['peak_reserved_gib']:.2f} GiB against "
                       f"{without['peak_reserved_gib']:.2f} GiB (cap {without.get('cap_gib', 0):.2f}); "
                       f"{'both pass' if with_['passed'] and without['passed'] else 'see the result column'}."]
-    tokenizer = result.get("model", {}).get("tokenizer")
-    if tokenizer:
-        lines += ["", f"Tokenizer: `{tokenizer}` (padded to Qwen3's 151,936 ids when it is not Qwen's)."]
+    models = [result.get("model", {}), *(call.get("model", {}) for call in result.get("calls", []))]
+    tokenizers = list(dict.fromkeys(m["tokenizer"] for m in models if m.get("tokenizer")))
+    if tokenizers:
+        lines += ["", f"Tokenizer: {' and '.join(f'`{t}`' for t in tokenizers)} (a call's own, padded to Qwen3's "
+                      "151,936 ids when it is not Qwen's)."]
     vllm_rows = [r for r in result["rows"] if r.get("generation") == "colocated vLLM"]
     if vllm_rows and not any(r.get("engine_log") for r in vllm_rows):
         lines += ["", "The vLLM rows' logs hold no engine-size line (`engine_log` empty): the engine's size on the "

@@ -1,7 +1,9 @@
 """Held-out avg@k through colocated vLLM: its time at TRL's default eval batch (one problem per vLLM call at k = 8)
-against ``dfpo-train``'s default (each process's held-out problems in one call), the same avg@k measure.
+against ``dfpo-train``'s default (each process's held-out problems, but at most a training rollout's rows per call:
+:func:`default_rows`), the same avg@k measure.
 
-    # on the GPU machine after the kit (benchmarks/README.md, "The GPU kit"); about 6 minutes on one H200 (estimated)
+    # on the GPU machine after the kit (benchmarks/README.md, "The GPU kit"); about 8 minutes on one H200: the
+    # one-problem arm took 319 s, the default's 107 s (2026-12-03), so give the call 600 s
     python -m dfpo_bench.trained.eval_calls --out $OUT/eval_calls.json
     # the commands it would run, without running them (the CPU test)
     python -m dfpo_bench.trained.eval_calls --out /tmp/eval_calls.json --dry-run
@@ -12,10 +14,11 @@ GSM8K-shaped dataset written here (``cards_8b.write_dataset``: the machine canno
 problems, k = 8 completions of at most 256 tokens each (``max_completion_length`` 256) and one optimizer step; the
 held-out avg@8 is measured before and after it, twice per process. The arms differ in one flag:
 ``--per_device_eval_batch_size 8`` (transformers' default, which ``dfpo-train`` used until it set its own) or none
-(k × 100 = 800 rows, one call). With ``--repeats 2`` the arms alternate (old, new, new, old; about 11 minutes, two
-calls), so that a drift of the GPU's speed shows as a difference between repeats, not arms. Each evaluation's time
-is the summary's ``before_seconds`` / ``after_seconds``: ``trainer.evaluate()`` whole (generation, scoring, the
-evaluation's forwards).
+(the recipe's rollout, 8 x 8 = 64 rows: 8 problems per call, 13 calls for 100). With ``--repeats 2`` the arms
+alternate (old, new, new, old; two calls of 600 s), so that a drift of the GPU's speed shows as a difference between
+repeats, not arms. Each evaluation's time is the summary's ``before_seconds`` / ``after_seconds``:
+``trainer.evaluate()`` whole (generation, scoring, the evaluation's forwards). avg@8 is a sample (800 completions
+an evaluation at the recipe's sampling): the arms' values are two samples of the same measure, not compared.
 """
 
 from __future__ import annotations
@@ -38,6 +41,17 @@ ARMS: dict[str, list[str]] = {"one_problem_per_call": ["--per_device_eval_batch_
 COMMON = ["--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.15",
           "--eval_size", "100", "--num_generations_eval", "8", "--max_completion_length", "256", "--max_steps", "1",
           "--eval_every", "0", "--save_model", "false", "--plot", "false"]
+
+
+def default_rows(problems: int = 100) -> int:
+    """The eval batch ``dfpo-train`` sets for the recipe on one process, by the documented rule (decisions.md,
+    "Held-out avg@k through vLLM"): k x problems, but at most a training rollout's rows rounded down to k's multiple."""
+    import yaml
+
+    k = int(COMMON[COMMON.index("--num_generations_eval") + 1])
+    recipe = yaml.safe_load(RECIPE.read_text())
+    rollout = recipe["per_device_train_batch_size"] * recipe["steps_per_generation"]
+    return min(k * problems, k * max(1, rollout // k))
 
 
 def command(model: str, arm: str, output_dir: pathlib.Path, dataset: pathlib.Path) -> list[str]:
@@ -94,11 +108,13 @@ def tabulate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def report(result: dict[str, Any]) -> str:
     """The RESULTS.md section, from the JSON alone."""
-    lines = [f"**Held-out avg@8 through colocated vLLM, one call per problem against one per evaluation** "
+    rows = result["dfpo_default_rows"]
+    lines = [f"**Held-out avg@8 through colocated vLLM, one problem per call against dfpo-train's default** "
              f"(`dfpo_bench.trained.eval_calls`; {result['card']}, {result['date']}). `recipes/qwen3_8b_lora.yaml` "
-             "with colocated vLLM on Qwen2.5-Coder-0.5B-Instruct, an offline GSM8K-shaped dataset, 100 held-out "
+             f"with colocated vLLM on `{result['model']}`, an offline GSM8K-shaped dataset, 100 held-out "
              "problems x 8 completions of at most 256 tokens, each `dfpo-train` process evaluating before and after "
-             "one optimizer step.", "",
+             f"one optimizer step. dfpo-train's default eval batch for this recipe: {rows} rows, {rows // 8} problems "
+             "per vLLM call.", "",
              "| eval batch flags | evaluations | seconds each | median s | avg@8 measured |", "|---|---|---|---|---|"]
     for row in result["rows"]:
         seconds = ", ".join(f"{s:.1f}" for s in row["eval_s"]) or "–"
@@ -107,15 +123,19 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"| `{row['flags']}` | {row['evaluations']} | {seconds} | {median} | {values} |")
     slow, fast = (r["median_eval_s"] for r in result["rows"])
     if slow and fast:
-        lines += ["", f"Median evaluation {slow:.1f} s at one problem per call, {fast:.1f} s in one call: "
-                      f"{slow / fast:.1f}x faster."]
+        lines += ["", f"Median evaluation {slow:.1f} s at one problem per call, {fast:.1f} s at the default: "
+                      f"{slow / fast:.1f}x faster. avg@8 is a sample (800 completions an evaluation at the recipe's "
+                      "sampling): the arms' values are two samples of the same measure, not a comparison."]
     lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["records"][:len(ARMS)])]
+    if result.get("calls"):
+        lines += ["", "Calls: " + " ".join(f"`{c['command']}` ({c['wall_s']:.0f} s): {c['ran']}."
+                                           for c in result["calls"])]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="the JSON record (needed unless --report)")
     parser.add_argument("--work", default="/tmp/eval_calls")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each arm, alternating (default 1)")
@@ -125,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         print(report(json.loads(pathlib.Path(args.report).read_text())))
         return
+    if not args.out:
+        parser.error("--out is needed to run or to --dry-run")
     planned = plan(args)
     if args.dry_run:
         for arm, repeat, cmd in planned:
@@ -140,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     records = [run_arm(arm, repeat, cmd, work) for arm, repeat, cmd in planned]
     result = {"command": "python -m dfpo_bench.trained.eval_calls " + " ".join(sys.argv[1:]),
               **provenance.checkout_state(ROOT), "versions": common.versions(), "card": common.device_name("cuda"),
-              "date": time.strftime("%Y-%m-%d"), "records": records, "rows": tabulate(records)}
+              "date": time.strftime("%Y-%m-%d"), "model": args.model, "dfpo_default_rows": default_rows(),
+              "records": records, "rows": tabulate(records)}
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     for row in result["rows"]:
         print(f"{row['flags']:36s} evaluations {row['evaluations']}  median {row['median_eval_s']} s  "
