@@ -41,6 +41,7 @@ ARMS: dict[str, list[str]] = {"one_problem_per_call": ["--per_device_eval_batch_
 COMMON = ["--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.15",
           "--eval_size", "100", "--num_generations_eval", "8", "--max_completion_length", "256", "--max_steps", "1",
           "--eval_every", "0", "--save_model", "false", "--plot", "false"]
+K = int(COMMON[COMMON.index("--num_generations_eval") + 1])  # k of avg@k
 
 
 def default_rows(problems: int = 100) -> int:
@@ -48,10 +49,9 @@ def default_rows(problems: int = 100) -> int:
     "Held-out avg@k through vLLM"): k x problems, but at most a training rollout's rows rounded down to k's multiple."""
     import yaml
 
-    k = int(COMMON[COMMON.index("--num_generations_eval") + 1])
     recipe = yaml.safe_load(RECIPE.read_text())
     rollout = recipe["per_device_train_batch_size"] * recipe["steps_per_generation"]
-    return min(k * problems, k * max(1, rollout // k))
+    return min(K * problems, K * max(1, rollout // K))
 
 
 def command(model: str, arm: str, output_dir: pathlib.Path, dataset: pathlib.Path) -> list[str]:
@@ -113,7 +113,7 @@ def report(result: dict[str, Any]) -> str:
              f"(`dfpo_bench.trained.eval_calls`; {result['card']}, {result['date']}). `recipes/qwen3_8b_lora.yaml` "
              f"with colocated vLLM on `{result['model']}`, an offline GSM8K-shaped dataset, 100 held-out "
              "problems x 8 completions of at most 256 tokens, each `dfpo-train` process evaluating before and after "
-             f"one optimizer step. dfpo-train's default eval batch for this recipe: {rows} rows, {rows // 8} problems "
+             f"one optimizer step. dfpo-train's default eval batch for this recipe: {rows} rows, {rows // K} problems "
              "per vLLM call.", "",
              "| eval batch flags | evaluations | seconds each | median s | avg@8 measured |", "|---|---|---|---|---|"]
     for row in result["rows"]:
