@@ -57,6 +57,31 @@ def binned_rows(setting: dict[str, Any]) -> list[str]:
 SUPPORT_RUN_COMMIT = "ca7651e"  # main's commit the GPU ran; the JSON's checkout names the device's stale .git copy
 
 
+def rerun_lines(first: dict[str, Any], rerun: dict[str, Any]) -> list[str]:
+    """``is_ratio.py`` run again on a later commit: whether each setting's rows came out the same, field by field,
+    and the rerun's cost rounds (timed anew)."""
+    same = {name: [key for key, rows in s["record"]["rows"].items()
+                   if rows != rerun["settings"].get(name, {}).get("record", {}).get("rows", {}).get(key)]
+            for name, s in first["settings"].items()}
+    cost, checkout = rerun["cost"], rerun["checkout"]
+
+    def ratio(kind: str, part: str) -> str:
+        c = cost[kind][part]
+        return f"{c['median_ratio_to_off']:.3f} [{c['interval_95'][0]:.3f}, {c['interval_95'][1]:.3f}]"
+
+    verdict = "; ".join(f"{LABELS.get(name, name)}: " + ("every row field identical" if not differ else
+                                                         "differs in " + ", ".join(differ))
+                        for name, differ in same.items())
+    fields = ", ".join(next(iter(first["settings"].values()))["record"]["rows"])
+    return [f"**Rerun** (`results/trained/is_ratio_truncated_support_rerun.json`; {rerun['card']}, 2026-12-03, "
+            f"{checkout['commit'][:7]}{' with a diff' if checkout.get('diff_sha256') else ' as committed'}, the same "
+            f"command). Against the run above, row by row ({fields}): {verdict}. Its cost rounds "
+            f"({cost['rounds']}): ours {ratio('truncated_support', 'loss_steps')} in the loss steps and "
+            f"{ratio('truncated_support', 'loop')} in the whole loop; TRL's {ratio('trl', 'loss_steps')} and "
+            f"{ratio('trl', 'loop')}. Why the rows repeat, and what changed after: "
+            "docs/source/concepts/decisions.md, \"vLLM's importance-sampling ratio under truncated sampling\".", ""]
+
+
 def support_lines(record: dict[str, Any]) -> list[str]:
     """``is_ratio.py``'s run with ``vllm_importance_sampling_support``: TRL's / ours / off per setting, the targets,
     the product's log K against the meter, TRL's mask modes, and the cost against the correction off."""
@@ -212,6 +237,9 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
     support = load_json(folder / "is_ratio_truncated_support.json")
     if support:
         lines += support_lines(support)
+        rerun = load_json(folder / "is_ratio_truncated_support_rerun.json")
+        if rerun:
+            lines += rerun_lines(support, rerun)
     as_run = load_json(folder / "cards_8b_as_run.json")
     if as_run:  # the rows as a user runs them (trained/cards_8b.py), before the first version's uncapped table
         from dfpo_bench.trained import cards_8b
