@@ -10,6 +10,8 @@ holds the shared pieces:
   docs/source/concepts/metrics.md);
 * :func:`fused_lm_head`: the head's weight and bias and the logit transform TRL applies before its
   temperature (``logit_scale`` and ``final_logit_softcapping``, read as ``add_fused_lm_head`` reads them);
+* :func:`head_logits` and :func:`trl_head_dtype`: the logits that head scores with, multiplied in the dtype TRL's
+  kernel multiplies in;
 * :func:`gathered_for_reading`: a read-only DeepSpeed ZeRO-3 gather of partitioned head parameters.
 """
 
@@ -100,14 +102,27 @@ class FusedHead(NamedTuple):
     final_logit_softcapping: float | None
 
 
-def head_logits(hidden: Tensor, head: FusedHead, temperature: float) -> Tensor:
-    """The tempered logits TRL's fused head scores ``hidden`` (…, d) with, in float32 (float64 for float64 input):
-    softcap · tanh(logit_scale · (h Wᵀ + b) / softcap) / temperature, no tanh without softcapping."""
-    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    z = hidden.to(dtype) @ head.weight.detach().to(dtype).T
-    if head.bias is not None:
-        z = z + head.bias.detach().to(dtype)
-    z = z * head.logit_scale
+def trl_head_dtype(hidden: Tensor, cast_lm_head_to_fp32: bool = False) -> torch.dtype:
+    """The dtype TRL 1.16's fused head multiplies h Wᵀ in (``trl.kernels.ChunkedLogProbFunction``): float32 under
+    ``cast_lm_head_to_fp32``, else autocast's dtype where autocast is on (bf16 mixed precision), else ``hidden``'s."""
+    if cast_lm_head_to_fp32:
+        return torch.float32
+    kind = hidden.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+
+
+def head_logits(hidden: Tensor, head: FusedHead, temperature: float, dtype: torch.dtype | None = None) -> Tensor:
+    """The tempered logits TRL's fused head scores ``hidden`` (…, d) with: h Wᵀ + b multiplied in ``dtype`` (default
+    float32, float64 for float64 input; :func:`trl_head_dtype` for TRL's own), then in float32 (float64) softcap ·
+    tanh(logit_scale · z / softcap) / temperature, no tanh without softcapping. Autocast is off inside, so ``dtype``
+    is the one that multiplies."""
+    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    dtype = wide if dtype is None else dtype
+    with torch.autocast(hidden.device.type, enabled=False):
+        z = hidden.to(dtype) @ head.weight.detach().to(dtype).T
+        if head.bias is not None:
+            z = z + head.bias.detach().to(dtype)
+    z = z.to(wide) * head.logit_scale
     if head.final_logit_softcapping is not None:
         z = torch.tanh(z / head.final_logit_softcapping) * head.final_logit_softcapping
     return z / temperature

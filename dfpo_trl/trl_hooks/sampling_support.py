@@ -12,8 +12,10 @@ against the same support on both sides,
 
 is 1 when the engines agree, whatever the truncation. Its cost is one log K_t per token, from the forward that already
 computes ℓ^old (TRL's rollout forward): :class:`KeptMass` reads that forward's LM-head input h, forms the tempered
-logits in float32 (the head and transform TRL's fused head uses), rebuilds S_t in vLLM's order on those logits rounded
-to the head's dtype, weighs it with the float32 p (:func:`kept_log_mass`), and hands TRL ℓ^old − log K for its ratio,
+logits as TRL's fused head forms them for ℓ^old (its head and transform, h Wᵀ multiplied in the dtype its kernel
+multiplies in: bf16 under bf16 mixed precision, :func:`~dfpo_trl.trl_hooks.lm_head.trl_head_dtype`), rebuilds S_t in
+vLLM's order on those logits rounded to the head's dtype where they are wider, weighs it with the p of the same
+logits (:func:`kept_log_mass`), and hands TRL ℓ^old − log K for its ratio,
 so TRL's own four modes, bounds and metrics apply to (S1) unchanged. Afterwards :func:`finish_rollout` puts TRL's
 untruncated ℓ^old back (the policy ratio's π_old stays untruncated) and writes the sampler's log-probs on the same
 untruncated scale, s + log K (what TRL's off-policy mask compares with ℓ(θ)), and logs the untruncated ratio beside
@@ -34,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .compat import _incompatible, bind_call
-from .lm_head import fused_lm_head, gathered_for_reading, head_logits, lm_head_input_module
+from .lm_head import fused_lm_head, gathered_for_reading, head_logits, lm_head_input_module, trl_head_dtype
 
 __all__ = [
     "FULL_RATIO_METRIC",
@@ -126,14 +128,17 @@ def engine_logits(logits: Tensor, temperature: float, dtype: torch.dtype | None)
 
 
 def hidden_log_mass(hidden: Tensor, head: Any, support: SamplingSupport,
-                    engine_dtype: torch.dtype | None = None) -> Tensor:
-    """log K_t of each position of ``hidden`` (…, d), through the head TRL's fused head projects with, in passes of
-    :data:`POSITIONS_PER_PASS` logits; the support decided as vLLM running in ``engine_dtype`` decides it."""
+                    engine_dtype: torch.dtype | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """log K_t of each position of ``hidden`` (…, d), through the head TRL's fused head projects with, h Wᵀ
+    multiplied in ``dtype`` (:func:`~dfpo_trl.trl_hooks.lm_head.head_logits`), in passes of
+    :data:`POSITIONS_PER_PASS` logits; the support decided as vLLM running in ``engine_dtype`` decides it (logits
+    multiplied in that dtype already are the engine's: no rounding)."""
     flat = hidden.reshape(-1, hidden.size(-1))
     step = max(1, POSITIONS_PER_PASS // head.weight.size(0))
+    engine_dtype = None if dtype is not None and dtype == engine_dtype else engine_dtype
     out = []
     for i in range(0, flat.size(0), step):
-        logits = head_logits(flat[i:i + step], head, 1.0)
+        logits = head_logits(flat[i:i + step], head, 1.0, dtype)
         out.append(kept_log_mass(logits / support.temperature, support,
                                  engine_logits(logits, support.temperature, engine_dtype)))
     return (torch.cat(out) if out else flat.new_zeros(0, dtype=torch.float32)).reshape(hidden.shape[:-1])
@@ -144,8 +149,9 @@ class KeptMass:
     completion token from the LM head's input, computed per chunk as the chunk passes (nothing of h is kept), and
     ℓ^old − log K handed back to TRL in place of ℓ^old (module docstring, eq. S1)."""
 
-    def __init__(self, support: SamplingSupport) -> None:
+    def __init__(self, support: SamplingSupport, cast_lm_head_to_fp32: bool = False) -> None:
         self.support = support
+        self.cast_lm_head_to_fp32 = cast_lm_head_to_fp32  # TRL's field: its head multiplies in float32
         self.old: Tensor | None = None  # TRL's untruncated ℓ^old, as its forward returned it
         self.log_mass: Tensor | None = None  # (B, T), 0 outside the completion
 
@@ -166,8 +172,10 @@ class KeptMass:
             h = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
             # completion token t is predicted from hidden position S − 1 − T + t (TRL shifts its labels by one)
             with torch.no_grad(), gathered_for_reading(head.weight, head.bias):
-                # the support as vLLM decides it for a policy of the head's dtype (engine_logits)
-                chunks.append(hidden_log_mass(h[:, -(keep + 1):-1].detach(), head, self.support, head.weight.dtype))
+                # the logits TRL scores ℓ^old with (its kernel's dtype, autocast's under mixed precision); the
+                # support as vLLM decides it for a policy of the head's dtype (engine_logits)
+                chunks.append(hidden_log_mass(h[:, -(keep + 1):-1].detach(), head, self.support, head.weight.dtype,
+                                              trl_head_dtype(h, self.cast_lm_head_to_fp32)))
 
         handle = backbone.register_forward_hook(hook)
         try:
@@ -193,7 +201,7 @@ def rollout_kept_mass(trainer: Any) -> KeptMass | None:
         return None
     support = sampling_support(trainer.temperature, trainer.top_k, trainer.top_p, trainer.min_p,
                                trainer.args.generation_kwargs)
-    return KeptMass(support) if support.truncates else None
+    return KeptMass(support, bool(trainer.args.cast_lm_head_to_fp32)) if support.truncates else None
 
 
 def full_ratio(old: Tensor, sampling: Tensor, mask: Tensor, sequence_level: bool) -> Tensor:

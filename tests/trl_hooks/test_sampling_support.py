@@ -1,7 +1,8 @@
 """The kept mass K_t of vLLM's truncated support (trl_hooks/sampling_support.py) against vLLM's rule written out
 element by element, on hand numbers, random logits, ties and each truncation alone; the same from the LM head's
-input as TRL's fused head projects it; the support decided on vLLM's 16-bit logits, the mass on the trainer's float32
-ones; the options that refuse the truncated support."""
+input as TRL's fused head projects it, in the dtype TRL's kernel multiplies in (checked against that kernel, with and
+without autocast); the support decided on vLLM's 16-bit logits where the trainer's are wider; the options that refuse
+the truncated support."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from test_vllm_colocate import vllm_support
 from tiny import base_args
 
 from dfpo_trl import DFPOConfig
-from dfpo_trl.trl_hooks.lm_head import FusedHead, head_logits
+from dfpo_trl.trl_hooks.lm_head import FusedHead, head_logits, trl_head_dtype
 from dfpo_trl.trl_hooks.sampling_support import (
     SamplingSupport,
     engine_logits,
@@ -123,6 +124,50 @@ def test_from_the_lm_head_input_as_trls_fused_head_scores_it():
     raw = (10.0 * torch.tanh(0.5 * (hidden @ weight.T + bias) / 10.0)).reshape(-1, 40)
     rounded = kept_log_mass(raw / 0.7, support, raw.to(torch.bfloat16).float() / 0.7).reshape(3, 7)
     torch.testing.assert_close(hidden_log_mass(hidden, head, support, torch.bfloat16), rounded)
+
+
+def trl_kernel_log_probs(hidden: torch.Tensor, head: FusedHead, targets: torch.Tensor, temperature: float):
+    """ℓ as TRL 1.16's fused head computes it (trl.kernels.ChunkedLogProbFunction, the kernel behind ℓ^old)."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    return ChunkedLogProbFunction.apply(hidden, head.weight, head.bias, targets, temperature, 64,
+                                        head.final_logit_softcapping, head.logit_scale, ("log_probs",))[0]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_logits_are_the_ones_trls_kernel_scores_old_log_probs_with(autocast):
+    """K_t must weigh the p that ℓ^old comes from. TRL's kernel multiplies h Wᵀ in autocast's dtype under mixed
+    precision and in h's dtype otherwise, so a bf16 policy's ℓ^old comes from bf16 products either way: ours, in
+    :func:`trl_head_dtype`, give TRL's ℓ to float32 rounding, where products in float32 miss it by bf16's rounding."""
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.float32 if autocast else torch.bfloat16  # under autocast TRL's hidden states stay float32
+    hidden = (4 * torch.randn(48, 32, generator=g)).to(dtype)
+    head = FusedHead((torch.randn(200, 32, generator=g) / 2).to(dtype), torch.randn(200, generator=g).to(dtype),
+                     0.5, 30.0)
+    targets = torch.randint(0, 200, (48,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        trl = trl_kernel_log_probs(hidden, head, targets, 0.7)
+        compute = trl_head_dtype(hidden)
+        ours = head_logits(hidden, head, 0.7, compute).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+        wide = head_logits(hidden, head, 0.7).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    assert compute == torch.bfloat16
+    assert ours.dtype == torch.float32 and trl.dtype == torch.float32
+    scale = float(trl.abs().max())
+    torch.testing.assert_close(ours, trl, atol=1e-5 * scale, rtol=0)
+    assert float((wide - trl).abs().max()) > 1e-3 * scale  # float32 products are not what TRL scored
+    assert trl_head_dtype(hidden, cast_lm_head_to_fp32=True) == torch.float32
+
+
+def test_logits_in_the_engines_dtype_are_not_rounded_again():
+    """bf16 products are the engine's logits already: the support and the mass come from them unchanged."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(5, 16, generator=g).to(torch.bfloat16)
+    head = FusedHead(torch.randn(60, 16, generator=g).to(torch.bfloat16), None, 1.0, None)
+    support = SamplingSupport(0.6, 8, 0.9, 0.0)
+    logits = head_logits(hidden, head, 1.0, torch.bfloat16)
+    want = kept_log_mass(logits / 0.6, support)
+    torch.testing.assert_close(hidden_log_mass(hidden, head, support, torch.bfloat16, torch.bfloat16), want,
+                               atol=0, rtol=0)
 
 
 def test_generation_kwargs_win_as_trl_passes_them_to_vllm():
