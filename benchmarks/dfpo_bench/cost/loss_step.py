@@ -1,21 +1,9 @@
-"""Loss + backward time of every objective on ONE fixed rollout batch, against TRL's own GSPO, interleaved.
+"""Loss + backward time of every objective on ONE fixed off-policy batch, against TRL's own GSPO, interleaved.
 
-Whole training loops drift by up to 28% between phases on the GPU machines, which hides an overhead of 1–2%. This
-benchmark removes everything but the code that differs between methods: the same model, the same hand-built
-off-policy batch (old log-probs shifted so that some sequences are clipped), and for each method only
-``trainer.compute_loss(model, batch)`` and ``loss.backward()``. Methods are interleaved in many short rounds
-(each round: every method ``--reps`` times, in a shuffled order), and the ratio to TRL's ``GRPOTrainer`` is
-taken within each round, then bootstrapped over rounds (95% interval of the median of the per-round ratios).
-
-    # on the GPU machine (model from the kit), ~2 minutes
-    python -m dfpo_bench.cost.loss_step --model /root/models/smollm2-135m-instruct --out-dir $OUT
-    # a Qwen3-1.7B-sized random init
-    python -m dfpo_bench.cost.loss_step --random-config qwen3-1.7b --rows 16 --completion-length 512 --out-dir $OUT
-    # CPU check of the pipeline
-    python -m dfpo_bench.cost.loss_step --random-config tiny --device cpu --rounds 3 --reps 1 --out-dir /tmp/ls
-
-Writes ``loss_step_<tag>.json``: device, model, shapes, per method the per-round times, their median, the
-ratio to TRL with its interval, and whether the method's loss equals TRL's where it must (``dfpo_none``).
+Whole loops drift by up to 28% between phases on the GPU machines, hiding an overhead of 1-2%; here only
+``trainer.compute_loss`` and ``backward`` run, on one model and one hand-built batch (old log-probs shifted so that
+some rows clip). Each round runs every method ``--reps`` times in a shuffled order; the ratio to TRL is taken within
+a round, then bootstrapped over rounds. Writes ``loss_step_<tag>.json``, with whether ``dfpo_none``'s loss equals TRL's.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Step time and memory of every DFPO method against TRL's GSPO, in one process, in interleaved rounds.
 
-    python -m dfpo_bench.cost.overhead --model /root/models/smollm2-135m-instruct --out-dir $OUT
-    python -m dfpo_bench.cost.overhead --random-config qwen3-1.7b --rounds 2 --steps 12 --out-dir $OUT
-    python -m dfpo_bench.cost.overhead --smoke --out-dir /tmp/overhead-smoke          # CPU, tiny random model
-    python -m dfpo_bench.cost.overhead --merge a.json b.json --out benchmarks/results/overhead.json
-
-The same initial weights (a random init is saved once), prompts and seed for every method. A *phase* is one method
-trained for ``warmup + steps`` optimizer steps by a fresh trainer on a fresh copy of the model; a round runs every
-method once, in an order rotated each round, so the machine's drift falls on every method alike. Off-policy
-(``steps_per_generation`` > accumulation = 1), so the transforms act; ``--fixed-length`` (default) makes every
-completion ``max_completion_length`` tokens, so every method trains on tensors of one shape.
-
-Per timed optimizer step (``on_step_begin`` to ``on_step_end``, CUDA synchronised): the wall time, the time in TRL's
-``_generate`` (sampling) and in ``_generate_and_score_completions`` (the rollout). ``median_step_s``: the median step;
-``median_train_only_step_s``: the median of the steps without a rollout (forward, backward, optimizer only), what the
-goals are judged on; ``median_training_s``: step time less sampling; peak memory: ``torch.cuda.max_memory_allocated``,
-the max over the method's phases. Ratios to GSPO carry a 95% bootstrap interval over steps. Writes
-``overhead_<tag>.json`` after every round and prints a table last.
+Every method starts from the same weights, prompts and seed. A phase is one method trained for ``warmup + steps``
+optimizer steps by a fresh trainer on a fresh model; a round runs every method once, in an order rotated each round,
+so the machine's drift falls on all alike. Off-policy, so the transforms act; ``--fixed-length`` gives every method
+tensors of one shape. ``median_train_only_step_s`` (steps without a rollout) is what the goals are judged on; ratios
+to GSPO carry a 95% bootstrap interval over steps. Writes ``overhead_<tag>.json`` after every round.
 """
 
 from __future__ import annotations

@@ -1,42 +1,14 @@
-"""The 8B LoRA recipe's card table, run as a user runs it: ``dfpo-train recipes/qwen3_8b_lora.yaml`` plus exactly
-the row's flags, on a simulated card, one process per row.
+"""The 8B LoRA recipe's card table run as a user runs it: ``dfpo-train recipes/qwen3_8b_lora.yaml`` plus exactly the
+row's flags (:data:`ROWS`), one process per row, on a simulated card (commands: benchmarks/README.md).
 
-    # on the GPU machine after the kit (benchmarks/README.md, "The GPU kit"); about 8 minutes on one H200
-    python -m dfpo_bench.trained.cards_8b --out $OUT/cards_8b_as_run.json
-    # the exact commands, without a GPU (the CPU test reads them)
-    python -m dfpo_bench.trained.cards_8b --out /tmp/cards.json --dry-run
-    # the RESULTS section from an earlier --out
-    python -m dfpo_bench.trained.cards_8b --report benchmarks/results/trained/cards_8b_as_run.json
-
-A row (:data:`ROWS`) is a card size and the flags the table tells a user to add (and, for the row without expandable
-segments, the environment variable a user sets). Each runs ``python -m dfpo_trl`` (the ``dfpo-train`` program) on
-the recipe file with the row's flags and the four the GPU machine cannot do without (:data:`MACHINE_FLAGS`):
-
-* ``--model_name_or_path``: Qwen3-8B's architecture (its published ``config.json``: 36 layers, hidden 4096, 32
-  heads, 8 KV heads, ``max_position_embeddings`` 40960) with random bf16 weights, built once on the GPU and saved to
-  ``/tmp`` (the machine has no network, so no Qwen3-8B), with Qwen2.5's tokenizer (Qwen3's vocabulary, padded to the
-  head's 151,936 ids). A random model never ends a completion: every rollout runs to the 768-token cap, the worst
-  case for memory.
-* ``--dataset``: an offline stand-in for GSM8K saved to disk (GSM8K-shaped word problems, ``question`` and ``answer``
-  columns, 2,000 training and 16 held-out problems), since ``openai/gsm8k`` cannot be downloaded there. A user's run
-  holds 100 held-out problems: the same batch memory, more batches.
-* ``--reward_funcs dfpo_bench.trained.cards_8b:coin_reward``: a seeded coin per completion (a random model answers
-  nothing, so math-verify would score every completion 0 and no group would have signal): the reward a user could
-  write in a plugin module.
-* ``--max_steps 2``: one rollout and its two optimizer steps, the second off-policy.
-
-A card of N GB is simulated on the H200 by the process's own view of the GPU, set up by a ``sitecustomize`` module this
-benchmark writes and puts first on the row's ``PYTHONPATH`` (not a recipe flag): PyTorch's allocator is capped at
-the card less :data:`CONTEXT_GIB` for the CUDA context (``torch.cuda.set_per_process_memory_fraction``, of the
-H200's memory), and ``torch.cuda.mem_get_info`` reports the card (total N GiB, free N GiB less what this process
-holds, from ``nvidia-smi``), so vLLM reads the row's ``vllm_gpu_memory_utilization`` as a share of the card, as it
-would on one, and its start-up checks see the card's free memory. At exit the module writes the process's peaks:
-PyTorch's allocated and reserved memory, and what the process held beyond PyTorch's allocator (``nvidia-smi`` less
-reserved). A row passes when ``dfpo-train`` exits 0 and the peak reserved plus that overhead fits the card. A card of
-N GB is taken as N GiB (A100 40 GB and 80 GB have 40 and 80 GiB; an L40S has 45 GiB, more than its name).
-
-The rows run in two lanes at once (transformers generation, and colocated vLLM) on the one GPU: each process sees
-only its own card, so they do not interfere in memory, only in time (the times are indicative).
+Each row also gets the flags the GPU machine cannot do without (:func:`machine_flags`): Qwen3-8B's architecture with
+random bf16 weights (no network there; a random model never ends a completion, the worst case for memory), an offline
+GSM8K-shaped dataset, a seeded coin reward (a random model's answers are never right) and one rollout's two steps.
+A card of N GB (taken as N GiB) is the process's own view of the GPU, set up by the ``sitecustomize`` this writes
+(:data:`SITECUSTOMIZE`): PyTorch capped at the card less :data:`CONTEXT_GIB`, ``mem_get_info`` reporting the card, so
+vLLM reads ``vllm_gpu_memory_utilization`` as a share of it. A row passes when it exits 0 and its peak reserved plus
+what it held outside PyTorch fits the card. The rows run in two lanes (transformers; colocated vLLM): they share the
+GPU's time, not its memory, so the times are indicative.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""Held-out avg@k through colocated vLLM: its time at TRL's default eval batch (one problem per vLLM call at k = 8)
-against ``dfpo-train``'s default (each process's held-out problems, but at most a training rollout's rows per call:
-:func:`default_rows`), the same avg@k measure.
+"""Held-out avg@k through colocated vLLM: its time at one problem per vLLM call (``--per_device_eval_batch_size 8``,
+TRL's default) against ``dfpo-train``'s default (at most a training rollout's rows per call: :func:`default_rows`).
 
-    # on the GPU machine after the kit (benchmarks/README.md, "The GPU kit"); about 8 minutes on one H200: the
-    # one-problem arm took 319 s, the default's 107 s (2026-12-03), so give the call 600 s
-    python -m dfpo_bench.trained.eval_calls --out $OUT/eval_calls.json
-    # the commands it would run, without running them (the CPU test)
-    python -m dfpo_bench.trained.eval_calls --out /tmp/eval_calls.json --dry-run
-
-Each arm is one ``dfpo-train`` process on ``recipes/qwen3_8b_lora.yaml`` (its LoRA, objective, batch and Qwen3's
-sampling) with colocated vLLM, on Qwen2.5-Coder-0.5B-Instruct's trained weights (the kit's) and an offline
-GSM8K-shaped dataset written here (``cards_8b.write_dataset``: the machine cannot download GSM8K): 100 held-out
-problems, k = 8 completions of at most 256 tokens each (``max_completion_length`` 256) and one optimizer step; the
-held-out avg@8 is measured before and after it, twice per process. The arms differ in one flag:
-``--per_device_eval_batch_size 8`` (transformers' default, which ``dfpo-train`` used until it set its own) or none
-(the recipe's rollout, 8 x 8 = 64 rows: 8 problems per call, 13 calls for 100). With ``--repeats 2`` the arms
-alternate (old, new, new, old; two calls of 600 s), so that a drift of the GPU's speed shows as a difference between
-repeats, not arms. Each evaluation's time is the summary's ``before_seconds`` / ``after_seconds``:
-``trainer.evaluate()`` whole (generation, scoring, the evaluation's forwards). avg@8 is a sample (800 completions
-an evaluation at the recipe's sampling): the arms' values are two samples of the same measure, not compared.
+Each arm is one ``dfpo-train`` process on ``recipes/qwen3_8b_lora.yaml`` with colocated vLLM, the kit's trained
+Qwen2.5-Coder-0.5B and an offline GSM8K-shaped dataset (``cards_8b.write_dataset``): 100 held-out problems x k = 8
+completions of at most 256 tokens, evaluated before and after one optimizer step. With ``--repeats 2`` the arms
+alternate (old, new, new, old), so that a drift of the GPU's speed shows between repeats, not arms. An evaluation's
+time is the summary's ``before_seconds`` / ``after_seconds``. avg@8 is a sample: the arms' values are not compared.
 """
 
 from __future__ import annotations
