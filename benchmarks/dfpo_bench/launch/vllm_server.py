@@ -17,7 +17,6 @@ import json
 import os
 import pathlib
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from dfpo_bench.lib.common import ROOT, train_in_process, versions
+from dfpo_bench.lib.common import ROOT, stop_process_group, train_in_process, versions
 
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # the weight-transfer and cache-reset endpoints live behind it
 CHECK_PROMPT = [{"role": "user", "content": "Compute 3 + 5. Give the final answer as: Answer: <number>"}]
@@ -93,22 +92,8 @@ def start_server(args: argparse.Namespace, log: pathlib.Path) -> tuple[subproces
             time.sleep(2)
         raise TimeoutError(f"the vLLM server was not up after {args.server_timeout} s")
     except BaseException:
-        stop_server(process)
+        stop_process_group(process, grace_s=60)
         raise
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    """Stop the server's whole process group (vLLM's API server has engine children); a group already gone is no
-    error."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=60)
-    except ProcessLookupError:
-        process.poll()
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def check_tokens(tokenizer_path: str) -> tuple[list[int], int]:
@@ -312,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
                 result["weight_sync_check"], result["weight_sync_numbers"] = weight_sync_check(
                     served_initial, initial, served, trained, args.tolerance)
         finally:
-            stop_server(server)
+            stop_process_group(server, grace_s=60)
         result["runs"][kind] = record
         (out / "vllm_server.json").write_text(json.dumps(result, indent=1) + "\n")
     if {"dfpo_off", "trl"} <= set(args.runs):

@@ -24,7 +24,9 @@ import time
 import zlib
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+from dfpo_bench.lib import common
+
+ROOT = common.ROOT
 RECIPE = ROOT / "recipes" / "qwen3_8b_lora.yaml"
 CONTEXT_GIB = 1.0  # the CUDA context and libraries, outside PyTorch's allocator (0.7-0.9 GiB measured on the H200)
 MODEL_DIR = "/tmp/random-qwen3-8b"
@@ -223,8 +225,7 @@ def row_env(row: dict[str, Any], site: pathlib.Path, peaks: pathlib.Path, port: 
     """The row's environment: the user's own (none, or the allocator setting), the simulated card, the import path
     (the card's sitecustomize first; the repository and the benchmarks for the coin reward), a free MASTER_PORT."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    path = [str(site), str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]
-    env.update(row["env"], PYTHONPATH=os.pathsep.join(p for p in path if p), PYTHONUNBUFFERED="1",
+    env.update(row["env"], PYTHONPATH=common.child_pythonpath(str(site)), PYTHONUNBUFFERED="1",
                DFPO_BENCH_CARD_GIB=str(row["card_gib"]), DFPO_BENCH_CONTEXT_GIB=str(CONTEXT_GIB),
                DFPO_BENCH_PEAKS=str(peaks), MASTER_PORT=str(port), TOKENIZERS_PARALLELISM="false")
     return env
@@ -329,8 +330,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{TOKENIZER} is not there: SmolLM2's tokenizer, padded to Qwen3's vocabulary", flush=True)
             args.tokenizer = FALLBACK_TOKENIZER
         built["tokenizer"] = args.tokenizer
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"),
-                                                          os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=common.child_pythonpath())
         code = subprocess.run([sys.executable, "-m", "dfpo_bench.trained.cards_8b", "--build", args.model_dir,
                                "--tokenizer", args.tokenizer, "--out", str(work / "built.json")], cwd=ROOT,
                               env=env).returncode
@@ -458,14 +458,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.out:
         parser.error("--out is required")
-    from dfpo_bench.lib import common, provenance
-
     args.started = time.time()
     built = prepare(args)
     site = write_site(pathlib.Path(args.work))
-    head = {"command": "python -m dfpo_bench.trained.cards_8b " + " ".join(sys.argv[1:]),
-            **provenance.checkout_state(ROOT), "versions": common.versions(), "card": common.device_name("cuda"),
-            "date": time.strftime("%Y-%m-%d"), "context_gib": CONTEXT_GIB, "model": built,
+    head = {**common.run_head("dfpo_bench.trained.cards_8b", sys.argv[1:]), "context_gib": CONTEXT_GIB, "model": built,
             "machine_flags": machine_flags(args.model_dir, str(pathlib.Path(args.work) / "gsm8k_offline"))}
     args.commit = head["commit"]  # each row's record names it: rows of earlier calls keep theirs
 

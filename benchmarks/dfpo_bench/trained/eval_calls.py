@@ -20,7 +20,9 @@ import sys
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+from dfpo_bench.lib import common
+
+ROOT = common.ROOT
 RECIPE = ROOT / "recipes" / "qwen3_8b_lora.yaml"
 MODEL = "/root/models/qwen2.5-coder-0.5b-instruct"
 # name -> the flags that differ between the arms
@@ -60,8 +62,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
 
 def run_arm(arm: str, repeat: int, argv: list[str], work: pathlib.Path) -> dict[str, Any]:
     """Run one arm; its evaluations' avg@8 and seconds from the summary."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=common.child_pythonpath())
     log = work / f"{arm}_{repeat}.log"
     started = time.perf_counter()
     with open(log, "w") as handle:
@@ -139,7 +140,6 @@ def main(argv: list[str] | None = None) -> None:
         for arm, repeat, cmd in planned:
             print(f"{arm} {repeat}: {' '.join(cmd)}")
         return
-    from dfpo_bench.lib import common, provenance
     from dfpo_bench.trained.cards_8b import write_dataset
 
     work = pathlib.Path(args.work)
@@ -147,10 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     if not (work / "gsm8k_offline" / "dataset_dict.json").exists():
         write_dataset(work / "gsm8k_offline", train=500, test=100)
     records = [run_arm(arm, repeat, cmd, work) for arm, repeat, cmd in planned]
-    result = {"command": "python -m dfpo_bench.trained.eval_calls " + " ".join(sys.argv[1:]),
-              **provenance.checkout_state(ROOT), "versions": common.versions(), "card": common.device_name("cuda"),
-              "date": time.strftime("%Y-%m-%d"), "model": args.model, "dfpo_default_rows": default_rows(),
-              "records": records, "rows": tabulate(records)}
+    result = {**common.run_head("dfpo_bench.trained.eval_calls", sys.argv[1:]), "model": args.model,
+              "dfpo_default_rows": default_rows(), "records": records, "rows": tabulate(records)}
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     for row in result["rows"]:
         print(f"{row['flags']:36s} evaluations {row['evaluations']}  median {row['median_eval_s']} s  "
