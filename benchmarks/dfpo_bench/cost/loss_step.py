@@ -87,15 +87,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(trainers.DTYPES))
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=[BASELINE, *trainers.METHODS])
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--prompt-length", type=int, default=32)
-    parser.add_argument("--completion-length", type=int, default=256)
+    for name, default in (("rows", 64), ("group-size", 8), ("prompt-length", 32), ("completion-length", 256),
+                          ("rounds", 30), ("reps", 3), ("warmup", 2), ("seed", 0)):  # --warmup: untimed rounds first
+        parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--shift", type=float, default=2e-3, help="std of the per-row log-ratio offset")
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
     parser.add_argument("--tag", default=None)
     parser.add_argument("--out-dir", required=True)

@@ -23,15 +23,14 @@ import torch
 from transformers import AutoModelForCausalLM, PrinterCallback
 
 from dfpo_bench.lib import common, trainers
+from dfpo_bench.lib.stats import fmt
 from dfpo_bench.lib.timing import StepClock
 
 
 def run_phase(method: str, args: argparse.Namespace, ctx: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
-    """Train ``method`` from the shared initial weights for ``warmup + steps`` steps; its timed steps and peak.
-
-    A new model object per phase (accelerate wraps the forward of every model it prepares; wrapping one object again
-    and again would slow later phases), checked on one prompt first, so that a model with non-finite weights stops
-    with their names rather than with a device assert in sampling (the pad-row NaN of RESULTS §3)."""
+    """Train ``method`` from the shared initial weights for ``warmup + steps`` steps; its timed steps and peak. A new
+    model per phase (accelerate wraps every model it prepares: rewrapping one would slow later phases), checked on one
+    prompt first, so that non-finite weights stop with their names, not a device assert in sampling."""
     model = AutoModelForCausalLM.from_pretrained(ctx["model_path"], dtype=ctx["dtype"]).to(args.device)
     model.generation_config = copy.deepcopy(ctx["generation_config"])
     with torch.no_grad():
@@ -130,16 +129,13 @@ def summarise(phases: list[dict[str, Any]], methods: list[str], args: argparse.N
 
 
 def print_table(result: dict[str, Any]) -> None:
-    def number(value: float | None, digits: int = 3) -> str:
-        return "-" if value is None else f"{value:.{digits}f}"
-
     print(f"\n{result['model']} on {result['device']}: {result['steps']} timed steps per method")
     for m, step in result["median_step_s"].items():
         low, high = result["ratio_train_only_interval_95"].get(m) or (None, None)
-        print(f"{m:<20} step {number(step, 4)} s, x GSPO {number(result['ratio_to_baseline'][m])}; no-rollout "
-              f"{number(result['median_train_only_step_s'][m], 4)} s, x GSPO "
-              f"{number(result['ratio_train_only_to_baseline'][m])} [{number(low)}, {number(high)}]; peak "
-              f"{number(result['peak_mem_gb'][m], 2)} GB")
+        print(f"{m:<20} step {fmt(step, 4)} s, x GSPO {fmt(result['ratio_to_baseline'][m])}; no-rollout "
+              f"{fmt(result['median_train_only_step_s'][m], 4)} s, x GSPO "
+              f"{fmt(result['ratio_train_only_to_baseline'][m])} [{fmt(low)}, {fmt(high)}]; peak "
+              f"{fmt(result['peak_mem_gb'][m], 2)} GB")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -150,18 +146,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="tokenizer path (default: --model, else the SmolLM2 checkpoint)")
     p.add_argument("--dtype", choices=sorted(trainers.DTYPES), default="bfloat16", help="weights dtype")
     p.add_argument("--methods", nargs="+", default=trainers.OVERHEAD_METHODS, choices=list(trainers.METHODS))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per method per round")
+    # --steps: timed optimizer steps per method per round; --batch-size: per_device_train_batch_size
+    for name, default in (("rounds", 3), ("steps", 8), ("batch-size", 32), ("num-generations", 16),
+                          ("steps-per-generation", 4), ("max-completion-length", 64), ("seed", 0)):
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per phase (default: steps/generation)")
-    p.add_argument("--batch-size", type=int, default=32, help="per_device_train_batch_size (completions)")
-    p.add_argument("--num-generations", type=int, default=16)
-    p.add_argument("--steps-per-generation", type=int, default=4)
-    p.add_argument("--max-completion-length", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--reward", choices=["arithmetic", "id_parity"], help="default: arithmetic for --model")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--deadline-s", type=float, default=480.0, help="start no phase that would end after this")
     p.add_argument("--out-dir", default="benchmarks/results")

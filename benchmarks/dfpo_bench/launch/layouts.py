@@ -29,7 +29,7 @@ from typing import Any
 
 from dfpo_bench.launch.layouts_timing import METHODS, phase_time, save_init
 from dfpo_bench.lib import common, trainers
-from dfpo_bench.lib.stats import bootstrap_median
+from dfpo_bench.lib.stats import bootstrap_median, fmt
 
 ROOT = common.ROOT
 SHAPE = ("device", "gpus", "model", "per_device_train_batch_size", "num_generations", "steps_per_generation",
@@ -148,16 +148,13 @@ def plot_ratios(report: dict[str, Any], path: pathlib.Path) -> None:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    def number(value: Any) -> str:
-        return f"{value:.3f}" if isinstance(value, float) else "-"
-
     print(f"\n{report['device']}: {report['gpus']} processes, ZeRO-{report['zero_stage']}, {report['model']}, "
           f"{report['rounds']} rounds, off-policy optimizer steps")
     for name in METHODS:
         e = report[name]
         low, high = e["ratio_interval_95"] or (None, None)
-        print(f"{name:15s} median {number(e['median_step_s'])} s, ratio to gspo {number(e['ratio_to_gspo'])} "
-              f"[{number(low)}, {number(high)}]" + (f"  error: {report['errors'][name][:80]}"
+        print(f"{name:15s} median {fmt(e['median_step_s'])} s, ratio to gspo {fmt(e['ratio_to_gspo'])} "
+              f"[{fmt(low)}, {fmt(high)}]" + (f"  error: {report['errors'][name][:80]}"
                                                     if name in (report.get("errors") or {}) else ""))
 
 
