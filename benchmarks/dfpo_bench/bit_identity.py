@@ -1,15 +1,9 @@
 """Bit-identical runs before and after a refactor: a few CPU training steps per configuration, fingerprinted.
 
-    python -m dfpo_bench.bit_identity --out /tmp/after.json                 # this checkout
-    python -m dfpo_bench.bit_identity --compare /tmp/before.json /tmp/after.json
-    python -m dfpo_bench.bit_identity --check benchmarks/results/bit_identity.json   # rerun a file's configs, compare
-
-Each configuration trains the tiny random Llama of ``dfpo_trl.testing`` with ``DFPOTrainer.train()`` for ``--steps``
-optimizer steps (seed 0, float32, one process, transformers' generate, two micro-steps per optimizer step and a
-rollout every four, so off-policy steps and the transform's input differ from on-policy ones). The fingerprint is
-the SHA-256 of every parameter's bytes after training and the exact ``repr`` of every logged number. Equal
-fingerprints of two checkouts on one machine mean the same arithmetic in the same order; a CPU of another kind
-rounds differently, so compare files made on the same machine only.
+Each configuration trains ``dfpo_trl.testing``'s tiny random Llama for ``--steps`` optimizer steps (seed 0, float32,
+two micro-steps per step, a rollout every four, so off-policy steps occur). The fingerprint is the SHA-256 of every
+parameter's bytes and the exact ``repr`` of every logged number: equal on one machine means the same arithmetic in
+the same order; another CPU rounds differently, so compare files of one machine only (benchmarks/README.md).
 """
 
 from __future__ import annotations

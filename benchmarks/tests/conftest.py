@@ -1,7 +1,5 @@
-"""Fixtures of the benchmarks' tests. The first three repeat tests/conftest.py's: neither test folder imports the
-other, and they have no home in ``dfpo_trl.testing`` either, being about the test process (transformers' verbosity a
-job run in-process leaves behind, torch's thread count, transformers' bf16 check answered yes by a patch of its
-internals), not about DFPO: a stable name there would make the library ship a pytest fixture and that patch."""
+"""Fixtures of the benchmarks' tests. They repeat tests/conftest.py's: neither test folder imports the other, and
+being about the test process, not DFPO, they have no home in ``dfpo_trl.testing``."""
 
 from __future__ import annotations
 

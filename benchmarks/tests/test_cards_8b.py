@@ -1,7 +1,5 @@
-"""The 8B LoRA recipe's card rows as a user runs them (dfpo_bench.trained.cards_8b) and the held-out evaluation's
-timing arms (dfpo_bench.trained.eval_calls), on the CPU: every row is the recipe plus the row's flags, which parse,
-resolve and pass every check of dfpo-train; the benchmark adds only what the GPU machine cannot do without; the
-recipe's header lists each row's flags; the simulated card's module installs itself in the row's process alone."""
+"""dfpo_bench.trained.cards_8b and eval_calls on the CPU: every row is the recipe plus the flags its header lists, and
+they parse; the benchmark adds only what the GPU machine needs; the simulated card hooks the row's process alone."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """Whole-loop cost with vLLM colocated: each DFPO transform's optimizer-step time against TRL's GRPOTrainer.
 
-    # on the GPU machine, after the kit's setup with vLLM; one worker per GPU, ~4 minutes
-    python -m dfpo_bench.cost.loop_cost --gpus 2 3 --rounds 4 --out $OUT/loop_cost.json
-
-Each worker (one process, one GPU) builds ONE vLLM engine and reuses it for every run (TRL's colocated
-``VLLMGeneration`` builds its engine through ``vllm.LLM``; here the second and later constructions return the first
-engine, and each run pushes its own initial weights into it before training). A run is a short training of one
-method (``--steps`` optimizer steps of the GPU recipe's shape: G = 8, 32 completions per micro-step, 4 steps per
-generation, GSPO's sequence ratio); its time is the mean wall time of the optimizer steps after the first rollout
-(generation, weight sync and loss steps included; CUDA synchronised). A round runs every method once in a shuffled
-order; the ratio of a method to ``GRPOTrainer`` is taken within a round (same GPU, minutes apart) and its median
-over all rounds of all workers is given with a bootstrap interval over rounds.
+One worker per GPU builds ONE vLLM engine and reuses it for every run (:func:`share_one_engine`; each run pushes its
+own initial weights first). A run's time is the mean step after the first rollout; a round runs every method once in
+a shuffled order, and the within-round ratio to ``GRPOTrainer`` is bootstrapped over all rounds of all workers.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""Loss + backward time of every objective on ONE fixed rollout batch, against TRL's own GSPO, interleaved.
+"""Loss + backward time of every objective on ONE fixed off-policy batch, against TRL's own GSPO, interleaved.
 
-Whole training loops drift by up to 28% between phases on the GPU machines, which hides an overhead of 1–2%. This
-benchmark removes everything but the code that differs between methods: the same model, the same hand-built
-off-policy batch (old log-probs shifted so that some sequences are clipped), and for each method only
-``trainer.compute_loss(model, batch)`` and ``loss.backward()``. Methods are interleaved in many short rounds
-(each round: every method ``--reps`` times, in a shuffled order), and the ratio to TRL's ``GRPOTrainer`` is
-taken within each round, then bootstrapped over rounds (95% interval of the median of the per-round ratios).
-
-    # on the GPU machine (model from the kit), ~2 minutes
-    python -m dfpo_bench.cost.loss_step --model /root/models/smollm2-135m-instruct --out-dir $OUT
-    # a Qwen3-1.7B-sized random init
-    python -m dfpo_bench.cost.loss_step --random-config qwen3-1.7b --rows 16 --completion-length 512 --out-dir $OUT
-    # CPU check of the pipeline
-    python -m dfpo_bench.cost.loss_step --random-config tiny --device cpu --rounds 3 --reps 1 --out-dir /tmp/ls
-
-Writes ``loss_step_<tag>.json``: device, model, shapes, per method the per-round times, their median, the
-ratio to TRL with its interval, and whether the method's loss equals TRL's where it must (``dfpo_none``).
+Whole loops drift by up to 28% between phases on the GPU machines, hiding an overhead of 1-2%; here only
+``trainer.compute_loss`` and ``backward`` run, on one model and one hand-built batch (old log-probs shifted so that
+some rows clip). Each round runs every method ``--reps`` times in a shuffled order; the ratio to TRL is taken within
+a round, then bootstrapped over rounds. Writes ``loss_step_<tag>.json``, with whether ``dfpo_none``'s loss equals TRL's.
 """
 
 from __future__ import annotations
@@ -99,15 +87,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(trainers.DTYPES))
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=[BASELINE, *trainers.METHODS])
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--prompt-length", type=int, default=32)
-    parser.add_argument("--completion-length", type=int, default=256)
+    for name, default in (("rows", 64), ("group-size", 8), ("prompt-length", 32), ("completion-length", 256),
+                          ("rounds", 30), ("reps", 3), ("warmup", 2), ("seed", 0)):  # --warmup: untimed rounds first
+        parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--shift", type=float, default=2e-3, help="std of the per-row log-ratio offset")
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
     parser.add_argument("--tag", default=None)
     parser.add_argument("--out-dir", required=True)

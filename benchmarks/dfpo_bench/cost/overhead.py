@@ -1,22 +1,10 @@
 """Step time and memory of every DFPO method against TRL's GSPO, in one process, in interleaved rounds.
 
-    python -m dfpo_bench.cost.overhead --model /root/models/smollm2-135m-instruct --out-dir $OUT
-    python -m dfpo_bench.cost.overhead --random-config qwen3-1.7b --rounds 2 --steps 12 --out-dir $OUT
-    python -m dfpo_bench.cost.overhead --smoke --out-dir /tmp/overhead-smoke          # CPU, tiny random model
-    python -m dfpo_bench.cost.overhead --merge a.json b.json --out benchmarks/results/overhead.json
-
-The same initial weights (a random init is saved once), prompts and seed for every method. A *phase* is one method
-trained for ``warmup + steps`` optimizer steps by a fresh trainer on a fresh copy of the model; a round runs every
-method once, in an order rotated each round, so the machine's drift falls on every method alike. Off-policy
-(``steps_per_generation`` > accumulation = 1), so the transforms act; ``--fixed-length`` (default) makes every
-completion ``max_completion_length`` tokens, so every method trains on tensors of one shape.
-
-Per timed optimizer step (``on_step_begin`` to ``on_step_end``, CUDA synchronised): the wall time, the time in TRL's
-``_generate`` (sampling) and in ``_generate_and_score_completions`` (the rollout). ``median_step_s``: the median step;
-``median_train_only_step_s``: the median of the steps without a rollout (forward, backward, optimizer only), what the
-goals are judged on; ``median_training_s``: step time less sampling; peak memory: ``torch.cuda.max_memory_allocated``,
-the max over the method's phases. Ratios to GSPO carry a 95% bootstrap interval over steps. Writes
-``overhead_<tag>.json`` after every round and prints a table last.
+Every method starts from the same weights, prompts and seed. A phase is one method trained for ``warmup + steps``
+optimizer steps by a fresh trainer on a fresh model; a round runs every method once, in an order rotated each round,
+so the machine's drift falls on all alike. Off-policy, so the transforms act; ``--fixed-length`` gives every method
+tensors of one shape. ``median_train_only_step_s`` (steps without a rollout) is what the goals are judged on; ratios
+to GSPO carry a 95% bootstrap interval over steps. Writes ``overhead_<tag>.json`` after every round.
 """
 
 from __future__ import annotations
@@ -35,15 +23,14 @@ import torch
 from transformers import AutoModelForCausalLM, PrinterCallback
 
 from dfpo_bench.lib import common, trainers
+from dfpo_bench.lib.stats import fmt
 from dfpo_bench.lib.timing import StepClock
 
 
 def run_phase(method: str, args: argparse.Namespace, ctx: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
-    """Train ``method`` from the shared initial weights for ``warmup + steps`` steps; its timed steps and peak.
-
-    A new model object per phase (accelerate wraps the forward of every model it prepares; wrapping one object again
-    and again would slow later phases), checked on one prompt first, so that a model with non-finite weights stops
-    with their names rather than with a device assert in sampling (the pad-row NaN of RESULTS §3)."""
+    """Train ``method`` from the shared initial weights for ``warmup + steps`` steps; its timed steps and peak. A new
+    model per phase (accelerate wraps every model it prepares: rewrapping one would slow later phases), checked on one
+    prompt first, so that non-finite weights stop with their names, not a device assert in sampling."""
     model = AutoModelForCausalLM.from_pretrained(ctx["model_path"], dtype=ctx["dtype"]).to(args.device)
     model.generation_config = copy.deepcopy(ctx["generation_config"])
     with torch.no_grad():
@@ -142,16 +129,13 @@ def summarise(phases: list[dict[str, Any]], methods: list[str], args: argparse.N
 
 
 def print_table(result: dict[str, Any]) -> None:
-    def number(value: float | None, digits: int = 3) -> str:
-        return "-" if value is None else f"{value:.{digits}f}"
-
     print(f"\n{result['model']} on {result['device']}: {result['steps']} timed steps per method")
     for m, step in result["median_step_s"].items():
         low, high = result["ratio_train_only_interval_95"].get(m) or (None, None)
-        print(f"{m:<20} step {number(step, 4)} s, x GSPO {number(result['ratio_to_baseline'][m])}; no-rollout "
-              f"{number(result['median_train_only_step_s'][m], 4)} s, x GSPO "
-              f"{number(result['ratio_train_only_to_baseline'][m])} [{number(low)}, {number(high)}]; peak "
-              f"{number(result['peak_mem_gb'][m], 2)} GB")
+        print(f"{m:<20} step {fmt(step, 4)} s, x GSPO {fmt(result['ratio_to_baseline'][m])}; no-rollout "
+              f"{fmt(result['median_train_only_step_s'][m], 4)} s, x GSPO "
+              f"{fmt(result['ratio_train_only_to_baseline'][m])} [{fmt(low)}, {fmt(high)}]; peak "
+              f"{fmt(result['peak_mem_gb'][m], 2)} GB")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -162,18 +146,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="tokenizer path (default: --model, else the SmolLM2 checkpoint)")
     p.add_argument("--dtype", choices=sorted(trainers.DTYPES), default="bfloat16", help="weights dtype")
     p.add_argument("--methods", nargs="+", default=trainers.OVERHEAD_METHODS, choices=list(trainers.METHODS))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per method per round")
+    # --steps: timed optimizer steps per method per round; --batch-size: per_device_train_batch_size
+    for name, default in (("rounds", 3), ("steps", 8), ("batch-size", 32), ("num-generations", 16),
+                          ("steps-per-generation", 4), ("max-completion-length", 64), ("seed", 0)):
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per phase (default: steps/generation)")
-    p.add_argument("--batch-size", type=int, default=32, help="per_device_train_batch_size (completions)")
-    p.add_argument("--num-generations", type=int, default=16)
-    p.add_argument("--steps-per-generation", type=int, default=4)
-    p.add_argument("--max-completion-length", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--reward", choices=["arithmetic", "id_parity"], help="default: arithmetic for --model")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--deadline-s", type=float, default=480.0, help="start no phase that would end after this")
     p.add_argument("--out-dir", default="benchmarks/results")

@@ -1,13 +1,8 @@
 """Rows the pre-pass forwards per off-policy optimizer step, DFPO's group order against TRL's per-sample order (CPU).
 
-    python -m dfpo_bench.cost.prepass_rows --out benchmarks/results/prepass_rows.json
-
-A tiny random Llama trains with Min-Replace in the pre-pass layout on one process; a forward pre-hook on the model
-counts the rows of every forward run without gradient, per optimizer step (the counter of
-``tests/groups/test_prepass_order.py``). In the optimizer steps that do not generate, GRPOTrainer forwards none, so
-that count is the pre-pass's F. ``per_sample`` keeps TRL's per-sample order of the rollout (the layout before DFPO
-ordered it by groups) by replacing the layout's regrouping with the whole-group marking alone. Several seeds, as
-TRL's shuffle makes F random under the per-sample order.
+A forward pre-hook counts the rows of every no-grad forward of a tiny Llama trained with Min-Replace in the pre-pass
+layout; in steps that do not generate that is the pre-pass's F. ``per_sample`` keeps TRL's order by replacing the
+regrouping with the whole-group marking alone; several seeds, as TRL's shuffle makes F random there.
 """
 
 from __future__ import annotations

@@ -1,39 +1,16 @@
-"""Group layouts under ZeRO-3: the off-policy optimizer step of DFPO Min-Replace in the ``pre_pass`` and the
-``redistributed`` layout against TRL's own GSPO, at the paper's shape scaled down, interleaved step by step.
+"""Group layouts under ZeRO-3: DFPO Min-Replace's off-policy optimizer step in the ``pre_pass`` and the
+``redistributed`` layout against TRL's GSPO, interleaved step by step (commands: benchmarks/README.md).
 
-    # 4 GPUs, within --deadline-s (default 510 s): the random init, then the timing under accelerate + ZeRO-3
-    python -m dfpo_bench.launch.layouts --out-dir $OUT                            # -> $OUT/layouts.json
-    # here: several timing runs of one setting on one machine pooled, and the figure
-    python -m dfpo_bench.launch.layouts --merge a/layouts.json b/layouts.json --out-dir benchmarks/results \\
-        --plot benchmarks/figures/layouts_ratio.png
-    # CPU check of the pipeline (tiny random model, 4 gloo processes through torchrun, no DeepSpeed), ~2.5 min
-    python -m dfpo_bench.launch.layouts --device cpu --random-config tiny --completion-length 24 \\
-        --min-completion-length 12 --rounds 2 --out-dir /tmp/layouts-cpu
+Shape (defaults): per-device batch 1, G = 4 = processes, ``steps_per_generation`` 16 and accumulation 4 (a rollout is
+1 on-policy and 3 off-policy optimizer steps, as in recipes/qwen3_32b.yaml); completions of 256-384 tokens; a random
+Qwen3-1.7B-shaped init in bf16. The three trainers share ONE process, init and hand-built rollout (below TRL's
+buffering, so DFPO's own rollout code runs); each ``train()`` runs in its own thread and the threads hand a baton over
+at optimizer-step boundaries, in a seeded order per round, so a round's ratio compares steps seconds apart.
 
-Shape (defaults): per-device batch 1, G = 4 = processes, ``steps_per_generation`` 16 and accumulation 4, so a rollout
-is 4 optimizer steps (1 on-policy, 3 off-policy) as in recipes/qwen3_32b.yaml, and the pre-pass forwards about as many
-rows per trained row as at the paper's shape; completions of 256-384 tokens, prompts of 32; Qwen3-1.7B's shape with
-SmolLM2's vocabulary, random init (``trainers.random_config``), bf16.
-
-Three trainers in ONE process, each with its own DeepSpeed engine, on the same init and the same hand-built rollout (no
-generation: the rollout returns this process's slice of a fixed generation batch below TRL's buffering, so DFPO's own
-rollout code, the redistribution included, runs as in training; old log-probs are the model's at the rollout minus a
-small per-row shift): TRL's ``GRPOTrainer`` with GSPO's settings, and DFPO Min-Replace forced to each layout. Each
-trainer's ``train()`` runs in its own thread (a second ``train()`` would build a second engine), and only one runs at a
-time: the threads hand a baton over at optimizer-step boundaries, in an order drawn per round from a seeded generator,
-the same on every rank. A round gives every method one turn of ``--steps-per-turn`` steps (default 1, so a round's
-ratio compares steps seconds apart); an untimed warm-up of ``--warmup-rollouts`` rollouts per method comes first.
-
-Timed: each optimizer step from ``on_step_begin`` to ``on_step_end``, every rank aligned at both ends (a one-float
-all-reduce, then a CUDA synchronise), of the off-policy steps; the first step of each rollout holds the rollout (and
-the pre-pass skips its forward there), so it is reported apart. Per round and method the median of its timed steps;
-``median_step_s`` the median over rounds with a 95% percentile-bootstrap interval over rounds; ``ratio_to_gspo`` the
-median over rounds of the within-round ratio to GSPO, bootstrapped the same way. With ``--gc between-turns`` (default)
-the long-lived heap is frozen after the warm-up and the collector runs between turns, untimed; collections a step
-triggers itself stay in its time (``gc_s``). Every timed step is kept in ``layouts.json`` (``steps``).
-
-The coefficient check of both layouts against a single-process reference (RESULTS §4) was archived with its phase:
-docs/source/research.md, "Benchmarks archived in a second step".
+Timed: the off-policy steps, every rank aligned at both ends; per round a method's median, then the median over rounds
+and of the within-round ratio to GSPO with 95% bootstrap intervals. ``--gc between-turns`` freezes the heap after the
+warm-up and collects between turns, untimed. The coefficient check was archived with its phase
+(docs/source/research.md, "Benchmarks archived in a second step").
 """
 
 from __future__ import annotations
@@ -52,7 +29,7 @@ from typing import Any
 
 from dfpo_bench.launch.layouts_timing import METHODS, phase_time, save_init
 from dfpo_bench.lib import common, trainers
-from dfpo_bench.lib.stats import bootstrap_median
+from dfpo_bench.lib.stats import bootstrap_median, fmt
 
 ROOT = common.ROOT
 SHAPE = ("device", "gpus", "model", "per_device_train_batch_size", "num_generations", "steps_per_generation",
@@ -171,16 +148,13 @@ def plot_ratios(report: dict[str, Any], path: pathlib.Path) -> None:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    def number(value: Any) -> str:
-        return f"{value:.3f}" if isinstance(value, float) else "-"
-
     print(f"\n{report['device']}: {report['gpus']} processes, ZeRO-{report['zero_stage']}, {report['model']}, "
           f"{report['rounds']} rounds, off-policy optimizer steps")
     for name in METHODS:
         e = report[name]
         low, high = e["ratio_interval_95"] or (None, None)
-        print(f"{name:15s} median {number(e['median_step_s'])} s, ratio to gspo {number(e['ratio_to_gspo'])} "
-              f"[{number(low)}, {number(high)}]" + (f"  error: {report['errors'][name][:80]}"
+        print(f"{name:15s} median {fmt(e['median_step_s'])} s, ratio to gspo {fmt(e['ratio_to_gspo'])} "
+              f"[{fmt(low)}, {fmt(high)}]" + (f"  error: {report['errors'][name][:80]}"
                                                     if name in (report.get("errors") or {}) else ""))
 
 

@@ -56,10 +56,8 @@ def save_init(args: argparse.Namespace) -> None:
 
 
 def fixed_generation_batch(args: argparse.Namespace, vocab_size: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """One global generation batch (``per_device × processes × steps_per_generation`` rows, groups of G consecutive
-    rows, as TRL's sampler lays them out): a random prompt per group, random completions of lengths between
-    ``--min-completion-length`` and ``--completion-length``, rewards 0/1 with both in every group, TRL's group-scaled
-    advantages, and unit-variance draws for the old-log-prob shift."""
+    """One global generation batch in groups of G consecutive rows, as TRL's sampler lays them out: random prompts and
+    completions, 0/1 rewards with both in every group, TRL's advantages, and draws for the old-log-prob shift."""
     g = torch.Generator().manual_seed(args.seed)
     rows = args.per_device * args.processes * args.steps_per_generation
     group_size, length = args.num_generations, args.completion_length

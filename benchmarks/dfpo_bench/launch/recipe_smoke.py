@@ -1,20 +1,7 @@
-"""Derive a short, offline run of a shipped recipe: same objective, batch, LoRA and DeepSpeed settings, a local
-model in place of the hub one and the built-in arithmetic task in place of the hub dataset (the GPU machine has
-no network). Used for the LoRA recipe on one GPU and LoRA with ZeRO-3 on two.
-
-    python -m dfpo_bench.launch.recipe_smoke recipes/qwen3_8b_lora.yaml --model /root/models/smollm2-135m-instruct \\
-        --max-steps 6 --output-dir /tmp/lora --out /tmp/lora.yaml
-    dfpo-train /tmp/lora.yaml                                                           # one GPU
-    accelerate launch --config_file recipes/accelerate/zero3_2gpu.yaml -m dfpo_trl /tmp/lora.yaml   # ZeRO-3
-
-Everything the recipe says about the objective (transform, clipping, loss type), the batch (num_generations,
-per-device batch, accumulation, steps_per_generation), LoRA and precision is kept; only the model, the data, the
-run length, the completion length and checkpointing change, and the script prints each change. ``--set KEY=VALUE``
-(repeatable, the value read as YAML) changes anything else on purpose, e.g. the 32B recipe scaled to 4 processes
-without vLLM (benchmarks/dfpo_bench/launch/two_node.py):
-
-    python -m dfpo_bench.launch.recipe_smoke recipes/qwen3_32b.yaml --model /root/models/smollm2-135m-instruct \
-        --max-steps 8 --out /tmp/two_node.yaml --set num_generations=4 --set use_vllm=false ...
+"""Derive a short offline run of a shipped recipe: its objective, batch, LoRA, DeepSpeed and precision kept; a local
+model, the built-in arithmetic task, the run length, completion length and checkpointing changed, each change printed
+(the GPU machine has no network). ``--set KEY=VALUE`` (repeatable, read as YAML) changes anything else on purpose, as
+``launch/two_node.py`` does.
 """
 
 from __future__ import annotations

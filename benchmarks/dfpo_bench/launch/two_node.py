@@ -1,22 +1,10 @@
-"""A two-node launch of the Qwen3-32B recipe, scaled down and simulated on ONE 4-GPU host: 2 nodes × 2 GPUs,
-DeepSpeed ZeRO-3, the paper-shaped batch (per-device batch 1, G = number of processes).
+"""A two-node launch of the Qwen3-32B recipe, simulated on ONE 4-GPU host: 2 nodes x 2 GPUs, DeepSpeed ZeRO-3.
 
-    python -m dfpo_bench.launch.two_node --out-dir $OUT     # 4 GPUs, after the kit's setup
-    python -m dfpo_bench.launch.two_node --dry-run          # anywhere: derive, check both configs, print the commands
-
-It derives the recipe with ``dfpo_bench.launch.recipe_smoke`` and starts one ``accelerate launch`` per "node" with
-``recipes/accelerate/zero3_2x2_rank{0,1}.yaml`` (GPUs 0-1 and 2-3), recording in ``$OUT/two_node.json`` the exact
-commands (``commands``). The derived recipe keeps the 32B recipe's objective (Min-Replace, GSPO's ε, sequence
-level), optimizer, decoding and precision; the model becomes the kit's SmolLM2-135M-Instruct (no hub), the task the
-built-in arithmetic one, vLLM is off (it cannot be installed on the GPU machine), flash-attention sdpa, and the batch
-is the recipe's scaled from 32 processes to 4: ``num_generations`` 32 -> 4 (= processes, so micro-step k on process
-p holds member p of group k in the redistributed layout), ``gradient_accumulation_steps`` 32 -> 4,
-``steps_per_generation`` 128 -> 16 (4 optimizer steps per rollout, as in the recipe); 8 optimizer steps = 2 rollouts.
-A model-only checkpoint at the last step gives ``trainer_state.json`` with the logged losses.
-
-``two_node.json``: ``nodes``, ``processes``, ``layout`` (from the ``DFPO group layout: ...`` line every process
-logs), ``steps``, ``loss_finite``, ``wall_s``, ``commands``, the return codes, the losses and, on failure, the log
-tails; ``ok`` when both nodes exit 0 after ``max_steps`` with finite losses and every process named its layout.
+The recipe is derived with ``dfpo_bench.launch.recipe_smoke`` (:func:`derive_command`: the kit's SmolLM2, the
+arithmetic task, no vLLM, the batch scaled from 32 processes to 4 with G = processes, 4 optimizer steps per rollout,
+8 steps), then one ``accelerate launch`` per "node" with ``recipes/accelerate/zero3_2x2_rank{0,1}.yaml``. The
+record ``two_node.json`` is ``ok`` when both nodes exit 0 after ``max_steps`` with finite losses and every process
+logged its group layout.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
-"""vLLM server mode on two GPUs: the paper recipe's launch shape, with a check that the weights reach the server, and
-DFPO off against TRL's ``GRPOTrainer`` step by step.
+"""vLLM server mode on two GPUs (NCCL refuses two ranks on one device): a check that the trained weights reach the
+server, and DFPO off against TRL's ``GRPOTrainer`` step by step (commands: benchmarks/README.md).
 
-    # on a machine with 2 GPUs, after the kit's setup with vLLM (benchmarks/README.md); ~8 minutes
-    python -m dfpo_bench.launch.vllm_server --model /root/models/smollm2-135m-instruct --out-dir $OUT
-    # the server line this run starts, as `vllm serve` and as the kit runs it; no GPU needed
-    python -m dfpo_bench.launch.vllm_server --print-commands
-
-TRL 1.16 generates through vLLM's own OpenAI server and pushes the trainer's weights into it through vLLM's NCCL
-weight-transfer engine; NCCL refuses two ranks on one device, so the server and the trainer need a GPU each. Per run
-(``dfpo``: the derived recipe as dfpo-train runs it; ``dfpo_off``: DFPOTrainer with no transform; ``trl``:
-``GRPOTrainer``), the script
-
-1. derives a small recipe from ``recipes/qwen3_32b.yaml`` (:func:`derived_recipe`: the given model, the built-in
-   arithmetic task, G = 8, Min-Replace off-policy, vLLM sampling seeded per request, a few rollouts);
-2. starts a fresh server on ``--server-gpu`` with TRL's own command for it (``trl.scripts.vllm_serve.build_command``,
-   run as ``python -m vllm.entrypoints.cli.main serve``: the kit has no ``vllm`` console script), waits for
-   ``/health``;
-3. trains on ``--trainer-gpu`` in a child process, counting and timing TRL's weight syncs; every run ends with one more
-   weight push (:func:`install`: TRL pushes at the start of each rollout, so the server would otherwise hold the
-   weights of the last rollout's start);
-4. after ``dfpo``, checks the transfer: the server's log-probabilities of a fixed completion (``/v1/completions`` with
-   ``echo``) equal the trained model's, computed by transformers on the trainer's GPU, within the bound of
-   :func:`weight_sync_check`, and differ from the initial model's;
-5. stops the server by its process group and writes ``vllm_server.json``, with ``dfpo_off`` and ``trl`` compared
-   step by step (``dfpo_off_vs_trl``).
+Per run (``dfpo``: the derived recipe through dfpo-train; ``dfpo_off``: DFPOTrainer, no transform; ``trl``:
+``GRPOTrainer``): derive a small recipe from ``recipes/qwen3_32b.yaml`` (:func:`derived_recipe`, vLLM sampling seeded
+per request), start a fresh server with TRL's own command (:func:`server_command`), train on the other GPU in a child
+counting TRL's weight syncs, end with one more push (:func:`install`: TRL pushes at each rollout's start), and after
+``dfpo`` compare the server's log-probabilities of a fixed completion with the trained model's
+(:func:`weight_sync_check`). Writes ``vllm_server.json``, ``dfpo_off_vs_trl`` the step-by-step comparison.
 """
 
 from __future__ import annotations
@@ -34,7 +17,6 @@ import json
 import os
 import pathlib
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -43,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from dfpo_bench.lib.common import ROOT, train_in_process, versions
+from dfpo_bench.lib.common import ROOT, stop_process_group, train_in_process, versions
 
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # the weight-transfer and cache-reset endpoints live behind it
 CHECK_PROMPT = [{"role": "user", "content": "Compute 3 + 5. Give the final answer as: Answer: <number>"}]
@@ -110,22 +92,8 @@ def start_server(args: argparse.Namespace, log: pathlib.Path) -> tuple[subproces
             time.sleep(2)
         raise TimeoutError(f"the vLLM server was not up after {args.server_timeout} s")
     except BaseException:
-        stop_server(process)
+        stop_process_group(process, grace_s=60)
         raise
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    """Stop the server's whole process group (vLLM's API server has engine children); a group already gone is no
-    error."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=60)
-    except ProcessLookupError:
-        process.poll()
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def check_tokens(tokenizer_path: str) -> tuple[list[int], int]:
@@ -329,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
                 result["weight_sync_check"], result["weight_sync_numbers"] = weight_sync_check(
                     served_initial, initial, served, trained, args.tolerance)
         finally:
-            stop_server(server)
+            stop_process_group(server, grace_s=60)
         result["runs"][kind] = record
         (out / "vllm_server.json").write_text(json.dumps(result, indent=1) + "\n")
     if {"dfpo_off", "trl"} <= set(args.runs):

@@ -1,15 +1,9 @@
 """ZeRO-3 on several GPUs: exact in-group coefficients when groups span processes and micro-steps.
 
-Three phases, one command each (see benchmarks/README.md):
-
-* ``--phase reference`` (one process, no DeepSpeed): s̄ and s̃ of every row of one fixed generation batch at
-  the initial weights, the single-process reference of docs/source/concepts/layouts.md.
-* ``--phase zero3`` (``accelerate launch --config_file recipes/accelerate/zero3_2gpu.yaml``): the same batch,
-  sliced per process as TRL slices a rollout, trained for one optimizer step of several micro-steps with
-  groups cut across processes and micro-steps (layout ``pre_pass``); every process records the s̄, s̃ its loss
-  used and the loss. Then, with real generation, a few steps of the pre-pass layout against the co-located
-  one (same generation batch, whole groups per micro-batch) for the step-time comparison.
-* ``--phase compare``: writes ``zero3.json`` (its fields: ``phase_compare`` below).
+Phases (commands: benchmarks/README.md): ``reference``, one process, s̄ and s̃ of every row of one fixed generation
+batch; ``zero3``, under accelerate, the same batch sliced as TRL slices a rollout, one optimizer step of the
+``pre_pass`` layout recording what every process used, then the pre-pass against whole groups per micro-batch for the
+step time; ``compare``, writes ``zero3.json``.
 """
 
 from __future__ import annotations

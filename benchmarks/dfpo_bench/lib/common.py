@@ -8,6 +8,7 @@ functions that need it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -80,19 +81,33 @@ def quiet() -> None:
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     """SIGTERM the process group of ``proc`` (started with ``start_new_session=True``), SIGKILL it after
-    ``grace_s`` seconds, and reap ``proc``: an ``accelerate launch`` leaves one worker per GPU behind otherwise."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    ``grace_s`` seconds, and reap ``proc``: an ``accelerate launch`` (or vLLM's server) leaves children behind
+    otherwise. A group already gone is no error."""
     try:
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=grace_s)
+    except ProcessLookupError:
+        proc.poll()
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
-def child_pythonpath() -> str:
-    """The import path a job's child process gets: this checkout's library and its benchmarks package first (the
-    GPU kit installs neither), then what the job had."""
-    return os.pathsep.join(p for p in (str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")) if p)
+def child_pythonpath(*first: str) -> str:
+    """The import path a job's child process gets: ``first``, then this checkout's library and its benchmarks package
+    (the GPU kit installs neither), then what the job had."""
+    return os.pathsep.join(p for p in (*first, str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")) if p)
+
+
+def run_head(module: str, argv: list[str]) -> dict[str, Any]:
+    """What a GPU job's record starts with: its command, the checkout (``provenance``), versions, card and date."""
+    import time
+
+    from dfpo_bench.lib import provenance
+
+    return {"command": f"python -m {module} " + " ".join(argv), **provenance.checkout_state(ROOT),
+            "versions": versions(), "card": device_name("cuda"), "date": time.strftime("%Y-%m-%d")}
 
 
 # what every dfpo-train run writes to its output_dir (docs/source/guides/cli.md, "Outputs")

@@ -83,14 +83,10 @@ def load_tokenizer(path: str) -> Any:
 
 
 def random_config(name: str, tokenizer: Any) -> Any:
-    """A random init's config: ``tiny``, a 2-layer Llama for CPU checks; ``qwen3-1.7b``, Qwen3-1.7B's shape (hidden
-    2048, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 6144, tied embeddings) with the tokenizer's
-    vocabulary (SmolLM2's 49,152 instead of Qwen3's 151,936), about 1.5B parameters.
-
-    No ``pad_token_id`` in the config (padding uses the tokenizer's): with one, the pad id's embedding row starts at
-    zero, left-padded positions carry exact-zero hidden states through every layer, and on the H100/H200 every
-    1.7B-sized random init got non-finite gradients in its first backward (RESULTS §3). A pretrained model's pad row
-    is trained, not zero."""
+    """A random init's config: ``tiny``, a 2-layer Llama for CPU checks; ``qwen3-1.7b``, Qwen3-1.7B's shape with the
+    tokenizer's vocabulary (about 1.5B parameters with SmolLM2's). No ``pad_token_id``: with one, the pad row of the
+    embedding starts at zero, and on the H100/H200 every 1.7B-sized random init got non-finite gradients in its first
+    backward (test_benchmark_helpers.py holds this)."""
     from transformers import LlamaConfig, Qwen3Config
 
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id

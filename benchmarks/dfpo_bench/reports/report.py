@@ -1,13 +1,5 @@
-"""Write ``benchmarks/RESULTS.md`` and its figures from the benchmark JSONs.
-
-    python -m dfpo_bench.reports.report                                   # benchmarks/results/*.json -> RESULTS.md
-    python -m dfpo_bench.reports.report --results-dir /tmp/smoke --out /tmp/smoke/RESULTS.md
-
-Reads ``overhead.json`` (one model's result, or several keyed by model; ``overhead_*.json`` when it is absent),
-``transforms_timing.json``, ``loss_step_*.json``, ``zero3.json``, ``NOTES.md``, ``layouts.json`` (the layouts
-section's figure; the section itself is ``layouts/section.md``), the launch runs' files (``vllm_server*.json``,
-``loop_cost.json``) and ``trained/``; a section whose files are missing is left out. Every number and every sentence
-but those of ``NOTES.md`` and ``layouts/section.md`` is computed from the files.
+"""Write ``benchmarks/RESULTS.md`` and its figures from the benchmark JSONs in ``--results-dir``; a section whose files
+are missing is left out, and every number and sentence but ``NOTES.md``'s and ``layouts/section.md``'s is computed.
 """
 
 from __future__ import annotations

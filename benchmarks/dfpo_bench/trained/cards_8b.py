@@ -1,42 +1,14 @@
-"""The 8B LoRA recipe's card table, run as a user runs it: ``dfpo-train recipes/qwen3_8b_lora.yaml`` plus exactly
-the row's flags, on a simulated card, one process per row.
+"""The 8B LoRA recipe's card table run as a user runs it: ``dfpo-train recipes/qwen3_8b_lora.yaml`` plus exactly the
+row's flags (:data:`ROWS`), one process per row, on a simulated card (commands: benchmarks/README.md).
 
-    # on the GPU machine after the kit (benchmarks/README.md, "The GPU kit"); about 8 minutes on one H200
-    python -m dfpo_bench.trained.cards_8b --out $OUT/cards_8b_as_run.json
-    # the exact commands, without a GPU (the CPU test reads them)
-    python -m dfpo_bench.trained.cards_8b --out /tmp/cards.json --dry-run
-    # the RESULTS section from an earlier --out
-    python -m dfpo_bench.trained.cards_8b --report benchmarks/results/trained/cards_8b_as_run.json
-
-A row (:data:`ROWS`) is a card size and the flags the table tells a user to add (and, for the row without expandable
-segments, the environment variable a user sets). Each runs ``python -m dfpo_trl`` (the ``dfpo-train`` program) on
-the recipe file with the row's flags and the four the GPU machine cannot do without (:data:`MACHINE_FLAGS`):
-
-* ``--model_name_or_path``: Qwen3-8B's architecture (its published ``config.json``: 36 layers, hidden 4096, 32
-  heads, 8 KV heads, ``max_position_embeddings`` 40960) with random bf16 weights, built once on the GPU and saved to
-  ``/tmp`` (the machine has no network, so no Qwen3-8B), with Qwen2.5's tokenizer (Qwen3's vocabulary, padded to the
-  head's 151,936 ids). A random model never ends a completion: every rollout runs to the 768-token cap, the worst
-  case for memory.
-* ``--dataset``: an offline stand-in for GSM8K saved to disk (GSM8K-shaped word problems, ``question`` and ``answer``
-  columns, 2,000 training and 16 held-out problems), since ``openai/gsm8k`` cannot be downloaded there. A user's run
-  holds 100 held-out problems: the same batch memory, more batches.
-* ``--reward_funcs dfpo_bench.trained.cards_8b:coin_reward``: a seeded coin per completion (a random model answers
-  nothing, so math-verify would score every completion 0 and no group would have signal): the reward a user could
-  write in a plugin module.
-* ``--max_steps 2``: one rollout and its two optimizer steps, the second off-policy.
-
-A card of N GB is simulated on the H200 by the process's own view of the GPU, set up by a ``sitecustomize`` module this
-benchmark writes and puts first on the row's ``PYTHONPATH`` (not a recipe flag): PyTorch's allocator is capped at
-the card less :data:`CONTEXT_GIB` for the CUDA context (``torch.cuda.set_per_process_memory_fraction``, of the
-H200's memory), and ``torch.cuda.mem_get_info`` reports the card (total N GiB, free N GiB less what this process
-holds, from ``nvidia-smi``), so vLLM reads the row's ``vllm_gpu_memory_utilization`` as a share of the card, as it
-would on one, and its start-up checks see the card's free memory. At exit the module writes the process's peaks:
-PyTorch's allocated and reserved memory, and what the process held beyond PyTorch's allocator (``nvidia-smi`` less
-reserved). A row passes when ``dfpo-train`` exits 0 and the peak reserved plus that overhead fits the card. A card of
-N GB is taken as N GiB (A100 40 GB and 80 GB have 40 and 80 GiB; an L40S has 45 GiB, more than its name).
-
-The rows run in two lanes at once (transformers generation, and colocated vLLM) on the one GPU: each process sees
-only its own card, so they do not interfere in memory, only in time (the times are indicative).
+Each row also gets the flags the GPU machine cannot do without (:func:`machine_flags`): Qwen3-8B's architecture with
+random bf16 weights (no network there; a random model never ends a completion, the worst case for memory), an offline
+GSM8K-shaped dataset, a seeded coin reward (a random model's answers are never right) and one rollout's two steps.
+A card of N GB (taken as N GiB) is the process's own view of the GPU, set up by the ``sitecustomize`` this writes
+(:data:`SITECUSTOMIZE`): PyTorch capped at the card less :data:`CONTEXT_GIB`, ``mem_get_info`` reporting the card, so
+vLLM reads ``vllm_gpu_memory_utilization`` as a share of it. A row passes when it exits 0 and its peak reserved plus
+what it held outside PyTorch fits the card. The rows run in two lanes (transformers; colocated vLLM): they share the
+GPU's time, not its memory, so the times are indicative.
 """
 
 from __future__ import annotations
@@ -52,7 +24,9 @@ import time
 import zlib
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+from dfpo_bench.lib import common
+
+ROOT = common.ROOT
 RECIPE = ROOT / "recipes" / "qwen3_8b_lora.yaml"
 CONTEXT_GIB = 1.0  # the CUDA context and libraries, outside PyTorch's allocator (0.7-0.9 GiB measured on the H200)
 MODEL_DIR = "/tmp/random-qwen3-8b"
@@ -251,8 +225,7 @@ def row_env(row: dict[str, Any], site: pathlib.Path, peaks: pathlib.Path, port: 
     """The row's environment: the user's own (none, or the allocator setting), the simulated card, the import path
     (the card's sitecustomize first; the repository and the benchmarks for the coin reward), a free MASTER_PORT."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    path = [str(site), str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]
-    env.update(row["env"], PYTHONPATH=os.pathsep.join(p for p in path if p), PYTHONUNBUFFERED="1",
+    env.update(row["env"], PYTHONPATH=common.child_pythonpath(str(site)), PYTHONUNBUFFERED="1",
                DFPO_BENCH_CARD_GIB=str(row["card_gib"]), DFPO_BENCH_CONTEXT_GIB=str(CONTEXT_GIB),
                DFPO_BENCH_PEAKS=str(peaks), MASTER_PORT=str(port), TOKENIZERS_PARALLELISM="false")
     return env
@@ -357,8 +330,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{TOKENIZER} is not there: SmolLM2's tokenizer, padded to Qwen3's vocabulary", flush=True)
             args.tokenizer = FALLBACK_TOKENIZER
         built["tokenizer"] = args.tokenizer
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"),
-                                                          os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=common.child_pythonpath())
         code = subprocess.run([sys.executable, "-m", "dfpo_bench.trained.cards_8b", "--build", args.model_dir,
                                "--tokenizer", args.tokenizer, "--out", str(work / "built.json")], cwd=ROOT,
                               env=env).returncode
@@ -486,14 +458,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.out:
         parser.error("--out is required")
-    from dfpo_bench.lib import common, provenance
-
     args.started = time.time()
     built = prepare(args)
     site = write_site(pathlib.Path(args.work))
-    head = {"command": "python -m dfpo_bench.trained.cards_8b " + " ".join(sys.argv[1:]),
-            **provenance.checkout_state(ROOT), "versions": common.versions(), "card": common.device_name("cuda"),
-            "date": time.strftime("%Y-%m-%d"), "context_gib": CONTEXT_GIB, "model": built,
+    head = {**common.run_head("dfpo_bench.trained.cards_8b", sys.argv[1:]), "context_gib": CONTEXT_GIB, "model": built,
             "machine_flags": machine_flags(args.model_dir, str(pathlib.Path(args.work) / "gsm8k_offline"))}
     args.commit = head["commit"]  # each row's record names it: rows of earlier calls keep theirs
 

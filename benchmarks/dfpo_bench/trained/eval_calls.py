@@ -1,24 +1,11 @@
-"""Held-out avg@k through colocated vLLM: its time at TRL's default eval batch (one problem per vLLM call at k = 8)
-against ``dfpo-train``'s default (each process's held-out problems, but at most a training rollout's rows per call:
-:func:`default_rows`), the same avg@k measure.
+"""Held-out avg@k through colocated vLLM: its time at one problem per vLLM call (``--per_device_eval_batch_size 8``,
+TRL's default) against ``dfpo-train``'s default (at most a training rollout's rows per call: :func:`default_rows`).
 
-    # on the GPU machine after the kit (benchmarks/README.md, "The GPU kit"); about 8 minutes on one H200: the
-    # one-problem arm took 319 s, the default's 107 s (2026-12-03), so give the call 600 s
-    python -m dfpo_bench.trained.eval_calls --out $OUT/eval_calls.json
-    # the commands it would run, without running them (the CPU test)
-    python -m dfpo_bench.trained.eval_calls --out /tmp/eval_calls.json --dry-run
-
-Each arm is one ``dfpo-train`` process on ``recipes/qwen3_8b_lora.yaml`` (its LoRA, objective, batch and Qwen3's
-sampling) with colocated vLLM, on Qwen2.5-Coder-0.5B-Instruct's trained weights (the kit's) and an offline
-GSM8K-shaped dataset written here (``cards_8b.write_dataset``: the machine cannot download GSM8K): 100 held-out
-problems, k = 8 completions of at most 256 tokens each (``max_completion_length`` 256) and one optimizer step; the
-held-out avg@8 is measured before and after it, twice per process. The arms differ in one flag:
-``--per_device_eval_batch_size 8`` (transformers' default, which ``dfpo-train`` used until it set its own) or none
-(the recipe's rollout, 8 x 8 = 64 rows: 8 problems per call, 13 calls for 100). With ``--repeats 2`` the arms
-alternate (old, new, new, old; two calls of 600 s), so that a drift of the GPU's speed shows as a difference between
-repeats, not arms. Each evaluation's time is the summary's ``before_seconds`` / ``after_seconds``:
-``trainer.evaluate()`` whole (generation, scoring, the evaluation's forwards). avg@8 is a sample (800 completions
-an evaluation at the recipe's sampling): the arms' values are two samples of the same measure, not compared.
+Each arm is one ``dfpo-train`` process on ``recipes/qwen3_8b_lora.yaml`` with colocated vLLM, the kit's trained
+Qwen2.5-Coder-0.5B and an offline GSM8K-shaped dataset (``cards_8b.write_dataset``): 100 held-out problems x k = 8
+completions of at most 256 tokens, evaluated before and after one optimizer step. With ``--repeats 2`` the arms
+alternate (old, new, new, old), so that a drift of the GPU's speed shows between repeats, not arms. An evaluation's
+time is the summary's ``before_seconds`` / ``after_seconds``. avg@8 is a sample: the arms' values are not compared.
 """
 
 from __future__ import annotations
@@ -33,7 +20,9 @@ import sys
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+from dfpo_bench.lib import common
+
+ROOT = common.ROOT
 RECIPE = ROOT / "recipes" / "qwen3_8b_lora.yaml"
 MODEL = "/root/models/qwen2.5-coder-0.5b-instruct"
 # name -> the flags that differ between the arms
@@ -73,8 +62,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
 
 def run_arm(arm: str, repeat: int, argv: list[str], work: pathlib.Path) -> dict[str, Any]:
     """Run one arm; its evaluations' avg@8 and seconds from the summary."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=common.child_pythonpath())
     log = work / f"{arm}_{repeat}.log"
     started = time.perf_counter()
     with open(log, "w") as handle:
@@ -152,7 +140,6 @@ def main(argv: list[str] | None = None) -> None:
         for arm, repeat, cmd in planned:
             print(f"{arm} {repeat}: {' '.join(cmd)}")
         return
-    from dfpo_bench.lib import common, provenance
     from dfpo_bench.trained.cards_8b import write_dataset
 
     work = pathlib.Path(args.work)
@@ -160,10 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     if not (work / "gsm8k_offline" / "dataset_dict.json").exists():
         write_dataset(work / "gsm8k_offline", train=500, test=100)
     records = [run_arm(arm, repeat, cmd, work) for arm, repeat, cmd in planned]
-    result = {"command": "python -m dfpo_bench.trained.eval_calls " + " ".join(sys.argv[1:]),
-              **provenance.checkout_state(ROOT), "versions": common.versions(), "card": common.device_name("cuda"),
-              "date": time.strftime("%Y-%m-%d"), "model": args.model, "dfpo_default_rows": default_rows(),
-              "records": records, "rows": tabulate(records)}
+    result = {**common.run_head("dfpo_bench.trained.eval_calls", sys.argv[1:]), "model": args.model,
+              "dfpo_default_rows": default_rows(), "records": records, "rows": tabulate(records)}
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     for row in result["rows"]:
         print(f"{row['flags']:36s} evaluations {row['evaluations']}  median {row['median_eval_s']} s  "
