@@ -158,16 +158,23 @@ def test_logits_are_the_ones_trls_kernel_scores_old_log_probs_with(autocast):
     assert trl_head_dtype(hidden, cast_lm_head_to_fp32=True) == torch.float32
 
 
-def test_logits_in_the_engines_dtype_are_not_rounded_again():
-    """bf16 products are the engine's logits already: the support and the mass come from them unchanged."""
+def test_logits_in_the_engines_dtype_are_not_rounded_again(monkeypatch):
+    """bf16 products are the engine's logits already: no rounded copy is made (engine_logits gets no dtype), and the
+    support and the mass come from them unchanged; float32 products beside a bf16 head are rounded."""
+    import dfpo_trl.trl_hooks.sampling_support as module
+
+    asked: list[torch.dtype | None] = []
+    rounding = module.engine_logits
+    monkeypatch.setattr(module, "engine_logits", lambda z, t, d: asked.append(d) or rounding(z, t, d))
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(5, 16, generator=g).to(torch.bfloat16)
     head = FusedHead(torch.randn(60, 16, generator=g).to(torch.bfloat16), None, 1.0, None)
     support = SamplingSupport(0.6, 8, 0.9, 0.0)
-    logits = head_logits(hidden, head, 1.0, torch.bfloat16)
-    want = kept_log_mass(logits / 0.6, support)
+    want = kept_log_mass(head_logits(hidden, head, 1.0, torch.bfloat16) / 0.6, support)
     torch.testing.assert_close(hidden_log_mass(hidden, head, support, torch.bfloat16, torch.bfloat16), want,
                                atol=0, rtol=0)
+    hidden_log_mass(hidden, head, support, torch.bfloat16, torch.float32)
+    assert asked == [None, torch.bfloat16]
 
 
 def test_generation_kwargs_win_as_trl_passes_them_to_vllm():
