@@ -6,7 +6,8 @@ With the engine computing what the trainer computes (float32, the policy's weigh
 agree, so the ratio against the truncated support (eq. S1 of trl_hooks/sampling_support.py) is 1 for every row in
 every TRL mode, where TRL's own ratio is the product of the kept masses; the old log-probs the policy ratio reads are
 TRL's untruncated ones, bit for bit; the sampler's log-probs TRL's loss reads are the engine's plus log K; and the
-untruncated ratio and log K are logged beside TRL's metrics.
+untruncated ratio and log K are logged beside TRL's metrics. A bf16 policy's log K comes from the bf16 products TRL's
+kernel scores ℓ^old with.
 """
 
 from __future__ import annotations
@@ -143,3 +144,29 @@ def test_full_support_is_trls_rollout_unchanged(stand_in_vllm: Any) -> None:
     gap = ((output["old_per_token_logps"] - output["sampling_per_token_logps"]) * output["completion_mask"]).sum(-1)
     torch.testing.assert_close(output["importance_sampling_ratio"].reshape(-1), gap.exp(), rtol=1e-6, atol=0)
     assert math.isfinite(float(gap.sum()))
+
+
+def test_a_bf16_policys_kept_mass_is_from_the_logits_trl_scores_it_with(stand_in_vllm: Any) -> None:
+    """A bf16 policy (no mixed precision): TRL's kernel multiplies h Wᵀ in bf16 for ℓ^old, so log K comes from the
+    bf16 products too (the trainer's own full-logit forward in bf16, to float32 rounding), not from float32 ones,
+    which differ by bf16's rounding (lm_head.trl_head_dtype)."""
+    policy = tiny_model().to(torch.bfloat16)
+    stand_in_vllm(policy)
+    trainer = DFPOTrainer(model=policy, reward_funcs=last_digit_reward, train_dataset=addition_dataset(),
+                          processing_class=tiny_tokenizer(),
+                          args=DFPOConfig(**base_args(**{**COLOCATE, **TRUNCATED,
+                                                         "vllm_importance_sampling_support": "truncated"})))
+    engine = StandInEngine.built[-1]
+    trainer.model.train()
+    torch.manual_seed(0)
+    output = trainer._generate_and_score_completions(
+        [row for row in addition_dataset().select(range(2)) for _ in range(4)])
+    mask = output["completion_mask"].bool()
+    product = (output["sampling_per_token_logps"] - engine_logps(output, engine))[mask]
+    bf16 = trainer_log_mass(trainer, output)[mask]
+    trainer.accelerator.unwrap_model(trainer.model).float()
+    wide = trainer_log_mass(trainer, output)[mask]
+    scale = float(bf16.abs().max())
+    assert scale > 0.1, "the truncation keeps almost all the mass: nothing is tested"
+    torch.testing.assert_close(product, bf16, rtol=0, atol=1e-5 * scale)
+    assert float((wide - bf16).abs().max()) > 1e-3 * scale
