@@ -125,6 +125,21 @@ class Launch:
                 pass
 
 
+def wait_until_waiting(proc: psutil.Process, limit: float, window: float = 0.5) -> None:
+    """Until ``proc`` has used almost no CPU for ``window`` seconds: it waits in a collective (gloo's wait holds no
+    CPU), not still scoring. A fixed sleep was not enough on a loaded machine: process 0, still computing when
+    process 1 was killed, got the launcher's SIGTERM before it reached the collective."""
+    deadline = time.monotonic() + limit
+    used = sum(proc.cpu_times()[:2])
+    while time.monotonic() < deadline:
+        time.sleep(window)
+        now = sum(proc.cpu_times()[:2])
+        if now - used < 0.05 * window:
+            return
+        used = now
+    raise AssertionError(f"process {proc.pid} never came to wait in a collective within {limit} s")
+
+
 def wait_for(condition, limit: float, what: str, launch: Launch) -> None:
     deadline = time.monotonic() + limit
     while not condition():
@@ -176,9 +191,10 @@ def killed_run(work: tuple[Path, list[str]]) -> Iterator[dict]:
                                 [*argv, "--output_dir", str(out)], "killed", MARKS=str(marks),
                                 STALL_AFTER=str(out / "checkpoint-3" / "dfpo_rollout_state_1.pt"))
         wait_for(lambda: (marks / "rank0").exists() and (marks / "rank1").exists(), 300, "the stall", launch)
-        time.sleep(1.0)  # process 0 is in TRL's gather of the rewards
+        time.sleep(1.0)
         procs = launch.processes()
         workers = launch.workers()
+        wait_until_waiting(workers[0], 120)  # process 0 is in TRL's gather of the rewards
         before = tree(out)
         killed_at = time.monotonic()
         workers[1].send_signal(signal.SIGKILL)
@@ -271,6 +287,7 @@ def test_two_nodes_end_when_one_nodes_process_dies_or_hangs(how: str, work: tupl
         time.sleep(1.0)
         procs = launch.processes()
         workers = launch.workers()
+        wait_until_waiting(workers[0], 120)  # process 0 is in TRL's gather of the rewards
         node0 = [p for p in procs if p.pid in (launch.launchers[0].pid, workers[0].pid)]
         node1 = [p for p in procs if p.pid in (launch.launchers[1].pid, workers[1].pid)]
         before = tree(out)
