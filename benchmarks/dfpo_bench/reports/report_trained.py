@@ -57,21 +57,26 @@ def binned_rows(setting: dict[str, Any]) -> list[str]:
 SUPPORT_RUN_COMMIT = "ca7651e"  # main's commit the GPU ran; the JSON's checkout names the device's stale .git copy
 
 
+def cost_ratio(cost: dict[str, Any], kind: str, part: str) -> str:
+    """``is_ratio.py``'s cost of ``kind`` against the correction off in ``part``: median ratio [95% interval]."""
+    c = cost[kind][part]
+    return f"{c['median_ratio_to_off']:.3f} [{c['interval_95'][0]:.3f}, {c['interval_95'][1]:.3f}]"
+
+
 def rerun_lines(first: dict[str, Any], rerun: dict[str, Any]) -> list[str]:
     """``is_ratio.py`` run again on a later commit: whether each setting's rows came out the same, field by field,
     and the rerun's cost rounds (timed anew)."""
-    same = {name: [key for key, rows in s["record"]["rows"].items()
+    differing = {name: [key for key, rows in s["record"]["rows"].items()
                    if rows != rerun["settings"].get(name, {}).get("record", {}).get("rows", {}).get(key)]
             for name, s in first["settings"].items()}
     cost, checkout = rerun["cost"], rerun["checkout"]
 
     def ratio(kind: str, part: str) -> str:
-        c = cost[kind][part]
-        return f"{c['median_ratio_to_off']:.3f} [{c['interval_95'][0]:.3f}, {c['interval_95'][1]:.3f}]"
+        return cost_ratio(cost, kind, part)
 
     verdict = "; ".join(f"{LABELS.get(name, name)}: " + ("every row field identical" if not differ else
                                                          "differs in " + ", ".join(differ))
-                        for name, differ in same.items())
+                        for name, differ in differing.items())
     fields = ", ".join(next(iter(first["settings"].values()))["record"]["rows"])
     return [f"**Rerun** (`results/trained/is_ratio_truncated_support_rerun.json`; {rerun['card']}, 2026-12-03, "
             f"{checkout['commit'][:7]}{' with a diff' if checkout.get('diff_sha256') else ' as committed'}, the same "
@@ -144,8 +149,7 @@ def support_lines(record: dict[str, Any]) -> list[str]:
     cost = record["cost"]
 
     def ratio(kind: str, part: str) -> str:
-        c = cost[kind][part]
-        return f"{c['median_ratio_to_off']:.3f} [{c['interval_95'][0]:.3f}, {c['interval_95'][1]:.3f}]"
+        return cost_ratio(cost, kind, part)
 
     lora, big, flat = settings["recipe_8b_lora"], settings["recipe_32b"], settings["untruncated_t1"]
     ours_modes = lora["mode_factor_slope_per_token"]["truncated_support"]
