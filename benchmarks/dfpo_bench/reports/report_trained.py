@@ -54,7 +54,21 @@ def binned_rows(setting: dict[str, Any]) -> list[str]:
     return cells
 
 
-SUPPORT_RUN_COMMIT = "ca7651e"  # main's commit the GPU ran; the JSON's checkout names the device's stale .git copy
+# The truncated-support runs' dates (their records carry none) and, for the first, main's commit: its JSON's checkout
+# names the device's stale .git copy.
+LATEST_RUN, BEFORE_RUN = ("2026-12-03", None), ("2026-12-02", "ca7651e")
+
+
+def run_words(record: dict[str, Any], run: tuple[str, str | None]) -> str:
+    """Where an ``is_ratio.py`` record ran: card, date, code."""
+    date, main_commit = run
+    checkout = record["checkout"]
+    if main_commit:
+        code = (f"main at {main_commit}: the JSON's checkout says {checkout['commit'][:7]} with a diff because the "
+                "machine's .git copy was stale")
+    else:
+        code = f"{checkout['commit'][:7]} {'with a diff' if checkout.get('diff_sha256') else 'as committed'}"
+    return f"{record['card']}, {date}, {code}"
 
 
 def cost_ratio(cost: dict[str, Any], kind: str, part: str) -> str:
@@ -63,27 +77,27 @@ def cost_ratio(cost: dict[str, Any], kind: str, part: str) -> str:
     return f"{c['median_ratio_to_off']:.3f} [{c['interval_95'][0]:.3f}, {c['interval_95'][1]:.3f}]"
 
 
-def rerun_lines(first: dict[str, Any], rerun: dict[str, Any]) -> list[str]:
-    """``is_ratio.py`` run again on a later commit: whether each setting's rows came out the same, field by field,
-    and the rerun's cost rounds (timed anew)."""
+def compare_lines(before: dict[str, Any], latest: dict[str, Any]) -> list[str]:
+    """The run before 2ef086d against the latest, row by row: which fields differ (the rollouts are seeded, so only
+    what the product computes from them may), its slopes of ours and its cost rounds."""
     differing = {name: [key for key, rows in s["record"]["rows"].items()
-                   if rows != rerun["settings"].get(name, {}).get("record", {}).get("rows", {}).get(key)]
-            for name, s in first["settings"].items()}
-    cost, checkout = rerun["cost"], rerun["checkout"]
-
-    def ratio(kind: str, part: str) -> str:
-        return cost_ratio(cost, kind, part)
-
+                        if rows != latest["settings"].get(name, {}).get("record", {}).get("rows", {}).get(key)]
+                 for name, s in before["settings"].items()}
+    cost = before["cost"]
     verdict = "; ".join(f"{LABELS.get(name, name)}: " + ("every row field identical" if not differ else
                                                          "differs in " + ", ".join(differ))
                         for name, differ in differing.items())
-    fields = ", ".join(next(iter(first["settings"].values()))["record"]["rows"])
-    return [f"**Rerun** (`results/trained/is_ratio_truncated_support_rerun.json`; {rerun['card']}, 2026-12-03, "
-            f"{checkout['commit'][:7]}{' with a diff' if checkout.get('diff_sha256') else ' as committed'}, the same "
-            f"command). Against the run above, row by row ({fields}): {verdict}. Its cost rounds "
-            f"({cost['rounds']}): ours {ratio('truncated_support', 'loss_steps')} in the loss steps and "
-            f"{ratio('truncated_support', 'loop')} in the whole loop; TRL's {ratio('trl', 'loss_steps')} and "
-            f"{ratio('trl', 'loop')}. Why the rows repeat, and what changed after: "
+    fields = ", ".join(next(iter(before["settings"].values()))["record"]["rows"])
+    slopes = ", ".join(f"{LABELS.get(name, name)} {s['slope_per_token']['truncated_support']:.3g}"
+                       for name, s in before["settings"].items())
+    return [f"**The run before** (`results/trained/is_ratio_truncated_support_before_head_dtype.json`; "
+            f"{run_words(before, BEFORE_RUN)}; the same command, before 2ef086d took log K from the logits TRL's "
+            f"head scores ℓ^old with). Against the run above, row by row ({fields}): {verdict}. Its slopes of ours: "
+            f"{slopes}. Its cost rounds ({cost['rounds']}): ours {cost_ratio(cost, 'truncated_support', 'loss_steps')}"
+            f" in the loss steps and {cost_ratio(cost, 'truncated_support', 'loop')} in the whole loop; TRL's "
+            f"{cost_ratio(cost, 'trl', 'loss_steps')} and {cost_ratio(cost, 'trl', 'loop')}. Its rerun at 98afe02 "
+            "(2026-12-03) came out identical in every row field: `git checkout 2b4a600 -- "
+            "benchmarks/results/trained/is_ratio_truncated_support_rerun.json`. Why, and what changed: "
             "docs/source/concepts/decisions.md, \"vLLM's importance-sampling ratio under truncated sampling\".", ""]
 
 
@@ -91,22 +105,20 @@ def support_lines(record: dict[str, Any]) -> list[str]:
     """``is_ratio.py``'s run with ``vllm_importance_sampling_support``: TRL's / ours / off per setting, the targets,
     the product's log K against the meter, TRL's mask modes, and the cost against the correction off."""
     versions, settings = record["versions"], record["settings"]
-    checkout = record.get("checkout", {})
 
     def num(value: float | None, spec: str = ".2g") -> str:
         return "–" if value is None else format(value, spec)
 
     lines = [
         f"**`vllm_importance_sampling_support: truncated` against TRL's ratio and the correction off** "
-        f"(`trained/is_ratio.py`, `gpu_job.sh is`; {record['card']}, 2026-12-02, main at {SUPPORT_RUN_COMMIT}: the "
-        f"JSON's checkout says {checkout.get('commit', '?')[:7]} with a diff because the machine's .git copy was "
-        f"stale; torch {versions['torch']}, transformers {versions['transformers']}, TRL {versions['trl']}, vLLM "
+        f"(`trained/is_ratio.py`, `gpu_job.sh is`; {run_words(record, LATEST_RUN)}; torch {versions['torch']}, "
+        f"transformers {versions['transformers']}, TRL {versions['trl']}, vLLM "
         f"colocated; {record['model'].rsplit('/', 1)[-1]}, trained weights; the eight prompts above, "
         f"{record['num_generations']} completions each, up to {record['max_completion']} tokens; "
         "`results/trained/is_ratio_truncated_support.json`). One trainer per setting, TRL's correction on "
         "(`sequence_mask`, C_max 3), the product's support truncated; TRL's ratio and the correction off are read "
         "from the same rows. Slope: OLS of the row's log ratio on its length, nats per token, with a 95% bootstrap "
-        "interval over prompts. Target for ours: |slope| ≤ "
+        "interval over prompts. Target for ours, read on the point estimates: |slope| ≤ "
         f"{settings['recipe_8b_lora']['targets']['slope_abs_max']:g} and a median in "
         f"[{settings['recipe_8b_lora']['targets']['median_within'][0]:g}, "
         f"{settings['recipe_8b_lora']['targets']['median_within'][1]:g}] in every length bin.",
@@ -152,6 +164,10 @@ def support_lines(record: dict[str, Any]) -> list[str]:
         return cost_ratio(cost, kind, part)
 
     lora, big, flat = settings["recipe_8b_lora"], settings["recipe_32b"], settings["untruncated_t1"]
+
+    def met(target: str) -> str:
+        return ", ".join(LABELS.get(n, n) for n, s in settings.items() if s["targets"][target]) or "no setting"
+
     ours_modes = lora["mode_factor_slope_per_token"]["truncated_support"]
     lines += [
         "",
@@ -164,12 +180,17 @@ def support_lines(record: dict[str, Any]) -> list[str]:
         "What it shows. The truncated support removes most of TRL's length-driven fall at the truncating settings "
         f"(slope {lora['slope_per_token']['trl']:.3g} → {lora['slope_per_token']['truncated_support']:.2g} per token "
         f"at the 8B recipe's, {big['slope_per_token']['trl']:.3g} → {big['slope_per_token']['truncated_support']:.2g}"
-        " at the 32B recipe's), and the product's log K agrees with the independent meter on average; but ours "
-        "meets neither target in any setting. The untruncated control (nothing truncated, so the ratio is the "
-        f"engines' mismatch alone, ours equal to TRL's) has a slope of {flat['slope_per_token']['trl']:.2g} per token "
-        "and medians by bin of "
+        " at the 32B recipe's); the product's log K agrees with the independent meter to "
+        f"{max(s['record']['tokens']['max_abs_product_minus_meter'] for s in settings.values()):.1g} nats in every "
+        f"row. Ours meets the slope target at {met('slope_met')} and the median target at {met('median_met')}. "
+        "What is left is the engines' mismatch (their logits differ, and with them at times the support): ours' "
+        "mean log ratio per token is "
+        + ", ".join(f"{s['record']['tokens']['mean_truncated_support_log_ratio']:.1e} ({LABELS.get(name, name)})"
+                    for name, s in settings.items())
+        + ", and the untruncated control (nothing truncated, so the ratio is the mismatch alone, ours equal to "
+        f"TRL's) has a slope of {flat['slope_per_token']['trl']:.2g} per token and medians by bin of "
         + " ".join(num(b["median"], ".3g") for b in flat["median_ratio_by_length"]["truncated_support"])
-        + ": a residual mismatch that grows with length at this model and engine, which no choice of support "
+        + ": a mismatch that adds up with length at this model and engine, which no choice of support "
         "removes. `token_truncate`'s factor (a row's mean of its per-token ratios capped at 3) has a slope of "
         f"{num(ours_modes['token_truncate'], '.1g')} per token with "
         f"ours at the 8B setting (sequence modes {num(ours_modes['sequence_mask'], '.2g')}), "
@@ -241,9 +262,9 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
     support = load_json(folder / "is_ratio_truncated_support.json")
     if support:
         lines += support_lines(support)
-        rerun = load_json(folder / "is_ratio_truncated_support_rerun.json")
-        if rerun:
-            lines += rerun_lines(support, rerun)
+        before = load_json(folder / "is_ratio_truncated_support_before_head_dtype.json")
+        if before:
+            lines += compare_lines(before, support)
     as_run = load_json(folder / "cards_8b_as_run.json")
     if as_run:  # the rows as a user runs them (trained/cards_8b.py), before the first version's uncapped table
         from dfpo_bench.trained import cards_8b
