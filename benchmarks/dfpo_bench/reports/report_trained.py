@@ -266,7 +266,7 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
         if before:
             lines += compare_lines(before, support)
     as_run = load_json(folder / "cards_8b_as_run.json")
-    if as_run:  # the rows as a user runs them (trained/cards_8b.py), before the first version's uncapped table
+    if as_run:  # the rows as a user runs them (trained/cards_8b.py)
         from dfpo_bench.trained import cards_8b
 
         lines += [cards_8b.report(as_run), ""]
@@ -281,64 +281,9 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
                   + "".join(f"The {r['card_gib']:g} GB row was stopped by the driver after both steps: not a "
                             "result. " for r in stopped)
                   + "Per-row records and logs: `results/trained/cards_8b_as_run_logs.tgz`.", ""]
-    cards = load_json(folder / "cards_8b.json")
-    if cards:
-        lines += cards_lines(cards)
     eval_calls = load_json(folder / "eval_calls.json")
     if eval_calls:
         from dfpo_bench.trained import eval_calls as eval_calls_bench
 
         lines += [eval_calls_bench.report(eval_calls), ""]
-    return lines
-
-
-# ------------------------------------------------------------------------------------------------- the 8B cards
-def cards_lines(record: dict[str, Any]) -> list[str]:
-    """The first version's 8B cards table (its ``--table``): a row per configuration, a cell per card."""
-    rows = record["rows"]
-    cards = record["cards_gib"]
-    sample = next((r for r in rows if not r["crash"]), None)
-    lines = [
-        "**The 8B LoRA recipe's cards, uncapped** (the first version of `dfpo_bench.trained.cards_8b`, through "
-        "`dfpo_bench.cost.users_size`'s runner (archived: docs/source/research.md), not `dfpo-train`, its vLLM runs "
-        "with a 2048-token engine context; records in `results/trained/cards_8b/`). "
-        "One NVIDIA H200 (141 GB); Qwen3-8B's architecture with random weights, `recipes/qwen3_8b_lora.yaml`'s LoRA, "
-        "batch, 768-token completions and Min-Replace; one rollout and its two optimizer steps per process. The need "
-        "is PyTorch's peak reserved memory plus what the process holds outside PyTorch (the CUDA context and "
-        "libraries: `nvidia-smi` less `memory_reserved`, 0.7–0.9 GiB). A card of N GB is taken as N GiB. A cell is "
-        "*deduced* from the uncapped run (below the peak allocated plus overhead: cannot fit; at or above the need: "
-        "fits); no cell here needed a capped run, except the default allocator's 32 and 40 GB, which were not run. "
-        "The times are one rollout on a GPU shared with other jobs (study v4's processes): indicative only.",
-        "",
-        "| configuration | peak allocated GiB | need GiB | " + " | ".join(f"{c:g} GB" for c in cards)
-        + " | rollout s (generation s) | pre-pass share of the loop |",
-        "|---" * (5 + len(cards)) + "|",
-    ]
-    for r in rows:
-        label = f"{r['generation']}, batch {r['batch']}"
-        if r["generation"] != "transformers":
-            label += f", engine {r['engine_gib_requested']:g} GiB" + (", sleep mode" if r["sleep_mode"] else "")
-        if r["allocator"] == "default":
-            label += ", default allocator"
-        if r["crash"]:
-            lines.append(f"| {label} ({r['variant']}) | – | – | " + " | ".join("–" for _ in cards)
-                         + f" | crashed: {r['crash'][:90]} | – |")
-            continue
-
-        def mark(c: dict[str, Any]) -> str:
-            if c["fits"] is None:
-                return "not run"
-            verdict = "yes" if c["fits"] else "no"
-            util = ""
-            if c["fits"] and "vllm_gpu_memory_utilization" in c:
-                util = f", util {c['vllm_gpu_memory_utilization']:.2f}"
-            return f"{verdict} ({c['how']}{util})"
-
-        generation = f" ({r['generation_s']:.1f})" if r.get("generation_s") else ""
-        share = f"{100 * r['pre_pass_share']:.1f}%" if r["pre_pass_s"] else "no pre-pass"
-        lines.append(f"| {label} | {r['peak_allocated_gib']:.1f} | {r['needs_gib']:.1f} | "
-                     + " | ".join(mark(c) for c in r["cards"]) + f" | {r['rollout_s']:.1f}{generation} | {share} |")
-    if sample:
-        lines += ["", "util: the `vllm_gpu_memory_utilization` that gives the engine the same memory on that card "
-                  "(engine GiB ÷ card GiB). Settings per card are in `recipes/qwen3_8b_lora.yaml`'s header.", ""]
     return lines
