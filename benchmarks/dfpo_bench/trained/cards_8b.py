@@ -204,8 +204,8 @@ def row_argv(row: dict[str, Any], model_dir: str, dataset_dir: str) -> list[str]
 
 
 def row_env(row: dict[str, Any], site: pathlib.Path, peaks: pathlib.Path, port: int) -> dict[str, str]:
-    """The row's environment: the user's own (none, or the allocator setting), the simulated card, the import path
-    (the card's sitecustomize first; the repository and the benchmarks for the coin reward), a free MASTER_PORT."""
+    """The row's environment: the user's own (``row["env"]``), the card, the card's sitecustomize first on the
+    import path (then the repository and the benchmarks, for the coin reward), a free MASTER_PORT."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     env.update(row["env"], PYTHONPATH=common.child_pythonpath(str(site)), PYTHONUNBUFFERED="1",
                DFPO_BENCH_CARD_GIB=str(row["card_gib"]), DFPO_BENCH_CONTEXT_GIB=str(CONTEXT_GIB),
@@ -259,9 +259,8 @@ def finish_row(job: dict[str, Any], code: int | None) -> dict[str, Any]:
 
 def run_lanes(rows: list[dict[str, Any]], args: argparse.Namespace, site: pathlib.Path,
               written: Any = None) -> list[dict[str, Any]]:
-    """The rows in two lanes at once (transformers generation; colocated vLLM), one after another in each. No row
-    starts after ``--deadline-s``; a row still running after ``--row-timeout-s``, or when ``--budget-s`` (from the
-    driver's start) is spent, is stopped and recorded so. ``written`` is called after each row's record."""
+    """The rows in two lanes at once (transformers generation; colocated vLLM), so that a call holds more rows; the
+    limits (``--help``) keep the JSON written before the call ends. ``written`` is called after each row's record."""
     lanes = {0: list(rows), 1: []} if args.lanes == 1 else {
         lane: [r for r in rows if (r["generation"] == "transformers") == (lane == 0)] for lane in (0, 1)}
     running: dict[int, dict[str, Any] | None] = {0: None, 1: None}
@@ -310,10 +309,9 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{TOKENIZER} is not there: SmolLM2's tokenizer, padded to Qwen3's vocabulary", flush=True)
             args.tokenizer = FALLBACK_TOKENIZER
         built["tokenizer"] = args.tokenizer
-        env = dict(os.environ, PYTHONPATH=common.child_pythonpath())
         code = subprocess.run([sys.executable, "-m", "dfpo_bench.trained.cards_8b", "--build", args.model_dir,
                                "--tokenizer", args.tokenizer, "--out", str(work / "built.json")], cwd=ROOT,
-                              env=env).returncode
+                              env=dict(os.environ, PYTHONPATH=common.child_pythonpath())).returncode
         if code:
             raise SystemExit(f"building the random Qwen3-8B failed (exit {code})")
         built.update(json.loads((work / "built.json").read_text()))
