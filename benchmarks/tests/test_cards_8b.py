@@ -3,11 +3,13 @@ they parse; the benchmark adds only what the GPU machine needs; the simulated ca
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,13 +18,13 @@ import yaml
 from dfpo_bench.trained import cards_8b, eval_calls
 
 ROOT = Path(__file__).resolve().parents[2]
-HEADER = [line for line in cards_8b.RECIPE.read_text().splitlines() if line.startswith("#")]
+HEAD = {"card": "NVIDIA H200", "date": "2026-12-02", "context_gib": 1.0, "machine_flags": ["--max_steps", "2"]}
 
 
 def header_rows() -> dict[int, list[str]]:
     """card GB -> the flags the recipe's header line gives (tests/cli/test_card_rows.py holds them to dfpo-train)."""
     rows = {}
-    for line in HEADER:
+    for line in cards_8b.RECIPE.read_text().splitlines():
         if line.startswith("#   ") and " GB: " in line and line[4:].split(" GB: ")[0].isdigit():
             card, rest = line[4:].split(" GB: ", 1)
             stated = rest.split("  (")[0].strip()
@@ -30,23 +32,20 @@ def header_rows() -> dict[int, list[str]]:
     return rows
 
 
-def test_the_rows_are_the_recipe_headers(tmp_path: Path, gpu_recipes_parse_here) -> None:
+def test_the_rows_are_the_recipe_headers_plus_only_what_the_machine_cannot_do_without(
+        tmp_path: Path, gpu_recipes_parse_here) -> None:
     from dfpo_trl.cli import parse_recipe
     from dfpo_trl.testing import save_tiny_chat_model
 
     model = str(save_tiny_chat_model(tmp_path / "model"))
     stated = header_rows()
-    assert sorted(stated) == sorted({r["card_gib"] for r in cards_8b.ROWS})
-    for row in cards_8b.ROWS:
-        assert row["flags"] == stated[row["card_gib"]], row["name"]
-        parse_recipe([str(cards_8b.RECIPE), *row["flags"], *cards_8b.machine_flags(model, "/tmp/d")])
-
-
-def test_the_benchmark_adds_only_what_the_machine_cannot_do_without(tmp_path: Path) -> None:
+    assert sorted(stated) == sorted({r["card_gib"] for r in cards_8b.ROWS}) == [24, 32, 40, 48, 80]
     flags = cards_8b.machine_flags("/tmp/m", "/tmp/d")
     added = [f for f in flags if f.startswith("--")]
     assert added == ["--model_name_or_path", "--dataset", "--reward_funcs", "--max_steps"]
     for row in cards_8b.ROWS:
+        assert row["flags"] == stated[row["card_gib"]], row["name"]
+        parse_recipe([str(cards_8b.RECIPE), *row["flags"], *cards_8b.machine_flags(model, "/tmp/d")])
         assert not set(added) & set(row["flags"])  # a row's own flags never include the machine's
         argv = cards_8b.row_argv(row, "/tmp/m", "/tmp/d")
         assert argv == [sys.executable, "-m", "dfpo_trl", str(cards_8b.RECIPE), *row["flags"], *flags]
@@ -54,7 +53,6 @@ def test_the_benchmark_adds_only_what_the_machine_cannot_do_without(tmp_path: Pa
         assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "site")  # the card's module first
         assert env["DFPO_BENCH_CARD_GIB"] == str(row["card_gib"])
         assert env.get("PYTORCH_CUDA_ALLOC_CONF") == row["env"].get("PYTORCH_CUDA_ALLOC_CONF")
-    assert {r["card_gib"] for r in cards_8b.ROWS} == {24, 32, 40, 48, 80}
     assert [r["env"] for r in cards_8b.ROWS if r["env"]] == [{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}]
     out = subprocess.run([sys.executable, "-m", "dfpo_bench.trained.cards_8b", "--dry-run", "--out", "x"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -99,16 +97,14 @@ def test_the_card_module_hooks_torch_in_the_rows_process_only(tmp_path: Path) ->
 
 def test_the_report_reads_the_json_alone() -> None:
     rows = [{"name": "32GB", "card_gib": 32, "user_command": "dfpo-train recipes/qwen3_8b_lora.yaml", "exit": 0,
-             "flags": [],
-             "passed": True, "peak_allocated_gib": 23.3, "peak_reserved_gib": 25.4, "overhead_gib": 0.8,
+             "flags": [], "passed": True, "peak_allocated_gib": 23.3, "peak_reserved_gib": 25.4, "overhead_gib": 0.8,
              "needs_gib": 26.2, "wall_s": 120.0, "cap_gib": 31.0},
             {"name": "32GB_default_allocator", "card_gib": 32, "exit": 0, "passed": True, "cap_gib": 31.0, "flags": [],
              "user_command": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False dfpo-train recipes/qwen3_8b_lora.yaml",
              "peak_allocated_gib": 23.4, "peak_reserved_gib": 31.0, "overhead_gib": 0.8, "needs_gib": 31.8},
             {"name": "40GB", "card_gib": 40, "user_command": "dfpo-train ...", "exit": 1, "passed": False,
              "flags": ["--earlier"], "error": "dfpo-train: error: vLLM did not start: ..."}]
-    text = cards_8b.report({"card": "NVIDIA H200", "date": "2026-12-02", "context_gib": 1.0,
-                            "machine_flags": ["--max_steps", "2"], "rows": rows})
+    text = cards_8b.report({**HEAD, "rows": rows})
     assert "| 32 GB | `dfpo-train recipes/qwen3_8b_lora.yaml` | passes | 23.30 | 25.40 | 0.80 | 26.20 | 120 |" in text
     assert ("| 40 GB | `dfpo-train ...` | fails: dfpo-train: error: vLLM did not start: ... (earlier flags: not the "
             "recipe's row now) |") in text
@@ -124,18 +120,14 @@ def test_the_report_says_a_row_without_a_result_is_none() -> None:
     rows = [{"name": "32GB", "card_gib": 32, "user_command": "dfpo-train a", "exit": None, "passed": False,
              "error": None, "wall_s": 224.0, "flags": now["32GB"]},
             {"name": "80GB", "card_gib": 80, "user_command": "dfpo-train b", "exit": None, "passed": False,
-             "flags": now["80GB"],
-             "error": "not run (the deadline passed, or not asked for): run it with --rows"}]
-    text = cards_8b.report({"card": "NVIDIA H200", "date": "2026-12-02", "context_gib": 1.0,
-                            "machine_flags": ["--max_steps", "2"], "rows": rows})
+             "flags": now["80GB"], "error": "not run (the deadline passed, or not asked for): run it with --rows"}]
+    text = cards_8b.report({**HEAD, "rows": rows})
     assert "| 32 GB | `dfpo-train a` | no record: the run was stopped before it exited (not a result) |" in text
     assert "| 80 GB | `dfpo-train b` | not run (no record:" in text
     assert "fails" not in text
 
 
 def test_eval_calls_arms_differ_in_the_eval_batch_alone(tmp_path: Path, gpu_recipes_parse_here) -> None:
-    import argparse
-
     from dfpo_trl.cli import parse_recipe
     from dfpo_trl.testing import save_tiny_chat_model
 
@@ -144,26 +136,19 @@ def test_eval_calls_arms_differ_in_the_eval_batch_alone(tmp_path: Path, gpu_reci
     assert [(arm, repeat) for arm, repeat, _ in planned] == [
         ("one_problem_per_call", 0), ("dfpo_default", 0), ("dfpo_default", 1), ("one_problem_per_call", 1)]
     old, new = planned[0][2], planned[1][2]
-
-    def without_output_dir(argv: list[str]) -> list[str]:
-        i = argv.index("--output_dir")
-        return argv[:i] + argv[i + 2:]
-
-    assert without_output_dir(old)[:-2] == without_output_dir(new)  # the eval batch is the arms' one difference
+    i = new.index("--output_dir")  # the output folder and the eval batch are the arms' one difference
+    assert old[i] == "--output_dir" and old[:i] + old[i + 2:-2] == new[:i] + new[i + 2:]
     assert old[-2:] == ["--per_device_eval_batch_size", "8"] and "--per_device_eval_batch_size" not in new
     for flag, value in (("--eval_size", "100"), ("--num_generations_eval", "8"), ("--max_completion_length", "256")):
         assert new[new.index(flag) + 1] == value
-    batches = []
-    for argv in (old, new):  # both parse as dfpo-train reads them (from the repository root, where they run)
-        script, args, _ = parse_recipe([str(ROOT / argv[3]), *argv[4:]])
-        assert args.use_vllm and script.eval_size == 100 and args.num_generations_eval == 8
-        batches.append(args.per_device_eval_batch_size)
-    assert batches == [8, 8]  # 8 set in the first; the second's stays transformers' until dfpo-train sets it
-    recipe = yaml.safe_load((ROOT / argv[3]).read_text())  # the default: one rollout's rows, 100 x 8 being more
+    parsed = [parse_recipe([str(ROOT / argv[3]), *argv[4:]]) for argv in (old, new)]  # from the root, where they run
+    assert all(a.use_vllm and script.eval_size == 100 and a.num_generations_eval == 8 for script, a, _ in parsed)
+    # 8 set in the first; the second's stays transformers' until dfpo-train sets it
+    assert [a.per_device_eval_batch_size for _, a, _ in parsed] == [8, 8]
+    recipe = yaml.safe_load((ROOT / new[3]).read_text())  # the default: one rollout's rows, 100 x 8 being more
     rollout = recipe["per_device_train_batch_size"] * recipe["steps_per_generation"]
     assert eval_calls.default_rows() == rollout == 64  # the program's own rule is tested in tests/cli
-    result = {"card": "NVIDIA H200", "date": "2026-12-02", "model": "m", "dfpo_default_rows": 64,
-              "records": [{"command": "a"}, {"command": "b"}],
+    result = {**HEAD, "model": "m", "dfpo_default_rows": 64, "records": [{"command": "a"}, {"command": "b"}],
               "rows": [{"flags": "--per_device_eval_batch_size 8", "evaluations": 2, "eval_s": [70.0, 72.0],
                         "median_eval_s": 71.0, "avg_at_k": [0.5, 0.6]},
                        {"flags": "(none)", "evaluations": 2, "eval_s": [14.0, 14.2], "median_eval_s": 14.1,
@@ -177,9 +162,6 @@ def test_the_driver_records_each_row_and_writes_after_each(tmp_path: Path, monke
     """The lanes, records and JSON on the CPU, each row's program replaced by a stand-in that writes the peaks the
     card module would (a 24 GB row that fits, a 32 GB row whose needs exceed its card, a 40 GB row refused), and a
     row left out, marked not run."""
-    import argparse
-    import time
-
     stub = tmp_path / "stub.py"
     stub.write_text(
         "import json, os, sys\n"

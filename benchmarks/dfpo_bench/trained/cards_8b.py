@@ -1,14 +1,9 @@
 """The 8B LoRA recipe's card table run as a user runs it: ``dfpo-train recipes/qwen3_8b_lora.yaml`` plus exactly the
 row's flags (:data:`ROWS`), one process per row, on a simulated card (commands: benchmarks/README.md).
 
-Each row also gets the flags the GPU machine cannot do without (:func:`machine_flags`): Qwen3-8B's architecture with
-random bf16 weights (no network there; a random model never ends a completion, the worst case for memory), an offline
-GSM8K-shaped dataset, a seeded coin reward (a random model's answers are never right) and one rollout's two steps.
-A card of N GB (taken as N GiB) is the process's own view of the GPU, set up by the ``sitecustomize`` this writes
-(:data:`SITECUSTOMIZE`): PyTorch capped at the card less :data:`CONTEXT_GIB`, ``mem_get_info`` reporting the card, so
-vLLM reads ``vllm_gpu_memory_utilization`` as a share of it. A row passes when it exits 0 and its peak reserved plus
-what it held outside PyTorch fits the card. The rows run in two lanes (transformers; colocated vLLM): they share the
-GPU's time, not its memory, so the times are indicative.
+Plus what the GPU machine cannot do without (:func:`machine_flags`; no network there, and a random model never ends
+a completion: the worst case for memory). A card of N GB (taken as N GiB) is the process's own view of the GPU
+(:data:`SITECUSTOMIZE`). The two lanes share the GPU's time, not its memory, so the times are indicative.
 """
 
 from __future__ import annotations
@@ -36,26 +31,21 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)  # Qwen/Qwen3-8B's config.json
 VLLM = ["--use_vllm", "true", "--vllm_mode", "colocate"]
-EXPANDABLE_OFF = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
-# The table's rows: the card, the generation, the flags on top of the recipe, and the environment a user sets.
+# The table's rows: the card, the flags on top of the recipe, the environment a user sets (and the generation).
 ROWS: list[dict[str, Any]] = [
-    {"name": "24GB", "card_gib": 24, "generation": "transformers", "flags": ["--per_device_train_batch_size", "4"],
-     "env": {}},
-    {"name": "32GB", "card_gib": 32, "generation": "transformers", "flags": [], "env": {}},
-    {"name": "32GB_default_allocator", "card_gib": 32, "generation": "transformers", "flags": [],
-     "env": EXPANDABLE_OFF},
-    {"name": "40GB", "card_gib": 40, "generation": "colocated vLLM",
-     "flags": [*VLLM, "--per_device_train_batch_size", "4", "--vllm_gpu_memory_utilization", "0.45"], "env": {}},
-    {"name": "48GB", "card_gib": 48, "generation": "colocated vLLM",
-     "flags": [*VLLM, "--per_device_train_batch_size", "4", "--vllm_gpu_memory_utilization", "0.5"], "env": {}},
-    {"name": "80GB", "card_gib": 80, "generation": "colocated vLLM",
-     "flags": [*VLLM, "--vllm_gpu_memory_utilization", "0.35"], "env": {}},
-]
+    {"name": name, "card_gib": card, "generation": "colocated vLLM" if VLLM[0] in flags else "transformers",
+     "flags": flags, "env": env} for name, card, flags, env in [
+        ("24GB", 24, ["--per_device_train_batch_size", "4"], {}), ("32GB", 32, [], {}),
+        ("32GB_default_allocator", 32, [], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}),
+        ("40GB", 40, [*VLLM, "--per_device_train_batch_size", "4", "--vllm_gpu_memory_utilization", "0.45"], {}),
+        ("48GB", 48, [*VLLM, "--per_device_train_batch_size", "4", "--vllm_gpu_memory_utilization", "0.5"], {}),
+        ("80GB", 80, [*VLLM, "--vllm_gpu_memory_utilization", "0.35"], {})]]
 REWARD = "dfpo_bench.trained.cards_8b:coin_reward"
 
 
 def machine_flags(model_dir: str, dataset_dir: str) -> list[str]:
-    """The flags the GPU machine cannot do without (module docstring), after the row's."""
+    """After the row's flags, what the GPU machine cannot do without: the random Qwen3-8B, the offline dataset, a
+    seeded coin reward (a random model's answers are never right) and one rollout's two steps."""
     return ["--model_name_or_path", model_dir, "--dataset", dataset_dir, "--reward_funcs", REWARD, "--max_steps", "2"]
 
 
@@ -66,14 +56,13 @@ def coin_reward(completions: list[Any], **_: Any) -> list[float]:
     return [float(zlib.crc32(text.encode()) % 2) for text in texts]
 
 
-# ----------------------------------------------------------------------------------------- the simulated card
+# A card: PyTorch capped at it less CONTEXT_GIB, mem_get_info reporting it (so vLLM's memory share is of the card).
 SITECUSTOMIZE = '''"""Written by dfpo_bench.trained.cards_8b: this process sees a card of DFPO_BENCH_CARD_GIB GiB."""
 import atexit, importlib.abc, importlib.machinery, json, os, subprocess, sys
 
 GIB = 2**30
 CARD = float(os.environ["DFPO_BENCH_CARD_GIB"]) * GIB
 CONTEXT = float(os.environ.get("DFPO_BENCH_CONTEXT_GIB", "1.0")) * GIB
-
 
 def process_bytes():
     """What nvidia-smi says this process holds on the GPU (its CUDA context included), or None."""
@@ -87,7 +76,6 @@ def process_bytes():
         if len(parts) == 2 and parts[0] == str(os.getpid()):
             return float(parts[1]) * 2**20
     return None
-
 
 def install(torch):
     real = torch.cuda.mem_get_info
@@ -128,7 +116,6 @@ def install(torch):
 
     atexit.register(peaks)
 
-
 class AfterTorch(importlib.abc.MetaPathFinder):
     """Installs the card once torch is imported, whoever imports it (nothing here imports torch earlier)."""
 
@@ -146,7 +133,6 @@ class AfterTorch(importlib.abc.MetaPathFinder):
         spec.loader.exec_module = exec_module
         return spec
 
-
 # Only the row's own process: the processes it starts (compile workers) inherit the environment and leave it be.
 if os.environ.setdefault("DFPO_BENCH_OWNER", str(os.getpid())) == str(os.getpid()):
     sys.meta_path.insert(0, AfterTorch())
@@ -161,7 +147,6 @@ def write_site(work: pathlib.Path) -> pathlib.Path:
     return site
 
 
-# -------------------------------------------------------------------------------------------- model and data
 def build_model(model_dir: pathlib.Path, tokenizer_path: str, seed: int) -> dict[str, Any]:
     """Qwen3-8B's architecture with random bf16 weights, on the GPU, saved with Qwen2.5's tokenizer padded to the
     head's vocabulary (every id the random head samples decodes)."""
@@ -202,14 +187,11 @@ def write_dataset(folder: pathlib.Path, train: int = 2000, test: int = 16, seed:
         return text, f"{name} had {a} + {b} = {total} {thing}.\n#### {total - total // c + 3}"
 
     rng = random.Random(seed)
-    splits = {}
-    for split, n in (("train", train), ("test", test)):
-        rows = [problem(rng) for _ in range(n)]
-        splits[split] = Dataset.from_dict({"question": [q for q, _ in rows], "answer": [a for _, a in rows]})
-    DatasetDict(splits).save_to_disk(str(folder))
+    splits = {split: [problem(rng) for _ in range(n)] for split, n in (("train", train), ("test", test))}
+    DatasetDict({split: Dataset.from_dict({"question": [q for q, _ in rows], "answer": [a for _, a in rows]})
+                 for split, rows in splits.items()}).save_to_disk(str(folder))
 
 
-# -------------------------------------------------------------------------------------------------- the rows
 def user_command(row: dict[str, Any]) -> str:
     """The row as the table tells a user to run it."""
     env = " ".join(f"{k}={v}" for k, v in row["env"].items())
@@ -222,8 +204,8 @@ def row_argv(row: dict[str, Any], model_dir: str, dataset_dir: str) -> list[str]
 
 
 def row_env(row: dict[str, Any], site: pathlib.Path, peaks: pathlib.Path, port: int) -> dict[str, str]:
-    """The row's environment: the user's own (none, or the allocator setting), the simulated card, the import path
-    (the card's sitecustomize first; the repository and the benchmarks for the coin reward), a free MASTER_PORT."""
+    """The row's environment: the user's own (``row["env"]``), the card, the card's sitecustomize first on the
+    import path (then the repository and the benchmarks, for the coin reward), a free MASTER_PORT."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     env.update(row["env"], PYTHONPATH=common.child_pythonpath(str(site)), PYTHONUNBUFFERED="1",
                DFPO_BENCH_CARD_GIB=str(row["card_gib"]), DFPO_BENCH_CONTEXT_GIB=str(CONTEXT_GIB),
@@ -247,17 +229,16 @@ def start_row(row: dict[str, Any], args: argparse.Namespace, site: pathlib.Path,
 
 
 def finish_row(job: dict[str, Any], code: int | None) -> dict[str, Any]:
-    """A finished (or timed-out, ``code`` None) row's record."""
+    """A finished (or timed-out, ``code`` None) row's record: it passes when it exits 0 and its peak reserved plus
+    what it held outside PyTorch fits the card."""
     row, folder = job["row"], job["folder"]
-    peaks_path = folder / "peaks.json"
-    peaks = json.loads(peaks_path.read_text()) if peaks_path.exists() else {}
+    peaks = common.load_json(folder / "peaks.json") or {}
     log = (folder / "run.log").read_text(errors="replace")
     errors = [line for line in log.splitlines() if line.startswith("dfpo-train: error")]
     summary_path = next(folder.glob("outputs/*/dfpo_summary.json"), None)
     summary = json.loads(summary_path.read_text()) if summary_path else {}
-    needs = None
-    if peaks.get("peak_reserved_gib") is not None and peaks.get("overhead_gib") is not None:
-        needs = peaks["peak_reserved_gib"] + peaks["overhead_gib"]
+    reserved, overhead = peaks.get("peak_reserved_gib"), peaks.get("overhead_gib")
+    needs = None if reserved is None or overhead is None else reserved + overhead
     fits = needs is not None and needs <= row["card_gib"]
     engine_lines = [line.strip() for line in log.splitlines()
                     if any(k in line for k in ("KV cache memory", "gpu_memory_utilization", "vllm_max_model_length"))]
@@ -278,12 +259,10 @@ def finish_row(job: dict[str, Any], code: int | None) -> dict[str, Any]:
 
 def run_lanes(rows: list[dict[str, Any]], args: argparse.Namespace, site: pathlib.Path,
               written: Any = None) -> list[dict[str, Any]]:
-    """The rows in two lanes at once (transformers generation; colocated vLLM), one after another in each. No row
-    starts after ``--deadline-s``; a row still running after ``--row-timeout-s``, or when ``--budget-s`` (from the
-    driver's start) is spent, is stopped and recorded so. ``written`` is called after each row's record."""
-    lanes = {lane: [r for r in rows if (r["generation"] == "transformers") == (lane == 0)] for lane in (0, 1)}
-    if args.lanes == 1:
-        lanes = {0: list(rows), 1: []}
+    """The rows in two lanes at once (transformers generation; colocated vLLM), so that a call holds more rows; the
+    limits (``--help``) keep the JSON written before the call ends. ``written`` is called after each row's record."""
+    lanes = {0: list(rows), 1: []} if args.lanes == 1 else {
+        lane: [r for r in rows if (r["generation"] == "transformers") == (lane == 0)] for lane in (0, 1)}
     running: dict[int, dict[str, Any] | None] = {0: None, 1: None}
     records = []
     deadline, budget = args.started + args.deadline_s, args.started + args.budget_s
@@ -330,10 +309,9 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{TOKENIZER} is not there: SmolLM2's tokenizer, padded to Qwen3's vocabulary", flush=True)
             args.tokenizer = FALLBACK_TOKENIZER
         built["tokenizer"] = args.tokenizer
-        env = dict(os.environ, PYTHONPATH=common.child_pythonpath())
         code = subprocess.run([sys.executable, "-m", "dfpo_bench.trained.cards_8b", "--build", args.model_dir,
                                "--tokenizer", args.tokenizer, "--out", str(work / "built.json")], cwd=ROOT,
-                              env=env).returncode
+                              env=dict(os.environ, PYTHONPATH=common.child_pythonpath())).returncode
         if code:
             raise SystemExit(f"building the random Qwen3-8B failed (exit {code})")
         built.update(json.loads((work / "built.json").read_text()))
@@ -343,6 +321,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(records: list[dict[str, Any]]) -> None:
+    """The call's table on the driver's log."""
     for r in records:
         needs = "-" if r.get("needs_gib") is None else f"{r['needs_gib']:.2f}"
         reserved = "-" if r.get("peak_reserved_gib") is None else f"{r['peak_reserved_gib']:.2f}"
@@ -376,18 +355,17 @@ def report(result: dict[str, Any]) -> str:
              "", "| card | command | result | peak allocated GiB | peak reserved GiB | outside PyTorch GiB | needs GiB "
              "| wall s |", "|---|---|---|---|---|---|---|---|"]
 
-    def cell(value: Any) -> str:
-        return "–" if value is None else f"{value:.2f}"
+    def cell(value: Any, spec: str = ".2f") -> str:
+        return "–" if value is None else format(value, spec)
 
     current = {row["name"]: row["flags"] for row in ROWS}
     for r in result["rows"]:
         result_cell = row_result(r)
         if current.get(r["name"]) != r["flags"]:
             result_cell += " (earlier flags: not the recipe's row now)"
-        wall = "–" if r.get("wall_s") is None else f"{r['wall_s']:.0f}"
         lines.append(f"| {r['card_gib']:g} GB | `{r['user_command']}` | {result_cell} | "
                      f"{cell(r.get('peak_allocated_gib'))} | {cell(r.get('peak_reserved_gib'))} | "
-                     f"{cell(r.get('overhead_gib'))} | {cell(r.get('needs_gib'))} | {wall} |")
+                     f"{cell(r.get('overhead_gib'))} | {cell(r.get('needs_gib'))} | {cell(r.get('wall_s'), '.0f')} |")
     by_name = {r["name"]: r for r in result["rows"]}
     unrun = [row for row in ROWS if by_name.get(row["name"], {}).get("flags") != row["flags"]]
     if unrun:
@@ -412,10 +390,9 @@ def report(result: dict[str, Any]) -> str:
     named = [r for r in result["rows"] if r.get("error") and any(f"GPU {g} GiB" in r["error"] for g in real)]
     if named:
         cards = ", ".join(format(r["card_gib"], "g") + " GB" for r in named)
-        lines += ["", f"A known limit of the simulation: the out-of-memory message of the {cards} row(s) names "
-                      "the real GPU's memory "
-                      f"({', '.join(f'{g} GiB' for g in sorted(real))}), not the simulated card's: the cap is "
-                      "PyTorch's per-process fraction, and the message reads the device's total."]
+        lines += ["", f"A known limit of the simulation: the out-of-memory message of the {cards} row(s) names the "
+                      f"real GPU's memory ({', '.join(f'{g} GiB' for g in sorted(real))}), not the simulated card's: "
+                      "the cap is PyTorch's per-process fraction, and the message reads the device's total."]
     return "\n".join(lines)
 
 
@@ -446,11 +423,11 @@ def main(argv: list[str] | None = None) -> None:
         pathlib.Path(args.out).write_text(json.dumps(record))
         return
     rows = [r for r in ROWS if not args.rows or r["name"] in args.rows]
+    work = pathlib.Path(args.work)
+    dataset = str(work / "gsm8k_offline")
     if args.dry_run:
-        dataset = str(pathlib.Path(args.work) / "gsm8k_offline")
         for row in rows:
-            env = row_env(row, pathlib.Path(args.work) / "site", pathlib.Path(args.work) / row["name"] / "peaks.json",
-                          29500)
+            env = row_env(row, work / "site", work / row["name"] / "peaks.json", 29500)
             shown = {k: env[k] for k in (*row["env"], "DFPO_BENCH_CARD_GIB", "DFPO_BENCH_CONTEXT_GIB")}
             print(f"{row['name']}: {user_command(row)}")
             print(f"  runs: {shlex.join(row_argv(row, args.model_dir, dataset))}")
@@ -460,13 +437,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--out is required")
     args.started = time.time()
     built = prepare(args)
-    site = write_site(pathlib.Path(args.work))
+    site = write_site(work)
     head = {**common.run_head("dfpo_bench.trained.cards_8b", sys.argv[1:]), "context_gib": CONTEXT_GIB, "model": built,
-            "machine_flags": machine_flags(args.model_dir, str(pathlib.Path(args.work) / "gsm8k_offline"))}
+            "machine_flags": machine_flags(args.model_dir, dataset)}
     args.commit = head["commit"]  # each row's record names it: rows of earlier calls keep theirs
 
     def write() -> list[dict[str, Any]]:  # after every row: what a cut call leaves is the rows done so far
-        records = collect(pathlib.Path(args.work))
+        records = collect(work)
         pathlib.Path(args.out).write_text(json.dumps({**head, "rows": records}, indent=1))
         return records
 

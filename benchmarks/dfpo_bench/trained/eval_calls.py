@@ -1,11 +1,8 @@
 """Held-out avg@k through colocated vLLM: its time at one problem per vLLM call (``--per_device_eval_batch_size 8``,
 TRL's default) against ``dfpo-train``'s default (at most a training rollout's rows per call: :func:`default_rows`).
 
-Each arm is one ``dfpo-train`` process on ``recipes/qwen3_8b_lora.yaml`` with colocated vLLM, the kit's trained
-Qwen2.5-Coder-0.5B and an offline GSM8K-shaped dataset (``cards_8b.write_dataset``): 100 held-out problems x k = 8
-completions of at most 256 tokens, evaluated before and after one optimizer step. With ``--repeats 2`` the arms
-alternate (old, new, new, old), so that a drift of the GPU's speed shows between repeats, not arms. An evaluation's
-time is the summary's ``before_seconds`` / ``after_seconds``. avg@8 is a sample: the arms' values are not compared.
+Each arm is one ``dfpo-train`` process (:func:`command`), evaluating before and after one optimizer step; the arms
+alternate between repeats (:func:`plan`), so that a drift of the GPU's speed shows between repeats, not arms.
 """
 
 from __future__ import annotations
@@ -21,9 +18,8 @@ import time
 from typing import Any
 
 from dfpo_bench.lib import common
+from dfpo_bench.trained.cards_8b import RECIPE, ROOT, write_dataset
 
-ROOT = common.ROOT
-RECIPE = ROOT / "recipes" / "qwen3_8b_lora.yaml"
 MODEL = "/root/models/qwen2.5-coder-0.5b-instruct"
 # name -> the flags that differ between the arms
 ARMS: dict[str, list[str]] = {"one_problem_per_call": ["--per_device_eval_batch_size", "8"], "dfpo_default": []}
@@ -52,16 +48,12 @@ def command(model: str, arm: str, output_dir: pathlib.Path, dataset: pathlib.Pat
 def plan(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
     """(arm, repeat, command) in the order they run: the arms alternate, each repeat reversing the last."""
     work = pathlib.Path(args.work)
-    order: list[tuple[str, int]] = []
-    for repeat in range(args.repeats):
-        arms = list(ARMS) if repeat % 2 == 0 else list(reversed(ARMS))
-        order += [(arm, repeat) for arm in arms]
     return [(arm, repeat, command(args.model, arm, work / f"{arm}_{repeat}", work / "gsm8k_offline"))
-            for arm, repeat in order]
+            for repeat in range(args.repeats) for arm in (list(ARMS) if repeat % 2 == 0 else list(reversed(ARMS)))]
 
 
 def run_arm(arm: str, repeat: int, argv: list[str], work: pathlib.Path) -> dict[str, Any]:
-    """Run one arm; its evaluations' avg@8 and seconds from the summary."""
+    """Run one arm; its evaluations' avg@8 and seconds from the summary (``before_seconds``, ``after_seconds``)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=common.child_pythonpath())
     log = work / f"{arm}_{repeat}.log"
     started = time.perf_counter()
@@ -72,8 +64,7 @@ def run_arm(arm: str, repeat: int, argv: list[str], work: pathlib.Path) -> dict[
     summary_path = pathlib.Path(argv[argv.index("--output_dir") + 1]) / "dfpo_summary.json"
     if code == 0 and summary_path.exists():
         heldout = json.loads(summary_path.read_text())["heldout"]
-        record.update(metric=heldout["metric"], problems=heldout["n"],
-                      avg_at_k=[heldout["before"], heldout["after"]],
+        record.update(metric=heldout["metric"], problems=heldout["n"], avg_at_k=[heldout["before"], heldout["after"]],
                       eval_s=[heldout["before_seconds"], heldout["after_seconds"]])
     else:
         record["tail"] = log.read_text()[-3000:]
@@ -83,7 +74,7 @@ def run_arm(arm: str, repeat: int, argv: list[str], work: pathlib.Path) -> dict[
 
 
 def tabulate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per arm: every evaluation's seconds, their median, and the avg@8 values measured."""
+    """Per arm: every evaluation's seconds, their median, and the avg@8 values measured (samples, not compared)."""
     rows = []
     for arm in ARMS:
         done = [r for r in records if r["arm"] == arm and "eval_s" in r]
@@ -140,8 +131,6 @@ def main(argv: list[str] | None = None) -> None:
         for arm, repeat, cmd in planned:
             print(f"{arm} {repeat}: {' '.join(cmd)}")
         return
-    from dfpo_bench.trained.cards_8b import write_dataset
-
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "gsm8k_offline" / "dataset_dict.json").exists():

@@ -1,11 +1,8 @@
 #!/bin/bash
-# The trained-weights jobs on the GPU machine, after the GPU kit (benchmarks/README.md, "The GPU kit": its setup
-# has installed TRL and vLLM and written the checkpoints). From the repo root:
-#   bash benchmarks/dfpo_bench/trained/gpu_job.sh is               the IS-ratio measurement (TRL's, the truncated support's,
-#                                                                  off) and its cost, one process, one vLLM engine
-#   bash benchmarks/dfpo_bench/trained/gpu_job.sh cards GPU         the 8B recipe's card rows as run (cards_8b.py), detached
-#   bash benchmarks/dfpo_bench/trained/gpu_job.sh poll S            waits S s, prints progress, packs what exists into $OUT
-# A detached job dies with the machine, which goes back 30 s after a call returns: keep calling `poll`.
+# The trained-weights jobs on the GPU machine, after the GPU kit (benchmarks/README.md); from the repo root,
+# `bash benchmarks/dfpo_bench/trained/gpu_job.sh JOB`: `is` the IS-ratio measurement and its cost (is_ratio.py);
+# `cards GPU` the 8B recipe's card rows (cards_8b.py), detached; `poll S` waits S s, prints progress and packs what
+# exists into $OUT. A detached job dies with the machine, which goes back 30 s after a call returns: keep polling.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 model=/root/models/qwen2.5-coder-0.5b-instruct
