@@ -1,57 +1,17 @@
 """RESULTS.md's section on trained weights (``benchmarks/dfpo_bench/trained/``): TRL's vLLM importance-sampling ratio
-at the recipes' sampling settings against completion length with the independent meter beside it, and the 8B LoRA
-recipe's cards. Called by ``dfpo_bench.reports.report``; every number is read from ``results/trained/``."""
+against the truncated support's and the correction off at the recipes' sampling settings, with the independent
+meter beside it, the 8B LoRA recipe's cards and the held-out evaluation's calls. Called by
+``dfpo_bench.reports.report``; every number is read from ``results/trained/``."""
 
 from __future__ import annotations
 
-import math
 import pathlib
-import statistics
 from typing import Any
 
-from dfpo_bench.lib.common import load_json, save_figure
+from dfpo_bench.lib.common import load_json
 
-BINS = ((0, 100), (100, 300), (300, 1000), (1000, 4097))
 LABELS = {"untruncated_t1": "untruncated, T 1.0", "recipe_8b_lora": "8B recipe: T 0.7, top-p 0.8, top-k 20",
           "recipe_32b": "32B recipe: T 0.6, top-p 0.95, top-k 20"}
-
-
-def ratio_figure(record: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path) -> str:
-    """TRL's sequence ratio (log scale) against completion length, one panel per setting, with exp(Σ log K)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    settings = record["settings"]
-    fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.4), sharey=True)
-    for ax, setting in zip(axes, settings, strict=True):
-        rows = setting["rows"]
-        ratio = [max(r, 1e-45) for r in rows["trl_ratio"]]
-        support = [math.exp(max(s, -103.0)) for s in rows["sum_log_mass"]]
-        ax.scatter(rows["length"], ratio, s=8, label="TRL's ratio (sequence_mask)")
-        ax.scatter(rows["length"], support, s=8, marker="x", label="exp(Σ log K): truncated mass")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_title(LABELS.get(setting["setting"], setting["setting"]), fontsize=9)
-        ax.set_xlabel("completion length (tokens)")
-    axes[0].set_ylabel("factor on the row's loss")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    return save_figure(fig, fig_dir, "trained_is_ratio.png", out, 110)
-
-
-def binned_rows(setting: dict[str, Any]) -> list[str]:
-    rows = setting["rows"]
-    cells = []
-    for low, high in BINS:
-        picked = [i for i, length in enumerate(rows["length"]) if low <= length < high]
-        if not picked:
-            cells.append("–")
-            continue
-        ratio = statistics.median(rows["trl_ratio"][i] for i in picked)
-        cells.append(f"{ratio:.2g} (n {len(picked)})")
-    return cells
 
 
 # The truncated-support runs' dates (their records carry none) and, for the first, main's commit: its JSON's checkout
@@ -113,7 +73,8 @@ def support_lines(record: dict[str, Any]) -> list[str]:
         f"**`vllm_importance_sampling_support: truncated` against TRL's ratio and the correction off** "
         f"(`trained/is_ratio.py`, `gpu_job.sh is`; {run_words(record, LATEST_RUN)}; torch {versions['torch']}, "
         f"transformers {versions['transformers']}, TRL {versions['trl']}, vLLM "
-        f"colocated; {record['model'].rsplit('/', 1)[-1]}, trained weights; the eight prompts above, "
+        f"colocated; {record['model'].rsplit('/', 1)[-1]}, trained weights; eight prompts from a two-digit sum to "
+        "a long code module, "
         f"{record['num_generations']} completions each, up to {record['max_completion']} tokens; "
         "`results/trained/is_ratio_truncated_support.json`). One trainer per setting, TRL's correction on "
         "(`sequence_mask`, C_max 3), the product's support truncated; TRL's ratio and the correction off are read "
@@ -124,8 +85,9 @@ def support_lines(record: dict[str, Any]) -> list[str]:
         f"{settings['recipe_8b_lora']['targets']['median_within'][1]:g}] in every length bin.",
         "",
         "| sampling | rows | slope TRL's | slope ours | slope off | ours' median ratio by length bin (rows) "
-        "| TRL's median by bin | targets met (slope, medians) | log K per token: product / meter (max row |diff|) |",
-        "|---" * 9 + "|",
+        "| TRL's median by bin | targets met (slope, medians) | log K per token: product / meter (max row |diff|) "
+        "| log ratio per token: TRL's / ours |",
+        "|---" * 10 + "|",
     ]
     for name, s in settings.items():
         slope, interval = s["slope_per_token"], s["slope_interval_95"]
@@ -144,7 +106,8 @@ def support_lines(record: dict[str, Any]) -> list[str]:
             f"{by_bin('truncated_support', True)} | {by_bin('trl', False)} | "
             f"{'yes' if targets['slope_met'] else 'no'}, {'yes' if targets['median_met'] else 'no'} | "
             f"{tokens['mean_log_mass_product']:+.4f} / {tokens['mean_log_mass_meter']:+.4f} "
-            f"({tokens['max_abs_product_minus_meter']:.2g}) |")
+            f"({tokens['max_abs_product_minus_meter']:.2g}) | {tokens['mean_trl_log_ratio']:+.4f} / "
+            f"{tokens['mean_truncated_support_log_ratio']:+.1e} |")
     lines += ["", "The factor each of TRL's modes puts on a row, from the same rows (slope of its log on the length, "
               "nats per token), and the share of rows `sequence_mask` drops (C_max 3, with C_min none or 0.5) or "
               "in which `token_mask` drops a token:", "",
@@ -202,65 +165,10 @@ def support_lines(record: dict[str, Any]) -> list[str]:
 
 def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
     folder = results / "trained"
-    record = load_json(folder / "is_ratio_qwen05.json")
-    if not record:
-        return []
-    figure = ratio_figure(record, fig_dir, out)
-    versions = record["versions"]
-    lines = [
-        f"## {number}. Trained weights: the importance-sampling ratio at the recipes' settings "
-        "(`benchmarks/dfpo_bench/trained/`)",
-        "",
-        "The first runs (the correction as TRL takes it; cited by docs/source/concepts/decisions.md, \"vLLM's "
-        "importance-sampling ratio under truncated sampling\"), then the product's truncated support.",
-        "",
-        f"{record['card']}; torch {versions['torch']}, transformers {versions['transformers']}, TRL {versions['trl']}, "
-        "vLLM 0.26.0 colocated. Model: Qwen2.5-Coder-0.5B-Instruct, trained weights (the GPU kit's bf16 checkpoint). "
-        f"Eight prompts from a two-digit sum to a long code module, {record['runs']['second']['num_generations']} "
-        f"completions each (16 in the untruncated run), up to {record['max_completion']} tokens. `is_ratio.py` runs "
-        "TRL's own rollout (`vllm_importance_sampling_correction` on, mode `sequence_mask`) and, beside it, a "
-        "forward with the full logits that rebuilds vLLM's top-k/top-p support and takes its mass K under the "
-        "trainer's tempered distribution. That forward's log-prob of each sampled token equals TRL's "
-        "`old_per_token_logps` to within 5e-7 (the meter's check).",
-        "",
-        "| sampling | tokens | gap trainer − vLLM per token | log K per token | gap − log K | "
-        + " | ".join(f"TRL's ratio, median, length {low}–{high - 1}" for low, high in BINS) + " |",
-        "|---" * (5 + len(BINS)) + "|",
-    ]
-    for setting in record["settings"]:
-        tokens = setting["tokens"]
-        lines.append(f"| {LABELS.get(setting['setting'], setting['setting'])} | {tokens['count']} | "
-                     f"{tokens['mean_gap']:+.4f} | {tokens['mean_log_mass']:+.4f} | {tokens['mean_mismatch']:+.5f} | "
-                     + " | ".join(binned_rows(setting)) + " |")
-    recipe = {s["setting"]: s for s in record["settings"]}
-    lora = recipe.get("recipe_8b_lora", {}).get("tokens", {})
-    lora_rows = recipe.get("recipe_8b_lora", {}).get("rows", {"trl_ratio": [], "length": []})
-    mid = [r for r, length in zip(lora_rows["trl_ratio"], lora_rows["length"], strict=True) if 300 <= length < 1000]
-    lines += [
-        "",
-        f"![TRL's ratio against length]({figure})",
-        "",
-        "(Rows TRL masks, a ratio above its cap 3, are drawn at the plot's floor.)",
-        "",
-        "What it shows. Under truncated sampling vLLM returns log-probs renormalised over the top-k/top-p support "
-        "(`logprobs_mode=processed_logprobs`), while the trainer scores the untruncated tempered distribution, so "
-        "each token's gap is log K ≤ 0: at the 8B recipe's settings the gap per token "
-        f"({lora.get('mean_gap', float('nan')):+.4f}) equals log K ({lora.get('mean_log_mass', float('nan')):+.4f}) "
-        f"to {abs(lora.get('mean_mismatch', float('nan'))):.5f}; what is left is the engines' numerical mismatch. "
-        "TRL's sequence ratio is exp(Σ gap): it falls exponentially with length, so at the 8B recipe's settings a "
-        f"completion of 300–999 tokens gets a median factor of {statistics.median(mid) if mid else float('nan'):.1g} "
-        "and carries no gradient. The "
-        "decision this first led to (the recipes turned the correction off when they truncated) was replaced by "
-        "`vllm_importance_sampling_support: truncated`, measured below; both are in "
-        "docs/source/concepts/decisions.md, \"vLLM's importance-sampling ratio "
-        "under truncated sampling\". The first run of the script changed the sampling settings after building "
-        "the trainer, and TRL had built its log-prob head at temperature 1.0: its recipe-setting rows were "
-        "scored at the wrong temperature (kept in `is_ratio_qwen05_first_run_wrong_temperature.json`; only its "
-        "untruncated row is used above).",
-        "",
-    ]
+    lines = [f"## {number}. Trained weights: the importance-sampling ratio at the recipes' settings, and the 8B "
+             "cards (`benchmarks/dfpo_bench/trained/`)", ""]
     support = load_json(folder / "is_ratio_truncated_support.json")
-    if support:
+    if support:  # the first runs, TRL's ratio alone: archived (docs/source/research.md)
         lines += support_lines(support)
         before = load_json(folder / "is_ratio_truncated_support_before_head_dtype.json")
         if before:
