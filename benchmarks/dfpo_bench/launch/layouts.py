@@ -9,8 +9,7 @@ at optimizer-step boundaries, in a seeded order per round, so a round's ratio co
 
 Timed: the off-policy steps, every rank aligned at both ends; per round a method's median, then the median over rounds
 and of the within-round ratio to GSPO with 95% bootstrap intervals. ``--gc between-turns`` freezes the heap after the
-warm-up and collects between turns, untimed. The coefficient check was archived with its phase
-(docs/source/research.md, "Benchmarks archived in a second step").
+warm-up and collects between turns, untimed.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from dfpo_bench.launch.layouts_timing import METHODS, phase_time, save_init
 from dfpo_bench.lib import common, trainers
 from dfpo_bench.lib.stats import bootstrap_median, fmt
 
-ROOT = common.ROOT
 SHAPE = ("device", "gpus", "model", "per_device_train_batch_size", "num_generations", "steps_per_generation",
          "gradient_accumulation_steps", "completion_length_range", "steps_per_turn", "gc")
 
@@ -59,8 +57,7 @@ def method_entry(values: list[float], base: list[float]) -> dict[str, Any]:
 
 def phase_report(args: argparse.Namespace) -> dict[str, Any]:
     """``layouts.json`` of one run from the timing phase's ``timing.json``, and its table."""
-    path = pathlib.Path(args.work_dir) / "timing.json"
-    timing = json.loads(path.read_text()) if path.exists() else {}
+    timing = common.load_json(pathlib.Path(args.work_dir) / "timing.json") or {}
     report: dict[str, Any] = {
         "device": timing.get("device"), "gpus": timing.get("processes"), "zero_stage": timing.get("zero_stage"),
         "per_device_train_batch_size": args.per_device, "num_generations": args.num_generations,
@@ -142,9 +139,7 @@ def plot_ratios(report: dict[str, Any], path: pathlib.Path) -> None:
                  f"{report['rounds']} rounds", fontsize=8)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    common.save_figure(fig, path.parent, path.name, path, dpi=130)
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -225,7 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--launcher", default=None, choices=("accelerate", "torchrun"),
                    help="default: accelerate on cuda, torchrun on cpu")
-    p.add_argument("--accelerate-config", default=str(ROOT / "recipes" / "accelerate" / "zero3_4gpu.yaml"))
+    p.add_argument("--accelerate-config", default=str(common.ROOT / "recipes" / "accelerate" / "zero3_4gpu.yaml"))
     p.add_argument("--random-config", default="qwen3-1.7b", choices=trainers.RANDOM_CONFIGS)
     p.add_argument("--tokenizer", default=None, help="default: the kit's SmolLM2 (trainers.default_tokenizer_path)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"), help="default bfloat16, float32 on cpu")

@@ -143,17 +143,17 @@ def build_trainer(args: argparse.Namespace, name: str, tokenizer: Any, max_steps
     return trainer
 
 
-def all_ranks_max(value: float) -> float:
-    """``max`` of a number over every process (1.0 where any rank says yes); the identity without a process group."""
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any process (a MAX all-reduce), so that every rank takes the same branch."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return value
+        return flag
     from accelerate import PartialState
 
-    tensor = torch.tensor([float(value)], device=PartialState().device)
+    tensor = torch.tensor([float(flag)], device=PartialState().device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
+    return tensor.item() > 0.5
 
 
 def align() -> None:
@@ -257,7 +257,7 @@ def phase_time(args: argparse.Namespace) -> None:
             error = f"{type(exc).__name__}: {exc}"
             if rank() == 0:
                 traceback.print_exc()
-        if all_ranks_max(1.0 if error else 0.0) > 0.5:
+        if any_rank(bool(error)):
             errors[name] = error or "failed on another rank"
             built.pop(name, None)
         build_s[name] = round(time.time() - started, 1)
@@ -310,8 +310,7 @@ def phase_time(args: argparse.Namespace) -> None:
 
     def drop_failed() -> None:
         for name in list(alive):
-            failed = name in turns.errors or (name in turns.finished and not turns.stop)
-            if all_ranks_max(1.0 if failed else 0.0) > 0.5:
+            if any_rank(name in turns.errors or (name in turns.finished and not turns.stop)):
                 errors[name] = turns.errors.get(name, "failed on another rank")
                 alive.remove(name)
 
@@ -326,8 +325,7 @@ def phase_time(args: argparse.Namespace) -> None:
     say(f"time: warm-up done ({time.time() - started:.0f} s); layouts {result['layouts']}")
     round_seconds: list[float] = []
     for r in range(args.rounds):
-        if all_ranks_max(1.0 if time.time() + 1.2 * max(round_seconds, default=0.0) > stop_at else 0.0) > 0.5 \
-                or not alive:
+        if any_rank(time.time() + 1.2 * max(round_seconds, default=0.0) > stop_at) or not alive:
             break
         round_start, order = time.time(), list(alive)
         random.Random(args.seed * 100_003 + r).shuffle(order)  # the same order on every rank

@@ -61,9 +61,8 @@ def check_configs() -> list[dict[str, Any]]:
                  "zero_stage": int(config.deepspeed_config["zero_stage"]),
                  "distributed_type": str(getattr(config.distributed_type, "value", config.distributed_type))}
         expected = (rank, NODES, PROCESSES, "127.0.0.1", 3, "DEEPSPEED")
-        got = tuple(entry[k] for k in ("machine_rank", "num_machines", "num_processes", "main_process_ip",
-                                       "zero_stage", "distributed_type"))
-        if got != expected:
+        checked = ("machine_rank", "num_machines", "num_processes", "main_process_ip", "zero_stage", "distributed_type")
+        if (got := tuple(entry[k] for k in checked)) != expected:
             raise SystemExit(f"{path}: expected (machine_rank, machines, processes, ip, zero, type) = {expected}, "
                              f"got {got}")
         out.append(entry)

@@ -2,11 +2,9 @@
 server, and DFPO off against TRL's ``GRPOTrainer`` step by step (commands: benchmarks/README.md).
 
 Per run (``dfpo``: the derived recipe through dfpo-train; ``dfpo_off``: DFPOTrainer, no transform; ``trl``:
-``GRPOTrainer``): derive a small recipe from ``recipes/qwen3_32b.yaml`` (:func:`derived_recipe`, vLLM sampling seeded
-per request), start a fresh server with TRL's own command (:func:`server_command`), train on the other GPU in a child
-counting TRL's weight syncs, end with one more push (:func:`install`: TRL pushes at each rollout's start), and after
-``dfpo`` compare the server's log-probabilities of a fixed completion with the trained model's
-(:func:`weight_sync_check`). Writes ``vllm_server.json``, ``dfpo_off_vs_trl`` the step-by-step comparison.
+``GRPOTrainer``): a fresh server with TRL's own command, training on the other GPU in a child that counts TRL's weight
+syncs and ends with one more push (TRL pushes at each rollout's start); after ``dfpo``, the server's log-probabilities
+of a fixed completion against the trained model's. Writes ``vllm_server.json``.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ SAMPLING_KEYS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_lo
                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
                  "sampling/importance_sampling_ratio/max")
 FINAL_SYNCS = {"count": 0}
+RUNS = ["dfpo", "dfpo_off", "trl"]
 
 
 def server_command(args: argparse.Namespace, head: tuple[str, ...] | None = None) -> list[str]:
@@ -249,12 +248,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="per-token |log-prob| difference allowed on top of twice the same-weights floor")
     p.add_argument("--enforce-eager", action="store_true", help="serve without CUDA-graph capture")
-    p.add_argument("--runs", nargs="+", default=["dfpo", "dfpo_off", "trl"], choices=["dfpo", "dfpo_off", "trl"])
+    p.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS)
     p.add_argument("--print-commands", action="store_true",
                    help="print this run's server command line (`vllm serve` and the kit's module form) and exit")
-    p.add_argument("--child", choices=["dfpo", "dfpo_off", "trl"], help=argparse.SUPPRESS)
-    p.add_argument("--recipe", help=argparse.SUPPRESS)
-    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    for name, choices in (("--child", RUNS), ("--recipe", None), ("--child-out", None)):
+        p.add_argument(name, choices=choices, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return child(args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -41,14 +42,9 @@ def fixed_batch(model_path: str, world: int, seed: int = 0) -> dict[str, torch.T
     rewards = torch.randint(0, 2, (rows,), generator=g).float().view(-1, SIZES["num_generations"])
     rewards[:, 0], rewards[:, 1] = 0.0, 1.0  # every group has signal
     adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
-    return {
-        "prompt_ids": prompt.repeat(rows, 1),
-        "prompt_mask": torch.ones(rows, prompt.size(1), dtype=torch.long),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": adv,
-        "log_ratio_shift": 0.15 * torch.randn(rows, 1, generator=g) + 0.03 * torch.randn(rows, 12, generator=g),
-    }
+    return {"prompt_ids": prompt.repeat(rows, 1), "prompt_mask": torch.ones(rows, prompt.size(1), dtype=torch.long),
+            "completion_ids": completion_ids, "completion_mask": completion_mask, "advantages": adv,
+            "log_ratio_shift": 0.15 * torch.randn(rows, 1, generator=g) + 0.03 * torch.randn(rows, 12, generator=g)}
 
 
 @torch.no_grad()
@@ -67,7 +63,7 @@ class Recorder(DFPOTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.used: list[Any] = record_row_weights(self)  # every micro-step's RowWeights, in order (tests/tiny.py)
+        self.used: list[Any] = record_row_weights(self)  # every micro-step's RowWeights, in order
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         loss = super()._compute_loss(model, inputs)
@@ -88,8 +84,7 @@ def reference_weights(
     rho = sequence_log_ratio(logps, old_logps, completion_mask)
     s_bar = sign_aware_post_clip(rho.exp(), advantages, *epsilon)
     groups = (-1, group_size)
-    s_tilde = get_transform(transform).apply(s_bar.view(groups), advantages.view(groups), 0.5, 1e-6).reshape(-1)
-    return s_bar, s_tilde
+    return s_bar, get_transform(transform).apply(s_bar.view(groups), advantages.view(groups), 0.5, 1e-6).reshape(-1)
 
 
 def serve_fixed_rows(trainer: Any, batch: dict[str, torch.Tensor], rank: int, local: int, group_size: int) -> None:
@@ -119,14 +114,12 @@ def phase_reference(args: argparse.Namespace) -> None:
 
 
 def base_config(args: argparse.Namespace, **overrides: Any) -> DFPOConfig:
-    values: dict[str, Any] = dict(
+    """What every trainer of the job shares (GSPO's sequence ratio and clip range, no saving), then ``overrides``."""
+    return DFPOConfig(**{**dict(
         output_dir="/tmp/dfpo-zero3-trainer", importance_sampling_level="sequence", loss_type="grpo",
         epsilon=EPS_LOW, epsilon_high=EPS_HIGH, group_transform=TRANSFORM, bf16=False, report_to="none",
         save_strategy="no", logging_steps=1, max_completion_length=32, disable_tqdm=True, seed=0,
-        use_cpu=not torch.cuda.is_available(),
-    )
-    values.update(overrides)
-    return DFPOConfig(**values)
+        use_cpu=not torch.cuda.is_available()), **overrides})
 
 
 def phase_zero3(args: argparse.Namespace) -> None:
@@ -155,9 +148,8 @@ def phase_zero3(args: argparse.Namespace) -> None:
         run = DFPOTrainer(model=args.model, reward_funcs=task.reward_funcs, args=config, train_dataset=dataset,
                           callbacks=[clock])
         run.train()
-        losses = [h["loss"] for h in run.state.log_history if "loss" in h]
-        timings[name] = {"layout": run.group_layout, "step_s": [s["total_s"] for s in clock.steps], "loss_finite": all(
-            v == v and abs(v) != float("inf") for v in losses)}
+        timings[name] = {"layout": run.group_layout, "step_s": [s["total_s"] for s in clock.steps],
+                         "loss_finite": all(math.isfinite(h["loss"]) for h in run.state.log_history if "loss" in h)}
     plugin = trainer.accelerator.state.deepspeed_plugin
     timings["_run"] = {"zero_stage": plugin.zero_stage if plugin is not None else 0,
                        "processes": trainer.accelerator.num_processes}
@@ -180,11 +172,10 @@ def phase_compare(args: argparse.Namespace) -> None:
     warm = {k: v["step_s"][2:] or v["step_s"] for k, v in timing.items()}
     result = {
         "device": args.device_name, "gpus": run["processes"], "zero_stage": run["zero_stage"],
-        "steps": args.timing_steps,
-        "layout": sorted(layouts), "coefficients_match_reference": bool(diffs) and max(diffs) < args.tolerance,
+        "steps": args.timing_steps, "layout": sorted(layouts),
+        "coefficients_match_reference": bool(diffs) and max(diffs) < args.tolerance,
         "max_abs_diff": max(diffs) if diffs else None, "tolerance": args.tolerance,
-        "loss_finite": all(v == v and abs(v) != float("inf") for v in losses)
-        and all(v["loss_finite"] for v in timing.values()),
+        "loss_finite": all(map(math.isfinite, losses)) and all(v["loss_finite"] for v in timing.values()),
         "median_step_s": {k: statistics.median(v) for k, v in warm.items()},
         "layouts_timed": {k: v["layout"] for k, v in timing.items()},
     }
