@@ -43,8 +43,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "grpo_fix": {"symmetric_clip": True},
     "delta": {"token_weighting": "delta"},
     "min_replace_metrics": {**SEQUENCE, "group_transform": "min_replace", "log_mechanism_metrics": True,
-                            "log_energy_buckets": 2},
-}
+                            "log_energy_buckets": 2}}
 SHARED = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "steps_per_generation": 4,
           "num_generations": 4, "learning_rate": 5e-2, "max_completion_length": 6}
 
@@ -72,7 +71,8 @@ def fingerprint(name: str, steps: int) -> dict[str, Any]:
 TIMING_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}
 
 
-def compare(before: dict[str, Any], after: dict[str, Any]) -> bool:
+def compare(before: dict[str, Any], after: dict[str, Any]) -> int:
+    """Print what differs run by run, then the verdict; the exit code (1: not bit-identical)."""
     same = True
     for name in sorted(set(before["runs"]) | set(after["runs"])):
         a, b = before["runs"].get(name), after["runs"].get(name)
@@ -90,7 +90,8 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> bool:
                     print(f"    log row {i}: {dict(sorted(diff.items()))}")
                     break
         same &= params and logs
-    return same
+    print("bit-identical" if same else "NOT bit-identical")
+    return 0 if same else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,34 +107,26 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.configs = before["steps"], list(before["runs"])
     if args.compare:
         before, after = (json.loads(pathlib.Path(f).read_text()) for f in args.compare)
-        same = compare(before, after)
-        print("bit-identical" if same else "NOT bit-identical")
-        return 0 if same else 1
+        return compare(before, after)
+    import importlib
     import platform
     import subprocess
 
-    import torch
-    import transformers
-    import trl
-
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     # a fingerprint holds on one machine and one set of versions only: they are recorded beside it
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}
+    versions = {name: importlib.import_module(name).__version__ for name in ("torch", "transformers", "trl")}
     result = {"commit": commit, "machine": platform.processor() or platform.machine(), "versions": versions,
               "steps": args.steps, "shared": SHARED, "configs": {n: CONFIGS[n] for n in args.configs}, "runs": {}}
     for name in args.configs:
-        result["runs"][name] = fingerprint(name, args.steps)
-        print(f"{name:30s} {result['runs'][name]['params_sha256'][:16]} finite {result['runs'][name]['finite']}",
-              flush=True)
+        run = result["runs"][name] = fingerprint(name, args.steps)
+        print(f"{name:30s} {run['params_sha256'][:16]} finite {run['finite']}", flush=True)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.check:
         if (before.get("versions"), before["machine"]) != (versions, result["machine"]):
             print(f"note: {args.check} was made with {before.get('versions')} on {before['machine']}; a fingerprint "
                   "holds on the same machine and versions only")
-        same = compare(before, result)
-        print("bit-identical" if same else "NOT bit-identical")
-        return 0 if same else 1
+        return compare(before, result)
     return 0
 
 

@@ -29,8 +29,7 @@ COUNTS = ("files", "lines", "nonblank", "python_files", "python_lines")
 DEFINITION = (
     "tracked files (git ls-files) read from the work tree; left out: anything under a 'results' folder in "
     "benchmarks/, symlinks, submodules, and files not of a hand-written kind (" + " ".join(sorted(TEXT_SUFFIXES))
-    + ", extensionless '#!' scripts, and .ipynb counted by its cells' source lines only); every physical line counts"
-)
+    + ", extensionless '#!' scripts, and .ipynb counted by its cells' source lines only); every physical line counts")
 
 
 class NotAGitCheckout(RuntimeError):
@@ -107,8 +106,7 @@ def count_lines(root: Path) -> dict[str, Any]:
         "python": {"product_lines": product["python_lines"], "tests_lines": parts["tests"]["python_lines"],
                    "benchmarks_lines": parts["benchmarks"]["python_lines"],
                    "tests_and_benchmarks_over_product": round(checking / max(product["python_lines"], 1), 3)},
-        "excluded_files": dict(sorted(excluded.items())),
-    }
+        "excluded_files": dict(sorted(excluded.items()))}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -131,8 +129,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"lines ({lines['product_share']:.0%}); the .py lines of tests/ and benchmarks/ are "
         f"{lines['python']['tests_and_benchmarks_over_product']:.1f}x dfpo_trl/'s",
         f"git tracks {size / 2**20:.1f} MiB ({size} bytes)",
-        f"README.md has {readme_lines} lines" if readme_lines is not None else "no README.md",
-    ]
+        f"README.md has {readme_lines} lines" if readme_lines is not None else "no README.md"]
     figures = {"summary": summary, "lines": lines, "tracked_bytes": size, "readme_lines": readme_lines}
     text = json.dumps(figures, indent=2)
     print(text)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
@@ -18,15 +17,6 @@ def transformers_logging_restored() -> Iterator[None]:
     verbosity = transformers.logging.get_verbosity()
     yield
     transformers.logging.set_verbosity(verbosity)
-
-
-@pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls on a shared CPU are many times faster on one thread (and bit-identical run to run)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

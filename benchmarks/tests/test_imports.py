@@ -1,18 +1,12 @@
-"""The benchmarks reach dfpo_trl only through its stable names: every import of dfpo_bench and of these tests is
-walked (AST), and an import of dfpo_trl in none of ``dfpo_trl.__all__``, ``dfpo_trl.cli.__all__`` (the program's),
-``dfpo_trl.testing.__all__`` and ``dfpo_trl.testing.measures.__all__`` fails. Nothing here puts a folder on
-``sys.path``, and the library's own tests never import dfpo_bench.
+"""The benchmarks reach dfpo_trl only through its stable names (the ``__all__`` of dfpo_trl, its cli, testing and
+testing.measures), read from every import (AST); nothing puts a folder on ``sys.path``; the library never imports us.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
-
-import dfpo_trl
-import dfpo_trl.cli
-import dfpo_trl.testing
-import dfpo_trl.testing.measures
 
 BENCH = Path(__file__).resolve().parents[1]
 ROOT = BENCH.parent
@@ -37,11 +31,8 @@ def python_files(*folders: Path) -> list[Path]:
 
 def dfpo_imports() -> dict[tuple[str, str], list[str]]:
     """Every import of dfpo_trl in dfpo_bench and its tests that is not a stable name, with where it is."""
-    stable = {("dfpo_trl", name) for name in dfpo_trl.__all__}
-    stable |= {("dfpo_trl.cli", name) for name in dfpo_trl.cli.__all__}
-    stable |= {("dfpo_trl.testing", name) for name in dfpo_trl.testing.__all__}
-    stable |= {("dfpo_trl.testing.measures", name) for name in dfpo_trl.testing.measures.__all__}
-    stable |= {(module, "") for module in ("dfpo_trl", "dfpo_trl.cli", "dfpo_trl.testing", "dfpo_trl.testing.measures")}
+    stable = {(module, name) for module in ("dfpo_trl", "dfpo_trl.cli", "dfpo_trl.testing", "dfpo_trl.testing.measures")
+              for name in ("", *importlib.import_module(module).__all__)}
     found: dict[tuple[str, str], list[str]] = {}
     for path in python_files(BENCH / "dfpo_bench", BENCH / "tests"):
         for module, name, line in imports_of(path):

@@ -1,11 +1,6 @@
-"""``dfpo_bench.reports.report`` regenerates RESULTS.md and every figure it shows from the committed results: run into
-a temporary folder, the RESULTS.md it writes equals the committed one, every ``figures/*.png`` it names was written by
-that run, every PNG in ``benchmarks/figures/`` is named by RESULTS.md or a README, and each written figure is
-byte-identical to the committed one.
-
-Byte identity holds for one matplotlib version (a PNG records it in its ``Software`` text chunk, and rendering may
-change between versions): where the installed version is not the one that drew the committed figures, that comparison
-is skipped, saying so; the other assertions still run."""
+"""``dfpo_bench.reports.report`` regenerates RESULTS.md and every figure it shows from the committed results, into a
+temporary folder. Byte identity of the figures holds for one matplotlib version (a PNG records it in its ``Software``
+text chunk): under another version that comparison is skipped, saying so."""
 
 from __future__ import annotations
 

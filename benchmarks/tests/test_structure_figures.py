@@ -29,8 +29,7 @@ FILES: dict[str, tuple[str, tuple[int, int] | None]] = {
     "notebooks/demo.ipynb": (json.dumps(NOTEBOOK, indent=1), (3, 3)),  # its cells' sources only
     "README.md": ("readme\n", (1, 1)),
     "tools/run": ("#!/bin/sh\necho hi\n", (2, 2)),  # an extensionless script: other
-    "tools/.gitignore": ("*.pyc\n", None),  # extensionless, no #!
-}
+    "tools/.gitignore": ("*.pyc\n", None)}  # extensionless, no #!
 
 
 def git(repo: Path, *args: str) -> str:

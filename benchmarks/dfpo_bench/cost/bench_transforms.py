@@ -1,9 +1,7 @@
 """Time each DFPO group transform on (groups, G) inputs.
 
-    python -m dfpo_bench.cost.bench_transforms --groups 10000 --G 32 --device cuda
-
-Prints the median time per call (ms) of every transform and writes them, with the device and torch
-version, as JSON to --out. torch.utils.benchmark.Timer synchronises CUDA around each measurement.
+Median time per call (ms) of every transform, written with the device and torch version to --out;
+torch.utils.benchmark.Timer synchronises CUDA around each measurement.
 """
 
 from __future__ import annotations
@@ -48,28 +46,16 @@ def main() -> None:
         for name in registered_transforms():
             apply = get_transform(name).apply
             apply(w, adv, 0.5, 1e-6)  # warm-up (kernel caching, lazy init)
-            timer = benchmark.Timer(
-                stmt="apply(w, adv, 0.5, 1e-6)",
-                globals={"apply": apply, "w": w, "adv": adv},
-                num_threads=torch.get_num_threads(),
-            )
+            timer = benchmark.Timer(stmt="apply(w, adv, 0.5, 1e-6)", globals={"apply": apply, "w": w, "adv": adv},
+                                    num_threads=torch.get_num_threads())
             measurement = timer.blocked_autorange(min_run_time=args.min_run_time)
             median_ms, iqr_ms = measurement.median * 1e3, measurement.iqr * 1e3
             results[name] = {"median_ms": median_ms, "iqr_ms": iqr_ms}
             print(f"{name:>20s}: median {median_ms:8.4f} ms  (IQR {iqr_ms:.4f} ms)")
 
-    device_name = (
-        torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor()
-    )
-    report = {
-        "groups": args.groups,
-        "G": args.group_size,
-        "dtype": args.dtype,
-        "device": args.device,
-        "device_name": device_name,
-        "torch": torch.__version__,
-        "results": results,
-    }
+    device_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor()
+    report = {"groups": args.groups, "G": args.group_size, "dtype": args.dtype, "device": args.device,
+              "device_name": device_name, "torch": torch.__version__, "results": results}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

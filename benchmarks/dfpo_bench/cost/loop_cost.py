@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from dfpo_bench.lib.common import ROOT
+from dfpo_bench.lib.common import ROOT, versions
 from dfpo_bench.lib.stats import bootstrap_median
 
 RECIPE = ROOT / "recipes" / "smollm2_gpu_vllm.yaml"
@@ -31,8 +31,7 @@ METHODS = {  # name -> DFPOConfig fields on top of the recipe (None: TRL's GRPOT
     "orth_proj": {"group_transform": "orth_proj"},
     "positive_orth_proj": {"group_transform": "positive_orth_proj"},
     "truncate_rebalance": {"group_transform": "truncate_rebalance"},
-    "min_replace_gradient": {"group_transform": "min_replace", "cancellation_target": "gradient"},
-}
+    "min_replace_gradient": {"group_transform": "min_replace", "cancellation_target": "gradient"}}
 
 
 def share_one_engine() -> None:
@@ -67,17 +66,13 @@ def one_run(method: str, model: str, steps: int, seed: int) -> dict[str, Any]:
     train = task.build_dataset("train", 2000, seed)
     rewards = list(task.reward_funcs)
     clock = StepClock()
-    if extra is None:
-        trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=GRPOConfig(**config), train_dataset=train,
-                              callbacks=[clock])
-    else:
-        trainer = DFPOTrainer(model=model, reward_funcs=rewards, args=DFPOConfig(**config, **extra),
-                              train_dataset=train, callbacks=[clock])
+    trainer_cls, config_cls = (GRPOTrainer, GRPOConfig) if extra is None else (DFPOTrainer, DFPOConfig)
+    trainer = trainer_cls(model=model, reward_funcs=rewards, args=config_cls(**config, **(extra or {})),
+                          train_dataset=train, callbacks=[clock])
     trainer.vllm_generation.sync_weights()  # the shared engine holds the last run's weights: load this run's
     trainer.train()
-    per_rollout = config["steps_per_generation"]
     times = [s["total_s"] for s in clock.steps]
-    measured = times[per_rollout:]
+    measured = times[config["steps_per_generation"]:]  # after the first rollout
     phi = [h["transform/phi_mean"] for h in trainer.state.log_history if "transform/phi_mean" in h]
     record = {"method": method, "trainer": type(trainer).__name__, "step_s": times,
               "mean_step_s": statistics.fmean(measured), "phi_mean": statistics.fmean(phi) if phi else None}
@@ -116,10 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="/root/models/smollm2-135m-instruct")
     p.add_argument("--gpus", nargs="+", default=["0"])
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (the first rollout is not timed)")
+    for name, default in (("rounds", 4), ("steps", 12), ("seed", 0)):  # --steps: per run, the first rollout untimed
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="/tmp/loop_cost.json")
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -128,8 +122,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     if "trl" not in args.methods:
         p.error("--methods must include trl, the baseline of every ratio")
-    from dfpo_bench.lib.common import versions
-
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     children = []

@@ -19,17 +19,8 @@ from dfpo_bench.lib import common, stats, trainers
 
 BASELINE = "trl_gspo"
 # TRL's GRPOTrainer itself, then DFPOTrainer with DFPO off, then each objective (weights and gradient targets).
-DEFAULT_METHODS = (
-    BASELINE, "dfpo_none", "min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance",
-    "min_replace_grad", "positive_orth_proj_grad", "min_replace_grad_zero", "none_score",
-)
-
-
-def method_overrides(name: str) -> tuple[type, type, dict[str, Any]]:
-    """(trainer class, config class, overrides); ``trl_gspo`` is TRL's GRPOTrainer with GSPO's settings."""
-    if name == BASELINE:
-        return trainers.trainer_and_config("gspo", baseline_trainer="trl")
-    return trainers.trainer_and_config(name, baseline_trainer="dfpo")
+DEFAULT_METHODS = (BASELINE, "dfpo_none", "min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance",
+                   "min_replace_grad", "positive_orth_proj_grad", "min_replace_grad_zero", "none_score")
 
 
 def fixed_batch(args: argparse.Namespace, tokenizer: Any, device: str) -> dict[str, Any]:
@@ -47,16 +38,11 @@ def fixed_batch(args: argparse.Namespace, tokenizer: Any, device: str) -> dict[s
     batch = {
         "prompt_ids": torch.randint(0, vocab, (rows, args.prompt_length), generator=g),
         "prompt_mask": torch.ones(rows, args.prompt_length, dtype=torch.long),
-        "completion_ids": torch.randint(0, vocab, (rows, length), generator=g),
-        "completion_mask": completion_mask,
-        "advantages": advantages,
-        "num_items_in_batch": completion_mask.sum(),
-        "group_ids": consecutive_group_ids(rows, args.group_size),
-        "row_ids": torch.arange(rows),
-        # What DFPOTrainer's _prepare_inputs marks on a buffered micro-batch of whole groups (TRL ignores it), so
-        # the loss takes the training path instead of re-checking the groups of a hand-built batch.
-        WHOLE_GROUPS_KEY: True,
-    }
+        "completion_ids": torch.randint(0, vocab, (rows, length), generator=g), "completion_mask": completion_mask,
+        "advantages": advantages, "num_items_in_batch": completion_mask.sum(),
+        "group_ids": consecutive_group_ids(rows, args.group_size), "row_ids": torch.arange(rows),
+        # marked by DFPOTrainer's _prepare_inputs on whole groups (TRL ignores it): the loss takes the training path
+        WHOLE_GROUPS_KEY: True}
     # Old log-probs = current ones minus a per-row shift of a few ε (set after the model exists, in main()).
     batch["row_shift"] = args.shift * torch.randn(rows, 1, generator=g)
     return {k: (v.to(device) if hasattr(v, "to") else v) for k, v in batch.items()}
@@ -65,12 +51,13 @@ def fixed_batch(args: argparse.Namespace, tokenizer: Any, device: str) -> dict[s
 def build_trainer(name: str, model: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
     from datasets import Dataset
 
-    trainer_cls, config_cls, overrides = method_overrides(name)
+    # ``trl_gspo`` is TRL's GRPOTrainer with GSPO's settings; every other method runs through DFPOTrainer
+    trainer_cls, config_cls, overrides = trainers.trainer_and_config(
+        "gspo" if name == BASELINE else name, baseline_trainer="trl" if name == BASELINE else "dfpo")
     config = config_cls(**trainers.config_kwargs(
         device=args.device, seed=args.seed, max_steps=1, per_device_train_batch_size=args.rows,
         num_generations=args.group_size, steps_per_generation=2, max_completion_length=args.completion_length,
-        learning_rate=1e-6, gradient_checkpointing=not args.no_gradient_checkpointing,
-    ), **overrides)
+        learning_rate=1e-6, gradient_checkpointing=not args.no_gradient_checkpointing), **overrides)
     dataset = Dataset.from_dict({"prompt": ["x"] * args.rows})
     trainer = trainer_cls(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
                           train_dataset=dataset, processing_class=tokenizer)
@@ -102,10 +89,8 @@ def main() -> None:
     if args.rows % args.group_size:
         raise SystemExit(f"--rows {args.rows} must be a multiple of --group-size {args.group_size}")
     tokenizer = trainers.load_tokenizer(args.tokenizer or args.model or trainers.default_tokenizer_path())
-    model = trainers.build_model(
-        args.model, None if args.model else args.random_config, tokenizer, trainers.DTYPES[args.dtype], args.device,
-        args.seed,
-    )
+    model = trainers.build_model(args.model, None if args.model else args.random_config, tokenizer,
+                                 trainers.DTYPES[args.dtype], args.device, args.seed)
     built = {name: build_trainer(name, model, tokenizer, args) for name in methods}
     batch = fixed_batch(args, tokenizer, args.device)
     shift = batch.pop("row_shift")
@@ -113,8 +98,7 @@ def main() -> None:
     with torch.no_grad():
         current, _, _ = probe._get_per_token_logps_and_entropies(
             model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].size(1),
-        )
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].size(1))
     batch["old_per_token_logps"] = (current - shift).float()
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
@@ -144,16 +128,14 @@ def main() -> None:
         "dtype": args.dtype, "rows": args.rows, "group_size": args.group_size,
         "completion_length": args.completion_length, "prompt_length": args.prompt_length,
         "gradient_checkpointing": not args.no_gradient_checkpointing, "rounds": args.rounds, "reps": args.reps,
-        "wall_s": round(time.time() - started, 1), "baseline": BASELINE, "methods": {},
-    }
+        "wall_s": round(time.time() - started, 1), "baseline": BASELINE, "methods": {}}
     base = times[BASELINE] if BASELINE in times else None
     for name in methods:
         entry: dict[str, Any] = {"round_median_s": times[name], "median_s": statistics.median(times[name]),
                                  "loss": losses[name]}
         if base is not None and name != BASELINE:
             ratios = [t / b for t, b in zip(times[name], base, strict=True)]
-            low, high = stats.bootstrap_median(ratios)
-            entry.update(ratio_to_trl=statistics.median(ratios), ratio_interval_95=[low, high])
+            entry.update(ratio_to_trl=statistics.median(ratios), ratio_interval_95=stats.bootstrap_median(ratios))
         result["methods"][name] = entry
     if "dfpo_none" in losses and BASELINE in losses:
         result["dfpo_none_loss_equals_trl"] = losses["dfpo_none"] == losses[BASELINE]
@@ -163,8 +145,7 @@ def main() -> None:
           f"tokens, {args.rounds} rounds x {args.reps} reps, {result['wall_s']} s")
     print(f"{'method':26s} {'median ms':>10s} {'ratio':>7s}  95% interval")
     for name, entry in result["methods"].items():
-        ratio = entry.get("ratio_to_trl")
-        interval = entry.get("ratio_interval_95")
+        ratio, interval = entry.get("ratio_to_trl"), entry.get("ratio_interval_95")
         print(f"{name:26s} {1e3 * entry['median_s']:10.2f} "
               + (f"{ratio:7.3f}  [{interval[0]:.3f}, {interval[1]:.3f}]" if ratio is not None else "      -"))
 

@@ -1,10 +1,8 @@
 """Step time and memory of every DFPO method against TRL's GSPO, in one process, in interleaved rounds.
 
-Every method starts from the same weights, prompts and seed. A phase is one method trained for ``warmup + steps``
-optimizer steps by a fresh trainer on a fresh model; a round runs every method once, in an order rotated each round,
-so the machine's drift falls on all alike. Off-policy, so the transforms act; ``--fixed-length`` gives every method
-tensors of one shape. ``median_train_only_step_s`` (steps without a rollout) is what the goals are judged on; ratios
-to GSPO carry a 95% bootstrap interval over steps. Writes ``overhead_<tag>.json`` after every round.
+A phase is one method trained from the same weights, prompts and seed by a fresh trainer on a fresh model; a round
+runs every method once, in an order rotated each round, so the machine's drift falls on all alike. The goals are
+judged on ``median_train_only_step_s`` (steps without a rollout). Writes ``overhead_<tag>.json`` after every round.
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ def run_phase(method: str, args: argparse.Namespace, ctx: dict[str, Any], steps:
     model = AutoModelForCausalLM.from_pretrained(ctx["model_path"], dtype=ctx["dtype"]).to(args.device)
     model.generation_config = copy.deepcopy(ctx["generation_config"])
     with torch.no_grad():
-        finite = bool(torch.isfinite(model(input_ids=torch.tensor([ctx["probe_ids"]], device=args.device)).logits)
-                      .all())
+        probe = torch.tensor([ctx["probe_ids"]], device=args.device)
+        finite = bool(torch.isfinite(model(input_ids=probe).logits).all())
     if not finite:
         bad = [name for name, param in model.named_parameters() if not bool(torch.isfinite(param).all())]
         raise SystemExit(f"the model at {ctx['model_path']} gives non-finite logits; non-finite weights: {bad}")
@@ -48,8 +46,7 @@ def run_phase(method: str, args: argparse.Namespace, ctx: dict[str, Any], steps:
     trainer = trainer_cls(model=model, reward_funcs=ctx["rewards"], args=config, train_dataset=ctx["dataset"],
                           processing_class=ctx["tokenizer"])
     trainer.remove_callback(PrinterCallback)
-    clock = StepClock(warmup)
-    trainer.add_callback(clock)
+    trainer.add_callback(clock := StepClock(warmup))
     trainer._generate = clock.timed("generate_s", trainer._generate)
     trainer._generate_and_score_completions = clock.timed("rollout_s", trainer._generate_and_score_completions)
     cuda = args.device.startswith("cuda")
@@ -120,12 +117,11 @@ def summarise(phases: list[dict[str, Any]], methods: list[str], args: argparse.N
         "median_generation_s": {m: v["generation"] for m, v in per.items()},
         "peak_mem_gb": {m: v["peak"] for m, v in per.items()},
         "settings": {k: getattr(args, k) for k in ("batch_size", "num_generations", "steps_per_generation",
-                                                   "max_completion_length", "lr", "rounds", "steps", "warmup",
-                                                   "fixed_length", "gradient_checkpointing", "seed", "reward")},
+                     "max_completion_length", "lr", "rounds", "steps", "warmup", "fixed_length",
+                     "gradient_checkpointing", "seed", "reward")},
         "step_times_s": {m: v["steps"] for m, v in per.items()},
         "versions": common.versions(),
-        "complete": all(per.get(m, {}).get("phases", 0) == args.rounds for m in methods),
-    }
+        "complete": all(per.get(m, {}).get("phases", 0) == args.rounds for m in methods)}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -204,8 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         "params": sum(p.numel() for p in model.parameters()),
         "model_name": pathlib.Path(args.model).name if args.model else f"random-{args.random_config}",
         "rewards": [trainers.id_parity] if args.reward == "id_parity" else list(task.reward_funcs),
-        "dataset": task.build_dataset("train", 512, args.seed),  # the same prompts, in the same order, per phase
-    }
+        "dataset": task.build_dataset("train", 512, args.seed)}  # the same prompts, in the same order, per phase
     del model
     out = pathlib.Path(args.out_dir) / f"overhead_{args.tag or ctx['model_name']}.json"
     print(f"overhead: {ctx['model_name']} ({ctx['params'] / 1e6:.0f}M params, {args.dtype}) on "

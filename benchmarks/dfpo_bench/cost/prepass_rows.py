@@ -14,13 +14,7 @@ from typing import Any
 
 import torch
 from dfpo_trl import DFPOConfig, DFPOTrainer
-from dfpo_trl.testing import (
-    addition_dataset,
-    last_digit_reward,
-    tiny_config_kwargs,
-    tiny_model,
-    tiny_tokenizer,
-)
+from dfpo_trl.testing import addition_dataset, last_digit_reward, tiny_config_kwargs, tiny_model, tiny_tokenizer
 from dfpo_trl.testing.measures import pre_pass_rows
 
 from dfpo_bench.lib import common

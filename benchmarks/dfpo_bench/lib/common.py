@@ -1,10 +1,5 @@
 """What every benchmark script shares: the machine and package labels a result records, atomic JSON records,
-stopping a launched process group, and a ``dfpo-train`` run in-process.
-
-Scripts run as ``python -m dfpo_bench.<kind>.<script>`` (the package installed with ``pip install -e benchmarks``)
-and import the shared modules as ``dfpo_bench.lib.<module>``. This module imports torch only inside the
-functions that need it.
-"""
+stopping a launched process group, and a ``dfpo-train`` run in-process (torch imported only where needed)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """What code a benchmark run ran: the checkout's commit, whether it had uncommitted changes, and a hash of the
-package's and the benchmarks' sources, read when the run starts from the directory the run starts in.
-
-A record that names only ``git rev-parse HEAD`` can name a commit older than the code that ran (a checkout with
-uncommitted changes, as an archived study's were); one that carries this state names its code, or says that it
-cannot (dirty, or no git).
+package's and the benchmarks' sources (``git rev-parse HEAD`` alone can name a commit older than the code that ran).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The benchmarked methods and how a script sets up their trainers: the method table, model and tokenizer loading,
-random configs, the rewards and the config every method shares.
-
-A method is a label and the config overrides that make it that method (docs/source/concepts/reference-runs.md: GSPO
-ε = 3e-4 / 4e-4 at the sequence level, GRPO = TRL's DAPO loss with ε = 0.2 / 0.28). ``gspo`` and ``grpo`` run through
-TRL's own ``GRPOTrainer``; every other method through ``DFPOTrainer``.
+"""The benchmarked methods and how a script sets up their trainers: the method table (a label and the config overrides
+of each, docs/source/concepts/reference-runs.md), model and tokenizer loading, random configs, rewards, shared config.
+``gspo`` and ``grpo`` run through TRL's own ``GRPOTrainer``; every other method through ``DFPOTrainer``.
 """
 
 from __future__ import annotations
@@ -36,8 +33,7 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (label, overrides)
     "positive_orth_proj_grad": ("Positive Orth-Proj (gradient)",
                                 {**GSPO, "group_transform": "positive_orth_proj", **GRADIENT}),
     "min_replace_grad_zero": ("Min-Replace (gradient, one-sided zero)",
-                              {**GSPO, "group_transform": "min_replace", **GRADIENT, "cancellation_one_sided": "zero"}),
-}
+                              {**GSPO, "group_transform": "min_replace", **GRADIENT, "cancellation_one_sided": "zero"})}
 OVERHEAD_METHODS = ["gspo", "grpo", "min_replace", "orth_proj", "positive_orth_proj", "truncate_rebalance", "grpo_fix",
                     "delta"]
 RANDOM_CONFIGS = ("tiny", "qwen3-1.7b")
@@ -101,9 +97,8 @@ def random_config(name: str, tokenizer: Any) -> Any:
     raise SystemExit(f"unknown --random-config {name!r}; use one of {', '.join(RANDOM_CONFIGS)}")
 
 
-def build_model(
-    model_path: str | None, random_name: str | None, tokenizer: Any, dtype: torch.dtype, device: str, seed: int
-) -> torch.nn.Module:
+def build_model(model_path: str | None, random_name: str | None, tokenizer: Any, dtype: torch.dtype, device: str,
+                seed: int) -> torch.nn.Module:
     """A pretrained checkpoint (``model_path``) or a random init (``random_name``), on ``device`` in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
@@ -122,11 +117,10 @@ def id_parity(prompts: list[Any], completions: list[Any], completion_ids: list[l
     return [float(sum(ids) % 2) for ids in completion_ids]
 
 
-def config_kwargs(
-    *, device: str, seed: int, max_steps: int, per_device_train_batch_size: int, num_generations: int,
-    steps_per_generation: int, max_completion_length: int, learning_rate: float, fixed_length: bool = False,
-    gradient_checkpointing: bool = True, output_dir: str | None = None,
-) -> dict[str, Any]:
+def config_kwargs(*, device: str, seed: int, max_steps: int, per_device_train_batch_size: int, num_generations: int,
+                  steps_per_generation: int, max_completion_length: int, learning_rate: float,
+                  fixed_length: bool = False, gradient_checkpointing: bool = True,
+                  output_dir: str | None = None) -> dict[str, Any]:
     """The GRPOConfig keyword arguments every method shares (off-policy: steps_per_generation > gradient accumulation
     = 1). ``fixed_length`` makes every completion ``max_completion_length`` tokens (min_new_tokens), so every method
     trains on tensors of the same shape."""
@@ -137,8 +131,7 @@ def config_kwargs(
         num_generations=num_generations, steps_per_generation=steps_per_generation,
         max_completion_length=max_completion_length, learning_rate=learning_rate, temperature=1.0, beta=0.0,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-        gradient_checkpointing=gradient_checkpointing, use_cpu=on_cpu, bf16=not on_cpu,
-    )
+        gradient_checkpointing=gradient_checkpointing, use_cpu=on_cpu, bf16=not on_cpu)
     if fixed_length:
         kwargs["generation_kwargs"] = {"min_new_tokens": max_completion_length}
     return kwargs

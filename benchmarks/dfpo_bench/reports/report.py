@@ -22,8 +22,7 @@ HEADER = [
     "docs/source/research.md says where.", "",
     "**The end token of the SmolLM2 runs before 2026-11-27.** The GPU kit's conversion of SmolLM2-135M-Instruct gave "
     "its tokenizer `<|im_start|>` as the end token where the model's config says `<|im_end|>`; the SmolLM2 runs of §1 "
-    "ran so (completions ended at `<|im_start|>`). Timings are unaffected in kind.", "",
-]
+    "ran so (completions ended at `<|im_start|>`). Timings are unaffected in kind.", ""]
 
 
 def zero3_section(result: dict[str, Any] | None, number: int) -> list[str]:
@@ -43,8 +42,7 @@ def zero3_section(result: dict[str, Any] | None, number: int) -> list[str]:
         *([f"Same generation batch and optimizer-step size: the pre-pass layout (micro-batches of half a group, two "
            f"micro-steps and one no-grad pre-pass forward per optimizer step) takes "
            f"{result['pre_pass_over_co_located']:.2f}× the step time of whole groups per micro-batch; medians over "
-           f"steps 3–{result['steps']}, rollout steps included.", ""] if "pre_pass_over_co_located" in result else []),
-    ]
+           f"steps 3–{result['steps']}, rollout steps included.", ""] if "pre_pass_over_co_located" in result else [])]
 
 
 def hand_section(path: pathlib.Path, number: int) -> list[str]:

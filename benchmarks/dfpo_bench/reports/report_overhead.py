@@ -21,8 +21,7 @@ VERDICTS = (
     ("above, interval includes", "**Point estimate above the goal**; the interval includes the goal, so this is not "
      "resolved either way"),
     ("above, interval above", "**Above the goal, the whole interval too**"),
-    ("above, no interval", "**Point estimate above the goal** (no interval in the file)"),
-)
+    ("above, no interval", "**Point estimate above the goal** (no interval in the file)"))
 
 
 def overhead_entries(results: pathlib.Path) -> list[dict[str, Any]]:
@@ -32,13 +31,15 @@ def overhead_entries(results: pathlib.Path) -> list[dict[str, Any]]:
     return [data] if "median_step_s" in data else list(data.values())
 
 
-def judged(e: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], bool]:
-    """(ratio to GSPO, 95% interval, no_rollout) the goals are judged on: the median of the optimizer steps with no
-    rollout in them where the file has it (forward, backward and optimizer only), else the median step."""
+def judged(e: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], bool, str]:
+    """(ratio to GSPO, 95% interval, no_rollout, "a–b" no-rollout steps per method) the goals are judged on: the
+    median of the optimizer steps with no rollout in them where the file has it, else the median step."""
     ratios = e.get("ratio_train_only_to_baseline") or {}
+    steps = sorted({v for v in (e.get("train_only_steps_per_method") or {}).values() if v is not None})
+    counts = "–".join(map(str, steps))
     if any(v is not None for v in ratios.values()):
-        return ratios, e.get("ratio_train_only_interval_95") or {}, True
-    return e["ratio_to_baseline"], e.get("ratio_interval_95") or {}, False
+        return ratios, e.get("ratio_train_only_interval_95") or {}, True, counts
+    return e["ratio_to_baseline"], e.get("ratio_interval_95") or {}, False, counts
 
 
 def with_interval(ratio: float | None, ci: list[float] | None, method: str) -> str:
@@ -62,8 +63,7 @@ def overhead_section(entries: list[dict[str, Any]]) -> list[str]:
         return out + ["No overhead results yet (`benchmarks/dfpo_bench/cost/overhead.py`).", ""]
     for e in entries:
         s = e.get("settings", {})
-        ratios, intervals, no_rollout = judged(e)
-        counts = sorted({v for v in (e.get("train_only_steps_per_method") or {}).values() if v is not None})
+        ratios, intervals, no_rollout, counts = judged(e)
         out += [
             f"### {e['model']} ({e.get('model_params', 0) / 1e6:.0f}M parameters, {e.get('dtype', '?')}) on "
             f"{e['device']}", "",
@@ -74,14 +74,13 @@ def overhead_section(entries: list[dict[str, Any]]) -> list[str]:
                                                                          else "")
             + f", gradient checkpointing {'on' if s.get('gradient_checkpointing') else 'off'}"
             + (f", reward `{s['reward']}`" if s.get("reward") else "") + "."
-            + (f" {'–'.join(map(str, counts))} of each method's timed steps contain no rollout (no sampling, no "
+            + (f" {counts} of each method's timed steps contain no rollout (no sampling, no "
                "old-log-prob forward): the no-rollout columns are their median, its ratio to GSPO's and a 95% "
                "bootstrap interval, and the goal column judges that ratio." if no_rollout and counts else ""), "",
             f"| method ({e['device']}) | median step (s) | × GSPO [95% CI] | "
             + ("median no-rollout step (s) | no-rollout × GSPO [95% CI] | " if no_rollout else "")
             + "median training (s) | mean training × GSPO | generation call (s) | peak memory (GB) | goal |",
-            "|" + " --- |" * (10 if no_rollout else 8),
-        ]
+            "|" + " --- |" * (10 if no_rollout else 8)]
         for m, step in e["median_step_s"].items():
             cells = [label(m), fmt(step, 4), with_interval(e["ratio_to_baseline"].get(m),
                                                            (e.get("ratio_interval_95") or {}).get(m), m)]
@@ -107,7 +106,7 @@ def round_medians(e: dict[str, Any], method: str) -> list[float] | None:
 
 
 def overhead_sentences(e: dict[str, Any]) -> list[str]:
-    ratios, intervals, no_rollout = judged(e)
+    ratios, intervals, no_rollout, counts = judged(e)
     groups: dict[str, list[str]] = {}
     for m, ratio in ratios.items():
         goal, ci = GOALS.get(m), intervals.get(m)
@@ -121,12 +120,9 @@ def overhead_sentences(e: dict[str, Any]) -> list[str]:
             key = "above, interval includes" if ci and ci[0] <= goal else "above, interval above" if ci else \
                 "above, no interval"
         groups.setdefault(key, []).append(text)
-    if no_rollout:
-        n = sorted({v for v in (e.get("train_only_steps_per_method") or {}).values() if v is not None})
-        basis = (f"the median of the optimizer steps that contain no rollout ({'–'.join(map(str, n))} per method: "
-                 "forward, backward and optimizer only) and its 95% bootstrap interval")
-    else:
-        basis = "the median step time (all timed steps) and its 95% bootstrap interval"
+    basis = (f"the median of the optimizer steps that contain no rollout ({counts} per method: forward, backward and "
+             "optimizer only) and its 95% bootstrap interval" if no_rollout
+             else "the median step time (all timed steps) and its 95% bootstrap interval")
     lines = [f"Baseline: TRL's own `GRPOTrainer` with the GSPO settings, in the same process. The goals (≤ "
              f"{OVERHEAD_GOAL:.2f}× GSPO, DelTA ≤ {DELTA_GOAL:.2f}×; > {REGRESSION:.2f}× is a regression) are judged "
              f"on {basis}, on {e['device']}:"]
