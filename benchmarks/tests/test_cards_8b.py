@@ -1,10 +1,9 @@
-"""dfpo_bench.trained.cards_8b and eval_calls on the CPU: every row is the recipe plus the flags its header lists, and
+"""dfpo_bench.trained.cards_8b on the CPU: every row is the recipe plus the flags its header lists, and
 they parse; the benchmark adds only what the GPU machine needs; the simulated card hooks the row's process alone."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import subprocess
@@ -13,9 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from dfpo_bench.trained import cards_8b, eval_calls
+from dfpo_bench.trained import cards_8b
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = {"card": "NVIDIA H200", "date": "2026-12-02", "context_gib": 1.0, "machine_flags": ["--max_steps", "2"]}
@@ -125,37 +123,6 @@ def test_the_report_says_a_row_without_a_result_is_none() -> None:
     assert "| 32 GB | `dfpo-train a` | no record: the run was stopped before it exited (not a result) |" in text
     assert "| 80 GB | `dfpo-train b` | not run (no record:" in text
     assert "fails" not in text
-
-
-def test_eval_calls_arms_differ_in_the_eval_batch_alone(tmp_path: Path, gpu_recipes_parse_here) -> None:
-    from dfpo_trl.cli import parse_recipe
-    from dfpo_trl.testing import save_tiny_chat_model
-
-    model = str(save_tiny_chat_model(tmp_path / "model"))
-    planned = eval_calls.plan(argparse.Namespace(work=str(tmp_path), model=model, repeats=2))
-    assert [(arm, repeat) for arm, repeat, _ in planned] == [
-        ("one_problem_per_call", 0), ("dfpo_default", 0), ("dfpo_default", 1), ("one_problem_per_call", 1)]
-    old, new = planned[0][2], planned[1][2]
-    i = new.index("--output_dir")  # the output folder and the eval batch are the arms' one difference
-    assert old[i] == "--output_dir" and old[:i] + old[i + 2:-2] == new[:i] + new[i + 2:]
-    assert old[-2:] == ["--per_device_eval_batch_size", "8"] and "--per_device_eval_batch_size" not in new
-    for flag, value in (("--eval_size", "100"), ("--num_generations_eval", "8"), ("--max_completion_length", "256")):
-        assert new[new.index(flag) + 1] == value
-    parsed = [parse_recipe([str(ROOT / argv[3]), *argv[4:]]) for argv in (old, new)]  # from the root, where they run
-    assert all(a.use_vllm and script.eval_size == 100 and a.num_generations_eval == 8 for script, a, _ in parsed)
-    # 8 set in the first; the second's stays transformers' until dfpo-train sets it
-    assert [a.per_device_eval_batch_size for _, a, _ in parsed] == [8, 8]
-    recipe = yaml.safe_load((ROOT / new[3]).read_text())  # the default: one rollout's rows, 100 x 8 being more
-    rollout = recipe["per_device_train_batch_size"] * recipe["steps_per_generation"]
-    assert eval_calls.default_rows() == rollout == 64  # the program's own rule is tested in tests/cli
-    result = {**HEAD, "model": "m", "dfpo_default_rows": 64, "records": [{"command": "a"}, {"command": "b"}],
-              "rows": [{"flags": "--per_device_eval_batch_size 8", "evaluations": 2, "eval_s": [70.0, 72.0],
-                        "median_eval_s": 71.0, "avg_at_k": [0.5, 0.6]},
-                       {"flags": "(none)", "evaluations": 2, "eval_s": [14.0, 14.2], "median_eval_s": 14.1,
-                        "avg_at_k": [0.52, 0.61]}]}
-    text = eval_calls.report(json.loads(json.dumps(result)))
-    assert "Median evaluation 71.0 s at one problem per call, 14.1 s at the default: 5.0x faster." in text
-    assert "on `m`" in text and "64 rows, 8 problems per vLLM call" in text
 
 
 def test_the_driver_records_each_row_and_writes_after_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """RESULTS.md's section on trained weights (``benchmarks/dfpo_bench/trained/``): TRL's vLLM importance-sampling ratio
 against the truncated support's and the correction off at the recipes' sampling settings, with the independent
-meter beside it, the 8B LoRA recipe's cards and the held-out evaluation's calls. Called by
+meter beside it, and the 8B LoRA recipe's cards. Called by
 ``dfpo_bench.reports.report``; every number is read from ``results/trained/``."""
 
 from __future__ import annotations
@@ -189,9 +189,4 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
                   + "".join(f"The {r['card_gib']:g} GB row was stopped by the driver after both steps: not a "
                             "result. " for r in stopped)
                   + "Per-row records and logs: `results/trained/cards_8b_as_run_logs.tgz`.", ""]
-    eval_calls = load_json(folder / "eval_calls.json")
-    if eval_calls:
-        from dfpo_bench.trained import eval_calls as eval_calls_bench
-
-        lines += [eval_calls_bench.report(eval_calls), ""]
     return lines
