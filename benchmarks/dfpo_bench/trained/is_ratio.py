@@ -1,37 +1,15 @@
 """TRL's vLLM importance-sampling ratio against the one taken over vLLM's truncated support, with trained weights, at
-the recipes' sampling settings, against length; and what the truncated support costs against the correction off.
+the recipes' sampling settings (:data:`SETTINGS`), against length; and what the truncated support costs against the
+correction off. The command: benchmarks/README.md.
 
-One command on the GPU machine, from the repository root (about 5 minutes on one H200; one vLLM engine, shared by
-the trainers of every setting)::
-
-    python -m dfpo_bench.trained.is_ratio --model /root/models/qwen2.5-coder-0.5b-instruct --out $OUT/is_ratio.json
-
-Per sampling setting (:data:`SETTINGS`: the untruncated control, the 8B and 80B recipes' 0.7 / 0.8 / 20, the 32B
-recipe's 0.6 / 0.95 / 20) one ``DFPOTrainer`` (DFPO off; TRL's correction on with
-``vllm_importance_sampling_support="truncated"``) runs TRL's rollout once on prompts that invite answers from a few
-tokens to a few thousand. Its ratio is the product's: TRL's own code on ℓ^old − log K. Beside it the script keeps
-vLLM's returned log-probs s (a wrapper around TRL's ``VLLMGeneration.generate``), so for every row it has
-
-* TRL's log ratio, Σ_t (ℓ^old − s) (what ``vllm_importance_sampling_support="full"`` gives: TRL's),
-* ours, Σ_t (ℓ^old − log K − s), from the sampler's log-probs the trainer hands TRL's loss (s + log K),
-* the correction off (0),
-
-and an independent meter: one forward of the trainer's model with the full logits, where the support is rebuilt
-(:func:`rebuild_support`, vLLM's order) and log K taken per token, against the product's log K. From the rows:
-the OLS slope of each log ratio on the length (nats per token, with a bootstrap over prompts), the median ratio by
-length bin, the rows TRL's mask modes drop (``sequence_mask`` with C_max 3 and C_min none or 0.5, ``token_mask``'s
-rows with a dropped token) and each mode's factor's slope. Target for ours: |slope| ≤ 1e-4 nats a token and a median
-within [0.9, 1.1] in every bin.
-
-Then the cost, at the 8B recipe's settings and shorter completions (``--cost-max-completion``): rounds, each running
-the three conditions (correction off, TRL's, ours) in a shuffled order, each one rollout and its loss steps
-(forward and backward of every micro-batch, no optimizer step); the ratio to the correction off is taken within a
-round, for the loss steps and for the whole loop (rollout + loss steps), and its median over rounds is given with a
-bootstrap interval, as the benchmarks resolve ratios. It prints a short table last.
-
-``--dry-run`` runs the same code on the CPU: a tiny random model and a stand-in engine (:class:`DryEngine`) that
-truncates and renormalises as vLLM does, the engines agreeing (float32), so ours is 1 on every row
-(benchmarks/tests/test_trained.py).
+Per setting one ``DFPOTrainer`` (DFPO off; TRL's correction on, ``vllm_importance_sampling_support="truncated"``)
+runs TRL's rollout once; a wrapper keeps vLLM's returned log-probs s, so each row has TRL's log ratio
+Σ (ℓ^old − s), ours Σ (ℓ^old − log K − s) (from the sampler's log-probs handed to TRL's loss, s + log K) and the
+correction off (0), beside an independent meter: a full-logit forward of the trainer's model, the support rebuilt in
+vLLM's order (:func:`rebuild_support`). The cost: interleaved rounds of the three conditions in a shuffled order,
+each one rollout and its loss steps, the within-round ratio to the correction off and its median over rounds with a
+bootstrap interval. ``--dry-run`` runs it all on the CPU through a stand-in engine (:class:`DryEngine`) with which
+the engines agree, so ours is 1 on every row (benchmarks/tests/test_trained.py).
 """
 
 from __future__ import annotations
@@ -482,13 +460,6 @@ def summary_line(name: str, summary: dict[str, Any], record: dict[str, Any]) -> 
             f"targets met: slope {summary['targets']['slope_met']}, median {summary['targets']['median_met']}")
 
 
-def dry_model(folder: pathlib.Path) -> str:
-    """The tiny chat model of dfpo_trl.testing, saved as a checkpoint, for ``--dry-run``."""
-    from dfpo_trl.testing import save_tiny_chat_model
-
-    return str(save_tiny_chat_model(folder))
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="/root/models/qwen2.5-coder-0.5b-instruct")
@@ -510,7 +481,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = args.model
     if args.dry_run:
         use_dry_engine()
-        model = dry_model(pathlib.Path(tempfile.mkdtemp(prefix="is_ratio_model_")))
+        from dfpo_trl.testing import save_tiny_chat_model
+
+        model = str(save_tiny_chat_model(pathlib.Path(tempfile.mkdtemp(prefix="is_ratio_model_"))))
     share_one_engine()
     rows = len(PROMPTS) * args.num_generations
     prompts = [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS for _ in range(args.num_generations)]
