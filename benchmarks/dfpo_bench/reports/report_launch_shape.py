@@ -1,6 +1,5 @@
-"""RESULTS.md section for the launch runs: server mode (``launch/vllm_server.py``) and the whole-loop cost with
-colocated vLLM (``cost/loop_cost.py``). Called by ``dfpo_bench.reports.report``; every number is read from the JSON
-files."""
+"""RESULTS.md section for the launch runs in server mode (``launch/vllm_server.py``). Called by
+``dfpo_bench.reports.report``; every number is read from the JSON files."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import pathlib
 import statistics
 from typing import Any
 
-from dfpo_bench.lib.common import load_json, save_figure
+from dfpo_bench.lib.common import load_json
 
 
 def mean_abs(a: list[float], b: list[float]) -> float:
@@ -23,39 +22,11 @@ def mean_step_time(per_step: dict[str, Any], training_only: bool) -> float | Non
     return statistics.fmean(times) if times else None
 
 
-def plot_loop_cost(loop: dict[str, Any], fig_dir: pathlib.Path, out: pathlib.Path) -> str | None:
-    summary = loop.get("summary")
-    if not summary:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = [m for m in loop["methods"] if m in summary]
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    for i, m in enumerate(methods):
-        s = summary[m]
-        ax.scatter([i] * len(s["ratios"]), s["ratios"], s=14, color="0.55", zorder=2)
-        lo, hi = s["interval_95"]
-        mid = s["median_ratio_to_trl"]
-        ax.errorbar(i, mid, yerr=[[mid - lo], [hi - mid]], fmt="o", color="C0", capsize=4, zorder=3)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.axhline(1.01, color="C3", lw=0.8, ls="--", label="goal 1.01×")
-    ax.set_xticks(range(len(methods)), [m.replace("_", " ") for m in methods], rotation=20, fontsize=8)
-    ax.set_ylabel("step time / GRPOTrainer's")
-    ax.set_title("whole loop with colocated vLLM: per round (grey), median and 95% interval (blue)", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return save_figure(fig, fig_dir, "loop_cost.png", out, dpi=120)
-
-
 def launch_shape_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
     server, three = load_json(results / "vllm_server.json"), load_json(results / "vllm_server_three_runs.json")
-    loop = load_json(results / "loop_cost.json")
-    if not any((server, loop)):
+    if not server:
         return []
-    lines = [f"## {number}. vLLM server mode and the whole loop with vLLM", ""]
+    lines = [f"## {number}. vLLM server mode", ""]
     if server:
         w, run = server["weight_sync_numbers"], server["runs"]["dfpo"]
         lines += [
@@ -89,38 +60,16 @@ def launch_shape_section(results: pathlib.Path, fig_dir: pathlib.Path, out: path
             f"token, mean {mean_abs(w3['server'], w3['trained']):.3f} against "
             f"{mean_abs(w3['server'], w3['initial']):.3f} from the initial model), replaced by the bound above.", "",
         ]
-    if loop and loop.get("summary"):
-        s = loop["summary"]
-        figure = plot_loop_cost(loop, fig_dir, out)
-        lines += [
-            f"**Whole loop with colocated vLLM** (`loop_cost.py`, GPUs {', '.join(loop['cards'])}: "
-            f"{', '.join(sorted(set(loop['cards'].values())))}): one engine per GPU reused by every run, "
-            f"{loop['steps_per_run']} optimizer steps per run, the first rollout not timed; a round runs every method "
-            f"once in a shuffled order; ratio to `GRPOTrainer` within a round. `GRPOTrainer`'s median step "
-            f"{s['trl_median_step_s']:.3f} s.", "",
-            "| method | rounds | median ratio to GRPOTrainer | 95% interval (bootstrap over rounds) |",
-            "| --- | --- | --- | --- |",
-        ]
-        for m in loop["methods"]:
-            if m in s:
-                lo, hi = s[m]["interval_95"]
-                lines.append(f"| {m} | {s[m]['rounds']} | {s[m]['median_ratio_to_trl']:.3f} | [{lo:.3f}, {hi:.3f}] |")
-        widest = max(s[m]["interval_95"][1] - s[m]["interval_95"][0] for m in loop["methods"] if m in s)
-        lines += ["", f"The goal, ≤ 1.01×, is **not resolved** here: the intervals are up to {widest:.2f} wide, from "
-                  "round-to-round spread of short runs (see the grey points: the same method moves by tens of percent "
-                  "between rounds); a 1% difference needs many more rounds or longer runs.", ""]
-        if three:
-            steps = {k: mean_step_time(r.get("per_step", {}), False) for k, r in three["runs"].items()}
-            train = {k: mean_step_time(r.get("per_step", {}), True) for k, r in three["runs"].items()}
-            if all(steps.values()) and all(train.values()):
-                lines += [
-                    f"**Server mode**, one run each (steps 2–16, TRL's `step_time`): DFPO Min-Replace "
-                    f"{steps['dfpo'] / steps['trl']:.2f}× and DFPO off {steps['dfpo_off'] / steps['trl']:.2f}× "
-                    f"`GRPOTrainer`'s mean step ({steps['trl']:.3f} s). One run per method, not interleaved: "
-                    f"a measurement, not an interval. Its steps that did not generate took {train['dfpo']:.3f} s "
-                    f"against TRL's {train['trl']:.3f} s (DFPO off {train['dfpo_off']:.3f} s) on this 135M "
-                    "model, a cost the colocated rounds above do not resolve.", "",
-                ]
-        if figure:
-            lines += [f"![whole-loop cost]({figure})", ""]
+    if three:
+        steps = {k: mean_step_time(r.get("per_step", {}), False) for k, r in three["runs"].items()}
+        train = {k: mean_step_time(r.get("per_step", {}), True) for k, r in three["runs"].items()}
+        if all(steps.values()) and all(train.values()):
+            lines += [
+                f"**Server mode**, one run each (steps 2–16, TRL's `step_time`): DFPO Min-Replace "
+                f"{steps['dfpo'] / steps['trl']:.2f}× and DFPO off {steps['dfpo_off'] / steps['trl']:.2f}× "
+                f"`GRPOTrainer`'s mean step ({steps['trl']:.3f} s). One run per method, not interleaved: "
+                f"a measurement, not an interval. Its steps that did not generate took {train['dfpo']:.3f} s "
+                f"against TRL's {train['trl']:.3f} s (DFPO off {train['dfpo_off']:.3f} s) on this 135M "
+                "model.", "",
+            ]
     return lines
