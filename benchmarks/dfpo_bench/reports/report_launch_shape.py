@@ -60,7 +60,6 @@ def launch_shape_section(results: pathlib.Path, fig_dir: pathlib.Path, out: path
             f"token, mean {mean_abs(w3['server'], w3['trained']):.3f} against "
             f"{mean_abs(w3['server'], w3['initial']):.3f} from the initial model), replaced by the bound above.", "",
         ]
-    if three:
         steps = {k: mean_step_time(r.get("per_step", {}), False) for k, r in three["runs"].items()}
         train = {k: mean_step_time(r.get("per_step", {}), True) for k, r in three["runs"].items()}
         if all(steps.values()) and all(train.values()):

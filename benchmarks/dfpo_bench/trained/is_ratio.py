@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from dfpo_bench.lib.timing import synchronize
+
 # name: (temperature, top_p, top_k, min_p), the recipes that sample so
 SETTINGS = {
     "untruncated_t1": (1.0, 1.0, 0, 0.0),
@@ -90,11 +92,7 @@ def rebuild_support_log_mass(logits: torch.Tensor, temperature: float, top_p: fl
     """log K_t: the untruncated tempered distribution's log mass on :func:`rebuild_support`; 0 untruncated."""
     if not (top_k and top_k > 0) and top_p >= 1.0 and min_p <= 0:
         return torch.zeros(logits.shape[:-1], device=logits.device)
-    return log_mass_on(logits / temperature, rebuild_support(logits, temperature, top_p, top_k, min_p))
-
-
-def log_mass_on(scaled: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The log mass of the tempered distribution ``scaled`` (…, V) on the support ``keep`` (a bool mask)."""
+    scaled, keep = logits / temperature, rebuild_support(logits, temperature, top_p, top_k, min_p)
     return torch.logsumexp(scaled.masked_fill(~keep, float("-inf")), dim=-1) - torch.logsumexp(scaled, dim=-1)
 
 
@@ -236,11 +234,6 @@ def build_trainer(model_path: str, setting: tuple[float, float, int, float], max
     trainer = DFPOTrainer(model=model_path, args=config, reward_funcs=constant_reward, train_dataset=data)
     trainer.sampled = SampledLogprobs(trainer.vllm_generation)
     return trainer
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 # -------------------------------------------------------------------------------------------- measuring
