@@ -7,7 +7,7 @@ import copy
 import json
 import pathlib
 
-from dfpo_bench.reports.report_trained import compare_lines
+from dfpo_bench.reports.report_trained import compare_lines, control_lines
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results" / "trained"
 
@@ -20,3 +20,13 @@ def test_the_comparison_names_the_fields_that_differ():
     text = compare_lines(first, latest)[0]
     assert "32B recipe: T 0.6, top-p 0.95, top-k 20: differs in sum_log_mass_product" in text
     assert text.count("every row field identical") == 2
+
+
+def test_the_control_paragraph_reads_its_record_and_the_32b_setting():
+    control = json.loads((RESULTS / "is_ratio_untruncated_t06.json").read_text())
+    latest = json.loads((RESULTS / "is_ratio_truncated_support.json").read_text())
+    text = control_lines(control, latest)[0]
+    ours = control["settings"]["untruncated_t06"]["slope_per_token"]["truncated_support"]
+    assert f"slope {ours:.2g} [" in text and "main at fae533e" in text
+    latest["settings"]["recipe_32b"]["slope_per_token"]["truncated_support"] = -0.5
+    assert "truncated): -0.5 [" in control_lines(control, latest)[0]

@@ -11,12 +11,12 @@ from typing import Any
 from dfpo_bench.lib.common import load_json
 
 LABELS = {"untruncated_t1": "untruncated, T 1.0", "recipe_8b_lora": "8B recipe: T 0.7, top-p 0.8, top-k 20",
-          "recipe_32b": "32B recipe: T 0.6, top-p 0.95, top-k 20"}
+          "recipe_32b": "32B recipe: T 0.6, top-p 0.95, top-k 20", "untruncated_t06": "untruncated, T 0.6"}
 
 
 # The truncated-support runs' dates (their records carry none) and, for the first, main's commit: its JSON's checkout
 # names the device's stale .git copy.
-LATEST_RUN, BEFORE_RUN = ("2026-12-03", None), ("2026-12-02", "ca7651e")
+LATEST_RUN, BEFORE_RUN, CONTROL_RUN = ("2026-12-03", None), ("2026-12-02", "ca7651e"), ("2026-12-03", "fae533e")
 
 
 def run_words(record: dict[str, Any], run: tuple[str, str | None]) -> str:
@@ -59,6 +59,28 @@ def compare_lines(before: dict[str, Any], latest: dict[str, Any]) -> list[str]:
             "(2026-12-03) came out identical in every row field: `git checkout 2b4a600 -- "
             "benchmarks/results/trained/is_ratio_truncated_support_rerun.json`. Why, and what changed: "
             "docs/source/concepts/decisions.md, \"vLLM's importance-sampling ratio under truncated sampling\".", ""]
+
+
+def control_lines(control: dict[str, Any], latest: dict[str, Any]) -> list[str]:
+    """The untruncated control at the 32B recipe's temperature beside the 32B setting: the engines' mismatch alone."""
+    c, big = control["settings"]["untruncated_t06"], latest["settings"]["recipe_32b"]
+
+    def slope(s: dict[str, Any], kind: str) -> str:
+        low, high = s["slope_interval_95"][kind]
+        return f"{s['slope_per_token'][kind]:.2g} [{low:.2g}, {high:.2g}]"
+
+    return [f"**Control: untruncated at T 0.6** (`results/trained/is_ratio_untruncated_t06.json`, `is_ratio.py "
+            f"--settings untruncated_t06 --cost-rounds 0`; {run_words(control, CONTROL_RUN)}, its source_sha256 that "
+            f"commit's; {c['rows']} rows up to {c['longest']:.0f} tokens). Nothing is truncated, so TRL's ratio and "
+            "ours are both the engines' mismatch alone: slope "
+            f"{slope(c, 'truncated_support')} per token, mean log ratio "
+            f"{c['record']['tokens']['mean_truncated_support_log_ratio']:.1e} a token, medians by bin "
+            + " ".join(format(b["median"], ".3g") for b in c["median_ratio_by_length"]["truncated_support"])
+            + ". Ours at the 32B recipe's settings (the same temperature, truncated): "
+            f"{slope(big, 'truncated_support')}, mean "
+            f"{big['record']['tokens']['mean_truncated_support_log_ratio']:.1e} a token. The residual of ours "
+            "there is of the size of the mismatch the engines have without truncation, which the correction is there "
+            "to carry.", ""]
 
 
 def support_lines(record: dict[str, Any]) -> list[str]:
@@ -173,6 +195,9 @@ def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.P
         before = load_json(folder / "is_ratio_truncated_support_before_head_dtype.json")
         if before:
             lines += compare_lines(before, support)
+        control = load_json(folder / "is_ratio_untruncated_t06.json")
+        if control:
+            lines += control_lines(control, support)
     as_run = load_json(folder / "cards_8b_as_run.json")
     if as_run:  # the rows as a user runs them (trained/cards_8b.py)
         from dfpo_bench.trained import cards_8b
