@@ -172,7 +172,14 @@ def _start(work: Path, model: Path, out: Path, stall_at: int | None = None) -> s
         env["STALL_AT_STEP"] = str(stall_at)
     (work / f"mark-{out.name}").unlink(missing_ok=True)
     return subprocess.Popen([sys.executable, "-m", "dfpo_trl", *argv], cwd=work, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_at_default)
+
+
+def _sigint_at_default() -> None:
+    """A terminal's child starts with SIGINT at its default. Under a shell that ignores it (a background job of a
+    non-interactive shell, or ``nohup``), the child would inherit the ignore, and the test's Ctrl-C would not reach
+    it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _ctrl_c(proc: subprocess.Popen, when: Path | str, work: Path, gap: float | None = None) -> tuple[int, str]:
