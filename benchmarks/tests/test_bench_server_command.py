@@ -30,11 +30,9 @@ def test_print_commands_gives_trls_server_for_the_run(monkeypatch: pytest.Monkey
     assert theirs[:4] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
     env = ["CUDA_VISIBLE_DEVICES=1", "VLLM_SERVER_DEV_MODE=1"]
     assert lines == [[*env, "vllm", "serve", *theirs[4:]], [*env, "python3", *theirs[1:]]]
-    joined = " ".join(theirs)
-    assert " ".join(REQUIRED[:2]) in joined and " ".join(REQUIRED[2:4]) in joined and " ".join(REQUIRED[4:]) in joined
+    assert all(" ".join(REQUIRED[i:i + 2]) in " ".join(theirs) for i in (0, 2, 4))  # each flag with its value
     recipe = vllm_server.derived_recipe("/models/m", 8123, "/tmp/unused", 4, {})
-    assert (recipe["vllm_mode"], recipe["vllm_server_host"], recipe["vllm_server_port"]) == ("server", "127.0.0.1",
-                                                                                              8123)
+    assert [recipe[k] for k in ("vllm_mode", "vllm_server_host", "vllm_server_port")] == ["server", "127.0.0.1", 8123]
     assert recipe["model_name_or_path"] == "/models/m" and recipe["group_transform"] == "min_replace"
 
 

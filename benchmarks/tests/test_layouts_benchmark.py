@@ -16,12 +16,8 @@ from dfpo_bench.launch import layouts, layouts_timing
 
 def steps_of(seconds_by_round: list[list[float]], per_rollout: int = 4) -> list[dict[str, Any]]:
     """Step records as the timing phase writes them: one turn of consecutive steps per round."""
-    out, step = [], 0
-    for r, seconds in enumerate(seconds_by_round):
-        for s in seconds:
-            out.append({"round": r, "step": step, "step_in_rollout": step % per_rollout, "seconds": s})
-            step += 1
-    return out
+    flat = [(r, s) for r, seconds in enumerate(seconds_by_round) for s in seconds]
+    return [{"round": r, "step": i, "step_in_rollout": i % per_rollout, "seconds": s} for i, (r, s) in enumerate(flat)]
 
 
 def test_per_round_keeps_off_policy_steps_apart_from_the_first_of_each_rollout() -> None:

@@ -86,8 +86,7 @@ def phase_report(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def merge_reports(args: argparse.Namespace) -> dict[str, Any]:
-    """One ``layouts.json`` from the timing runs of one setting on one machine: their rounds pooled, the ratios to
-    GSPO taken within each round, then bootstrapped over all rounds; runs of another setting are refused."""
+    """One ``layouts.json`` from the timing runs of one setting: rounds pooled, ratios to GSPO within each round."""
     runs = [(path, json.loads(pathlib.Path(path).read_text())) for path in args.merge]
     runs = [(path, r) for path, r in runs if r.get("rounds")]
     if not runs:
@@ -124,11 +123,9 @@ def plot_ratios(report: dict[str, Any], path: pathlib.Path) -> None:
     names = [name for name in METHODS if name != "gspo"]
     for x, name in enumerate(names):
         entry = report[name]
-        rounds = [t / b for t, b in zip(entry["round_median_s"], report["gspo"]["round_median_s"], strict=True)]
+        rounds, (low, high), mid = entry["round_ratio_to_gspo"], entry["ratio_interval_95"], entry["ratio_to_gspo"]
         ax.scatter([x] * len(rounds), rounds, color="0.5", s=14, zorder=2, label="rounds" if x == 0 else None)
-        low, high = entry["ratio_interval_95"]
-        ax.errorbar([x + 0.12], [entry["ratio_to_gspo"]], yerr=[[entry["ratio_to_gspo"] - low],
-                    [high - entry["ratio_to_gspo"]]], fmt="o", color="C0", capsize=4, zorder=3,
+        ax.errorbar([x + 0.12], [mid], yerr=[[mid - low], [high - mid]], fmt="o", color="C0", capsize=4, zorder=3,
                     label="median, 95% interval" if x == 0 else None)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(1.05, color="C3", lw=0.8, ls="--", label="1.05 x GSPO")
@@ -154,8 +151,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]
 
 
@@ -176,8 +172,8 @@ def phase_all(args: argparse.Namespace) -> dict[str, Any]:
     """The init (its own process, bounded), then the timing under the launcher with the rest of the deadline."""
     start = time.time()
     out, work = pathlib.Path(args.out_dir), pathlib.Path(args.work_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
+    for folder in (out, work):
+        folder.mkdir(parents=True, exist_ok=True)
     (work / "timing.json").unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": common.child_pythonpath()}
     if args.device == "cpu":
@@ -193,11 +189,9 @@ def phase_all(args: argparse.Namespace) -> dict[str, Any]:
     with log_path.open("w") as log:
         for phase, share in (("init", 0.25), ("time", 1.0)):
             left = start + args.deadline_s - time.time() - args.report_margin_s
-            if phase == "init":
-                command = [sys.executable, *this, "--phase", "init"]
-            else:  # the timing starts no round that would end after stop_at
-                stop_at = time.time() + left - args.teardown_margin_s
-                command = [*launcher, *this, "--phase", "time", "--stop-at", f"{stop_at:.0f}"]
+            stop_at = time.time() + left - args.teardown_margin_s  # the timing starts no round ending after it
+            command = {"init": [sys.executable, *this, "--phase", "init"],
+                       "time": [*launcher, *this, "--phase", "time", "--stop-at", f"{stop_at:.0f}"]}[phase]
             stage_start = time.time()
             code = run_logged(command, log, share * left, env)
             stages.append({"phase": phase, "returncode": code, "seconds": round(time.time() - stage_start, 1)})
@@ -260,9 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.phase == "init":
         return save_init(args)
     if args.phase == "time":
-        if int(os.environ.get("WORLD_SIZE", "1")) != args.processes:
-            raise SystemExit(f"launched with {os.environ.get('WORLD_SIZE', '1')} processes, --processes says "
-                             f"{args.processes}")
+        if int(world := os.environ.get("WORLD_SIZE", "1")) != args.processes:
+            raise SystemExit(f"launched with {world} processes, --processes says {args.processes}")
         return phase_time(args)
     report = merge_reports(args) if args.merge else phase_all(args) if args.phase == "all" else phase_report(args)
     common.write_json(pathlib.Path(args.out_dir) / "layouts.json", report)

@@ -66,8 +66,7 @@ def fixed_generation_batch(args: argparse.Namespace, vocab_size: int, pad_id: in
     lengths = torch.randint(args.min_completion_length, length + 1, (rows,), generator=g)
     completion_mask = (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).long()
     low, high = min(100, vocab_size // 4), max(vocab_size - 100, vocab_size // 2)
-    completion_ids = torch.randint(low, high, (rows, length), generator=g)
-    completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, pad_id))
+    completion_ids = torch.randint(low, high, (rows, length), generator=g).masked_fill(completion_mask == 0, pad_id)
     groups = rows // group_size
     prompt_ids = torch.randint(low, high, (groups, args.prompt_length), generator=g).repeat_interleave(group_size, 0)
     rewards = torch.randint(0, 2, (groups, group_size), generator=g).float()
@@ -210,8 +209,7 @@ class TurnCallback(TrainerCallback):
     def __init__(self, name: str, turns: Turns, per_rollout: int, gc_clock: GCClock) -> None:
         self.name, self.turns, self.per_rollout, self.gc_clock = name, turns, per_rollout, gc_clock
         self.records: list[dict[str, Any]] = []
-        self._start = self._gc_start = 0.0
-        self._in_turn = 0
+        self._start, self._gc_start, self._in_turn = 0.0, 0.0, 0
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         align()
@@ -233,7 +231,6 @@ class TurnCallback(TrainerCallback):
 def phase_time(args: argparse.Namespace) -> None:
     """The three trainers in this process, one thread each, taking turns; every round saved to ``timing.json``."""
     common.quiet()
-    work = pathlib.Path(args.work_dir)
     stop_at = args.stop_at or (time.time() + args.deadline_s)
     tokenizer = trainers.load_tokenizer(args.tokenizer or trainers.default_tokenizer_path())
     batch = fixed_generation_batch(args, len(tokenizer), tokenizer.pad_token_id)
@@ -295,7 +292,7 @@ def phase_time(args: argparse.Namespace) -> None:
 
     def save(hung: str = "") -> None:
         data = {**result, "steps": {name: cb.records for name, cb in callbacks.items()}}
-        common.write_json(work / "timing.json", {**data, "hung": hung} if hung else data)
+        common.write_json(pathlib.Path(args.work_dir) / "timing.json", {**data, "hung": hung} if hung else data)
 
     def turn(name: str, label: dict[str, Any], steps: int) -> None:
         turns.label = label
@@ -339,9 +336,8 @@ def phase_time(args: argparse.Namespace) -> None:
         say(f"time: round {r} ({', '.join(order)}) {round_seconds[-1]:.1f} s")
     result["complete"] = result["rounds_done"] == args.rounds
     turns.stop = True
-    for name in args.methods:  # every thread ends its train() (collective teardown), one at a time
-        if name in threads and name not in turns.finished:
-            turn(name, {"round": None, "method": name}, 1)
+    for name in threads:  # every unfinished thread ends its train() (collective teardown), one at a time
+        turn(name, {"round": None, "method": name}, 1)
     for name, trainer in built.items():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         result.setdefault("loss_finite", {})[name] = bool(losses) and all(abs(v) < float("inf") for v in losses)

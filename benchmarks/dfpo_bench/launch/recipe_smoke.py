@@ -17,17 +17,9 @@ DATASET_KEYS = ("dataset", "dataset_config", "split", "test_split", "problem_col
 
 def smoke_recipe(recipe: dict, model: str, max_steps: int, output_dir: str, **limits: int) -> dict:
     """The recipe with the model, task, run length and output changed (see module docstring)."""
-    out = {k: v for k, v in recipe.items() if k not in DATASET_KEYS}
-    out.update(
-        model_name_or_path=model,
-        task="arithmetic",
-        max_steps=max_steps,
-        output_dir=output_dir,
-        save_strategy="no",
-        report_to="none",
-        **{k: v for k, v in limits.items() if v is not None},
-    )
-    out.pop("save_steps", None)
+    out = {k: v for k, v in recipe.items() if k not in (*DATASET_KEYS, "save_steps")}
+    out.update(model_name_or_path=model, task="arithmetic", max_steps=max_steps, output_dir=output_dir,
+               save_strategy="no", report_to="none", **{k: v for k, v in limits.items() if v is not None})
     return out
 
 
@@ -57,11 +49,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="set any recipe key (value read as YAML); repeatable; applied last")
     args = p.parse_args(argv)
     recipe = yaml.safe_load(args.recipe.read_text())
-    derived = smoke_recipe(
-        recipe, args.model, args.max_steps, args.output_dir,
-        max_completion_length=args.max_completion_length, max_prompt_length=args.max_prompt_length,
-        eval_size=args.eval_size, eval_max_new_tokens=args.eval_max_new_tokens,
-    )
+    derived = smoke_recipe(recipe, args.model, args.max_steps, args.output_dir,
+                           max_completion_length=args.max_completion_length, max_prompt_length=args.max_prompt_length,
+                           eval_size=args.eval_size, eval_max_new_tokens=args.eval_max_new_tokens)
     derived.update(parse_set(args.overrides))
     for key in sorted(set(recipe) | set(derived)):
         if recipe.get(key) != derived.get(key):

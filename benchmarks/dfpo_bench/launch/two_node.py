@@ -98,13 +98,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(2)
         if any(p.poll() not in (None, 0) for p in procs):  # one node failed: the other would wait for it forever
             deadline = min(deadline, time.time() + 30)
-    codes: list[int | None] = []
     for i, proc in enumerate(procs):
         if proc.poll() is None:
             common.stop_process_group(proc)
             result.setdefault("killed", []).append(i)
-        codes.append(None if i in result.get("killed", []) else proc.returncode)
         handles[i].close()
+    codes = [None if i in result.get("killed", []) else proc.returncode for i, proc in enumerate(procs)]
     result["wall_s"] = round(time.time() - start, 1)
     result["returncodes"] = {f"node{rank}": code for rank, code in enumerate(codes)}
     texts = [log.read_text(errors="replace") for log in logs]

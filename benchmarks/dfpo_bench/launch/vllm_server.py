@@ -36,9 +36,8 @@ RUNS = ["dfpo", "dfpo_off", "trl"]
 
 
 def server_command(args: argparse.Namespace, head: tuple[str, ...] | None = None) -> list[str]:
-    """TRL's ``vllm serve`` command for this run's server (one GPU, local only, ``--gpu-memory-utilization`` of the
-    card, a 1k context: the 135M model needs no more), with ``head`` in place of ``python -m vllm.entrypoints.cli.main
-    serve`` when given. TRL adds ``--enable-scale-out`` where the installed vLLM has it."""
+    """TRL's ``vllm serve`` command for this run's server (a 1k context: the 135M model needs no more), with ``head``
+    in place of ``python -m vllm.entrypoints.cli.main serve``; TRL adds ``--enable-scale-out`` where vLLM has it."""
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
     command = build_command(ScriptArguments(
@@ -155,8 +154,6 @@ def install() -> None:
     from trl import GRPOTrainer
 
     original = GRPOTrainer.train
-    if getattr(original, "_final_sync", False):
-        return
 
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         output = original(self, *args, **kwargs)
@@ -165,7 +162,6 @@ def install() -> None:
             FINAL_SYNCS["count"] += 1
         return output
 
-    train._final_sync = True  # type: ignore[attr-defined]
     GRPOTrainer.train = train
 
 
@@ -223,8 +219,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def step_by_step(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
-    """Per logged key, the steps both runs logged and the largest |difference| between them; ``identical`` when every
-    value is equal."""
+    """Per logged key, the steps both runs logged and the largest |difference|; ``identical`` when all are equal."""
     out: dict[str, Any] = {}
     for key in sorted(set(ours.get("per_step", {})) & set(theirs.get("per_step", {}))):
         a, b = dict(map(tuple, ours["per_step"][key])), dict(map(tuple, theirs["per_step"][key]))

@@ -59,32 +59,28 @@ class Recorder(DFPOTrainer):
     """Keeps the s̄, s̃ and loss of every micro-step: the sequence weights each micro-step's objective returns
     (tests/tiny.py's ``record_row_weights``)."""
 
-    records: list[dict[str, Any]]
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.records: list[dict[str, Any]] = []
         self.used: list[Any] = record_row_weights(self)  # every micro-step's RowWeights, in order
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         loss = super()._compute_loss(model, inputs)
         w = self.used[-1]
-        self.records.append(
-            {"row_ids": inputs["row_ids"].cpu(), "s_bar": w.s_bar.detach().float().cpu(),
-             "s_tilde": w.s_tilde.detach().float().cpu(), "loss": float(loss.detach()), "layout": self.group_layout}
-        )
+        self.records.append({"row_ids": inputs["row_ids"].cpu(), "s_bar": w.s_bar.detach().float().cpu(),
+                             "s_tilde": w.s_tilde.detach().float().cpu(), "loss": float(loss.detach()),
+                             "layout": self.group_layout})
         return loss
 
 
-def reference_weights(
-    logps: torch.Tensor, old_logps: torch.Tensor, completion_mask: torch.Tensor, advantages: torch.Tensor,
-    group_size: int, epsilon: tuple[float, float], transform: str = TRANSFORM,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """s̄ (the sequence ratio clipped on the advantage's side, eq. 47) and s̃ (``transform`` per group of
-    ``group_size`` consecutive rows) of every row, in one process: what a sharded run's weights must equal."""
+def reference_weights(logps: torch.Tensor, old_logps: torch.Tensor, completion_mask: torch.Tensor,
+                      advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """s̄ (the sequence ratio clipped on the advantage's side, eq. 47) and s̃ (``TRANSFORM`` per group of G
+    consecutive rows) of every row, in one process: what a sharded run's weights must equal."""
     rho = sequence_log_ratio(logps, old_logps, completion_mask)
-    s_bar = sign_aware_post_clip(rho.exp(), advantages, *epsilon)
-    groups = (-1, group_size)
-    return s_bar, get_transform(transform).apply(s_bar.view(groups), advantages.view(groups), 0.5, 1e-6).reshape(-1)
+    s_bar = sign_aware_post_clip(rho.exp(), advantages, EPS_LOW, EPS_HIGH)
+    groups = (-1, SIZES["num_generations"])
+    return s_bar, get_transform(TRANSFORM).apply(s_bar.view(groups), advantages.view(groups), 0.5, 1e-6).reshape(-1)
 
 
 def serve_fixed_rows(trainer: Any, batch: dict[str, torch.Tensor], rank: int, local: int, group_size: int) -> None:
@@ -108,7 +104,7 @@ def phase_reference(args: argparse.Namespace) -> None:
     logps = model_logps(model, batch)
     batch["old_per_token_logps"] = logps - batch.pop("log_ratio_shift")
     s_bar, s_tilde = reference_weights(logps, batch["old_per_token_logps"], batch["completion_mask"],
-                                       batch["advantages"], SIZES["num_generations"], (EPS_LOW, EPS_HIGH))
+                                       batch["advantages"])
     torch.save({"batch": batch, "s_bar": s_bar, "s_tilde": s_tilde}, args.out_dir / "zero3_reference.pt")
     print(f"reference: {s_bar.numel()} rows, transform changed {(s_tilde != s_bar).sum().item()} weights")
 
@@ -130,7 +126,6 @@ def phase_zero3(args: argparse.Namespace) -> None:
     # 0 (its range checks); at 1e-30 every update rounds off, so θ stays the initial θ as at 0.
     config = base_config(args, **SIZES, learning_rate=1e-30, max_steps=1)
     trainer = Recorder(model=args.model, reward_funcs=task.reward_funcs, args=config, train_dataset=dataset)
-    trainer.records = []
     rank = trainer.accelerator.process_index
     local = SIZES["per_device_train_batch_size"] * SIZES["steps_per_generation"]
     serve_fixed_rows(trainer, reference["batch"], rank, local, SIZES["num_generations"])
@@ -163,23 +158,21 @@ def phase_compare(args: argparse.Namespace) -> None:
     for path in sorted(args.out_dir.glob("zero3_rank*.pt")):
         for record in torch.load(path):
             ids = record["row_ids"]
-            diffs.append((record["s_bar"] - reference["s_bar"][ids]).abs().max().item())
-            diffs.append((record["s_tilde"] - reference["s_tilde"][ids]).abs().max().item())
+            diffs += [(record[key] - reference[key][ids]).abs().max().item() for key in ("s_bar", "s_tilde")]
             layouts.add(record["layout"])
             losses.append(record["loss"])
     timing = json.loads((args.out_dir / "zero3_timing.json").read_text())
     run = timing.pop("_run")
-    warm = {k: v["step_s"][2:] or v["step_s"] for k, v in timing.items()}
+    median = {k: statistics.median(v["step_s"][2:] or v["step_s"]) for k, v in timing.items()}  # warm steps
     result = {
         "device": args.device_name, "gpus": run["processes"], "zero_stage": run["zero_stage"],
         "steps": args.timing_steps, "layout": sorted(layouts),
         "coefficients_match_reference": bool(diffs) and max(diffs) < args.tolerance,
         "max_abs_diff": max(diffs) if diffs else None, "tolerance": args.tolerance,
         "loss_finite": all(map(math.isfinite, losses)) and all(v["loss_finite"] for v in timing.values()),
-        "median_step_s": {k: statistics.median(v) for k, v in warm.items()},
-        "layouts_timed": {k: v["layout"] for k, v in timing.items()},
+        "median_step_s": median, "layouts_timed": {k: v["layout"] for k, v in timing.items()},
+        "pre_pass_over_co_located": median["pre_pass"] / median["co_located"],
     }
-    result["pre_pass_over_co_located"] = result["median_step_s"]["pre_pass"] / result["median_step_s"]["co_located"]
     (args.out_dir / "zero3.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
