@@ -137,8 +137,7 @@ def test_the_driver_records_each_row_and_writes_after_each(tmp_path: Path, monke
         "json.dump({'peak_allocated_gib': reserved - 1, 'peak_reserved_gib': reserved, 'overhead_gib': 0.8,\n"
         "           'cap_gib': card - 1}, open(os.environ['DFPO_BENCH_PEAKS'], 'w'))\n"
         "if card == 40:\n"
-        "    print('dfpo-train: error: vLLM did not start: ...'); sys.exit(1)\n"
-    )
+        "    print('dfpo-train: error: vLLM did not start: ...'); sys.exit(1)\n")
     monkeypatch.setattr(cards_8b, "row_argv", lambda row, model, data: [sys.executable, str(stub)])
     rows = [r for r in cards_8b.ROWS if r["name"] in ("24GB", "32GB", "40GB")]
     args = argparse.Namespace(work=str(tmp_path / "work"), model_dir="/m", lanes=2, deadline_s=60, budget_s=120,

@@ -3,8 +3,7 @@ row's flags (:data:`ROWS`), one process per row, on a simulated card (commands: 
 
 Plus what the GPU machine cannot do without (:func:`machine_flags`; no network there, and a random model never ends
 a completion: the worst case for memory). A card of N GB (taken as N GiB) is the process's own view of the GPU
-(:data:`SITECUSTOMIZE`). The two lanes share the GPU's time, not its memory, so the times are indicative.
-"""
+(:data:`SITECUSTOMIZE`). The two lanes share the GPU's time, not its memory, so the times are indicative."""
 
 from __future__ import annotations
 
@@ -12,11 +11,13 @@ import argparse
 import json
 import os
 import pathlib
+import random
 import shlex
 import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from dfpo_bench.lib import common
@@ -154,9 +155,8 @@ def build_model(model_dir: pathlib.Path, tokenizer_path: str, seed: int) -> dict
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3Config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    missing = QWEN3_8B["vocab_size"] - len(tokenizer)
-    if missing > 0:
-        tokenizer.add_tokens([f"<|unused{i}|>" for i in range(missing)], special_tokens=True)
+    tokenizer.add_tokens([f"<|unused{i}|>" for i in range(QWEN3_8B["vocab_size"] - len(tokenizer))],
+                         special_tokens=True)  # none missing: a no-op
     config = Qwen3Config(**QWEN3_8B, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     started = time.perf_counter()
     torch.manual_seed(seed)
@@ -170,8 +170,6 @@ def build_model(model_dir: pathlib.Path, tokenizer_path: str, seed: int) -> dict
 
 def write_dataset(folder: pathlib.Path, train: int = 2000, test: int = 16, seed: int = 0) -> None:
     """GSM8K-shaped problems (a few sentences, a "#### N" answer) saved to disk, train and test splits."""
-    import random
-
     from datasets import Dataset, DatasetDict
 
     names = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Ken", "Alexis", "Tina", "Randy"]
@@ -239,7 +237,6 @@ def finish_row(job: dict[str, Any], code: int | None) -> dict[str, Any]:
     summary = json.loads(summary_path.read_text()) if summary_path else {}
     reserved, overhead = peaks.get("peak_reserved_gib"), peaks.get("overhead_gib")
     needs = None if reserved is None or overhead is None else reserved + overhead
-    fits = needs is not None and needs <= row["card_gib"]
     engine_lines = [line.strip() for line in log.splitlines()
                     if any(k in line for k in ("KV cache memory", "gpu_memory_utilization", "vllm_max_model_length"))]
     record = {
@@ -247,7 +244,7 @@ def finish_row(job: dict[str, Any], code: int | None) -> dict[str, Any]:
         "commit": job["commit"], "date": time.strftime("%Y-%m-%d"),  # this call's (the record's head)
         "env": row["env"], "user_command": user_command(row), "machine_flags": job["argv"][len(row["flags"]) + 4:],
         "exit": code, "wall_s": time.perf_counter() - job["started"], **peaks, "needs_gib": needs,
-        "passed": code == 0 and fits, "error": errors[-1] if errors else None,
+        "passed": code == 0 and needs is not None and needs <= row["card_gib"], "error": errors[-1] if errors else None,
         "steps": summary.get("steps"), "times": summary.get("times"),
         "engine_log": engine_lines[-8:], "log_tail": None if code == 0 else log[-4000:],
     }
@@ -258,7 +255,7 @@ def finish_row(job: dict[str, Any], code: int | None) -> dict[str, Any]:
 
 
 def run_lanes(rows: list[dict[str, Any]], args: argparse.Namespace, site: pathlib.Path,
-              written: Any = None) -> list[dict[str, Any]]:
+              written: Callable[[], Any]) -> list[dict[str, Any]]:
     """The rows in two lanes at once (transformers generation; colocated vLLM), so that a call holds more rows; the
     limits (``--help``) keep the JSON written before the call ends. ``written`` is called after each row's record."""
     lanes = {0: list(rows), 1: []} if args.lanes == 1 else {
@@ -277,8 +274,7 @@ def run_lanes(rows: list[dict[str, Any]], args: argparse.Namespace, site: pathli
                 if code is not None or late:
                     records.append(finish_row(job, code))
                     running[lane] = None
-                    if written is not None:
-                        written()
+                    written()
             if running[lane] is None and lanes[lane] and time.time() < deadline:
                 running[lane] = start_row(lanes[lane].pop(0), args, site, 29500 + 17 * lane)
         if time.time() >= deadline and not any(running.values()):
@@ -290,13 +286,10 @@ def run_lanes(rows: list[dict[str, Any]], args: argparse.Namespace, site: pathli
 def collect(work: pathlib.Path) -> list[dict[str, Any]]:
     """Every row's latest record in ``work`` (this call's and an earlier call's: ``--rows`` runs the rest), in the
     table's order; a row without one is marked not run."""
-    records = []
-    for row in ROWS:
-        path = work / row["name"] / "record.json"
-        records.append(json.loads(path.read_text()) if path.exists() else {
-            "name": row["name"], "card_gib": row["card_gib"], "user_command": user_command(row), "exit": None,
-            "passed": False, "error": "not run (the deadline passed, or not asked for): run it with --rows"})
-    return records
+    not_run = "not run (the deadline passed, or not asked for): run it with --rows"
+    return [common.load_json(work / row["name"] / "record.json") or {
+        "name": row["name"], "card_gib": row["card_gib"], "user_command": user_command(row), "exit": None,
+        "passed": False, "error": not_run} for row in ROWS]
 
 
 def prepare(args: argparse.Namespace) -> dict[str, Any]:
@@ -323,8 +316,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(records: list[dict[str, Any]]) -> None:
     """The call's table on the driver's log."""
     for r in records:
-        needs = "-" if r.get("needs_gib") is None else f"{r['needs_gib']:.2f}"
-        reserved = "-" if r.get("peak_reserved_gib") is None else f"{r['peak_reserved_gib']:.2f}"
+        reserved, needs = ("-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("peak_reserved_gib", "needs_gib"))
         print(f"{r['name']:24s} {'pass' if r['passed'] else 'FAIL':4s} reserved {reserved:>6s} needs {needs:>6s} GiB  "
               f"{r['user_command']}{'  | ' + r['error'] if r.get('error') else ''}", flush=True)
 
@@ -360,10 +352,8 @@ def report(result: dict[str, Any]) -> str:
 
     current = {row["name"]: row["flags"] for row in ROWS}
     for r in result["rows"]:
-        result_cell = row_result(r)
-        if current.get(r["name"]) != r["flags"]:
-            result_cell += " (earlier flags: not the recipe's row now)"
-        lines.append(f"| {r['card_gib']:g} GB | `{r['user_command']}` | {result_cell} | "
+        earlier = "" if current.get(r["name"]) == r["flags"] else " (earlier flags: not the recipe's row now)"
+        lines.append(f"| {r['card_gib']:g} GB | `{r['user_command']}` | {row_result(r)}{earlier} | "
                      f"{cell(r.get('peak_allocated_gib'))} | {cell(r.get('peak_reserved_gib'))} | "
                      f"{cell(r.get('overhead_gib'))} | {cell(r.get('needs_gib'))} | {cell(r.get('wall_s'), '.0f')} |")
     by_name = {r["name"]: r for r in result["rows"]}
@@ -419,8 +409,7 @@ def main(argv: list[str] | None = None) -> None:
         print(report(json.loads(pathlib.Path(args.report).read_text())))
         return
     if args.build:
-        record = build_model(pathlib.Path(args.build), args.tokenizer, args.seed)
-        pathlib.Path(args.out).write_text(json.dumps(record))
+        pathlib.Path(args.out).write_text(json.dumps(build_model(pathlib.Path(args.build), args.tokenizer, args.seed)))
         return
     rows = [r for r in ROWS if not args.rows or r["name"] in args.rows]
     work = pathlib.Path(args.work)
@@ -428,10 +417,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run:
         for row in rows:
             env = row_env(row, work / "site", work / row["name"] / "peaks.json", 29500)
-            shown = {k: env[k] for k in (*row["env"], "DFPO_BENCH_CARD_GIB", "DFPO_BENCH_CONTEXT_GIB")}
-            print(f"{row['name']}: {user_command(row)}")
-            print(f"  runs: {shlex.join(row_argv(row, args.model_dir, dataset))}")
-            print(f"  env: {' '.join(f'{k}={v}' for k, v in shown.items())}")
+            shown = " ".join(f"{k}={env[k]}" for k in (*row["env"], "DFPO_BENCH_CARD_GIB", "DFPO_BENCH_CONTEXT_GIB"))
+            print(f"{row['name']}: {user_command(row)}\n  runs: {shlex.join(row_argv(row, args.model_dir, dataset))}\n"
+                  f"  env: {shown}")
         return
     if not args.out:
         parser.error("--out is required")

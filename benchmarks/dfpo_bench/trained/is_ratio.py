@@ -9,13 +9,11 @@ correction off (0), beside an independent meter: a full-logit forward of the tra
 vLLM's order (:func:`rebuild_support`). The cost: interleaved rounds of the three conditions in a shuffled order,
 each one rollout and its loss steps, the within-round ratio to the correction off and its median over rounds with a
 bootstrap interval. ``--dry-run`` runs it all on the CPU through a stand-in engine (:class:`DryEngine`) with which
-the engines agree, so ours is 1 on every row (benchmarks/tests/test_trained.py).
-"""
+the engines agree, so ours is 1 on every row (benchmarks/tests/test_trained.py)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import pathlib
@@ -28,6 +26,9 @@ from typing import Any
 
 import torch
 
+from dfpo_bench.lib.common import card, versions
+from dfpo_bench.lib.provenance import checkout_state
+from dfpo_bench.lib.stats import bootstrap_median
 from dfpo_bench.lib.timing import synchronize
 
 # name: (temperature, top_p, top_k, min_p), the recipes that sample so
@@ -42,8 +43,7 @@ RECIPES = {"untruncated_t1": [], "recipe_8b_lora": ["qwen3_8b_lora.yaml", "qwen3
            "recipe_32b": ["qwen3_32b.yaml"]}
 KINDS = ("trl", "truncated_support", "off")
 LENGTH_BINS = (1, 100, 300, 1000, 2000)  # lower edges; the last bin is open
-TARGET_SLOPE = 1e-4  # |nats per token| for ours
-TARGET_MEDIAN = (0.9, 1.1)
+TARGET_SLOPE, TARGET_MEDIAN = 1e-4, (0.9, 1.1)  # for ours: |nats per token|, and the range of its medians by bin
 CLIP_MAX, CLIP_MINS = 3.0, (None, 0.5)  # TRL's default C_max; C_min none (TRL's default) or 0.5
 # Prompts that invite answers from a few tokens to a few thousand (the length axis of the measurement).
 PROMPTS = [
@@ -102,7 +102,6 @@ def rebuild_support_log_mass(logits: torch.Tensor, temperature: float, top_p: fl
 def meter_log_mass(trainer: Any, output: dict[str, Any], setting: tuple[float, float, int, float]) -> torch.Tensor:
     """log K_t of each completion token from a full-logit forward of the trainer's model (transformers' own head,
     not TRL's fused one), one row at a time, 1024 positions per rebuild."""
-    temperature, top_p, top_k, min_p = setting
     model = trainer.accelerator.unwrap_model(trainer.model)
     ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
     attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
@@ -112,16 +111,14 @@ def meter_log_mass(trainer: Any, output: dict[str, Any], setting: tuple[float, f
         logits = model(input_ids=ids[row:row + 1], attention_mask=attention[row:row + 1],
                        logits_to_keep=width + 1).logits[0, :-1].float()
         for start in range(0, width, 1024):
-            result[row, start:start + 1024] = rebuild_support_log_mass(logits[start:start + 1024], temperature,
-                                                                       top_p, top_k, min_p)
+            result[row, start:start + 1024] = rebuild_support_log_mass(logits[start:start + 1024], *setting)
     return result * output["completion_mask"]
 
 
 # ------------------------------------------------------------------------------------------ the engines
 def share_one_engine() -> None:
-    """Every ``vllm.LLM`` TRL builds in this process after the first is the first (same model, same engine
-    settings; each request carries its own sampling settings, and each trainer pushes its weights before its first
-    rollout)."""
+    """Every ``vllm.LLM`` TRL builds in this process after the first is the first (same model, same engine settings;
+    each request carries its own sampling settings, and each trainer pushes its weights before its first rollout)."""
     import trl.generation.vllm_generation as generation
 
     first: dict[str, Any] = {}
@@ -255,35 +252,33 @@ def measure(trainer: Any, name: str, setting: tuple[float, float, int, float], p
     shifted = output["sampling_per_token_logps"].float()
     trl_token = torch.nan_to_num((old - raw) * mask, nan=0.0)  # TRL's per-token log ratio (support "full")
     ours_token = torch.nan_to_num((old - shifted) * mask, nan=0.0)  # against the truncated support
+    per_token = {"trl": trl_token, "truncated_support": ours_token}
     product_log_mass = torch.nan_to_num((shifted - raw) * mask, nan=0.0)
     meter = meter_log_mass(trainer, output, setting)
-    applied = output["importance_sampling_ratio"].reshape(-1).double()
     tokens = mask.bool()
+    count = tokens.sum().clamp(min=1)
     return {
         "setting": name, "temperature": setting[0], "top_p": setting[1], "top_k": setting[2], "min_p": setting[3],
         "recipes": RECIPES.get(name, []), "rollout_s": rollout_s,
         "rows": {
-            "length": mask.sum(-1).tolist(),
-            "group": [i // num_generations for i in range(mask.size(0))],
+            "length": mask.sum(-1).tolist(), "group": [i // num_generations for i in range(mask.size(0))],
             "log_ratio": {"trl": trl_token.sum(-1).tolist(), "truncated_support": ours_token.sum(-1).tolist(),
                           "off": [0.0] * mask.size(0)},
-            "sum_log_mass_product": product_log_mass.sum(-1).tolist(),
-            "sum_log_mass_meter": meter.sum(-1).tolist(),
-            "applied_ratio": applied.tolist(),
+            "sum_log_mass_product": product_log_mass.sum(-1).tolist(), "sum_log_mass_meter": meter.sum(-1).tolist(),
+            "applied_ratio": output["importance_sampling_ratio"].reshape(-1).double().tolist(),
             "token_mask_dropped": {kind: ((values.exp() > CLIP_MAX) & tokens).sum(-1).tolist()
-                                   for kind, values in (("trl", trl_token), ("truncated_support", ours_token))},
+                                   for kind, values in per_token.items()},
             # token_truncate's factor: the row's mean of its per-token ratios capped at C_max
             "token_truncate_factor": {
                 kind: ((values.exp().clamp(max=CLIP_MAX) * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
-                for kind, values in (("trl", trl_token), ("truncated_support", ours_token))},
+                for kind, values in per_token.items()},
         },
         "tokens": {
-            "count": int(tokens.sum()),
-            "mean_log_mass_product": float(product_log_mass.sum() / tokens.sum().clamp(min=1)),
-            "mean_log_mass_meter": float(meter.sum() / tokens.sum().clamp(min=1)),
+            "count": int(tokens.sum()), "mean_log_mass_product": float(product_log_mass.sum() / count),
+            "mean_log_mass_meter": float(meter.sum() / count),
             "max_abs_product_minus_meter": float(((product_log_mass - meter) * mask).abs().max()),
-            "mean_trl_log_ratio": float(trl_token.sum() / tokens.sum().clamp(min=1)),
-            "mean_truncated_support_log_ratio": float(ours_token.sum() / tokens.sum().clamp(min=1)),
+            "mean_trl_log_ratio": float(trl_token.sum() / count),
+            "mean_truncated_support_log_ratio": float(ours_token.sum() / count),
         },
     }
 
@@ -316,35 +311,28 @@ def slope_per_token(lengths: list[float], factors: list[float]) -> float | None:
     return ols_slope([(x, math.log(f)) for x, f in zip(lengths, factors, strict=True) if f > 0 and x > 0])
 
 
-def row_factors(log_ratio: list[float], lengths: list[float], token_means: list[float] | None = None
-                ) -> dict[str, list[float]]:
+def row_factors(log_ratio: list[float], token_means: list[float] | None = None) -> dict[str, list[float]]:
     """Per row the factor each of TRL's modes puts on the row's loss for a sequence log ratio (TRL 1.16's formulas,
     C_max 3, C_min none); ``token_truncate``'s is the row's mean of its clipped per-token ratios (``token_means``)."""
     ratio = [math.exp(min(v, 700.0)) for v in log_ratio]
-    out = {"sequence_mask": [0.0 if r > CLIP_MAX else r for r in ratio],
-           "sequence_truncate": [min(r, CLIP_MAX) for r in ratio]}
-    if token_means is not None:
-        out["token_truncate"] = token_means
-    return out
+    token = {} if token_means is None else {"token_truncate": token_means}
+    return {"sequence_mask": [0.0 if r > CLIP_MAX else r for r in ratio],
+            "sequence_truncate": [min(r, CLIP_MAX) for r in ratio], **token}
 
 
 def length_bins(lengths: list[float], ratios: list[float]) -> list[dict[str, Any]]:
     """The median ratio of the rows in each length bin (:data:`LENGTH_BINS`), with its row count."""
-    out = []
-    for i, low in enumerate(LENGTH_BINS):
-        high = LENGTH_BINS[i + 1] if i + 1 < len(LENGTH_BINS) else math.inf
-        values = [r for x, r in zip(lengths, ratios, strict=True) if low <= x < high]
-        out.append({"from": low, "to": None if math.isinf(high) else high, "rows": len(values),
-                    "median": statistics.median(values) if values else None})
-    return out
+    edges = zip(LENGTH_BINS, (*LENGTH_BINS[1:], math.inf), strict=True)
+    binned = {(low, high): [r for x, r in zip(lengths, ratios, strict=True) if low <= x < high] for low, high in edges}
+    return [{"from": low, "to": None if math.isinf(high) else high, "rows": len(values),
+             "median": statistics.median(values) if values else None} for (low, high), values in binned.items()]
 
 
 def analyse(record: dict[str, Any]) -> dict[str, Any]:
-    """A setting's summary: each kind's slope (with a bootstrap over prompts), medians by bin, dropped rows, the
-    targets for ours."""
+    """A setting's summary: each kind's slope (bootstrap over prompts), medians by bin, dropped rows, ours' targets."""
     rows = record["rows"]
     lengths, groups = rows["length"], rows["group"]
-    slopes, intervals, bins, dropped = {}, {}, {}, {}
+    slopes, intervals, bins, dropped, mode_slopes = {}, {}, {}, {}, {}
     for kind in KINDS:
         values = rows["log_ratio"][kind]
         clusters: dict[int, list[tuple[float, float]]] = {}
@@ -360,10 +348,8 @@ def analyse(record: dict[str, Any]) -> dict[str, Any]:
                     float(r > CLIP_MAX or (c_min is not None and r < c_min)) for r in ratios) for c_min in CLIP_MINS}
             dropped[kind]["token_mask_rows_with_a_dropped_token"] = statistics.fmean(
                 float(n > 0) for n in rows["token_mask_dropped"][kind])
-    mode_slopes = {}
-    for kind in ("trl", "truncated_support"):
-        factors = row_factors(rows["log_ratio"][kind], lengths, rows.get("token_truncate_factor", {}).get(kind))
-        mode_slopes[kind] = {mode: slope_per_token(lengths, values) for mode, values in factors.items()}
+            factors = row_factors(values, rows.get("token_truncate_factor", {}).get(kind))
+            mode_slopes[kind] = {mode: slope_per_token(lengths, factor) for mode, factor in factors.items()}
     ours = slopes["truncated_support"]
     medians = [b["median"] for b in bins["truncated_support"] if b["median"] is not None]
     return {
@@ -412,8 +398,6 @@ def cost(trainer: Any, prompts: list[dict[str, Any]], rounds: int, budget_s: flo
     """Interleaved rounds of the three conditions (shuffled order); each condition's ratio to the correction off
     within a round, its median over rounds and a bootstrap interval. A warm-up round is run first and not kept;
     rounds stop when ``budget_s`` is spent."""
-    from dfpo_bench.lib.stats import bootstrap_median
-
     rng = random.Random(seed)
     for name in CONDITIONS:  # warm-up: compiled kernels, allocator
         set_condition(trainer, name)
@@ -432,9 +416,8 @@ def cost(trainer: Any, prompts: list[dict[str, Any]], rounds: int, budget_s: flo
         print("cost round: " + ", ".join(f"{n} loop {p['loop_s']:.2f}s loss {p['loss_steps_s']:.2f}s"
                                          for n, p in parts.items()), flush=True)
     set_condition(trainer, "truncated_support")
-    summary: dict[str, Any] = {"rounds": len(kept), "per_round": kept}
+    summary: dict[str, Any] = {"rounds": len(kept), "per_round": kept, "trl": {}, "truncated_support": {}}
     for name in ("trl", "truncated_support"):
-        summary[name] = {}
         for part in ("loss_steps_s", "loop_s", "rollout_s"):
             ratios = [r["parts"][name][part] / r["parts"]["off"][part] for r in kept]
             summary[name][part.removesuffix("_s")] = {
@@ -469,9 +452,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cost-budget-s", type=float, default=120.0, help="no cost round starts after this")
     parser.add_argument("--dry-run", action="store_true", help="CPU: a tiny model and a stand-in engine")
     args = parser.parse_args(argv)
-    from dfpo_bench.lib.common import card, versions
-    from dfpo_bench.lib.provenance import checkout_state
-
     started = time.monotonic()
     model = args.model
     if args.dry_run:
@@ -480,16 +460,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         model = str(save_tiny_chat_model(pathlib.Path(tempfile.mkdtemp(prefix="is_ratio_model_"))))
     share_one_engine()
-    rows = len(PROMPTS) * args.num_generations
     prompts = [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS for _ in range(args.num_generations)]
     result: dict[str, Any] = {
         "card": card(), "versions": versions(), "checkout": checkout_state(pathlib.Path.cwd()), "model": model,
         "dry_run": args.dry_run, "max_completion": args.max_completion, "num_generations": args.num_generations,
-        "prompts": PROMPTS, "settings": {}, "slope_per_token": {},
-    }
+        "prompts": PROMPTS, "settings": {}, "slope_per_token": {}}
     lines, cost_trainer = [], None
     for name in args.settings:
-        trainer = build_trainer(model, SETTINGS[name], args.max_completion, args.num_generations, rows,
+        trainer = build_trainer(model, SETTINGS[name], args.max_completion, args.num_generations, len(prompts),
                                 args.utilization, args.dry_run)
         torch.manual_seed(0)
         record = measure(trainer, name, SETTINGS[name], prompts, args.num_generations)
@@ -501,10 +479,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pathlib.Path(args.out).write_text(json.dumps(result))  # what is done so far survives a time limit
         if name == args.cost_setting:
             cost_trainer = trainer
-        else:
-            del trainer
-        with contextlib.suppress(Exception):
-            torch.cuda.empty_cache()
+        del trainer  # the cost setting's is kept in cost_trainer
+        torch.cuda.empty_cache()  # a no-op when CUDA is not initialised
     if cost_trainer is not None and args.cost_rounds > 0:
         cost_trainer.vllm_generation.max_completion_length = args.cost_max_completion
         result["cost"] = {"setting": args.cost_setting, "max_completion": args.cost_max_completion,
@@ -516,8 +492,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          f"{parts['loop']['interval_95']} ({result['cost']['rounds']} rounds)")
     result["wall_s"] = time.monotonic() - started
     pathlib.Path(args.out).write_text(json.dumps(result))
-    for line in lines:
-        print(line)
+    print("\n".join(lines))  # never empty: --settings takes one or more
     return result
 
 
