@@ -169,7 +169,7 @@ def support_lines(record: dict[str, Any]) -> list[str]:
         f"{num(ours_modes['sequence_mask'], '.2g')}), and `token_mask` dropped a token in no row.", ""]
 
 
-def trained_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
+def trained_section(results: pathlib.Path, number: int) -> list[str]:
     folder = results / "trained"
     lines = [f"## {number}. Trained weights: the importance-sampling ratio at the recipes' settings, and the 8B "
              "cards (`benchmarks/dfpo_bench/trained/`)", ""]
