@@ -49,9 +49,7 @@ def git(where: Path, *args: str) -> str:
 
 def line_counts(text: str) -> tuple[int, int]:
     """(physical lines, non-blank lines)."""
-    rows = text.split("\n")
-    if rows[-1] == "":
-        rows.pop()
+    rows = text.removesuffix("\n").split("\n") if text else []
     return len(rows), sum(1 for row in rows if row.strip())
 
 
