@@ -49,6 +49,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                             "log_energy_buckets": 2}}
 SHARED = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "steps_per_generation": 4,
           "num_generations": 4, "learning_rate": 5e-2, "max_completion_length": 6}
+TIMING_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}
 
 
 def fingerprint(name: str, steps: int) -> dict[str, Any]:
@@ -68,9 +69,6 @@ def fingerprint(name: str, steps: int) -> dict[str, Any]:
             for row in trainer.state.log_history]
     return {"params_sha256": digest.hexdigest(), "log_history": logs,
             "finite": all(math.isfinite(float(v)) for row in logs for v in row.values())}
-
-
-TIMING_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}
 
 
 def compare(before: dict[str, Any], after: dict[str, Any]) -> int:

@@ -43,9 +43,8 @@ def compare_lines(before: dict[str, Any], latest: dict[str, Any]) -> list[str]:
                         if rows != latest["settings"].get(name, {}).get("record", {}).get("rows", {}).get(key)]
                  for name, s in before["settings"].items()}
     cost = before["cost"]
-    verdict = "; ".join(f"{LABELS.get(name, name)}: " + ("every row field identical" if not differ else
-                                                         "differs in " + ", ".join(differ))
-                        for name, differ in differing.items())
+    verdict = "; ".join(f"{LABELS.get(n, n)}: {'differs in ' + ', '.join(d) if d else 'every row field identical'}"
+                        for n, d in differing.items())
     fields = ", ".join(next(iter(before["settings"].values()))["record"]["rows"])
     slopes = ", ".join(f"{LABELS.get(name, name)} {s['slope_per_token']['truncated_support']:.3g}"
                        for name, s in before["settings"].items())
@@ -71,15 +70,13 @@ def control_lines(control: dict[str, Any], latest: dict[str, Any]) -> list[str]:
     return [f"**Control: untruncated at T 0.6** (`results/trained/is_ratio_untruncated_t06.json`, `is_ratio.py "
             f"--settings untruncated_t06 --cost-rounds 0`; {run_words(control, CONTROL_RUN)}, its source_sha256 that "
             f"commit's; {c['rows']} rows up to {c['longest']:.0f} tokens). Nothing is truncated, so TRL's ratio and "
-            "ours are both the engines' mismatch alone: slope "
-            f"{slope(c, 'truncated_support')} per token, mean log ratio "
-            f"{c['record']['tokens']['mean_truncated_support_log_ratio']:.1e} a token, medians by bin "
+            f"ours are both the engines' mismatch alone: slope {slope(c, 'truncated_support')} per token, mean log "
+            f"ratio {c['record']['tokens']['mean_truncated_support_log_ratio']:.1e} a token, medians by bin "
             + " ".join(format(b["median"], ".3g") for b in c["median_ratio_by_length"]["truncated_support"])
             + ". Ours at the 32B recipe's settings (the same temperature, truncated): "
-            f"{slope(big, 'truncated_support')}, mean "
-            f"{big['record']['tokens']['mean_truncated_support_log_ratio']:.1e} a token. The residual of ours "
-            "there is of the size of the mismatch the engines have without truncation, which the correction is there "
-            "to carry.", ""]
+            f"{slope(big, 'truncated_support')}, mean {big['record']['tokens']['mean_truncated_support_log_ratio']:.1e}"
+            " a token. The residual of ours there is of the size of the mismatch the engines have without truncation,"
+            " which the correction is there to carry.", ""]
 
 
 def support_lines(record: dict[str, Any]) -> list[str]:
