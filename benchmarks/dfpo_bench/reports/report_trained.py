@@ -104,8 +104,7 @@ def support_lines(record: dict[str, Any]) -> list[str]:
         "| TRL's median by bin | targets met (slope, medians) | log K per token: product / meter (max row |diff|) "
         "| log ratio per token: TRL's / ours |", "|---" * 10 + "|"]
     for name, s in settings.items():
-        slope, interval = s["slope_per_token"], s["slope_interval_95"]
-        bins = s["median_ratio_by_length"]
+        slope, interval, bins = s["slope_per_token"], s["slope_interval_95"], s["median_ratio_by_length"]
 
         def by_bin(kind: str, with_rows: bool, bins: dict[str, Any] = bins) -> str:
             return " · ".join(f"{b['from']}–{b['to'] - 1 if b['to'] else '…'}: {num(b['median'])}"
