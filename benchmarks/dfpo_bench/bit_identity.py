@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import math
 import pathlib
+import platform
+import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -46,6 +49,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                             "log_energy_buckets": 2}}
 SHARED = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "steps_per_generation": 4,
           "num_generations": 4, "learning_rate": 5e-2, "max_completion_length": 6}
+TIMING_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}
 
 
 def fingerprint(name: str, steps: int) -> dict[str, Any]:
@@ -60,15 +64,11 @@ def fingerprint(name: str, steps: int) -> dict[str, Any]:
         trainer.train()
     digest = hashlib.sha256()
     for key, value in sorted(trainer.model.state_dict().items()):
-        digest.update(key.encode())
-        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(key.encode() + value.detach().cpu().contiguous().numpy().tobytes())
     logs = [{k: repr(v) for k, v in row.items() if isinstance(v, (int, float)) and k not in TIMING_KEYS}
             for row in trainer.state.log_history]
     return {"params_sha256": digest.hexdigest(), "log_history": logs,
             "finite": all(math.isfinite(float(v)) for row in logs for v in row.values())}
-
-
-TIMING_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}
 
 
 def compare(before: dict[str, Any], after: dict[str, Any]) -> int:
@@ -106,12 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         before = json.loads(pathlib.Path(args.check).read_text())
         args.steps, args.configs = before["steps"], list(before["runs"])
     if args.compare:
-        before, after = (json.loads(pathlib.Path(f).read_text()) for f in args.compare)
-        return compare(before, after)
-    import importlib
-    import platform
-    import subprocess
-
+        return compare(*(json.loads(pathlib.Path(f).read_text()) for f in args.compare))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     # a fingerprint holds on one machine and one set of versions only: they are recorded beside it
     versions = {name: importlib.import_module(name).__version__ for name in ("torch", "transformers", "trl")}

@@ -49,9 +49,7 @@ def git(where: Path, *args: str) -> str:
 
 def line_counts(text: str) -> tuple[int, int]:
     """(physical lines, non-blank lines)."""
-    rows = text.split("\n")
-    if rows[-1] == "":
-        rows.pop()
+    rows = text.removesuffix("\n").split("\n") if text else []
     return len(rows), sum(1 for row in rows if row.strip())
 
 
@@ -59,8 +57,7 @@ def hand_written_lines(path: str, raw: bytes) -> tuple[int, int] | None:
     """(lines, non-blank lines) of a file of a hand-written kind, None for any other file."""
     suffix = PurePosixPath(path).suffix.lower()
     if suffix == ".ipynb":  # the cells' sources; outputs and metadata are not written by hand
-        sources = [cell.get("source", "") for cell in json.loads(raw).get("cells", [])]
-        counts = [line_counts("".join(s) if isinstance(s, list) else s) for s in sources]
+        counts = [line_counts("".join(cell.get("source", ""))) for cell in json.loads(raw).get("cells", [])]
         return sum(c[0] for c in counts), sum(c[1] for c in counts)
     if suffix in TEXT_SUFFIXES or (suffix == "" and raw.startswith(b"#!")):
         return line_counts(raw.decode("utf-8", errors="replace"))

@@ -7,8 +7,6 @@ from __future__ import annotations
 import random
 import statistics
 
-__all__ = ["bootstrap_median", "fmt"]
-
 
 def fmt(x: float | None, digits: int = 3) -> str:
     return "–" if x is None else f"{x:.{digits}f}"

@@ -65,12 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     lines = [*HEADER, *overhead_section(overhead_entries(results)),
              *transforms_section(load_json(results / "transforms_timing.json")), *loss_step_section(results)]
     number = 2
-    for section in (lambda n: zero3_section(load_json(results / "zero3.json"), n),
-                    lambda n: hand_section(results / "NOTES.md", n),
-                    lambda n: hand_section(results / "layouts" / "section.md", n),
-                    lambda n: report_launch_shape.launch_shape_section(results, fig_dir, out, n),
-                    lambda n: report_trained.trained_section(results, fig_dir, out, n)):
-        if part := section(number):
+    for section, source in ((zero3_section, load_json(results / "zero3.json")), (hand_section, results / "NOTES.md"),
+                            (hand_section, results / "layouts" / "section.md"),
+                            (report_launch_shape.launch_shape_section, results),
+                            (report_trained.trained_section, results)):
+        if part := section(source, number):
             lines += part
             number += 1
     layouts = load_json(results / "layouts.json")

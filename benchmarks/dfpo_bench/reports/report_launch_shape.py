@@ -22,26 +22,24 @@ def mean_step_time(per_step: dict[str, Any], training_only: bool) -> float | Non
     return statistics.fmean(times) if times else None
 
 
-def launch_shape_section(results: pathlib.Path, fig_dir: pathlib.Path, out: pathlib.Path, number: int) -> list[str]:
+def launch_shape_section(results: pathlib.Path, number: int) -> list[str]:
     server, three = load_json(results / "vllm_server.json"), load_json(results / "vllm_server_three_runs.json")
     if not server:
         return []
-    lines = [f"## {number}. vLLM server mode", ""]
-    if server:
-        w, run = server["weight_sync_numbers"], server["runs"]["dfpo"]
-        lines += [
-            f"**Server mode, 2 GPUs** (`vllm_server.py --runs dfpo --enforce-eager`, {server['cards'][0]}; server on "
-            f"GPU 1, trainer on GPU 0): {run['steps']} steps of {run['method']}, {run['weight_syncs']} weight pushes "
-            f"({run['final_syncs']} of them after the last step), held-out {run['heldout']['before']} → "
-            f"{run['heldout']['after']}. Weight-sync check **{str(server['weight_sync_check']).lower()}**: over "
-            f"{w['tokens']} tokens the server differs from the trained model by at most "
-            f"{w['max_abs_diff_server_vs_trained']:.3f} nats (mean {w['mean_abs_diff_server_vs_trained']:.3f}) and "
-            f"from the initial one by {w['max_abs_diff_server_vs_initial']:.3f} (mean "
-            f"{w['mean_abs_diff_server_vs_initial']:.3f}); the bound {w['bound']:.3f} is the tolerance "
-            f"{w['tolerance']} plus twice the server-vs-transformers gap on the same (initial) weights, "
-            f"{w['max_abs_diff_same_weights_floor']:.3f} (mean {w['mean_abs_diff_same_weights_floor']:.3f}): bf16 "
-            "kernels differ most on unlikely tokens.", "",
-        ]
+    w, run = server["weight_sync_numbers"], server["runs"]["dfpo"]
+    lines = [
+        f"## {number}. vLLM server mode", "",
+        f"**Server mode, 2 GPUs** (`vllm_server.py --runs dfpo --enforce-eager`, {server['cards'][0]}; server on "
+        f"GPU 1, trainer on GPU 0): {run['steps']} steps of {run['method']}, {run['weight_syncs']} weight pushes "
+        f"({run['final_syncs']} of them after the last step), held-out {run['heldout']['before']} → "
+        f"{run['heldout']['after']}. Weight-sync check **{str(server['weight_sync_check']).lower()}**: over "
+        f"{w['tokens']} tokens the server differs from the trained model by at most "
+        f"{w['max_abs_diff_server_vs_trained']:.3f} nats (mean {w['mean_abs_diff_server_vs_trained']:.3f}) and "
+        f"from the initial one by {w['max_abs_diff_server_vs_initial']:.3f} (mean "
+        f"{w['mean_abs_diff_server_vs_initial']:.3f}); the bound {w['bound']:.3f} is the tolerance "
+        f"{w['tolerance']} plus twice the server-vs-transformers gap on the same (initial) weights, "
+        f"{w['max_abs_diff_same_weights_floor']:.3f} (mean {w['mean_abs_diff_same_weights_floor']:.3f}): bf16 "
+        "kernels differ most on unlikely tokens.", ""]
     if three:
         cmp_ = {k: v for k, v in (three.get("dfpo_off_vs_trl") or {}).items() if k != "step_time"}  # a timing
         same = [k for k, v in cmp_.items() if isinstance(v, dict) and v["max_abs_diff"] == 0]
@@ -58,17 +56,14 @@ def launch_shape_section(results: pathlib.Path, fig_dir: pathlib.Path, out: path
             "further). This run's weight check used the earlier max-only rule (`weight_sync_check` "
             f"{str(three['weight_sync_check']).lower()}: max {w3['max_abs_diff_server_vs_trained']:.3f} nats at one "
             f"token, mean {mean_abs(w3['server'], w3['trained']):.3f} against "
-            f"{mean_abs(w3['server'], w3['initial']):.3f} from the initial model), replaced by the bound above.", "",
-        ]
+            f"{mean_abs(w3['server'], w3['initial']):.3f} from the initial model), replaced by the bound above.", ""]
         steps = {k: mean_step_time(r.get("per_step", {}), False) for k, r in three["runs"].items()}
         train = {k: mean_step_time(r.get("per_step", {}), True) for k, r in three["runs"].items()}
         if all(steps.values()) and all(train.values()):
             lines += [
                 f"**Server mode**, one run each (steps 2–16, TRL's `step_time`): DFPO Min-Replace "
                 f"{steps['dfpo'] / steps['trl']:.2f}× and DFPO off {steps['dfpo_off'] / steps['trl']:.2f}× "
-                f"`GRPOTrainer`'s mean step ({steps['trl']:.3f} s). One run per method, not interleaved: "
-                f"a measurement, not an interval. Its steps that did not generate took {train['dfpo']:.3f} s "
-                f"against TRL's {train['trl']:.3f} s (DFPO off {train['dfpo_off']:.3f} s) on this 135M "
-                "model.", "",
-            ]
+                f"`GRPOTrainer`'s mean step ({steps['trl']:.3f} s). One run per method, not interleaved: a "
+                f"measurement, not an interval. Its steps that did not generate took {train['dfpo']:.3f} s "
+                f"against TRL's {train['trl']:.3f} s (DFPO off {train['dfpo_off']:.3f} s) on this 135M model.", ""]
     return lines

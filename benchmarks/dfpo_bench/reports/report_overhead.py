@@ -157,8 +157,7 @@ def transforms_section(timing: dict[str, Any] | None) -> list[str]:
     out += [f"{timing['groups']} groups × G = {timing['G']}, {timing['dtype']}, on {timing['device_name']} "
             f"(torch {timing['torch']}).", "", "| transform | median (ms) | IQR (ms) |", "| --- | --- | --- |"]
     out += [f"| {name} | {r['median_ms']:.4f} | {r['iqr_ms']:.4f} |" for name, r in timing["results"].items()]
-    pop = timing["results"].get("positive_orth_proj")
-    if pop:
+    if pop := timing["results"].get("positive_orth_proj"):
         verdict = "under" if pop["median_ms"] < POP_GOAL_MS else "over"
         out += ["", f"Positive Orth-Proj: {pop['median_ms']:.3f} ms on {timing['device_name']}, {verdict} the 1 ms "
                 "goal."]
