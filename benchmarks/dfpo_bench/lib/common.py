@@ -10,6 +10,7 @@ import pathlib
 import platform
 import signal
 import subprocess
+import time
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -27,12 +28,10 @@ def versions() -> dict[str, str]:
     """The installed versions of the packages a run's numbers depend on ("absent" when not installed)."""
     import importlib.metadata as md
 
-    out = {}
-    for name in ("torch", "transformers", "trl", "vllm", "accelerate"):
-        try:
+    out = dict.fromkeys(("torch", "transformers", "trl", "vllm", "accelerate"), "absent")
+    for name in out:
+        with contextlib.suppress(md.PackageNotFoundError):
             out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = "absent"
     return out
 
 
@@ -97,8 +96,6 @@ def child_pythonpath(*first: str) -> str:
 
 def run_head(module: str, argv: list[str]) -> dict[str, Any]:
     """What a GPU job's record starts with: its command, the checkout (``provenance``), versions, card and date."""
-    import time
-
     from dfpo_bench.lib import provenance
 
     return {"command": f"python -m {module} " + " ".join(argv), **provenance.checkout_state(ROOT),
