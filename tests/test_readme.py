@@ -80,6 +80,8 @@ def test_the_architecture_page_states_the_measured_figures() -> None:
     assert f"commit {lines['commit'][:7]}" in page
     assert f"{lines['product_lines']:,} of the repository's {lines['total']['lines']:,}" in page
     assert f"({round(100 * lines['product_share'])}%)" in page
+    bench = lines["parts"]["benchmarks"]
+    assert f"`benchmarks/` is {bench['lines']:,} lines, {bench['lines'] - bench['generated_lines']:,} of them" in page
     assert f"({measured['tracked_bytes']:,} bytes" in page
     assert f"The README's length**: {measured['readme_lines']} lines" in page
 
