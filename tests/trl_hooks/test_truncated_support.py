@@ -168,5 +168,8 @@ def test_a_bf16_policys_kept_mass_is_from_the_logits_trl_scores_it_with(stand_in
     wide = trainer_log_mass(trainer, output)[mask]
     scale = float(bf16.abs().max())
     assert scale > 0.1, "the truncation keeps almost all the mass: nothing is tested"
-    torch.testing.assert_close(product, bf16, rtol=0, atol=1e-5 * scale)
-    assert float((wide - bf16).abs().max()) > 1e-3 * scale
+    atol = 1e-5 * scale
+    torch.testing.assert_close(product, bf16, rtol=0, atol=atol)
+    # float32 products lie far outside that tolerance, so the match above tells bf16's from float32's (their gap is
+    # bf16's rounding: 6e-4 of the scale with transformers 5.25.0, above 1e-3 in the CI runs before 2026-12-04)
+    assert float((wide - bf16).abs().max()) > 10 * atol

@@ -156,7 +156,7 @@ def build_model(model_dir: pathlib.Path, tokenizer_path: str, seed: int) -> dict
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     tokenizer.add_tokens([f"<|unused{i}|>" for i in range(QWEN3_8B["vocab_size"] - len(tokenizer))],
-                         special_tokens=True)  # none missing: a no-op
+                         special_tokens=True)  # an empty list (a no-op) when none is missing
     config = Qwen3Config(**QWEN3_8B, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     started = time.perf_counter()
     torch.manual_seed(seed)
